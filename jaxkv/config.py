@@ -1,0 +1,182 @@
+"""Frozen dataclass configs for models, the KV cache, sampling and serving.
+
+Configs are plain frozen dataclasses. `configs/*.py` return an
+`ml_collections.ConfigDict` built from them with `to_config_dict` so that the
+CLI can take `--config.field=value` overrides (ConfigDict rejects unknown
+fields); `from_config_dict` turns the overridden dict back into the frozen,
+validated dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import ml_collections
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  """Rotary embedding variant (HF `rope_scaling` semantics).
+
+  kind: "default" | "linear" | "dynamic" | "llama3" | "yarn".
+  """
+  kind: str = "default"
+  theta: float = 10000.0
+  factor: float = 1.0
+  # llama3
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+  # yarn
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None  # None: 0.1 * ln(factor) + 1
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+
+  def __post_init__(self):
+    kinds = ("default", "linear", "dynamic", "llama3", "yarn")
+    if self.kind not in kinds:
+      raise ValueError(f"unknown rope kind {self.kind!r}; expected one of {kinds}")
+    if self.kind != "default" and self.factor <= 0:
+      raise ValueError(f"rope factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer (Llama / Qwen2 / Qwen3 by flags)."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope: RopeConfig = RopeConfig()
+  rms_norm_eps: float = 1e-6
+  max_position: int = 8192
+  tie_embeddings: bool = False
+  qkv_bias: bool = False     # Qwen2
+  qk_norm: bool = False      # Qwen3: RMSNorm over head_dim on q and k
+  architecture: str = "llama"
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+  @property
+  def d_kv(self) -> int:
+    """Per-layer K (or V) width: n_kv_heads x head_dim (seed 002's accounting)."""
+    return self.num_kv_heads * self.head_dim
+
+  def kv_bytes_per_token(self, bytes_per_elem: int) -> int:
+    """2 (K and V) x L x d_kv x bytes."""
+    return 2 * self.num_layers * self.d_kv * bytes_per_elem
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  """Size of the paged KV pool (slot 0 is the sentinel, page 0 is reserved)."""
+  num_pages: int = 512
+  page_size: int = 16
+  max_seq_len: int = 2048     # longest sequence (prompt + completion)
+  dtype: str = "float32"      # KV pool dtype
+
+  def __post_init__(self):
+    if self.page_size < 1 or self.num_pages < 2:
+      raise ValueError("need page_size >= 1 and num_pages >= 2 (page 0 is reserved)")
+
+  @property
+  def num_slots(self) -> int:
+    return self.num_pages * self.page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """Per-request sampling; temperature 0 means greedy."""
+  temperature: float = 0.0
+  top_k: int = 0            # 0: off
+  top_p: float = 1.0        # 1.0: off
+  seed: int = 0
+  max_tokens: int = 128
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Batching and step shapes of the engine."""
+  max_batch: int = 8          # rows decoded together
+  prefill_chunk: int = 256    # tokens per prefill step per row
+  decode_steps: int = 16      # decode steps per jitted lax.scan call
+  attention_impl: str = "auto"  # "auto" | "reference" | "pallas"
+
+  def __post_init__(self):
+    if self.max_batch < 1 or self.prefill_chunk < 1 or self.decode_steps < 1:
+      raise ValueError("max_batch, prefill_chunk and decode_steps must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+  """What `scripts/serve.py` runs."""
+  model: str = "smollm2-135m"   # preset name, or a path to a .gguf file / HF directory
+  dtype: str = "float32"        # compute dtype of the weights
+  cache: CacheConfig = CacheConfig()
+  engine: EngineConfig = EngineConfig()
+  sampling: SamplingConfig = SamplingConfig()
+  system_prompt: str = ""       # prepended to "messages" requests lacking a system message
+
+
+def to_config_dict(cfg: Any) -> ml_collections.ConfigDict:
+  """Frozen dataclass -> ConfigDict (nested), for `--config.x=y` overrides."""
+  def conv(v):
+    if dataclasses.is_dataclass(v):
+      return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    return v
+  return ml_collections.ConfigDict(conv(cfg), type_safe=True)
+
+
+def from_config_dict(cls: type, cd: Any, path: str = "config") -> Any:
+  """ConfigDict / dict -> frozen dataclass `cls`, rejecting unknown fields."""
+  if dataclasses.is_dataclass(cd):
+    return cd
+  d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  unknown = sorted(set(d) - set(fields))
+  if unknown:
+    raise ValueError(f"unknown field(s) {unknown} in {path} for {cls.__name__}; "
+                     f"known: {sorted(fields)}")
+  kwargs = {}
+  for name, value in d.items():
+    hint = hints[name]
+    sub = _dataclass_type(hint)
+    if sub is not None and isinstance(value, (dict, ml_collections.ConfigDict)):
+      value = from_config_dict(sub, value, f"{path}.{name}")
+    kwargs[name] = value
+  return cls(**kwargs)
+
+
+def _dataclass_type(hint) -> type | None:
+  if dataclasses.is_dataclass(hint):
+    return hint
+  if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+    for a in typing.get_args(hint):
+      if dataclasses.is_dataclass(a):
+        return a
+  return None

