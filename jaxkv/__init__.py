@@ -1,1 +1,23 @@
-"""jaxkv."""
+"""jaxkv: a functional JAX KV-cache toolkit for LLM agents.
+
+Public API:
+    jaxkv.load(model="smollm2-135m", ...) -> LLM       load weights + tokenizer + engine
+    LLM.generate(prompts, sampling) -> [Completion]   strings or chat message lists
+    jaxkv.ops.paged_attention(...)                    attention over the paged KV pool
+"""
+
+from jaxkv import ops
+from jaxkv.config import (CacheConfig, EngineConfig, ModelConfig, RopeConfig, SamplingConfig,
+                          ServeConfig)
+from jaxkv.engine.engine import Engine, Request, Result
+from jaxkv.engine.llm import LLM, Completion, load
+from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.state import SENTINEL, KVPool, init_pool
+from jaxkv.models.llama import Transformer
+from jaxkv.tokens import Tokenizer
+
+__all__ = [
+    "CacheConfig", "Completion", "Engine", "EngineConfig", "KVPool", "LLM", "ModelConfig",
+    "OutOfSlotsError", "PagedAllocator", "Request", "Result", "RopeConfig", "SENTINEL",
+    "SamplingConfig", "ServeConfig", "Tokenizer", "Transformer", "init_pool", "load", "ops",
+]

@@ -1,0 +1,151 @@
+"""Batch inference over JSONL files: parsing, resume, streaming results.
+
+Input lines (one JSON object each):
+    {"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}
+    {"id": ..., "prompt": "raw text"}
+with optional "max_tokens", "temperature", "top_p", "top_k", "seed" overriding
+the config's sampling defaults. Unknown keys are rejected (a misspelt
+"max_token" must not be silently ignored).
+
+Output lines, written and flushed as each request finishes:
+    {"id", "text", "prompt_tokens", "completion_tokens", "ttft_s", "latency_s",
+     "finish_reason"}            finish_reason: "stop" | "length" | "error"
+A line that cannot be used (bad JSON, missing id, bad field, duplicate id,
+prompt longer than the cache) yields {"id", "error", "finish_reason": "error",
+"line"} naming the 1-based line number, and the run goes on.
+
+Resume: ids that already have a non-error record in the output are skipped, so
+rerunning the same command finishes an interrupted run; error records are
+retried (e.g. after enlarging the cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Iterator
+
+from jaxkv.config import SamplingConfig
+from jaxkv.engine.engine import Request
+
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_KEYS = {"id", "messages", "prompt", "tools", *_SAMPLING_KEYS}
+
+
+class RequestError(ValueError):
+  """A request line that cannot be run; carries the line number and id."""
+
+  def __init__(self, line: int, message: str, rid: str | None = None):
+    super().__init__(f"line {line}: {message}")
+    self.line = line
+    self.rid = rid if rid is not None else f"line:{line}"
+
+  def record(self) -> dict:
+    return {"id": self.rid, "error": str(self), "finish_reason": "error", "line": self.line}
+
+
+@dataclasses.dataclass
+class ParsedLine:
+  id: str
+  line: int
+  prompt: str | list[dict]
+  tools: list[dict] | None
+  sampling: SamplingConfig
+
+
+def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
+  """One JSONL line -> ParsedLine, or RequestError with a precise message."""
+  try:
+    obj = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise RequestError(line, f"invalid JSON ({e.msg} at column {e.colno})") from None
+  if not isinstance(obj, dict):
+    raise RequestError(line, f"expected a JSON object, got {type(obj).__name__}")
+  rid = obj.get("id")
+  if rid is None or isinstance(rid, (dict, list, bool)):
+    raise RequestError(line, "missing or invalid 'id' (a string or number is required)")
+  rid = str(rid)
+  unknown = sorted(set(obj) - _KEYS)
+  if unknown:
+    raise RequestError(line, f"unknown field(s) {unknown}; allowed: {sorted(_KEYS)}", rid)
+  has_msgs, has_prompt = "messages" in obj, "prompt" in obj
+  if has_msgs == has_prompt:
+    raise RequestError(line, "give exactly one of 'messages' or 'prompt'", rid)
+  if has_prompt:
+    prompt = obj["prompt"]
+    if not isinstance(prompt, str) or not prompt:
+      raise RequestError(line, "'prompt' must be a non-empty string", rid)
+  else:
+    prompt = obj["messages"]
+    if not isinstance(prompt, list) or not prompt or not all(
+        isinstance(m, dict) and "role" in m for m in prompt):
+      raise RequestError(line, "'messages' must be a non-empty list of {role, content} "
+                               "objects", rid)
+  tools = obj.get("tools")
+  if tools is not None and not isinstance(tools, list):
+    raise RequestError(line, "'tools' must be a list of JSON schemas", rid)
+  overrides = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
+  try:
+    for k, v in overrides.items():
+      if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{k} must be a number, got {v!r}")
+    for k in ("max_tokens", "top_k", "seed"):
+      if k in overrides and int(overrides[k]) != overrides[k]:
+        raise ValueError(f"{k} must be an integer, got {overrides[k]!r}")
+      if k in overrides:
+        overrides[k] = int(overrides[k])
+    sampling = dataclasses.replace(defaults, **overrides)
+  except ValueError as e:
+    raise RequestError(line, str(e), rid) from None
+  return ParsedLine(rid, line, prompt, tools, sampling)
+
+
+def finished_ids(output: pathlib.Path) -> set[str]:
+  """Ids with a non-error record in an existing output file (for resume).
+
+  A truncated last line (a run killed mid-write) is ignored.
+  """
+  done: set[str] = set()
+  if not output.exists():
+    return done
+  with open(output) as f:
+    for text in f:
+      try:
+        rec = json.loads(text)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(rec, dict) and rec.get("finish_reason") != "error" and "id" in rec:
+        done.add(str(rec["id"]))
+  return done
+
+
+def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: set[str],
+                  on_error) -> Iterator[Request]:
+  """Lazily yields engine Requests from a JSONL file.
+
+  Args:
+    encode: (prompt, tools) -> token ids.
+    skip: ids already finished (resume); they are not run again.
+    on_error: called with a RequestError for every unusable line.
+  """
+  seen: set[str] = set()
+  with open(path) as f:
+    for line, text in enumerate(f, start=1):
+      if not text.strip():
+        continue
+      try:
+        p = parse_line(text, line, defaults)
+        if p.id in seen:
+          raise RequestError(line, f"duplicate id {p.id!r}", f"{p.id}@line:{line}")
+        seen.add(p.id)
+        if p.id in skip:
+          continue
+        try:
+          tokens = encode(p.prompt, p.tools)
+        except ValueError as e:   # e.g. a bad chat message
+          raise RequestError(line, str(e), p.id) from None
+      except RequestError as e:
+        on_error(e)
+        continue
+      yield Request(id=p.id, prompt=tokens, sampling=p.sampling)

@@ -1,0 +1,108 @@
+"""The public entry point: `jaxkv.load(...)` -> `LLM` with `generate(...)`.
+
+    import jaxkv
+    llm = jaxkv.load("smollm2-135m")
+    out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]])
+    print(out[0].text)
+
+A prompt is either a string (raw completion, no template) or a list of chat
+messages (rendered with the model's own chat template, tool calls included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable, Iterator, Sequence
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxkv.engine.engine import Engine, Request, Result
+from jaxkv.models import presets, weights
+from jaxkv.models.llama import Transformer
+from jaxkv.tokens import Tokenizer
+
+Prompt = str | Sequence[dict]
+
+
+@dataclasses.dataclass
+class Completion:
+  """A finished request with its decoded text."""
+  id: str
+  text: str
+  tokens: list[int]
+  prompt_tokens: int
+  completion_tokens: int
+  ttft_s: float
+  latency_s: float
+  finish_reason: str
+  error: str | None = None
+
+  def to_json(self) -> dict:
+    d = {"id": self.id, "text": self.text, "prompt_tokens": self.prompt_tokens,
+         "completion_tokens": self.completion_tokens, "ttft_s": round(self.ttft_s, 6),
+         "latency_s": round(self.latency_s, 6), "finish_reason": self.finish_reason}
+    if self.error is not None:
+      d["error"] = self.error
+    return d
+
+
+class LLM:
+  """A model, its tokenizer and an engine over one KV pool."""
+
+  def __init__(self, model: Transformer, tokenizer: Tokenizer,
+               cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig()):
+    self.model = model
+    self.tokenizer = tokenizer
+    self.engine = Engine(model, tokenizer.stop_ids, cache, engine)
+
+  @property
+  def config(self):
+    return self.model.cfg
+
+  def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a raw string or a chat (generation prompt appended)."""
+    if isinstance(prompt, str):
+      return self.tokenizer.encode(prompt)
+    return self.tokenizer.encode_chat(list(prompt), tools=tools, add_generation_prompt=True)
+
+  def complete(self, result: Result) -> Completion:
+    text = self.tokenizer.decode(result.tokens) if result.tokens else ""
+    return Completion(id=result.id, text=text, tokens=result.tokens,
+                      prompt_tokens=result.prompt_tokens,
+                      completion_tokens=result.completion_tokens, ttft_s=result.ttft_s,
+                      latency_s=result.latency_s, finish_reason=result.finish_reason,
+                      error=result.error)
+
+  def stream(self, requests: Iterable[Request]) -> Iterator[Completion]:
+    """Runs token-level requests; yields completions as each finishes."""
+    for result in self.engine.run(requests):
+      yield self.complete(result)
+
+  def generate(self, prompts: Prompt | Sequence[Prompt],
+               sampling: SamplingConfig = SamplingConfig()) -> list[Completion]:
+    """Generates for one prompt or a batch; results in input order."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+      prompts = [prompts]
+    reqs = [Request(id=str(i), prompt=self.encode(p), sampling=sampling)
+            for i, p in enumerate(prompts)]
+    done = {c.id: c for c in self.stream(reqs)}
+    return [done[r.id] for r in reqs]
+
+
+def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
+         cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig(),
+         verbose: bool = False) -> LLM:
+  """Loads a preset name, a .gguf file or an HF directory into an `LLM`."""
+  path = presets.resolve(model)
+  t0 = time.perf_counter()
+  cfg, params = weights.load(path)
+  net = Transformer(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
+  net.load_params(params)
+  tok = Tokenizer.load(path)
+  if verbose:
+    print(f"loaded {model} ({cfg.architecture}, {cfg.num_layers} layers) "
+          f"in {time.perf_counter() - t0:.1f}s")
+  return LLM(net, tok, cache, engine)
