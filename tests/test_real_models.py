@@ -44,3 +44,20 @@ def test_gguf_config_is_read_from_metadata():
   assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
   assert cfg.tie_embeddings and cfg.rope.theta == 1e5 and cfg.vocab_size == 49152
   assert "lm_head" not in params
+
+
+def test_qwen25_coder_logits_and_reply():
+  """The Qwen2 path on real Q4_K_M weights (q/k/v bias, no Q/K un-permute)."""
+  llm = jaxkv.load(presets.QWEN25_CODER)
+  path = presets.qwen25_coder_gguf()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+  tokens = np.random.default_rng().integers(0, 150000, (1, 16))
+  ours = hf_util.dense_forward(llm.model, tokens)
+  with torch.no_grad():
+    ref = hf(torch.tensor(tokens)).logits.numpy()
+  del hf
+  assert np.abs(ours - ref).max() <= 5e-4
+  out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
+                     jaxkv.SamplingConfig(max_tokens=20))
+  assert "Paris" in out[0].text, out[0].text
