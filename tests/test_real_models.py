@@ -13,23 +13,27 @@ from jaxkv.models import presets, weights
 pytestmark = pytest.mark.slow
 
 
+def _max_logit_error_vs_hf_gguf(llm, path, vocab, shape):
+  """Max abs logit difference against transformers' own import of the same GGUF."""
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+  tokens = np.random.default_rng().integers(0, vocab, shape)
+  ours = hf_util.dense_forward(llm.model, tokens)
+  with torch.no_grad():
+    ref = hf(torch.tensor(tokens)).logits.numpy()
+  return np.abs(ours - ref).max(), (ours.argmax(-1) == ref.argmax(-1)).mean()
+
+
 @pytest.fixture(scope="module")
 def smollm2():
   return jaxkv.load(presets.SMOLLM2)
 
 
 def test_smollm2_logits_match_transformers_gguf_import(smollm2):
-  path = presets.smollm2_gguf()
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-  tokens = np.random.default_rng().integers(0, 49152, (2, 24))
-  ours = hf_util.dense_forward(smollm2.model, tokens)
-  with torch.no_grad():
-    ref = hf(torch.tensor(tokens)).logits.numpy()
+  err, agree = _max_logit_error_vs_hf_gguf(smollm2, presets.smollm2_gguf(), 49152, (2, 24))
   # 30 fp32 layers, logits of magnitude ~30: summation order alone gives ~1e-4.
-  err = np.abs(ours - ref).max()
   assert err <= 5e-4, err
-  assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.99
+  assert agree > 0.99
 
 
 def test_smollm2_says_paris(smollm2):
@@ -49,15 +53,8 @@ def test_gguf_config_is_read_from_metadata():
 def test_qwen25_coder_logits_and_reply():
   """The Qwen2 path on real Q4_K_M weights (q/k/v bias, no Q/K un-permute)."""
   llm = jaxkv.load(presets.QWEN25_CODER)
-  path = presets.qwen25_coder_gguf()
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-  tokens = np.random.default_rng().integers(0, 150000, (1, 16))
-  ours = hf_util.dense_forward(llm.model, tokens)
-  with torch.no_grad():
-    ref = hf(torch.tensor(tokens)).logits.numpy()
-  del hf
-  assert np.abs(ours - ref).max() <= 5e-4
+  err, _ = _max_logit_error_vs_hf_gguf(llm, presets.qwen25_coder_gguf(), 150000, (1, 16))
+  assert err <= 5e-4, err
   out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
                      jaxkv.SamplingConfig(max_tokens=20))
   assert "Paris" in out[0].text, out[0].text
