@@ -63,6 +63,7 @@ class _Row:
   req: Request
   seq: int
   admitted: float
+  key: np.ndarray                  # [2] uint32 PRNG key of req.sampling.seed
   prefilled: int = 0               # prompt tokens already through prefill
   generated: list[int] = dataclasses.field(default_factory=list)
   first_token_at: float | None = None
@@ -103,7 +104,7 @@ class Engine:
         continue
       s = r.req.sampling
       temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
-      keys[i] = np.asarray(jax.random.key_data(jax.random.PRNGKey(s.seed)))
+      keys[i] = r.key
     greedy_only = not np.any(temp > 0)
     return steps.SamplingParams(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
                                 jnp.asarray(keys)), greedy_only
@@ -151,7 +152,8 @@ class Engine:
                             f"{outstanding} reserved by running requests")
     seq = self.allocator.new_sequence()
     self.allocator.extend(seq, n)
-    return _Row(req=req, seq=seq, admitted=now)
+    key = np.asarray(jax.random.key_data(jax.random.PRNGKey(req.sampling.seed)), np.uint32)
+    return _Row(req=req, seq=seq, admitted=now, key=key)
 
   # ------------------------------------------------------------------ phases
   def _prefill(self, rows: list[_Row | None]) -> None:
@@ -240,7 +242,8 @@ class Engine:
     self.metrics.add_decode(count, dt)
 
   def _retire(self, r: _Row, now: float) -> Result:
-    # Drop slots allocated ahead for steps the row did not take, then the row.
+    # Frees every slot of the row, including those allocated ahead for decode
+    # steps it did not take.
     self.allocator.free_sequence(r.seq)
     return Result(id=r.req.id, tokens=list(r.generated), prompt_tokens=len(r.req.prompt),
                   completion_tokens=len(r.generated),
