@@ -53,8 +53,13 @@ def test_gguf_config_is_read_from_metadata():
 def test_qwen25_coder_logits_and_reply():
   """The Qwen2 path on real Q4_K_M weights (q/k/v bias, no Q/K un-permute)."""
   llm = jaxkv.load(presets.QWEN25_CODER)
-  err, _ = _max_logit_error_vs_hf_gguf(llm, presets.qwen25_coder_gguf(), 150000, (1, 16))
-  assert err <= 5e-4, err
+  err, agree = _max_logit_error_vs_hf_gguf(llm, presets.qwen25_coder_gguf(), 150000, (1, 16))
+  # Qwen2.5's residual stream carries outlier channels of magnitude ~1e3-1e4, so
+  # fp32 summation order alone moves logits by up to ~6e-4 (seen 5.0e-5..5.5e-4
+  # across CPUs). 2e-3 still sits two orders below any real bug (a wrong bias
+  # or RoPE moves logits by O(1)).
+  assert err <= 2e-3, err
+  assert agree > 0.99
   out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
                      jaxkv.SamplingConfig(max_tokens=20))
   assert "Paris" in out[0].text, out[0].text
