@@ -118,17 +118,25 @@ class SamplingConfig:
       raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret")  # == jaxkv.ops.IMPLS
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Batching and step shapes of the engine."""
   max_batch: int = 8          # rows decoded together
   prefill_chunk: int = 256    # tokens per prefill step per row
   decode_steps: int = 16      # decode steps per jitted lax.scan call
-  attention_impl: str = "auto"  # "auto" | "reference" | "pallas"
+  # jaxkv.ops impl: "auto" (Pallas on GPU, XLA reference elsewhere) | "reference"
+  # | "pallas" | "interpret" (Pallas interpreter; slow, for debugging).
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     if self.max_batch < 1 or self.prefill_chunk < 1 or self.decode_steps < 1:
       raise ValueError("max_batch, prefill_chunk and decode_steps must be >= 1")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
+                       f"got {self.attention_impl!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,11 @@
 prefill, paged decode and continuous batching equals HF `generate`; sampling is
 seeded per row; bad requests become error results; a small pool queues."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 import torch
 import transformers
 
@@ -33,10 +36,12 @@ def tiny(tmp_path_factory):
   return hf, hf_util.build(mcfg, params)
 
 
-def _engine(model, *, max_batch=3, page_size=4, num_pages=64, chunk=8, steps_=4, stop=()):
+def _engine(model, *, max_batch=3, page_size=4, num_pages=64, chunk=8, steps_=4, stop=(),
+            impl="auto"):
   return Engine(model, stop, CacheConfig(num_pages=num_pages, page_size=page_size,
                                          max_seq_len=128),
-                EngineConfig(max_batch=max_batch, prefill_chunk=chunk, decode_steps=steps_))
+                EngineConfig(max_batch=max_batch, prefill_chunk=chunk, decode_steps=steps_,
+                             attention_impl=impl))
 
 
 def _hf_greedy(hf, prompt, n):
@@ -62,6 +67,42 @@ def test_greedy_matches_hf_generate(tiny):
   assert eng.allocator.num_live_slots == 0
   eng.allocator.check()
   assert eng.metrics.peak_live_slots > 0
+
+
+def test_engine_runs_the_pallas_kernels(tiny):
+  """The engine's attention goes through jaxkv.ops: with the Pallas kernels (run by
+  the interpreter here) greedy generation still equals HF generate."""
+  hf, model = tiny
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(1, VOCAB, n).tolist() for n in (7, 21)]
+  reqs = [Request(str(i), p, SamplingConfig(max_tokens=6)) for i, p in enumerate(prompts)]
+  results = {r.id: r.tokens for r in _engine(model, impl="interpret").run(reqs)}
+  for i, p in enumerate(prompts):
+    assert results[str(i)] == _hf_greedy(hf, p, 6), f"request {i}"
+
+
+def test_prefill_and_decode_steps_lower_for_cuda_with_pallas(tiny):
+  """The engine's jitted steps with attn_impl="pallas" lower for a CUDA GPU."""
+  _, model = tiny
+  graphdef, ws = nnx.split(model)
+  eng = _engine(model)
+  b, c, t = 2, 16, 128
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  ws_s = jax.tree.map(spec, ws)
+  kv_s = jax.tree.map(spec, eng.kv)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  samp = steps.SamplingParams(temperature=f32(b), top_k=i32(b), top_p=f32(b),
+                              key=jax.ShapeDtypeStruct((b, 2), jnp.uint32))
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  prefill = jax.export.export(steps.prefill_step, platforms=["cuda"], disabled_checks=disabled)(
+      graphdef, ws_s, kv_s, i32(b, c), i32(b, c), i32(b, t), i32(b), samp,
+      attn_impl="pallas", greedy_only=True)
+  decode = jax.export.export(steps.decode_steps, platforms=["cuda"], disabled_checks=disabled)(
+      graphdef, ws_s, kv_s, i32(b), i32(b), i32(b, t), i32(b), i32(2), samp,
+      num_steps=4, attn_impl="pallas", greedy_only=True)
+  for exp in (prefill, decode):
+    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
 
 
 def test_batch_composition_does_not_change_results(tiny):

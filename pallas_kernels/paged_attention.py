@@ -1,0 +1,355 @@
+"""Sentinel-masked paged attention over a token-level slot map (Pallas, Triton).
+
+Contract (shared with `paged_attention_reference`, the pure-jnp reference):
+
+- query i of row b sits at logical position `q_positions[b, i]`; key t of row b
+  is the token at logical position t, stored in pool slot `slot_map[b, t]`;
+- key t is visible to query i iff `slot_map[b, t] != SENTINEL` and
+  `t <= q_positions[b, i]` (causal by logical position: evicted tokens leave a
+  SENTINEL hole and survivors keep their positions and RoPE phases);
+- GQA: query head h reads KV head h // (Hq // Hkv);
+- masked keys get exactly zero weight; a row with no visible key (all dead, or
+  a padding query with a negative position) returns zeros, never NaN.
+
+Kernel layout. The G = Hq // Hkv query heads that share a KV head are folded
+with the query tokens into R = Tq * G "rows" (row r = token r // G, head
+r % G), so one program handles a [block_r, D] tile of rows against one KV head
+and every matmul is a plain 2-D `jnp.dot` (Triton rejects batched dot_general
+and wants every dim >= 16; rows are zero-padded up to block_r). The grid is
+(batch, kv_head, row_block, k_split): each program walks the key blocks of its
+split with an online softmax. Per key block it loads `block_k` slot ids; a
+block whose slots are all SENTINEL, or that lies entirely after the last query
+position, is skipped without touching K/V -- that is where pruning saves reads.
+Live blocks gather their K/V rows from the flat pool (`k_ref[slots, h, :]`).
+
+With `k_splits > 1` (flash-decoding; the default for single-block decode over
+long contexts) every split writes a normalised partial output plus its running
+max and denominator, and the wrapper merges them (log-sum-exp weights).
+
+A stacked pool [L, S, Hkv, D] is read in place as [L*S, Hkv, D] with slot ids
+offset by layer * S, so a layer scan never copies a layer out of the pool.
+
+This file imports only jax (DESIGN.md); SENTINEL is slot 0 as in jaxkv.kv.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+SENTINEL = 0  # == jaxkv.kv.state.SENTINEL (tests check they agree)
+NEG = -1e30   # running-max floor; masked weights are zeroed explicitly, never by NEG alone
+MIN_DOT = 16  # Triton tl.dot needs every dimension >= 16
+
+
+# ----------------------------------------------------------------------------
+# Pure-jnp reference.
+# ----------------------------------------------------------------------------
+
+def attention_mask(slot_map: jax.Array, q_positions: jax.Array) -> jax.Array:
+  """Visibility [B, Tq, T] from a slot map [B, T] and query positions [B, Tq]."""
+  t = jnp.arange(slot_map.shape[-1], dtype=jnp.int32)
+  live = (slot_map != SENTINEL)[:, None, :]
+  causal = t[None, None, :] <= q_positions[:, :, None]
+  return live & causal
+
+
+def masked_softmax_weights(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis with exact zeros where ~mask and all-dead rows = 0.
+
+  scores: [..., T] float32; mask broadcastable to scores.
+  """
+  scores = jnp.where(mask, scores, -jnp.inf)
+  m = jnp.max(scores, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(denom > 0, denom, 1.0)
+
+
+def gather_kv(pool: jax.Array, slot_map: jax.Array, layer) -> jax.Array:
+  """pool[S, ...] or pool[L, S, ...] (with `layer`) gathered at slot_map [B, T]."""
+  return pool[slot_map] if layer is None else pool[layer, slot_map]
+
+
+def attend_reference(q, k, v, slot_map, q_positions, scale):
+  """Masked GQA attention over already-gathered k, v [B, T, Hkv, D]."""
+  b, tq, hq, d = q.shape
+  hkv = k.shape[2]
+  if hq % hkv:
+    raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+  scale = d ** -0.5 if scale is None else scale
+  qg = q.reshape(b, tq, hkv, hq // hkv, d)
+  scores = jnp.einsum("bqhgd,bthd->bhgqt", qg, k,
+                      preferred_element_type=jnp.float32) * scale
+  mask = attention_mask(slot_map, q_positions)[:, None, None]  # [B, 1, 1, Tq, T]
+  w = masked_softmax_weights(scores, mask)
+  out = jnp.einsum("bhgqt,bthd->bqhgd", w.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, tq, hq, d).astype(q.dtype)
+
+
+def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                              slot_map: jax.Array, q_positions: jax.Array, *,
+                              layer: jax.Array | int | None = None,
+                              scale: float | None = None) -> jax.Array:
+  """Pure-jnp paged attention (gather the slot map's slots, masked softmax).
+
+  Args:
+    q: [B, Tq, Hq, D] post-RoPE queries.
+    k_pool, v_pool: [S, Hkv, D], or [L, S, Hkv, D] together with `layer`.
+    slot_map: [B, T] int32 token-level slot map (SENTINEL = dead).
+    q_positions: [B, Tq] int32 logical positions (negative: padding query).
+    layer: layer index into a stacked pool (may be traced).
+    scale: softmax scale, default 1/sqrt(D).
+  Returns:
+    [B, Tq, Hq, D] in q.dtype.
+  """
+  return attend_reference(q, gather_kv(k_pool, slot_map, layer),
+                          gather_kv(v_pool, slot_map, layer), slot_map, q_positions, scale)
+
+
+# ----------------------------------------------------------------------------
+# Shared kernel plumbing (also used by flash_lora_attention.py).
+# ----------------------------------------------------------------------------
+
+def _pow2_at_least(n: int, floor: int = MIN_DOT) -> int:
+  return max(floor, pl.next_power_of_2(int(n)))
+
+
+def flat_pool(pool: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+  """[L, S, ...] + layer -> ([L*S, ...] view, slot offset [1]); [S, ...] -> offset 0."""
+  if layer is None:
+    return pool, jnp.zeros((1,), jnp.int32)
+  num_layers, num_slots = pool.shape[:2]
+  offset = jnp.asarray(layer, jnp.int32) * num_slots
+  return pool.reshape(num_layers * num_slots, *pool.shape[2:]), offset.reshape(1)
+
+
+def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=None):
+  """Static tiling: (block_r, block_k, k_splits, rows_padded, t_padded).
+
+  Defaults: block_r = 64 rows for prefill, the next power of two >= 16 for
+  decode; block_k = 64 keys; decode (a single row block) over long contexts
+  splits the keys into up to 16 chunks of >= 512 tokens so B * Hkv small
+  programs still fill the GPU.
+  """
+  block_r = block_r or min(64, _pow2_at_least(rows))
+  block_k = block_k or 64
+  if block_r < MIN_DOT or block_k < MIN_DOT:
+    raise ValueError(f"block_r={block_r} and block_k={block_k} must be >= {MIN_DOT}")
+  rows_p = -(-rows // block_r) * block_r
+  if k_splits is None:
+    k_splits = 1 if rows_p > block_r else max(1, min(16, t // 512))
+  split_len = -(-max(t, 1) // (block_k * k_splits)) * block_k
+  return block_r, block_k, k_splits, rows_p, split_len * k_splits
+
+
+def fold_rows(q: jax.Array, q_positions: jax.Array, hkv: int, rows_p: int):
+  """q [B, Tq, Hq, D] -> rows [B, Hkv, R_p, D] and row positions [B, R_p] (pad -1)."""
+  b, tq, hq, d = q.shape
+  g = hq // hkv
+  rows = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
+  pos = jnp.repeat(q_positions.astype(jnp.int32), g, axis=1)
+  pad = rows_p - tq * g
+  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
+  return rows, pos
+
+
+def unfold_rows(o: jax.Array, tq: int, hq: int) -> jax.Array:
+  """rows [B, Hkv, R_p, D] -> [B, Tq, Hq, D]."""
+  b, hkv, _, d = o.shape
+  g = hq // hkv
+  o = o[:, :, :tq * g].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
+  return o.reshape(b, tq, hq, d)
+
+
+def pad_slot_map(slot_map: jax.Array, t_p: int) -> jax.Array:
+  return jnp.pad(slot_map.astype(jnp.int32), ((0, 0), (0, t_p - slot_map.shape[1])),
+                 constant_values=SENTINEL)
+
+
+def merge_splits(o, m, l):
+  """Merge per-split normalised outputs o [K, ..., D] with maxes/denominators [K, ...]."""
+  if o.shape[0] == 1:
+    return o[0]
+  m_all = jnp.max(m, axis=0)
+  w = l * jnp.exp(m - m_all[None])
+  denom = jnp.sum(w, axis=0)
+  out = jnp.sum(o.astype(jnp.float32) * w[..., None], axis=0)
+  return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def key_block_range(qpos, split_len: int, block_k: int):
+  """(first key, number of key blocks) this program's split must visit."""
+  split = pl.program_id(3)
+  lo = split * split_len
+  hi = jnp.minimum(lo + split_len, jnp.max(qpos) + 1)  # keys t <= last query position
+  return lo, jnp.maximum(hi - lo + block_k - 1, 0) // block_k
+
+
+def online_softmax_update(carry, s, mask):
+  """One online-softmax step on masked scores s [block_r, block_k] (float32).
+
+  carry = (m [block_r], l [block_r]); returns (p, correction, (m_new, l_new))
+  with p exactly zero where ~mask.
+  """
+  m, l = carry
+  s = jnp.where(mask, s, NEG)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  corr = jnp.exp(m - m_new)
+  p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+  return p, corr, (m_new, corr * l + jnp.sum(p, axis=1))
+
+
+def load_rows(pool_ref, idx, h, live, masked: bool):
+  """Gather pool rows [idx, h, :] -> [block_k, D].
+
+  On GPU (`masked`) dead rows are not read at all: a Triton masked gather
+  yields 0 for them. The interpreter cannot discharge a masked gather, so it
+  reads them from the SENTINEL slot, whose K/V are zero by invariant -- the
+  same values, and masked out of the softmax either way.
+  """
+  if masked:
+    return plgpu.load(pool_ref.at[idx, h, :], mask=live[:, None], other=0)
+  return pool_ref[idx, h, :]
+
+
+def dot_precision(dtype):
+  """IEEE fp32 for fp32 inputs (no silent TF32); native tensor-core path otherwise."""
+  return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def row_specs(t_p: int, block_r: int, d: int) -> list:
+  """BlockSpecs of (slot offset, slot map, row positions, q rows) over grid (b, h, r, s)."""
+  return [
+      pl.no_block_spec,                                                       # offset [1]
+      pl.BlockSpec((None, t_p), lambda b, h, r, s: (b, 0)),                   # slot map row
+      pl.BlockSpec((None, block_r), lambda b, h, r, s: (b, r)),               # row positions
+      pl.BlockSpec((None, None, block_r, d), lambda b, h, r, s: (b, h, r, 0)),  # q rows
+  ]
+
+
+def out_specs(block_r: int, d: int) -> list:
+  """BlockSpecs of the per-split (o, m, l) outputs."""
+  return [
+      pl.BlockSpec((None, None, None, block_r, d), lambda b, h, r, s: (s, b, h, r, 0)),
+      pl.BlockSpec((None, None, None, block_r), lambda b, h, r, s: (s, b, h, r)),
+      pl.BlockSpec((None, None, None, block_r), lambda b, h, r, s: (s, b, h, r)),
+  ]
+
+
+def out_shapes(k_splits: int, b: int, hkv: int, rows_p: int, d: int, dtype) -> list:
+  return [jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p, d), dtype),
+          jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32),
+          jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32)]
+
+
+def compiler_params(num_warps: int, num_stages: int):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------
+# Kernel.
+# ----------------------------------------------------------------------------
+
+def _kernel(offset_ref, slots_ref, qpos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+            block_k: int, split_len: int, scale: float, masked: bool):
+  h = pl.program_id(1)
+  q = q_ref[...]                                   # [block_r, D]
+  qpos = qpos_ref[...]                             # [block_r]
+  offset = offset_ref[0]
+  prec = dot_precision(q.dtype)
+  lo, num_blocks = key_block_range(qpos, split_len, block_k)
+
+  def body(i, carry):
+    t0 = pl.multiple_of(lo + i * block_k, block_k)
+    slots = slots_ref[pl.ds(t0, block_k)]          # [block_k]
+    live = slots != SENTINEL
+
+    def visit(carry):
+      acc, ml = carry
+      idx = slots + offset
+      k = load_rows(k_ref, idx, h, live, masked)   # [block_k, D] gather
+      v = load_rows(v_ref, idx, h, live, masked)
+      s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
+      t = t0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+      mask = live[None, :] & (t <= qpos[:, None])
+      p, corr, ml = online_softmax_update(ml, s, mask)
+      pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+      return corr[:, None] * acc + pv, ml
+
+    any_live = jnp.max(live.astype(jnp.int32)) > 0
+    return lax.cond(any_live, visit, lambda c: c, carry)
+
+  block_r, d = q.shape
+  init = (jnp.zeros((block_r, d), jnp.float32),
+          (jnp.full((block_r,), NEG, jnp.float32), jnp.zeros((block_r,), jnp.float32)))
+  acc, (m, l) = lax.fori_loop(0, num_blocks, body, init)
+  o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "block_r", "block_k", "k_splits", "num_warps", "num_stages", "interpret"))
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                    slot_map: jax.Array, q_positions: jax.Array, *,
+                    layer: jax.Array | int | None = None, scale: float | None = None,
+                    block_r: int | None = None, block_k: int | None = None,
+                    k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                    interpret: bool = False) -> jax.Array:
+  """Pallas paged attention; same arguments and result as `paged_attention_reference`.
+
+  Tiling knobs (static): `block_r` query rows per program (>= 16), `block_k`
+  keys per step (>= 16), `k_splits` key splits (flash-decoding), Triton
+  `num_warps` / `num_stages`. `interpret=True` runs the kernel on CPU.
+  """
+  b, tq, hq, d = q.shape
+  k_flat, offset = flat_pool(k_pool, layer)
+  v_flat, _ = flat_pool(v_pool, layer)
+  hkv = k_flat.shape[1]
+  if hq % hkv:
+    raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+  if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
+    raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
+  scale = d ** -0.5 if scale is None else scale
+  block_r, block_k, k_splits, rows_p, t_p = choose_tiling(
+      tq * (hq // hkv), slot_map.shape[1], block_r=block_r, block_k=block_k, k_splits=k_splits)
+  rows, row_pos = fold_rows(q, q_positions, hkv, rows_p)
+  slots = pad_slot_map(slot_map, t_p)
+  grid = (b, hkv, rows_p // block_r, k_splits)
+  out_dtype = q.dtype if k_splits == 1 else jnp.float32
+  kernel = functools.partial(_kernel, block_k=block_k, split_len=t_p // k_splits, scale=scale,
+                             masked=not interpret)
+  o, m, l = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=row_specs(t_p, block_r, d) + [pl.no_block_spec, pl.no_block_spec],  # K, V pools
+      out_specs=out_specs(block_r, d),
+      out_shape=out_shapes(k_splits, b, hkv, rows_p, d, out_dtype),
+      compiler_params=compiler_params(num_warps, num_stages),
+      interpret=interpret,
+      name="jaxkv_paged_attention",
+  )(offset, slots, row_pos, rows, k_flat, v_flat)
+  return unfold_rows(merge_splits(o, m, l), tq, hq).astype(q.dtype)
+
+
+def cost(batch: int, q_len: int, live_tokens: int, num_heads: int, num_kv_heads: int,
+         head_dim: int, kv_bytes: int, q_bytes: int) -> dict:
+  """Floor of one call: FLOPs (2 matmuls) and the fewest bytes moved (K/V read once per
+  KV head, q read, o written, slot ids read)."""
+  flops = 4 * batch * q_len * live_tokens * num_heads * head_dim
+  kv = 2 * batch * live_tokens * num_kv_heads * head_dim * kv_bytes
+  qo = 2 * batch * q_len * num_heads * head_dim * q_bytes
+  return {"flops": flops, "bytes": kv + qo + 4 * batch * live_tokens}
+
+
+__all__ = ["paged_attention", "paged_attention_reference", "attention_mask",
+           "masked_softmax_weights", "cost", "SENTINEL"]

@@ -1,0 +1,243 @@
+"""Pallas kernels (interpret mode) against their pure-jnp references, and GPU lowering.
+
+Every case draws fresh random inputs (the seed is in the failure message).
+Poisoning: the Pallas interpreter fills output buffers with NaN before the
+kernel runs, so an unwritten output tile cannot pass; pool slots that no live
+token references are NaN too, so a kernel reading a wrong slot cannot pass;
+where stated, SENTINEL (slot 0) and whole key blocks are poisoned to prove that
+dead and future key blocks are skipped, not read and masked.
+
+Tolerances (max abs error vs the reference):
+  float32: 2e-5 (summation order of the online softmax; values are O(1));
+  bfloat16: 3e-2 (about two bf16 ulps at |x| ~ 2: the kernel keeps P and
+  accumulators in f32, the reference rounds P and the materialised V to bf16).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import ops
+from jaxkv.kv.state import SENTINEL
+from pallas_kernels import flash_lora_attention as fla
+from pallas_kernels import paged_attention as pa
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+NUM_LAYERS = 2
+
+
+def _case(*, page_size, head_dim, groups, dead, q_len, dtype=jnp.float32, hkv=2, batch=3,
+          max_len=48, rank=None, poison_free=True):
+  """Random stacked pools, a paged ragged slot map, and queries at each row's end.
+
+  Row lengths are ragged (row 0 full, the last row empty: all its queries are
+  padding); tokens are laid out page by page on random distinct pages (page 0
+  is reserved: it holds SENTINEL); a `dead` share of tokens is then evicted.
+  """
+  seed = secrets.randbits(32)
+  rng = np.random.default_rng(seed)
+  lengths = np.concatenate([[max_len], rng.integers(1, max_len, batch - 2), [0]])
+  pages_per_row = -(-max_len // page_size)
+  num_pages = 1 + batch * pages_per_row + 3
+  num_slots = num_pages * page_size
+  pages = 1 + rng.permutation(num_pages - 1)[:batch * pages_per_row].reshape(batch, -1)
+  t = np.arange(max_len)
+  slot_map = pages[:, t // page_size] * page_size + t % page_size
+  slot_map[t[None, :] >= lengths[:, None]] = SENTINEL
+  slot_map[rng.random(slot_map.shape) < dead] = SENTINEL
+  slot_map = slot_map.astype(np.int32)
+
+  def pool(*shape):
+    x = rng.standard_normal((NUM_LAYERS, num_slots, *shape)).astype(np.float32)
+    if poison_free:
+      unused = np.setdiff1d(np.arange(num_slots), slot_map)
+      x[:, unused] = np.nan
+    x[:, SENTINEL] = 0.0
+    return jnp.asarray(x, dtype)
+
+  hq = hkv * groups
+  q = jnp.asarray(rng.standard_normal((batch, q_len, hq, head_dim)), dtype)
+  q_pos = lengths[:, None] - q_len + np.arange(q_len)[None, :]
+  q_pos = np.where(q_pos >= 0, q_pos, -1).astype(np.int32)
+  out = dict(q=q, k_pool=pool(hkv, head_dim), v_pool=pool(hkv, head_dim),
+             slot_map=jnp.asarray(slot_map), q_positions=jnp.asarray(q_pos))
+  if rank:
+    out["vlr_pool"] = pool(rank)
+    out["lora_b"] = jnp.asarray(rng.standard_normal((batch, rank, hkv, head_dim)) * 0.5, dtype)
+  return seed, out
+
+
+def _check(seed, got, want, dtype):
+  got = np.asarray(got, np.float32)
+  want = np.asarray(want, np.float32)
+  assert np.isfinite(got).all(), f"seed={seed}: NaN/inf in kernel output"
+  err = np.abs(got - want).max()
+  assert err <= TOL[dtype], f"seed={seed}: max abs error {err} > {TOL[dtype]}"
+
+
+SWEEP = list(itertools.product([1, 16], [64, 128], [1, 3, 7], [0.0, 0.5, 1.0]))
+
+
+@pytest.mark.parametrize("page_size,head_dim,groups,dead", SWEEP)
+def test_paged_attention_matches_reference(page_size, head_dim, groups, dead):
+  for q_len in (1, 12):  # decode, and a prefill chunk (ragged rows mix real and padding)
+    seed, a = _case(page_size=page_size, head_dim=head_dim, groups=groups, dead=dead,
+                    q_len=q_len)
+    layer = jnp.int32(1)
+    want = pa.paged_attention_reference(**a, layer=layer)
+    got = pa.paged_attention(**a, layer=layer, block_k=16, interpret=True)
+    _check(seed, got, want, jnp.float32)
+    if dead == 1.0:
+      assert not np.asarray(got).any(), "all-dead rows must return exact zeros"
+
+
+@pytest.mark.parametrize("head_dim,groups", [(64, 3), (128, 7)])
+@pytest.mark.parametrize("q_len", [1, 12])
+def test_paged_attention_bf16(head_dim, groups, q_len):
+  seed, a = _case(page_size=16, head_dim=head_dim, groups=groups, dead=0.5, q_len=q_len,
+                  dtype=jnp.bfloat16)
+  want = pa.paged_attention_reference(**a, layer=0)
+  got = pa.paged_attention(**a, layer=0, interpret=True)
+  assert got.dtype == jnp.bfloat16
+  _check(seed, got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("k_splits,block_k", [(None, None), (3, 16), (8, 32)])
+def test_key_splits_merge_exactly(k_splits, block_k):
+  """Flash-decoding: per-split partial softmaxes merge to the single-pass result."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=1, max_len=1200)
+  want = pa.paged_attention_reference(**a, layer=1)
+  got = pa.paged_attention(**a, layer=1, k_splits=k_splits, block_k=block_k, interpret=True)
+  _check(seed, got, want, jnp.float32)
+
+
+def test_dead_and_future_blocks_are_skipped_not_read():
+  """Poison SENTINEL and every key block past the last query: a kernel that read
+  them would multiply NaN by a zero weight and return NaN."""
+  block_k = 16
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.0, q_len=4, batch=2,
+                  max_len=96)
+  sm = np.array(a["slot_map"])
+  sm[:, 16:48] = SENTINEL                      # two whole dead blocks inside the context
+  sm[1, :] = SENTINEL                          # and an entirely dead row
+  q_pos = np.array([[60, 61, 62, 63], [-1, -1, -1, -1]], np.int32)
+  a.update(slot_map=jnp.asarray(sm), q_positions=jnp.asarray(q_pos))
+  want = pa.paged_attention_reference(**a, layer=0)
+  k, v = np.array(a["k_pool"]), np.array(a["v_pool"])
+  future = sm[0, 64:]                          # live slots, but after every query
+  for x in (k, v):
+    x[:, SENTINEL] = np.nan
+    x[:, future] = np.nan
+  a.update(k_pool=jnp.asarray(k), v_pool=jnp.asarray(v))
+  got = pa.paged_attention(**a, layer=0, block_k=block_k, interpret=True)
+  _check(seed, got, want, jnp.float32)
+
+
+def test_unstacked_pool_and_scale():
+  seed, a = _case(page_size=1, head_dim=64, groups=3, dead=0.5, q_len=5)
+  a["k_pool"], a["v_pool"] = a["k_pool"][0], a["v_pool"][0]
+  want = pa.paged_attention_reference(**a, scale=0.3)
+  got = pa.paged_attention(**a, scale=0.3, interpret=True)
+  _check(seed, got, want, jnp.float32)
+
+
+LORA_SWEEP = [(4, 1, 0.0), (8, 3, 0.5), (16, 7, 1.0), (4, 7, 0.5), (8, 1, 1.0), (16, 3, 0.0)]
+
+
+@pytest.mark.parametrize("rank,groups,dead", LORA_SWEEP)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flash_lora_matches_materialize_then_attend(rank, groups, dead, page_size):
+  for q_len in (1, 12):
+    seed, a = _case(page_size=page_size, head_dim=64, groups=groups, dead=dead, q_len=q_len,
+                    rank=rank)
+    want = fla.flash_lora_attention_reference(**a, layer=1)
+    got = fla.flash_lora_attention(**a, layer=1, block_k=16, interpret=True)
+    _check(seed, got, want, jnp.float32)
+
+
+def test_flash_lora_head_dim_128_bf16_and_splits():
+  seed, a = _case(page_size=16, head_dim=128, groups=3, dead=0.5, q_len=1, rank=8,
+                  max_len=700, dtype=jnp.bfloat16)
+  want = fla.flash_lora_attention_reference(**a, layer=0)
+  got = fla.flash_lora_attention(**a, layer=0, k_splits=4, interpret=True)
+  _check(seed, got, want, jnp.bfloat16)
+
+
+def test_flash_lora_per_sequence_adapters_equal_separate_runs():
+  """One batch mixing adapters equals running each sequence with its own B alone."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=3, rank=8)
+  both = fla.flash_lora_attention(**a, layer=0, interpret=True)
+  for i in range(a["q"].shape[0]):
+    one = {k: (v[i:i + 1] if k in ("q", "slot_map", "q_positions", "lora_b") else v)
+           for k, v in a.items()}
+    alone = fla.flash_lora_attention(**one, layer=0, interpret=True)
+    _check(seed, both[i:i + 1], alone, jnp.float32)
+
+
+def test_flash_lora_with_zero_b_is_paged_attention():
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=4, rank=4)
+  a["lora_b"] = jnp.zeros_like(a["lora_b"])
+  got = fla.flash_lora_attention(**a, layer=0, interpret=True)
+  a.pop("vlr_pool"), a.pop("lora_b")
+  _check(seed, got, pa.paged_attention_reference(**a, layer=0), jnp.float32)
+
+
+def test_bad_shapes_raise_clear_errors():
+  _, a = _case(page_size=16, head_dim=64, groups=3, dead=0.0, q_len=1, rank=4)
+  with pytest.raises(ValueError, match="lora_b"):
+    fla.flash_lora_attention(**{**a, "lora_b": a["lora_b"][:, :2]}, layer=0, interpret=True)
+  with pytest.raises(ValueError, match="multiple of KV heads"):
+    pa.paged_attention(a["q"][:, :, :5], a["k_pool"], a["v_pool"], a["slot_map"],
+                       a["q_positions"], layer=0, interpret=True)
+  with pytest.raises(ValueError, match="unknown attention impl"):
+    ops.paged_attention(a["q"], a["k_pool"], a["v_pool"], a["slot_map"], a["q_positions"],
+                        layer=0, impl="triton")
+
+
+def test_ops_dispatch():
+  assert ops.resolve_impl("auto") == ("pallas" if jax.default_backend() == "gpu"
+                                      else "reference")
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=2, rank=4)
+  want = ops.flash_lora_attention(**a, layer=0, impl="reference")
+  _check(seed, ops.flash_lora_attention(**a, layer=0, impl="interpret"), want, jnp.float32)
+  a.pop("vlr_pool"), a.pop("lora_b")
+  want = ops.paged_attention(**a, layer=0, impl="reference")
+  _check(seed, ops.paged_attention(**a, layer=0, impl="interpret"), want, jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# GPU lowering without a GPU (DATA.md): jax.export for cuda runs the whole
+# Pallas -> Triton lowering, so shape/op constraints of the GPU path are checked.
+# ----------------------------------------------------------------------------
+
+def export_for_cuda(fn, *shapes):
+  exported = jax.export.export(
+      jax.jit(fn), platforms=["cuda"],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(*shapes)
+  return exported.mlir_module()
+
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("q_len,head_dim,groups", [(1, 128, 7), (256, 64, 3)])
+def test_kernels_lower_for_cuda(dtype, q_len, head_dim, groups):
+  b, hkv, layers, slots, t = 2, 2, 4, 8192, 4096
+  q = S((b, q_len, hkv * groups, head_dim), dtype)
+  pool = S((layers, slots, hkv, head_dim), dtype)
+  sm, qp, layer = S((b, t), jnp.int32), S((b, q_len), jnp.int32), S((), jnp.int32)
+  text = export_for_cuda(lambda *x: pa.paged_attention(*x[:5], layer=x[5]),
+                         q, pool, pool, sm, qp, layer)
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  lr, lb = S((layers, slots, 8), dtype), S((b, 8, hkv, head_dim), dtype)
+  text = export_for_cuda(lambda *x: fla.flash_lora_attention(*x[:7], layer=x[7]),
+                         q, pool, pool, lr, lb, sm, qp, layer)
+  assert text.count("__gpu$xla.gpu.triton") == 1
