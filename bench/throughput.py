@@ -18,12 +18,12 @@ shapes first (compilation / first-call overhead excluded).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+import common
 
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request
@@ -40,19 +40,6 @@ QUESTIONS = [
     "What does the HTTP status code 404 mean?",
     "Give me a recipe for a simple tomato soup.",
 ]
-
-
-def measure_bandwidth_gbs(nbytes: int = 1 << 29, reps: int = 5) -> float:
-  """Device copy bandwidth (read + write bytes) with JAX on the default device."""
-  x = jnp.ones((nbytes // 4,), jnp.float32)
-  copy = jax.jit(lambda a: a + 1.0)  # one read + one write per element
-  copy(x).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    copy(x).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2 * nbytes / np.median(times) / 1e9
 
 
 def bench_jaxkv(llm, prompts, batch, new_tokens):
@@ -117,7 +104,7 @@ def main():
   chats = [llm.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
   cfg = llm.config
   weight_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(llm.engine.weights))
-  bw = measure_bandwidth_gbs()
+  bw = common.copy_bandwidth_gbs()
   rows, table = [], []
   for batch in [int(b) for b in args.batches.split(",")]:
     prompts = [chats[i % len(chats)] for i in range(batch)]
@@ -139,15 +126,11 @@ def main():
         f"weights {weight_bytes / 1e6:.0f} MB")
   hdr = ("batch", "prefill jaxkv", "prefill HF", "ratio", "decode jaxkv", "decode HF",
          "ratio", "roofline tok/s", "% of roof", "greedy agree@16")
-  print("| " + " | ".join(hdr) + " |")
-  print("|" + "---|" * len(hdr))
-  for b, jp, hp, jd, hd, ceil, agree in table:
-    print(f"| {b} | {jp:.0f} | {hp:.0f} | {jp / hp:.2f}x | {jd:.1f} | {hd:.1f} | "
-          f"{jd / hd:.2f}x | {ceil:.0f} | {100 * jd / ceil:.0f}% | {agree:.2f} |")
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(rows, f, indent=1)
-    print(f"wrote {args.out}")
+  common.print_table(hdr, [
+      (str(b), f"{jp:.0f}", f"{hp:.0f}", f"{jp / hp:.2f}x", f"{jd:.1f}", f"{hd:.1f}",
+       f"{jd / hd:.2f}x", f"{ceil:.0f}", f"{100 * jd / ceil:.0f}%", f"{agree:.2f}")
+      for b, jp, hp, jd, hd, ceil, agree in table])
+  common.write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

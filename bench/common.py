@@ -1,0 +1,47 @@
+"""Helpers shared by the bench/ scripts: timing, bandwidth probe, table and JSON output.
+
+Scripts run as `python bench/<name>.py`, so `bench/` is on sys.path and they
+`import common`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def timeit(fn, *args, reps: int = 10, **kwargs) -> float:
+  """Median wall seconds of a call (compiled and warmed first), outputs awaited."""
+  jax.block_until_ready(fn(*args, **kwargs))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args, **kwargs))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 29, reps: int = 5) -> float:
+  """Device copy bandwidth, read + write bytes of a large elementwise op, in GB/s."""
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  return 2 * nbytes / timeit(jax.jit(lambda a: a + 1.0), x, reps=reps) / 1e9
+
+
+def print_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> None:
+  """A markdown table (pasteable into the README)."""
+  print("| " + " | ".join(header) + " |")
+  print("|" + "---|" * len(header))
+  for cells in lines:
+    print("| " + " | ".join(cells) + " |")
+
+
+def write_rows(path: str | None, rows: list[dict]) -> None:
+  if path:
+    with open(path, "w") as f:
+      json.dump(rows, f, indent=1)
+    print(f"wrote {path}")
