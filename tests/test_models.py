@@ -97,6 +97,40 @@ def test_paged_chunked_equals_one_shot(tmp_path):
   assert float(jnp.abs(pool.k[:, 0]).max()) == 0.0
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_captured_queries_equal_hf_post_rope_queries(name, tmp_path, monkeypatch):
+  """`capture_q=True` returns every layer's post-RoPE q exactly where attention
+  consumes it: equal to HF's own apply_rotary_pos_emb output."""
+  import importlib
+  import jax.numpy as jnp
+  from jaxkv.config import CacheConfig
+  from jaxkv.kv import state as kv_state
+
+  hf = _hf_model(name, tmp_path)
+  mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+  seen = []
+  orig = mod.apply_rotary_pos_emb
+  def spy(q, k, *a, **kw):
+    out = orig(q, k, *a, **kw)
+    seen.append(out[0].detach().numpy())            # [B, H, T, D]
+    return out
+  monkeypatch.setattr(mod, "apply_rotary_pos_emb", spy)
+  tokens = np.random.default_rng().integers(0, 256, (2, 11))
+  with torch.no_grad():
+    hf(torch.tensor(tokens))
+  cfg, params = weights.load_hf_dir(tmp_path)
+  model = hf_util.build(cfg, params)
+  pool = kv_state.init_pool(cfg, CacheConfig(num_pages=40, page_size=1))
+  slot_map = (1 + np.arange(22, dtype=np.int32)).reshape(2, 11)
+  pos = np.broadcast_to(np.arange(11, dtype=np.int32), (2, 11))
+  ws = kv_state.write_slots(slot_map, pos, np.ones((2, 11), bool), pool.num_slots)
+  _, _, q = model(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(slot_map),
+                  jnp.asarray(ws), pool, capture_q=True)
+  assert q.shape == (cfg.num_layers, 2, 11, cfg.num_heads, cfg.head_dim)
+  want = np.stack(seen).transpose(0, 1, 3, 2, 4)      # [L, B, T, H, D]
+  assert np.abs(np.asarray(q) - want).max() <= TOL
+
+
 def test_unknown_architecture_is_a_clear_error(tmp_path):
   import json
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))

@@ -89,7 +89,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, slot_map: jax.Array,
                write_slots: jax.Array, kv: kv_state.KVPool, *,
-               attn_impl: str = "auto") -> tuple[jax.Array, kv_state.KVPool]:
+               attn_impl: str = "auto", capture_q: bool = False):
     """Runs the decoder over one chunk of tokens per row.
 
     Args:
@@ -100,8 +100,11 @@ class Transformer(nnx.Module):
         `kv_state.write_slots`.
       kv: the pool.
       attn_impl: `jaxkv.ops` implementation.
+      capture_q: also return every layer's post-RoPE queries exactly as attention
+        consumes them (the hook pruning scorers and IntentKV features read).
     Returns:
-      (hidden [B, C, D] after the final norm, updated pool).
+      (hidden [B, C, D] after the final norm, updated pool), plus
+      q [L, B, C, Hq, D] when `capture_q`.
     """
     cfg = self.cfg
     b, c = tokens.shape
@@ -135,14 +138,15 @@ class Transformer(nnx.Module):
       with jax.named_scope("mlp"):
         y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         x = x + gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"])
-      return (x, pool_k, pool_v), None
+      return (x, pool_k, pool_v), (q if capture_q else None)
 
     xs = (self.layers.stacked(), jnp.arange(cfg.num_layers),
           slot_map if per_layer_map else None)
-    (x, pool_k, pool_v), _ = jax.lax.scan(layer, (x, kv.k, kv.v), xs)
+    (x, pool_k, pool_v), q_all = jax.lax.scan(layer, (x, kv.k, kv.v), xs)
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     new_positions = kv_state.write_positions(kv.positions, write_slots, positions)
-    return x, kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions)
+    pool = kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions)
+    return (x, pool, q_all) if capture_q else (x, pool)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""
