@@ -139,6 +139,47 @@ class EngineConfig:
                        f"got {self.attention_impl!r}")
 
 
+PRUNING_METHODS = ("none", "streaming_llm", "snapkv", "h2o", "intentkv")
+PRUNING_LAYOUTS = ("dead_slot", "compact")
+
+
+@dataclasses.dataclass(frozen=True)
+class PruningConfig:
+  """KV pruning once per request after prefill (IntentKV section 3.1, appendix H).
+
+  `budget` is C, the retention budget applied to the compressible history: a
+  request whose live prompt has N <= C tokens is not pruned; otherwise the
+  forced set F (protected system prefix + actionable query span + the method's
+  own always-kept tokens) is kept and the best C* = max(0, C - |F|) others.
+  """
+  method: str = "none"          # none | streaming_llm | snapkv | h2o | intentkv
+  layout: str = "dead_slot"     # dead_slot (IntentKV) | compact (published baselines)
+  budget: int = 1024            # C
+  protect_system: bool = True   # force the chat template's system span
+  sink: int = 4                 # StreamingLLM attention sinks
+  snap_window: int = 32         # SnapKV observation window W (also forced)
+  snap_kernel: int = 7          # SnapKV max-pool kernel
+  h2o_recent_ratio: float = 0.5  # H2O ratio mode: recent floor = ratio * C
+  intent_mode: str = "memory"   # IntentKV scorer: query | memory
+  intent_decay: float = 0.5     # lambda of eq. 2
+  session_prefix: int = 256     # P of the session-key fallback (appendix A)
+  memory_capacity: int = 1024   # LRU sessions of QueryMemory
+
+  def __post_init__(self):
+    if self.method not in PRUNING_METHODS:
+      raise ValueError(f"pruning.method must be one of {PRUNING_METHODS}, got {self.method!r}")
+    if self.layout not in PRUNING_LAYOUTS:
+      raise ValueError(f"pruning.layout must be one of {PRUNING_LAYOUTS}, got {self.layout!r}")
+    if self.budget < 1:
+      raise ValueError(f"pruning.budget must be >= 1, got {self.budget}")
+    if self.intent_mode not in ("query", "memory"):
+      raise ValueError(f"pruning.intent_mode must be query or memory, got {self.intent_mode!r}")
+    if not 0.0 <= self.h2o_recent_ratio <= 1.0:
+      raise ValueError(f"pruning.h2o_recent_ratio must be in [0, 1], got {self.h2o_recent_ratio}")
+    if self.sink < 0 or self.snap_window < 1 or self.snap_kernel < 1:
+      raise ValueError("pruning.sink >= 0, snap_window >= 1 and snap_kernel >= 1 required")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
   """What `scripts/serve.py` runs."""

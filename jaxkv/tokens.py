@@ -525,6 +525,11 @@ class Tokenizer:
       ids = [self.bos_id, *ids]
     return ids
 
+  def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids (no BOS) and each token's (start, end) character span in `text`."""
+    enc = self.backend.encode(text, add_special_tokens=False)
+    return enc.ids, [tuple(o) for o in enc.offsets]
+
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
     """Ids (any iterable of ints, numpy arrays included) -> text."""
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -117,3 +117,32 @@ def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
   (kv, _, _, _), (out, emitted) = jax.lax.scan(
       step, (kv, tokens, positions, remaining), None, length=num_steps)
   return out, emitted, kv
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q"),
+                   donate_argnames=("kv",))
+def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, targets,
+                *, attn_impl: str, capture_q: bool):
+  """Teacher-forced chunk: writes its KV and scores the given next tokens.
+
+  Used by the session runner for prompt prefill (capturing post-RoPE queries
+  for the pruning scorers) and for the NLL of a gold continuation.
+
+  Args:
+    tokens, positions: [B, C] int32 (positions < 0: padding).
+    slot_map: [B, T] int32, already holding the chunk's slots.
+    targets: [B, C] int32 token expected after each position (any value where
+      unused).
+  Returns:
+    (logprob of targets [B, C] float32, greedy argmax [B, C] int32, kv, and
+    q [L, B, C, Hq, D] when `capture_q` else None).
+  """
+  model = nnx.merge(graphdef, weights)
+  valid = positions >= 0
+  ws = kv_state.write_slots(slot_map, positions, valid, kv.num_slots)
+  out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture_q)
+  hidden, kv = out[:2]
+  logits = model.logits(hidden)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return lp, jnp.argmax(logits, axis=-1).astype(jnp.int32), kv, (out[2] if capture_q else None)

@@ -1,0 +1,133 @@
+"""KV pruning on agent sessions: methods x layouts x budgets, side by side (IntentKV Tables 2, 7).
+
+    python bench/pruning.py --traces=data_local/tau2_heldout.json --out=results.json \\
+        [--methods=streaming_llm,snapkv,h2o,intentkv_query,intentkv_memory] \\
+        [--layouts=dead_slot,compact] [--budgets=512,1024] [--max_sessions=8] \\
+        [--model=smollm2-135m]
+
+Any ToolBench-format file works (`jaxkv.data.traces.load_toolbench`). Every
+session is replayed teacher-forced (assistant turns from the trace) through
+`SessionRunner` with a radix prefix cache; each configuration starts from a
+fresh pool, cache and QueryMemory store. A full-cache run (no pruning, same
+radix cache) gives the reference NLL for Delta-NLL.
+
+Columns (IntentKV section 4.1; means over sessions unless stated):
+  PT           per-session max of the raw request size |R_t| (tokens)
+  Eff. live    per-session max of the live KV |K_t| after pruning
+  Raw / Eff.   per-session sums of |R_t| / |K_t| over decode steps (reply tokens)
+  hit %        prefix-cache hit tokens / prompt tokens (all requests)
+  wall s       per-session wall time (this machine)
+  dNLL         mean over turns of NLL(gold turn | pruned) - NLL(gold turn | full)
+  recall       future-evidence recall: kept / all history tokens copied into
+               the next five tool-call arguments (micro-average)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+from tqdm import tqdm
+
+import common
+
+import jaxkv
+from jaxkv.config import CacheConfig, PruningConfig
+from jaxkv.data import traces
+from jaxkv.engine.sessions import SessionRunner
+
+METHODS = {
+    "streaming_llm": dict(method="streaming_llm"),
+    "snapkv": dict(method="snapkv"),
+    "h2o": dict(method="h2o"),
+    "intentkv_query": dict(method="intentkv", intent_mode="query"),
+    "intentkv_memory": dict(method="intentkv", intent_mode="memory"),
+}
+
+
+def run_config(llm, sessions, pruning: PruningConfig, cache: CacheConfig, desc: str):
+  runner = SessionRunner(llm, pruning, cache=cache)
+  turns = []
+  for s in tqdm(sessions, desc=desc, leave=False):
+    turns.append(runner.run_session(s.id, traces.to_messages(s), list(s.tools) or None))
+  return turns
+
+
+def summarize(turns_by_session, full_by_session) -> dict:
+  per = [dict(pt=max(t.pt for t in ts), eff_live=max(t.eff_live_kv for t in ts),
+              raw=sum(t.raw_reads for t in ts), eff=sum(t.eff_reads for t in ts),
+              wall=sum(t.wall_s for t in ts)) for ts in turns_by_session if ts]
+  flat = [t for ts in turns_by_session for t in ts]
+  full = [t for ts in full_by_session for t in ts]
+  dnll = [a.nll - b.nll for a, b in zip(flat, full)]
+  ev = sum(t.evidence for t in flat)
+  return {
+      "pt": float(np.mean([p["pt"] for p in per])),
+      "eff_live_kv": float(np.mean([p["eff_live"] for p in per])),
+      "raw_reads": float(np.mean([p["raw"] for p in per])),
+      "eff_reads": float(np.mean([p["eff"] for p in per])),
+      "prefix_hit_rate": sum(t.hit_tokens for t in flat) / max(1, sum(t.prompt_tokens
+                                                                      for t in flat)),
+      "wall_s": float(np.mean([p["wall"] for p in per])),
+      "delta_nll": float(np.mean(dnll)) if dnll else math.nan,
+      "future_evidence_recall": sum(t.evidence_kept for t in flat) / ev if ev else math.nan,
+      "pruned_share": float(np.mean([t.pruned for t in flat])) if flat else 0.0,
+      "n_sessions": len(per),
+      "n_turns": len(flat),
+  }
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--traces", required=True, help="ToolBench-format JSON")
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--model", default="smollm2-135m")
+  ap.add_argument("--methods", default=",".join(METHODS))
+  ap.add_argument("--layouts", default="dead_slot,compact")
+  ap.add_argument("--budgets", default="512,1024")
+  ap.add_argument("--max_sessions", type=int, default=8)
+  ap.add_argument("--max_tokens", type=int, default=7000,
+                  help="skip sessions whose final prompt exceeds this many tokens")
+  ap.add_argument("--num_pages", type=int, default=2048)
+  args = ap.parse_args()
+
+  llm = jaxkv.load(args.model)
+  sessions = []
+  for s in traces.load_toolbench(args.traces):
+    msgs = traces.to_messages(s)
+    n = len(llm.tokenizer.encode_chat(msgs, tools=list(s.tools) or None,
+                                      add_generation_prompt=False))
+    if n <= args.max_tokens and any(m["role"] == "assistant" for m in msgs[1:]):
+      sessions.append(s)
+    if len(sessions) == args.max_sessions:
+      break
+  cache = CacheConfig(num_pages=args.num_pages, page_size=16)
+  full = run_config(llm, sessions, PruningConfig(method="none"), cache, "full cache")
+  rows = [dict(method="full", layout="-", budget=0, **summarize(full, full))]
+  for budget in [int(b) for b in args.budgets.split(",")]:
+    for name in args.methods.split(","):
+      for layout in args.layouts.split(","):
+        cfg = PruningConfig(layout=layout, budget=budget, **METHODS[name])
+        turns = run_config(llm, sessions, cfg, cache, f"{name}/{layout}/C={budget}")
+        rows.append(dict(method=name, layout=layout, budget=budget, **summarize(turns, full)))
+        r = rows[-1]
+        print(f"{name:16s} {layout:9s} C={budget:5d}  eff_reads={r['eff_reads']:.0f} "
+              f"hit={100 * r['prefix_hit_rate']:.0f}% dNLL={r['delta_nll']:+.3f} "
+              f"recall={r['future_evidence_recall']:.3f}", flush=True)
+
+  n_turns = rows[0]["n_turns"]
+  print(f"\n{args.model}, {len(sessions)} sessions / {n_turns} turns from {args.traces}; "
+        "teacher-forced replay, radix prefix cache on")
+  hdr = ("method", "layout", "C", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %",
+         "wall s", "dNLL", "recall", "pruned %")
+  common.print_table(hdr, [
+      (r["method"], r["layout"], str(r["budget"]), f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}",
+       f"{r['raw_reads']:.0f}", f"{r['eff_reads']:.0f}", f"{100 * r['prefix_hit_rate']:.1f}",
+       f"{r['wall_s']:.1f}", f"{r['delta_nll']:+.3f}", f"{r['future_evidence_recall']:.3f}",
+       f"{100 * r['pruned_share']:.0f}") for r in rows])
+  common.write_rows(args.out, rows)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,561 @@
+"""Radix prefix cache (SGLang RadixAttention semantics) over the paged allocator.
+
+A host-side radix tree maps token-id sequences to the KV slots that hold their
+keys and values, so requests and agent turns that share a prefix reuse its KV
+instead of recomputing it. Nodes hold a token-id array and the slot array of the
+same length; children are keyed by their first token; edges are split like in a
+standard radix tree when an inserted sequence diverges inside an edge.
+
+Ownership (docs/architecture.md, "alias-aware free"):
+- every cached slot carries exactly one external hold of the cache
+  (`PagedAllocator.retain`), taken when the slot is first cached and dropped
+  (`release`) when its node is evicted. Sequences hold their own references
+  through their slot maps, so evicting a node never frees a slot that a live
+  sequence still maps: the allocator frees a slot only at refcount 0;
+- a hit is used by handing the matched slots to `PagedAllocator.adopt` for a new
+  sequence (`adopt_prefix`), which adds the sequence's own references.
+
+What may be cached (exactness). A slot holds the post-RoPE K/V of one token at
+one logical position, computed attending to the tokens before it. `insert`
+caches the prefix of a sequence up to (excluding) its first SENTINEL slot-map
+entry: a pruned (dead-slot) position breaks the cacheable prefix, since every
+later token may have been computed attending to a pruned cache, and it has no
+KV of its own. SENTINEL is never cached. Positions never shift under dead-slot
+pruning, so the surviving prefix is exact. Callers must not insert slot maps of
+sequences pruned with the `compact` layout (positions no longer match token
+indices), layer-wise (`[L, T]`) slot maps, or slots whose KV is not written yet
+(pre-allocated decode slots, the last sampled token).
+
+Writes into shared slots. Matching is token-granular (no page alignment): the
+kernels address tokens through slot maps, so a hit may end inside a page. This
+is safe under the allocator's semantics: `extend` only hands out refcount-0
+slots (fresh pages, or the unused end of the sequence's own tail page, which the
+allocator keeps free of live slots), and every cached or adopted slot has
+refcount >= 1. So neither the adopting sequence (empty before `adopt`, hence
+without a tail page: its first `extend` takes a fresh page, like a forked
+child) nor the donor (which keeps filling its own tail page behind the cached
+slots) can be given a shared slot. The engine must still compute and write only
+positions >= n_matched of an adopted sequence. The cost of token granularity is
+fragmentation: a partly shared page stays out of the free list until all its
+slots are released.
+
+Locks keep the prefix of running requests in the cache (they are a retention
+policy, not a memory-safety device: the requests' slot maps already keep the
+KV alive). Eviction is LRU over unlocked leaves, repeatedly, so a node goes only
+after all its descendants. Every operation costs O(tokens touched + depth);
+`evict` costs O(nodes log nodes); `check` is the full audit used by tests.
+
+Request lifecycle:
+
+  seq = alloc.new_sequence()
+  n = cache.adopt_prefix(seq, prompt[:-1])   # shared KV for positions < n
+  alloc.extend(seq, len(prompt) - n)         # prefill computes positions >= n
+  ...                                        # decode, prune (dead slots)
+  cache.insert(tokens_with_kv, alloc.slot_map(seq)[:len(tokens_with_kv)])
+  alloc.free_sequence(seq)                   # cached slots stay (cache holds)
+
+To keep a running request's prefix cached, use `match_prefix(tokens,
+lock=True)` + `alloc.adopt(seq, match.slots)` and `release_lock(match)` when
+the request ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxkv.kv.allocator import PagedAllocator
+from jaxkv.kv.state import SENTINEL
+
+_NO_TOKENS = np.zeros((0,), np.int64)
+_NO_SLOTS = np.zeros((0,), np.int32)
+
+
+def _as_1d_int(values, what: str) -> np.ndarray:
+  """1-D int64 copy of a sequence / array of integers."""
+  arr = np.asarray(values)
+  if arr.size == 0:
+    return _NO_TOKENS.copy()
+  if arr.ndim != 1:
+    raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+  return arr.astype(np.int64)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+  """Length of the longest common prefix of two 1-D arrays."""
+  n = min(len(a), len(b))
+  diff = np.flatnonzero(a[:n] != b[:n])
+  return int(diff[0]) if diff.size else n
+
+
+class _Node:
+  """One edge of the tree: tokens[i] is cached in slots[i]."""
+  __slots__ = ("id", "tokens", "slots", "children", "parent", "lock_ref", "last_access")
+
+  def __init__(self, node_id: int, tokens: np.ndarray, slots: np.ndarray,
+               parent: _Node | None, last_access: int):
+    self.id = node_id
+    self.tokens = tokens          # [k] int64 token ids (k >= 1 except the root)
+    self.slots = slots            # [k] int32 KV slots, never SENTINEL
+    self.children: dict[int, _Node] = {}   # first token -> child
+    self.parent = parent
+    self.lock_ref = 0             # locks on this node or a descendant
+    self.last_access = last_access
+
+
+@dataclasses.dataclass(frozen=True)
+class RadixStats:
+  """Cumulative counters of one cache (see `RadixCache.stats`)."""
+  queries: int = 0          # match_prefix calls
+  query_tokens: int = 0     # tokens asked for
+  hit_tokens: int = 0       # tokens found cached
+  inserted_tokens: int = 0  # tokens newly cached (after capacity trimming)
+  evicted_tokens: int = 0   # tokens evicted (explicitly or for capacity)
+
+  @property
+  def hit_rate(self) -> float:
+    """hit_tokens / query_tokens (0.0 before any query)."""
+    return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LockHandle:
+  """A lock taken by `match_prefix(..., lock=True)`; give it to `release_lock`."""
+  id: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefixMatch:
+  """Result of `match_prefix`; unpacks as `n_matched, slots = match`.
+
+  Attributes:
+    n_matched: length of the longest cached prefix.
+    slots: [n_matched] int32 slots holding that prefix's KV.
+    handle: the lock on the matched path (None unless `lock=True`).
+  """
+  n_matched: int
+  slots: np.ndarray
+  handle: LockHandle | None = None
+
+  def __iter__(self) -> Iterator:
+    return iter((self.n_matched, self.slots))
+
+
+class RadixCache:
+  """Radix tree of cached token prefixes over a `PagedAllocator`'s slots."""
+
+  def __init__(self, allocator: PagedAllocator, *, capacity_tokens: int | None = None,
+               cache_dead: bool = False):
+    """Creates an empty cache.
+
+    Args:
+      allocator: the allocator owning the slots (holds are taken on it).
+      capacity_tokens: if set (>= 0), `insert` evicts LRU leaves, then trims the
+        newly cached tail, so that at most this many tokens stay cached.
+      cache_dead: IntentKV / SGLang dead-slot semantics: `insert` caches the
+        whole token stream, SENTINEL (pruned) positions included, so a later
+        turn matches the full prefix "exactly as if no pruning had happened"
+        (IntentKV section 3.4) and adopts the holes as holes -- pruned tokens
+        stay pruned instead of being recomputed. Dead entries hold no slot.
+        Tokens after a hole were computed attending to a pruned cache, so a
+        hit is then no longer bit-exact w.r.t. an unpruned run; that is the
+        method's trade. Default False: exact caching up to the first SENTINEL.
+    """
+    if capacity_tokens is not None:
+      if isinstance(capacity_tokens, bool) or int(capacity_tokens) != capacity_tokens:
+        raise TypeError(f"capacity_tokens must be an integer, got {capacity_tokens!r}")
+      capacity_tokens = int(capacity_tokens)
+      if capacity_tokens < 0:
+        raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+    self._alloc = allocator
+    self._capacity = capacity_tokens
+    self._cache_dead = bool(cache_dead)
+    self._ids = itertools.count()
+    self._root = _Node(next(self._ids), _NO_TOKENS, _NO_SLOTS, None, 0)
+    self._clock = 0
+    self._cached = np.zeros((allocator.num_slots,), bool)   # [S] slot is in a node
+    self._num_tokens = 0
+    self._num_nodes = 0
+    self._locked_tokens = 0
+    self._locks: dict[int, _Node] = {}    # live handle id -> locked node
+    self._lock_ids = itertools.count()
+    self._stats = RadixStats()
+
+  def __repr__(self) -> str:
+    return (f"RadixCache(tokens={self._num_tokens}, nodes={self._num_nodes}, "
+            f"locked_tokens={self._locked_tokens}, capacity={self._capacity})")
+
+  # ------------------------------------------------------------- properties
+  @property
+  def allocator(self) -> PagedAllocator:
+    return self._alloc
+
+  @property
+  def capacity_tokens(self) -> int | None:
+    return self._capacity
+
+  @property
+  def num_cached_tokens(self) -> int:
+    """Tokens (= slots) held by the cache."""
+    return self._num_tokens
+
+  @property
+  def num_nodes(self) -> int:
+    """Nodes in the tree, the root excluded."""
+    return self._num_nodes
+
+  @property
+  def locked_tokens(self) -> int:
+    """Cached tokens on a locked path (not evictable)."""
+    return self._locked_tokens
+
+  @property
+  def evictable_tokens(self) -> int:
+    return self._num_tokens - self._locked_tokens
+
+  @property
+  def stats(self) -> RadixStats:
+    """Snapshot of the cumulative counters."""
+    return self._stats
+
+  def reset_stats(self) -> None:
+    self._stats = RadixStats()
+
+  # ---------------------------------------------------------------- queries
+  def match_prefix(self, tokens, *, lock: bool = False) -> PrefixMatch:
+    """Longest cached prefix of `tokens`; refreshes the LRU time of its path.
+
+    Counts one query in `stats`. Does not change the tree's shape: a match that
+    ends inside an edge refreshes (and, with `lock`, locks) that whole node.
+
+    Args:
+      tokens: [n] int token ids.
+      lock: also lock the matched path against eviction until
+        `release_lock(match.handle)`.
+    Returns:
+      PrefixMatch(n_matched, slots [n_matched] int32, handle); unpacks as
+      `n_matched, slots`.
+    """
+    toks = _as_1d_int(tokens, "tokens")
+    node, n, parts = self._walk(toks)
+    self._clock += 1
+    self._touch(node)
+    s = self._stats
+    self._stats = dataclasses.replace(s, queries=s.queries + 1,
+                                      query_tokens=s.query_tokens + len(toks),
+                                      hit_tokens=s.hit_tokens + n)
+    slots = np.concatenate(parts)[:n] if parts else _NO_SLOTS.copy()
+    handle = None
+    if lock:
+      handle = LockHandle(next(self._lock_ids))
+      self._locks[handle.id] = node
+      self._add_lock(node, 1)
+    return PrefixMatch(n, slots.astype(np.int32), handle)
+
+  def paths(self) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every root-to-leaf path as (tokens [k] int64, slots [k] int32)."""
+    out = []
+    stack = [(self._root, _NO_TOKENS, _NO_SLOTS)]
+    while stack:
+      node, toks, slots = stack.pop()
+      toks = np.concatenate([toks, node.tokens])
+      slots = np.concatenate([slots, node.slots])
+      if not node.children and node is not self._root:
+        out.append((toks, slots.astype(np.int32)))
+      stack.extend((c, toks, slots) for c in node.children.values())
+    return out
+
+  # -------------------------------------------------------------- mutations
+  def insert(self, tokens, slots) -> int:
+    """Caches `(tokens[i], slots[i])` up to the first SENTINEL slot.
+
+    `slots[i]` must hold the written KV of `tokens[i]` at logical position i
+    (e.g. a sequence's slot map, sliced to its tokens with written KV). The
+    part already cached keeps its cached slots (the caller's are not held);
+    each newly cached slot gets one hold of the cache (`allocator.retain`).
+    Caching stops at the first SENTINEL: a pruned position breaks the cacheable
+    prefix (see the module docstring). With `capacity_tokens`, LRU leaves are
+    then evicted and, if that is not enough, the newly cached tail is trimmed.
+    All-or-nothing on error.
+
+    Args:
+      tokens: [n] int token ids.
+      slots: [n] int slots (SENTINEL allowed: it ends the cached prefix).
+    Returns:
+      Number of newly cached tokens.
+    Raises:
+      ValueError: length mismatch; a new slot is already cached elsewhere in
+        the tree, repeated, out of range or not live.
+    """
+    toks = _as_1d_int(tokens, "tokens")
+    sl = _as_1d_int(slots, "slots")
+    if len(toks) != len(sl):
+      raise ValueError(f"insert: {len(toks)} tokens but {len(sl)} slots")
+    dead = np.flatnonzero(sl == SENTINEL)
+    end = int(dead[0]) if dead.size and not self._cache_dead else len(sl)
+    toks, sl = toks[:end], sl[:end]
+    node, n, _ = self._walk(toks)
+    self._clock += 1
+    new = sl[n:]
+    if new.size:
+      held = new[new != SENTINEL]     # dead entries (cache_dead) hold nothing
+      if np.any((new < 0) | (new >= self._alloc.num_slots)):
+        raise ValueError(f"insert: slot out of range [0, {self._alloc.num_slots})")
+      if np.any(self._cached[held]):
+        raise ValueError(f"insert: slot {int(held[self._cached[held]][0])} is already "
+                         f"cached for another prefix")
+      if len(np.unique(held)) != len(held):
+        raise ValueError("insert: a slot appears twice in the new part")
+      self._alloc.retain(held)        # validates liveness before any change
+      depth = self._depth(node)
+      if n < depth:                   # diverges inside node's edge: split it
+        node = self._split(node, len(node.tokens) - (depth - n))
+      leaf = _Node(next(self._ids), toks[n:].copy(), new.astype(np.int32), node, self._clock)
+      node.children[int(toks[n])] = leaf
+      self._cached[held] = True
+      self._num_tokens += len(new)
+      self._num_nodes += 1
+      node = leaf
+    self._touch(node)
+    added = len(new)
+    if added and self._capacity is not None and self._num_tokens > self._capacity:
+      self._evict(self._num_tokens - self._capacity, protect=node)
+      over = self._num_tokens - self._capacity
+      if over > 0:
+        added -= self._trim(node, over)
+    s = self._stats
+    self._stats = dataclasses.replace(s, inserted_tokens=s.inserted_tokens + added)
+    return added
+
+  def adopt_prefix(self, seq: int, tokens) -> int:
+    """Matches `tokens` and adopts the hit into the empty sequence `seq`.
+
+    `allocator.adopt` appends the matched slots to seq's slot map and adds one
+    reference per slot, so seq holds its own references and survives eviction
+    of the nodes. seq must be empty (the cached KV was written at positions
+    0..n-1, and an empty sequence has no tail page, so its next `extend` takes
+    fresh pages). The engine must then compute only positions >= n_matched. An
+    engine that needs the logits of the last prompt token should pass
+    `tokens[:-1]`, so at least that token is recomputed.
+
+    Args:
+      seq: a live, empty sequence id of the cache's allocator.
+      tokens: [n] int token ids of the request.
+    Returns:
+      n_matched, the number of positions adopted.
+    Raises:
+      ValueError: seq is not empty.
+    """
+    if self._alloc.length(seq) != 0:
+      raise ValueError(f"adopt_prefix: sequence {seq} has {self._alloc.length(seq)} "
+                       f"positions; a prefix can only be adopted by an empty sequence")
+    n, slots = self.match_prefix(tokens)
+    if n:
+      self._alloc.adopt(seq, slots)
+    return n
+
+  def release_lock(self, handle: LockHandle | PrefixMatch) -> None:
+    """Releases a lock taken by `match_prefix(..., lock=True)`.
+
+    Raises:
+      ValueError: the handle was already released or is not this cache's.
+    """
+    if isinstance(handle, PrefixMatch):
+      handle = handle.handle
+    node = self._locks.pop(handle.id, None) if isinstance(handle, LockHandle) else None
+    if node is None:
+      raise ValueError(f"release_lock: {handle!r} is not a live lock of this cache "
+                       f"(released twice?)")
+    self._add_lock(node, -1)
+
+  def evict(self, num_tokens: int) -> int:
+    """Evicts LRU unlocked leaves until `num_tokens` tokens are gone.
+
+    Whole nodes are evicted (the count may overshoot); a parent becomes a
+    candidate once its last child is gone. Each evicted slot loses the cache's
+    hold (`allocator.release`); the allocator frees it only if no slot map
+    refers to it any more.
+
+    Returns:
+      Tokens evicted (less than asked when only locked nodes remain).
+    """
+    return self._evict(int(num_tokens))
+
+  def clear(self) -> int:
+    """Evicts everything; returns the tokens evicted.
+
+    Raises:
+      RuntimeError: locks are outstanding.
+    """
+    if self._locks:
+      raise RuntimeError(f"clear: {len(self._locks)} lock(s) are outstanding")
+    return self._evict(self._num_tokens)
+
+  # -------------------------------------------------------------- internals
+  def _walk(self, toks: np.ndarray) -> tuple[_Node, int, list[np.ndarray]]:
+    """Deepest node touched by the match, matched length, slot arrays on the way."""
+    node, n, parts = self._root, 0, []
+    while n < len(toks):
+      child = node.children.get(int(toks[n]))
+      if child is None:
+        break
+      k = _common_prefix(child.tokens, toks[n:])
+      node, n = child, n + k
+      parts.append(child.slots)
+      if k < len(child.tokens):
+        break
+    return node, n, parts
+
+  def _depth(self, node: _Node) -> int:
+    d = 0
+    while node is not self._root:
+      d += len(node.tokens)
+      node = node.parent
+    return d
+
+  def _touch(self, node: _Node) -> None:
+    while node is not None:
+      node.last_access = self._clock
+      node = node.parent
+
+  def _add_lock(self, node: _Node, delta: int) -> None:
+    while node is not self._root:
+      before = node.lock_ref
+      node.lock_ref += delta
+      if (before == 0) != (node.lock_ref == 0):
+        self._locked_tokens += len(node.tokens) if before == 0 else -len(node.tokens)
+      node = node.parent
+
+  def _split(self, node: _Node, k: int) -> _Node:
+    """Splits node's edge after k tokens; returns the new parent (the prefix).
+
+    The existing node object keeps the suffix, so lock handles on it stay valid.
+    """
+    parent = _Node(next(self._ids), node.tokens[:k].copy(), node.slots[:k].copy(),
+                   node.parent, node.last_access)
+    parent.lock_ref = node.lock_ref
+    node.parent.children[int(node.tokens[0])] = parent
+    node.tokens, node.slots = node.tokens[k:].copy(), node.slots[k:].copy()
+    node.parent = parent
+    parent.children[int(node.tokens[0])] = node
+    self._num_nodes += 1
+    return parent
+
+  def _remove_leaf(self, node: _Node) -> None:
+    held = node.slots[node.slots != SENTINEL]
+    self._alloc.release(held)
+    self._cached[held] = False
+    del node.parent.children[int(node.tokens[0])]
+    self._num_tokens -= len(node.slots)
+    self._num_nodes -= 1
+
+  def _trim(self, leaf: _Node, k: int) -> int:
+    """Uncaches the last min(k, len) tokens of an unlocked leaf; returns how many."""
+    k = min(k, len(leaf.slots))
+    if k == len(leaf.slots):
+      self._remove_leaf(leaf)
+      return k
+    drop = leaf.slots[-k:]
+    drop = drop[drop != SENTINEL]
+    self._alloc.release(drop)
+    self._cached[drop] = False
+    leaf.tokens, leaf.slots = leaf.tokens[:-k].copy(), leaf.slots[:-k].copy()
+    self._num_tokens -= k
+    return k
+
+  def _evictable(self, node: _Node, protect: _Node | None) -> bool:
+    return (node is not self._root and node is not protect and not node.children
+            and node.lock_ref == 0)
+
+  def _evict(self, num_tokens: int, protect: _Node | None = None) -> int:
+    if num_tokens <= 0:
+      return 0
+    heap = [(n.last_access, n.id, n) for n in self._nodes() if self._evictable(n, protect)]
+    heapq.heapify(heap)
+    evicted = 0
+    while evicted < num_tokens and heap:
+      _, _, node = heapq.heappop(heap)
+      evicted += len(node.slots)
+      self._remove_leaf(node)
+      parent = node.parent
+      if self._evictable(parent, protect):
+        heapq.heappush(heap, (parent.last_access, parent.id, parent))
+    s = self._stats
+    self._stats = dataclasses.replace(s, evicted_tokens=s.evicted_tokens + evicted)
+    return evicted
+
+  def _nodes(self) -> Iterator[_Node]:
+    """Every node but the root, parents before children."""
+    stack = list(self._root.children.values())
+    while stack:
+      node = stack.pop()
+      yield node
+      stack.extend(node.children.values())
+
+  # ------------------------------------------------------------------ audit
+  def check(self) -> None:
+    """Audits the tree against itself and the allocator.
+
+    Checks: parent / child links and first-token keys; every node non-empty
+    with equally long token and slot arrays; no SENTINEL and no slot cached
+    twice (each cached slot carries exactly one hold of the cache, so the
+    allocator shows >= 1 hold on it); the cached-slot mask, token, node and
+    locked-token counters; lock counts equal to the live handles below each
+    node; LRU times never newer below than above; the capacity bound.
+
+    Raises:
+      AssertionError: with a description of the first inconsistency found.
+    """
+    def fail(msg: str):
+      raise AssertionError(f"RadixCache.check: {msg}")
+
+    root = self._root
+    if root.parent is not None or len(root.tokens) or len(root.slots):
+      fail("the root has a parent or tokens")
+    expected_locks: dict[int, int] = {}
+    for node in self._locks.values():
+      while node is not root:
+        expected_locks[node.id] = expected_locks.get(node.id, 0) + 1
+        node = node.parent
+    seen = np.zeros_like(self._cached)
+    tokens = nodes = locked = 0
+    for node in self._nodes():
+      nodes += 1
+      if len(node.tokens) == 0 or len(node.tokens) != len(node.slots):
+        fail(f"node {node.id} has {len(node.tokens)} tokens and {len(node.slots)} slots")
+      parent = node.parent
+      if parent is None or parent.children.get(int(node.tokens[0])) is not node:
+        fail(f"node {node.id} is not its parent's child under its first token")
+      if node.last_access > parent.last_access and parent is not root:
+        fail(f"node {node.id} was accessed after its parent {parent.id}")
+      if node.lock_ref != expected_locks.get(node.id, 0):
+        fail(f"node {node.id} lock_ref {node.lock_ref}, live handles below it "
+             f"{expected_locks.get(node.id, 0)}")
+      sl = node.slots
+      if sl.dtype != np.int32 or (np.any(sl == SENTINEL) and not self._cache_dead):
+        fail(f"node {node.id} caches SENTINEL or has slots of dtype {sl.dtype}")
+      sl = sl[sl != SENTINEL]
+      if np.any((sl < 0) | (sl >= len(seen))):
+        fail(f"node {node.id} has out-of-range slots")
+      if np.any(seen[sl]) or len(np.unique(sl)) != len(sl):
+        fail(f"node {node.id} caches a slot that is cached elsewhere too")
+      seen[sl] = True
+      for slot in sl.tolist():
+        if self._alloc.holds(slot) < 1:
+          fail(f"cached slot {slot} (node {node.id}) has no external hold")
+      tokens += len(node.slots)
+      locked += len(node.slots) if node.lock_ref else 0
+    if np.any(seen != self._cached):
+      fail("the cached-slot mask disagrees with the tree")
+    if (tokens, nodes, locked) != (self._num_tokens, self._num_nodes, self._locked_tokens):
+      fail(f"counters (tokens, nodes, locked) stored "
+           f"{(self._num_tokens, self._num_nodes, self._locked_tokens)}, recomputed "
+           f"{(tokens, nodes, locked)}")
+    if self._capacity is not None and tokens > self._capacity:
+      fail(f"{tokens} tokens cached over capacity {self._capacity}")

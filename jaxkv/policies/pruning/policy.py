@@ -1,0 +1,72 @@
+"""One pruning event: method scores + forced set + budget -> kept set (jit, static config).
+
+The caller (the session runner, or a user's own jitted loop) provides the
+post-RoPE keys gathered at the slot map, the live mask, the base forced set
+(protected system prefix + actionable query span), and the queries the method
+reads, already sliced to the rows it needs:
+
+  streaming_llm: none;
+  snapkv:        the observation window (last W prompt tokens);
+  h2o:           every prompt query computed in this request;
+  intentkv:      the actionable query span (Enc(q_t) of eq. 2).
+
+Queries come with their logical positions (-1 = padding row).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.config import PruningConfig
+from jaxkv.policies.pruning import intentkv, scores
+from jaxkv.policies.pruning.select import keep_mask
+
+
+def query_rows(cfg: PruningConfig) -> str | None:
+  """Which captured query rows the method reads: None | 'window' | 'all' | 'span'."""
+  return {"none": None, "streaming_llm": None, "snapkv": "window", "h2o": "all",
+          "intentkv": "span"}[cfg.method]
+
+
+def intentkv_config(cfg: PruningConfig) -> intentkv.IntentKVConfig:
+  return intentkv.IntentKVConfig(mode=cfg.intent_mode, decay=cfg.intent_decay,
+                                 session_prefix=cfg.session_prefix,
+                                 store_capacity=cfg.memory_capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.Array,
+                q: jax.Array | None = None, q_pos: jax.Array | None = None,
+                memory: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+  """The kept set of one pruning event.
+
+  Args:
+    cfg: pruning config (static).
+    k: [L, B, T, Hkv, D] post-RoPE keys at the slot map (`scores.gather_keys`).
+    live: [B, T] bool.
+    forced: [B, T] bool base forced set (system prefix + query span).
+    q, q_pos: [L, B, W, Hq, D] and [B, W] queries the method reads (see module doc).
+    memory: [L, B, Hq, D] IntentKV session memories (zeros for new sessions).
+  Returns:
+    (keep [B, T] bool, updated IntentKV memory or None).
+  """
+  new_memory = None
+  if cfg.method == "none":
+    return live, None
+  if cfg.method == "streaming_llm":
+    s, f = scores.streaming_llm(live, scores.StreamingLLMConfig(sink=cfg.sink))
+  elif cfg.method == "snapkv":
+    s, f = scores.snapkv(q, q_pos, k, live, scores.SnapKVConfig(cfg.snap_window, cfg.snap_kernel))
+  elif cfg.method == "h2o":
+    s, f = scores.h2o(q, q_pos, k, live, cfg.budget, scores.H2OConfig(cfg.h2o_recent_ratio))
+  elif cfg.method == "intentkv":
+    candidates = live & ~forced
+    s, new_memory = intentkv.intentkv_scores(q, q_pos >= 0, k, candidates, memory,
+                                             intentkv_config(cfg))
+    f = jnp.zeros_like(live)
+  else:
+    raise ValueError(f"unknown pruning method {cfg.method!r}")
+  return keep_mask(s, live, forced | f, cfg.budget), new_memory

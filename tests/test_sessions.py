@@ -1,0 +1,129 @@
+"""Agent sessions with pruning and the radix cache, on a tiny random Llama that
+uses SmolLM2's real tokenizer and chat template.
+
+- exact-mode reuse: radix prefix hits reproduce the no-reuse NLLs;
+- IntentKV appendix E: prefix hits survive dead-slot eviction and are lost
+  under the compact layout; pruned tokens stay pruned in the next turn;
+- the budget and the forced set are honoured; pool slots never leak.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import hf_util
+from jaxkv.config import CacheConfig, PruningConfig
+from jaxkv.engine.llm import LLM
+from jaxkv.engine.sessions import SessionRunner
+from jaxkv.kv.state import SENTINEL
+from jaxkv.models import presets, weights
+from jaxkv.tokens import Tokenizer
+
+CACHE = CacheConfig(num_pages=512, page_size=4, max_seq_len=2048)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+  d = tmp_path_factory.mktemp("tiny_sessions")
+  cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=4096)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+  mcfg, params = weights.load_hf_dir(d)
+  tok = Tokenizer.load(presets.smollm2_gguf())
+  return LLM(hf_util.build(mcfg, params), tok, CacheConfig(num_pages=4, page_size=4))
+
+
+def _call(name, **args):
+  """An assistant tool call in ToolBench's ReAct form (SmolLM2's template does not
+  render structured `tool_calls`; `traces.session_chat` picks this form for it)."""
+  return {"role": "assistant",
+          "content": f"Thought: I will call {name}.\nAction: {name}\nAction Input: {json.dumps(args)}"}
+
+
+MESSAGES = [
+    {"role": "system", "content": "You are a travel agent. Use the tools."},
+    {"role": "user", "content": "I am mia_li_3668; cancel my Boston trip."},
+    _call("get_user_details", user_id="mia_li_3668"),
+    {"role": "tool", "name": "get_user_details",
+     "content": "reservations: NO6JO3 (BOS), AIXC01 (LAX), HKEG34 (SEA). " * 4},
+    _call("get_reservation_details", reservation_id="NO6JO3"),
+    {"role": "tool", "name": "get_reservation_details",
+     "content": "NO6JO3: JFK to BOS, flight HAT136, basic economy, 2 passengers. " * 3},
+    _call("cancel_reservation", reservation_id="NO6JO3"),
+    {"role": "tool", "name": "cancel_reservation", "content": "status: cancelled"},
+    {"role": "assistant", "content": "Done: NO6JO3 is cancelled."},
+]
+
+
+def _run(llm, radix=True, **pruning):
+  runner = SessionRunner(llm, PruningConfig(**pruning), cache=CACHE, radix=radix,
+                         prefill_chunk=64)
+  return runner, runner.run_session("s", MESSAGES)
+
+
+def test_exact_reuse_reproduces_no_reuse(llm):
+  _, cold = _run(llm, radix=False)
+  runner, warm = _run(llm, radix=True)
+  assert [t.hit_tokens for t in cold] == [0] * 4
+  assert all(t.hit_tokens > 0 for t in warm[1:])
+  # turn i+1 reuses everything turn i computed (prompt + reply), minus nothing
+  for a, b in zip(warm, warm[1:]):
+    assert b.hit_tokens == a.prompt_tokens + a.reply_tokens
+  np.testing.assert_allclose([t.nll for t in warm], [t.nll for t in cold], atol=1e-4)
+  assert runner.alloc.num_live_slots == runner.radix.num_cached_tokens  # only the cache holds
+  runner.alloc.check()
+  runner.radix.check()
+
+
+@pytest.mark.parametrize("method", ["streaming_llm", "snapkv", "h2o", "intentkv"])
+def test_dead_slot_keeps_prefix_hits_and_compact_loses_them(llm, method):
+  _, dead = _run(llm, method=method, layout="dead_slot", budget=80)
+  _, comp = _run(llm, method=method, layout="compact", budget=80)
+  assert any(t.pruned for t in dead[:-1])
+  for a, b in zip(dead, dead[1:]):        # dead-slot: every turn hits the whole previous turn
+    assert b.hit_tokens == a.prompt_tokens + a.reply_tokens
+  for a, b in zip(comp, comp[1:]):        # compact: a pruned turn is not reusable
+    if a.pruned:
+      assert b.hit_tokens < a.prompt_tokens
+  assert sum(t.hit_tokens for t in dead) > sum(t.hit_tokens for t in comp)
+
+
+def test_budget_forced_set_and_persistent_holes(llm):
+  budget = 80
+  runner = SessionRunner(llm, PruningConfig(method="intentkv", budget=budget), cache=CACHE,
+                         prefill_chunk=64)
+  first = runner.run_turn("s", MESSAGES, None, 2)
+  p = runner.prepare(MESSAGES, None, 6)       # skip a turn: the new part holds history
+  second = runner.run_turn("s", MESSAGES, None, 6)
+  forced = p["sys_len"] + (second.prompt_tokens - p["qs"])
+  assert first.live_after == first.live_before or first.live_after <= max(budget, forced)
+  assert second.pruned and second.live_after == max(budget, forced)
+  # SGLang semantics: the part of turn 2's prompt that was already cached keeps its
+  # cached (live) slots; positions pruned in the newly inserted part come back from
+  # the radix cache as SENTINEL holes, so they stay pruned in the next turn.
+  ids = np.asarray(p["ids"] + p["gold"])
+  match = runner.radix.match_prefix(ids)
+  assert match.n_matched == ids.size
+  holes = np.asarray(match.slots) == SENTINEL
+  new_part = slice(second.hit_tokens, second.prompt_tokens)
+  np.testing.assert_array_equal(holes[new_part], ~second.kept[new_part])
+  assert holes[new_part].any()
+  assert not holes[:second.hit_tokens].any() and not holes[second.prompt_tokens:].any()
+  runner.alloc.check()
+  runner.radix.check()
+
+
+def test_evidence_labels_count_copied_ids(llm):
+  runner = SessionRunner(llm, PruningConfig(), cache=CACHE)
+  p = runner.prepare(MESSAGES, None, 6)         # the next call copies NO6JO3 from a tool output
+  ids = p["ids"]
+  text = runner.tok.decode([ids[j] for j in np.nonzero(p["evidence"])[0]])
+  assert "NO6JO3" in text.replace(" ", "")
+  assert not p["evidence"][p["qs"]:].any()
