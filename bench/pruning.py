@@ -50,7 +50,7 @@ def run_config(llm, sessions, pruning: PruningConfig, cache: CacheConfig, desc: 
   runner = SessionRunner(llm, pruning, cache=cache)
   turns = []
   for s in tqdm(sessions, desc=desc, leave=False):
-    turns.append(runner.run_session(s.id, traces.to_messages(s), list(s.tools) or None))
+    turns.append(runner.run_session(s.id, *traces.session_chat(s, llm.tokenizer)))
   return turns
 
 
@@ -85,7 +85,11 @@ def main():
   ap.add_argument("--model", default="smollm2-135m")
   ap.add_argument("--methods", default=",".join(METHODS))
   ap.add_argument("--layouts", default="dead_slot,compact")
-  ap.add_argument("--budgets", default="512,1024")
+  ap.add_argument("--compact_budgets", default=None,
+                  help="budgets at which the compact layout also runs (default: all)")
+  ap.add_argument("--budgets", default="3584,4096",
+                  help="C; the forced set includes the tool-schema system prompt "
+                       "(~1.2-4.3k tokens in tau2/agentdojo), so C* = C - |F| is the history kept")
   ap.add_argument("--max_sessions", type=int, default=8)
   ap.add_argument("--max_tokens", type=int, default=7000,
                   help="skip sessions whose final prompt exceeds this many tokens")
@@ -95,9 +99,8 @@ def main():
   llm = jaxkv.load(args.model)
   sessions = []
   for s in traces.load_toolbench(args.traces):
-    msgs = traces.to_messages(s)
-    n = len(llm.tokenizer.encode_chat(msgs, tools=list(s.tools) or None,
-                                      add_generation_prompt=False))
+    msgs, tools = traces.session_chat(s, llm.tokenizer)
+    n = len(llm.tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=False))
     if n <= args.max_tokens and any(m["role"] == "assistant" for m in msgs[1:]):
       sessions.append(s)
     if len(sessions) == args.max_sessions:
@@ -108,6 +111,9 @@ def main():
   for budget in [int(b) for b in args.budgets.split(",")]:
     for name in args.methods.split(","):
       for layout in args.layouts.split(","):
+        if (layout == "compact" and args.compact_budgets is not None
+            and str(budget) not in args.compact_budgets.split(",")):
+          continue
         cfg = PruningConfig(layout=layout, budget=budget, **METHODS[name])
         turns = run_config(llm, sessions, cfg, cache, f"{name}/{layout}/C={budget}")
         rows.append(dict(method=name, layout=layout, budget=budget, **summarize(turns, full)))

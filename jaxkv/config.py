@@ -189,6 +189,15 @@ class ServeConfig:
   engine: EngineConfig = EngineConfig()
   sampling: SamplingConfig = SamplingConfig()
   system_prompt: str = ""       # prepended to "messages" requests lacking a system message
+  # "requests": JSONL requests (engine/batch.py); "sessions": a ToolBench-format
+  # trace file replayed turn by turn through SessionRunner with `pruning`.
+  mode: str = "requests"
+  pruning: PruningConfig = PruningConfig()
+  session_generate: bool = False  # sessions: generate each assistant turn instead of replay
+
+  def __post_init__(self):
+    if self.mode not in ("requests", "sessions"):
+      raise ValueError(f"mode must be 'requests' or 'sessions', got {self.mode!r}")
 
 
 def to_config_dict(cfg: Any) -> ml_collections.ConfigDict:

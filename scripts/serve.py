@@ -6,6 +6,14 @@
 
 Rerunning the same command resumes: ids already answered in --output are
 skipped. See jaxkv/engine/batch.py for the line formats.
+
+Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
+--input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
+scripts/make_traces.py); every session is replayed turn by turn with the
+configured pruning policy and layout (`--config.pruning.method=intentkv
+--config.pruning.layout=dead_slot --config.pruning.budget=3584`) and written as
+one line `{"id", "turns": [per-turn metrics], "summary"}`; a malformed trace
+entry becomes an error line naming its index and the run goes on.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ def main(argv):
   if _OVERWRITE.value and dst.exists():
     dst.unlink()
   done = batch.finished_ids(dst)
+  if cfg.mode == "sessions":
+    return serve_sessions(cfg, src, dst, done)
   total = _count_lines(src)
 
   t0 = time.perf_counter()
@@ -95,6 +105,57 @@ def main(argv):
   for k, v in rows:
     print(f"  {k:<18} {v}")
   print("METRICS " + json.dumps(m))
+
+
+def serve_sessions(cfg, src: pathlib.Path, dst: pathlib.Path, done: set) -> None:
+  """Replays (or generates) every session of a ToolBench-format file with pruning."""
+  import tqdm
+
+  import jaxkv
+  from jaxkv.data import traces
+  from jaxkv.engine.sessions import SessionRunner
+
+  errors: list = []
+  sessions = traces.load_toolbench(src, strict=False, errors=errors)
+  llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine)
+  runner = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
+                         prefill_chunk=cfg.engine.prefill_chunk,
+                         attn_impl=cfg.engine.attention_impl)
+  todo = [s for s in sessions if s.id not in done]
+  print(f"{len(sessions)} sessions in {src} ({len(errors)} malformed), {len(done)} already "
+        f"in {dst}; pruning {cfg.pruning.method}/{cfg.pruning.layout} C={cfg.pruning.budget}",
+        file=sys.stderr)
+  dst.parent.mkdir(parents=True, exist_ok=True)
+  with open(dst, "a") as out:
+    def write(record):
+      out.write(json.dumps(record, ensure_ascii=False) + "\n")
+      out.flush()
+    for e in errors:
+      key = f"entry-{e.index}" if e.entry_id is None else str(e.entry_id)
+      if key not in done:
+        write({"id": key, "error": str(e), "finish_reason": "error"})
+    for s in tqdm.tqdm(todo, unit="session", disable=not _PROGRESS.value, file=sys.stderr):
+      try:
+        turns = runner.run_session(s.id, *traces.session_chat(s, llm.tokenizer),
+                                   generate=cfg.session_generate,
+                                   max_tokens=cfg.sampling.max_tokens)
+      except (ValueError, RuntimeError) as e:   # e.g. longer than the pool: record, go on
+        write({"id": s.id, "error": str(e), "finish_reason": "error"})
+        continue
+      rows = [t.to_json() for t in turns]
+      ev = sum(t.evidence for t in turns)
+      write({"id": s.id, "turns": rows, "summary": {
+          "turns": len(turns), "pt": max((t.pt for t in turns), default=0),
+          "eff_live_kv": max((t.eff_live_kv for t in turns), default=0),
+          "raw_reads": sum(t.raw_reads for t in turns),
+          "eff_reads": sum(t.eff_reads for t in turns),
+          "hit_tokens": sum(t.hit_tokens for t in turns),
+          "prompt_tokens": sum(t.prompt_tokens for t in turns),
+          "future_evidence_recall": (sum(t.evidence_kept for t in turns) / ev) if ev else None,
+          "wall_s": round(sum(t.wall_s for t in turns), 3)}})
+  st = runner.radix.stats if runner.radix is not None else None
+  print("METRICS " + json.dumps({"sessions": len(todo), "malformed": len(errors),
+                                 "prefix_hit_rate": st.hit_rate if st else None}))
 
 
 if __name__ == "__main__":

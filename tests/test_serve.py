@@ -65,3 +65,42 @@ def test_serve_rejects_unknown_config_field(tmp_path):
   proc = _serve(inp, tmp_path / "out.jsonl", "--config.cache.bogus=3")
   assert proc.returncode != 0
   assert "bogus" in proc.stderr
+
+
+def _react(name, args):
+  return {"from": "assistant",
+          "value": f"Thought: call {name}.\nAction: {name}\nAction Input: {json.dumps(args)}"}
+
+
+def test_serve_sessions_with_pruning_and_resume(tmp_path):
+  """Sessions mode: a ToolBench-format file with a malformed entry, IntentKV pruning
+  on the dead-slot layout, per-session lines with section 4.1 metrics, resume."""
+  sys_msg = {"from": "system", "value": "You are a helpful travel agent."}
+  conv = [sys_msg, {"from": "user", "value": "I am mia_li_3668. Cancel my Boston trip."},
+          _react("get_user_details", {"user_id": "mia_li_3668"}),
+          {"from": "function", "value": "reservations: NO6JO3 (BOS), AIXC01 (LAX). " * 6},
+          _react("cancel_reservation", {"reservation_id": "NO6JO3"}),
+          {"from": "function", "value": "cancelled"},
+          {"from": "assistant", "value": "Your trip NO6JO3 is cancelled."}]
+  data = [{"id": "s1", "conversations": conv},
+          {"id": "bad", "conversations": [{"from": "wizard", "value": "?"}]},
+          {"id": "s2", "conversations": conv[:4] + [conv[-1]]}]
+  inp = tmp_path / "traces.json"
+  inp.write_text(json.dumps(data))
+  out = tmp_path / "sessions.jsonl"
+  cmd = [sys.executable, str(ROOT / "scripts/serve.py"),
+         f"--config={ROOT}/configs/smollm2_sessions.py", f"--input={inp}", f"--output={out}",
+         "--config.pruning.budget=60", "--config.cache.num_pages=128", "--noprogress"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = {r["id"]: r for r in _records(out)}
+  assert set(recs) == {"s1", "s2", "bad"}
+  assert recs["bad"]["finish_reason"] == "error" and "entry 1" in recs["bad"]["error"]
+  s1 = recs["s1"]
+  assert [t["turn"] for t in s1["turns"]] == [2, 4, 6]
+  assert any(t["pruned"] and t["live_after"] < t["live_before"] for t in s1["turns"])
+  assert s1["turns"][1]["hit_tokens"] > 0 and s1["summary"]["eff_reads"] < s1["summary"]["raw_reads"]
+  assert json.loads(proc.stdout.split("METRICS ", 1)[1])["prefix_hit_rate"] > 0
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert sorted(r["id"] for r in _records(out) if "turns" in r) == ["s1", "s2"]

@@ -38,7 +38,7 @@ from jaxkv.config import CacheConfig, PruningConfig
 from jaxkv.data import labels
 from jaxkv.engine import steps
 from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import PagedAllocator
+from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.layers import rope_frequencies
@@ -166,7 +166,7 @@ class SessionRunner:
     toks = np.concatenate([prompt, gold])
     seq = self.alloc.new_sequence()
     hit = self.radix.adopt_prefix(seq, prompt[:n - 1]) if self.radix is not None else 0
-    self.alloc.extend(seq, n + g - hit)
+    self._reserve(seq, n + g - hit)
     width = _bucket(n + g, 128)
     cfg = self.pruning
     rows = policy.query_rows(cfg)
@@ -220,6 +220,16 @@ class SessionRunner:
       g += 1
     return g
 
+  def _reserve(self, seq: int, n: int) -> None:
+    """extend(seq, n), evicting LRU radix entries first when the pool is short."""
+    try:
+      self.alloc.extend(seq, n)
+    except OutOfSlotsError:
+      if self.radix is None:
+        raise
+      self.radix.evict(max(n, self.radix.num_cached_tokens // 4))
+      self.alloc.extend(seq, n)
+
   def _select(self, session_id, smap, live, p, q, hit, n, width):
     cfg = self.pruning
     smap_b = np.zeros((1, width), np.int32)
@@ -255,7 +265,7 @@ class SessionRunner:
   def _compact(self, seq, smap, keep, g, width) -> int:
     n_keep = int(keep.sum())
     new = self.alloc.new_sequence()
-    self.alloc.extend(new, n_keep + g)
+    self._reserve(new, n_keep + g)
     dest = np.zeros((1, width), np.int32)
     dest[0, :n_keep] = self.alloc.slot_map(new)[:n_keep]
     smap_b = np.zeros((1, width), np.int32)
