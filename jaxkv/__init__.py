@@ -4,20 +4,25 @@ Public API:
     jaxkv.load(model="smollm2-135m", ...) -> LLM       load weights + tokenizer + engine
     LLM.generate(prompts, sampling) -> [Completion]   strings or chat message lists
     jaxkv.ops.paged_attention(...)                    attention over the paged KV pool
+    jaxkv.SessionRunner(llm, PruningConfig(...))      agent sessions with KV pruning
+    jaxkv.policies.pruning                            pure pruning functions
 """
 
 from jaxkv import ops
-from jaxkv.config import (CacheConfig, EngineConfig, ModelConfig, RopeConfig, SamplingConfig,
-                          ServeConfig)
+from jaxkv.config import (CacheConfig, EngineConfig, ModelConfig, PruningConfig, RopeConfig,
+                          SamplingConfig, ServeConfig)
 from jaxkv.engine.engine import Engine, Request, Result
 from jaxkv.engine.llm import LLM, Completion, load
+from jaxkv.engine.sessions import SessionRunner, TurnMetrics
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL, KVPool, init_pool
 from jaxkv.models.llama import Transformer
 from jaxkv.tokens import Tokenizer
 
 __all__ = [
     "CacheConfig", "Completion", "Engine", "EngineConfig", "KVPool", "LLM", "ModelConfig",
-    "OutOfSlotsError", "PagedAllocator", "Request", "Result", "RopeConfig", "SENTINEL",
-    "SamplingConfig", "ServeConfig", "Tokenizer", "Transformer", "init_pool", "load", "ops",
+    "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request", "Result",
+    "RopeConfig", "SENTINEL", "SamplingConfig", "ServeConfig", "SessionRunner", "Tokenizer",
+    "Transformer", "TurnMetrics", "init_pool", "load", "ops",
 ]
