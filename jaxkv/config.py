@@ -160,7 +160,11 @@ class PruningConfig:
   snap_window: int = 32         # SnapKV observation window W (also forced)
   snap_kernel: int = 7          # SnapKV max-pool kernel
   h2o_recent_ratio: float = 0.5  # H2O ratio mode: recent floor = ratio * C
-  intent_mode: str = "memory"   # IntentKV scorer: query | memory
+  intent_mode: str = "memory"   # IntentKV scorer: query | memory | learnable (Phase-2 head)
+  head_path: str = ""           # learnable: trained residual head (scripts/train_pruner.py)
+  ablate_memory: bool = False   # learnable ablation "-memory": M_t replaced by Enc(q_t)
+  ablate_xattn: bool = False    # learnable ablation "-x-attn": c_j = 0
+  ablate_residual: bool = False  # learnable ablation "-residual": alpha = 0 (= Phase-1)
   intent_decay: float = 0.5     # lambda of eq. 2
   session_prefix: int = 256     # P of the session-key fallback (appendix A)
   memory_capacity: int = 1024   # LRU sessions of QueryMemory
@@ -172,8 +176,9 @@ class PruningConfig:
       raise ValueError(f"pruning.layout must be one of {PRUNING_LAYOUTS}, got {self.layout!r}")
     if self.budget < 1:
       raise ValueError(f"pruning.budget must be >= 1, got {self.budget}")
-    if self.intent_mode not in ("query", "memory"):
-      raise ValueError(f"pruning.intent_mode must be query or memory, got {self.intent_mode!r}")
+    if self.intent_mode not in ("query", "memory", "learnable"):
+      raise ValueError(f"pruning.intent_mode must be query, memory or learnable, "
+                       f"got {self.intent_mode!r}")
     if not 0.0 <= self.h2o_recent_ratio <= 1.0:
       raise ValueError(f"pruning.h2o_recent_ratio must be in [0, 1], got {self.h2o_recent_ratio}")
     if self.sink < 0 or self.snap_window < 1 or self.snap_kernel < 1:

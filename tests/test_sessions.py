@@ -127,3 +127,33 @@ def test_evidence_labels_count_copied_ids(llm):
   text = runner.tok.decode([ids[j] for j in np.nonzero(p["evidence"])[0]])
   assert "NO6JO3" in text.replace(" ", "")
   assert not p["evidence"][p["qs"]:].any()
+
+
+def test_learnable_mode_with_fresh_head_equals_phase1(llm):
+  """A fresh residual head (fc2 = 0) keeps exactly what Phase-1 memory mode keeps;
+  the -residual ablation does too with a randomised head."""
+  import jax
+  from flax import nnx
+  from jaxkv.policies.pruning.residual import ResidualHead
+
+  cfg = dict(method="intentkv", layout="dead_slot", budget=80)
+  _, phase1 = _run(llm, intent_mode="memory", **cfg)
+  head = ResidualHead(llm.config.head_dim, rngs=nnx.Rngs(0))
+  runner = SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE,
+                         prefill_chunk=64, head=head)
+  fresh = runner.run_session("s", MESSAGES)
+  for a, b in zip(phase1, fresh):
+    np.testing.assert_array_equal(a.kept, b.kept)
+  graphdef, state = nnx.split(head)
+  state = jax.tree.map(lambda x: x + 0.5, state)          # non-zero fc2: the head now matters
+  runner = SessionRunner(llm, PruningConfig(intent_mode="learnable", ablate_residual=True, **cfg),
+                         cache=CACHE, prefill_chunk=64, head=(graphdef, state))
+  for a, b in zip(phase1, runner.run_session("s", MESSAGES)):
+    np.testing.assert_array_equal(a.kept, b.kept)
+  runner = SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE,
+                         prefill_chunk=64, head=(graphdef, state))
+  changed = [not np.array_equal(a.kept, b.kept)
+             for a, b in zip(phase1, runner.run_session("s", MESSAGES))]
+  assert any(changed)                                     # ... and is used when not ablated
+  with pytest.raises(ValueError, match="residual head"):
+    SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE)

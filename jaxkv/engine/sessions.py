@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxkv.config import CacheConfig, PruningConfig
 from jaxkv.data import labels
@@ -80,7 +81,25 @@ class SessionRunner:
 
   def __init__(self, llm, pruning: PruningConfig = PruningConfig(), *,
                cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16),
-               prefill_chunk: int = 256, radix: bool = True, attn_impl: str = "auto"):
+               prefill_chunk: int = 256, radix: bool = True, attn_impl: str = "auto",
+               head=None):
+    """Args:
+      llm: a loaded `LLM` (model, tokenizer, weights).
+      pruning: the policy, layout and budget.
+      cache: the pool of this runner (separate from llm's engine pool).
+      prefill_chunk: tokens per prefill step.
+      radix: use the radix prefix cache.
+      attn_impl: `jaxkv.ops` implementation.
+      head: IntentKV `learnable` mode: a trained `ResidualHead`, or its
+        `nnx.split` (graphdef, state).
+    """
+    if pruning.method == "intentkv" and pruning.intent_mode == "learnable":
+      if head is None:
+        raise ValueError("IntentKV learnable mode needs a trained residual head "
+                         "(pruning.head_path / SessionRunner(head=...))")
+      self.head = nnx.split(head) if isinstance(head, nnx.Module) else tuple(head)
+    else:
+      self.head = (None, None)
     self.tok = llm.tokenizer
     self.cfg = llm.config
     self.graphdef, self.weights = llm.engine.graphdef, llm.engine.weights
@@ -256,9 +275,12 @@ class SessionRunner:
       key = intentkv.session_key(session_id=session_id)
       shape = (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim)
       memory, _ = self.memories.gather([key], shape)
+    span = np.zeros((1, width), bool)
+    span[0, p["qs"]:n] = True
     keep, new_mem = policy.select_kept(cfg, k, jnp.asarray(live_b), jnp.asarray(forced),
-                                       qq, qpos, memory)
-    if cfg.method == "intentkv" and cfg.intent_mode == "memory":
+                                       qq, qpos, memory, jnp.asarray(span),
+                                       head_graphdef=self.head[0], head_state=self.head[1])
+    if cfg.method == "intentkv" and cfg.intent_mode != "query":
       self.memories.scatter([key], new_mem)
     return np.asarray(keep[0, :smap.size])
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import PruningConfig
-from jaxkv.policies.pruning import intentkv, scores
+from jaxkv.policies.pruning import intentkv, residual, scores
 from jaxkv.policies.pruning.select import keep_mask
 
 
@@ -37,10 +37,11 @@ def intentkv_config(cfg: PruningConfig) -> intentkv.IntentKVConfig:
                                  store_capacity=cfg.memory_capacity)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "head_graphdef"))
 def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.Array,
                 q: jax.Array | None = None, q_pos: jax.Array | None = None,
-                memory: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                memory: jax.Array | None = None, span: jax.Array | None = None,
+                head_graphdef=None, head_state=None) -> tuple[jax.Array, jax.Array | None]:
   """The kept set of one pruning event.
 
   Args:
@@ -50,6 +51,8 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
     forced: [B, T] bool base forced set (system prefix + query span).
     q, q_pos: [L, B, W, Hq, D] and [B, W] queries the method reads (see module doc).
     memory: [L, B, Hq, D] IntentKV session memories (zeros for new sessions).
+    span: [B, T] bool actionable query span (IntentKV learnable: K-bar^q).
+    head_graphdef, head_state: `nnx.split` of a trained `ResidualHead` (learnable).
   Returns:
     (keep [B, T] bool, updated IntentKV memory or None).
   """
@@ -62,6 +65,18 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
     s, f = scores.snapkv(q, q_pos, k, live, scores.SnapKVConfig(cfg.snap_window, cfg.snap_kernel))
   elif cfg.method == "h2o":
     s, f = scores.h2o(q, q_pos, k, live, cfg.budget, scores.H2OConfig(cfg.h2o_recent_ratio))
+  elif cfg.method == "intentkv" and cfg.intent_mode == "learnable":
+    candidates = live & ~forced
+    enc = intentkv.encode_query(q, q_pos >= 0)
+    new_memory = intentkv.update_memory(memory, enc, cfg.intent_decay)
+    m = intentkv.unit_norm(enc) if cfg.ablate_memory else new_memory
+    if cfg.ablate_residual:       # alpha = 0 is exactly the rule scorer (Phase-1)
+      s = intentkv.rule_scores(m, k, candidates)
+    else:
+      s = residual.learnable_scores((head_graphdef, head_state), k, m, candidates,
+                                    span & live, n_q=q.shape[2],   # span rows (static)
+                                    ablate_xattn=cfg.ablate_xattn)
+    f = jnp.zeros_like(live)
   elif cfg.method == "intentkv":
     candidates = live & ~forced
     s, new_memory = intentkv.intentkv_scores(q, q_pos >= 0, k, candidates, memory,
