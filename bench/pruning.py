@@ -25,6 +25,7 @@ Columns (IntentKV section 4.1; means over sessions unless stated):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import numpy as np
@@ -80,7 +81,9 @@ def summarize(turns_by_session, full_by_session) -> dict:
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--traces", required=True, help="ToolBench-format JSON")
+  ap.add_argument("--traces", help="ToolBench-format JSON")
+  ap.add_argument("--tables_from", default=None,
+                  help="print the tables of an earlier --out JSON and exit")
   ap.add_argument("--out", default=None)
   ap.add_argument("--model", default="smollm2-135m")
   ap.add_argument("--methods", default=",".join(METHODS))
@@ -95,6 +98,12 @@ def main():
                   help="skip sessions whose final prompt exceeds this many tokens")
   ap.add_argument("--num_pages", type=int, default=2048)
   args = ap.parse_args()
+  if args.tables_from:
+    with open(args.tables_from) as f:
+      print_tables(json.load(f))
+    return
+  if not args.traces:
+    ap.error("--traces is required")
 
   llm = jaxkv.load(args.model)
   sessions = []
@@ -122,17 +131,42 @@ def main():
               f"hit={100 * r['prefix_hit_rate']:.0f}% dNLL={r['delta_nll']:+.3f} "
               f"recall={r['future_evidence_recall']:.3f}", flush=True)
 
-  n_turns = rows[0]["n_turns"]
-  print(f"\n{args.model}, {len(sessions)} sessions / {n_turns} turns from {args.traces}; "
-        "teacher-forced replay, radix prefix cache on")
-  hdr = ("method", "layout", "C", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %",
-         "wall s", "dNLL", "recall", "pruned %")
-  common.print_table(hdr, [
-      (r["method"], r["layout"], str(r["budget"]), f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}",
-       f"{r['raw_reads']:.0f}", f"{r['eff_reads']:.0f}", f"{100 * r['prefix_hit_rate']:.1f}",
-       f"{r['wall_s']:.1f}", f"{r['delta_nll']:+.3f}", f"{r['future_evidence_recall']:.3f}",
-       f"{100 * r['pruned_share']:.0f}") for r in rows])
+  print(f"\n{args.model}, {len(sessions)} sessions / {rows[0]['n_turns']} turns from "
+        f"{args.traces}; teacher-forced replay, radix prefix cache on")
+  print_tables(rows)
   common.write_rows(args.out, rows)
+
+
+HEADER = ("method", "layout", "C", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %",
+          "wall s", "dNLL", "recall", "pruned %")
+
+
+def _cells(r):
+  return (r["method"], r["layout"], str(r["budget"]), f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}",
+          f"{r['raw_reads']:.0f}", f"{r['eff_reads']:.0f}", f"{100 * r['prefix_hit_rate']:.1f}",
+          f"{r['wall_s']:.1f}", f"{r['delta_nll']:+.3f}", f"{r['future_evidence_recall']:.3f}",
+          f"{100 * r['pruned_share']:.0f}")
+
+
+def print_tables(rows: list[dict]) -> None:
+  """Table 2 shape (published layouts: baselines compact, IntentKV dead-slot, per budget
+  where both exist), Table 7 shape (layout ablation), then every row."""
+  budgets = sorted({r["budget"] for r in rows if r["budget"]})
+  full = [r for r in rows if r["method"] == "full"]
+  for b in budgets:
+    pub = [r for r in rows if r["budget"] == b and (
+        (r["method"].startswith("intentkv") and r["layout"] == "dead_slot")
+        or (not r["method"].startswith("intentkv") and r["layout"] == "compact"))]
+    if any(r["layout"] == "compact" for r in pub):
+      print(f"\nTable 2 shape, C={b}: baselines in their published compact layout, "
+            "IntentKV dead-slot")
+      common.print_table(HEADER, [_cells(r) for r in full + pub])
+    abl = [r for r in rows if r["budget"] == b]
+    if {r["layout"] for r in abl} >= {"dead_slot", "compact"}:
+      print(f"\nTable 7 shape, C={b}: the same scorers under both layouts")
+      common.print_table(HEADER, [_cells(r) for r in sorted(abl, key=lambda r: r["method"])])
+  print("\nAll rows")
+  common.print_table(HEADER, [_cells(r) for r in rows])
 
 
 if __name__ == "__main__":
