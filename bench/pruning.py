@@ -114,7 +114,7 @@ def main():
       sessions.append(s)
     if len(sessions) == args.max_sessions:
       break
-  cache = CacheConfig(num_pages=args.num_pages, page_size=16)
+  cache = CacheConfig(num_pages=args.num_pages, page_size=16, max_seq_len=args.max_tokens + 1024)
   full = run_config(llm, sessions, PruningConfig(method="none"), cache, "full cache")
   rows = [dict(method="full", layout="-", budget=0, **summarize(full, full))]
   for budget in [int(b) for b in args.budgets.split(",")]:

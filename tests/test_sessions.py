@@ -120,6 +120,14 @@ def test_budget_forced_set_and_persistent_holes(llm):
   runner.radix.check()
 
 
+def test_turn_longer_than_the_cache_is_a_clear_error(llm):
+  short = CacheConfig(num_pages=512, page_size=4, max_seq_len=100)
+  runner = SessionRunner(llm, PruningConfig(), cache=short)
+  with pytest.raises(ValueError, match="max_seq_len"):
+    runner.run_session("s", MESSAGES)
+  assert not runner.alloc.sequences() and runner.alloc.num_live_slots == runner.radix.num_cached_tokens
+
+
 def test_evidence_labels_count_copied_ids(llm):
   runner = SessionRunner(llm, PruningConfig(), cache=CACHE)
   p = runner.prepare(MESSAGES, None, 6)         # the next call copies NO6JO3 from a tool output

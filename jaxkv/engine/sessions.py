@@ -80,7 +80,8 @@ class SessionRunner:
   """Runs sessions turn by turn on one pool (batch 1), with a pruning policy."""
 
   def __init__(self, llm, pruning: PruningConfig = PruningConfig(), *,
-               cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16),
+               cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16,
+                                                max_seq_len=8192),
                prefill_chunk: int = 256, radix: bool = True, attn_impl: str = "auto",
                head=None):
     """Args:
@@ -107,6 +108,7 @@ class SessionRunner:
     self.chunk = prefill_chunk
     self.attn_impl = attn_impl
     self.kv = kv_state.init_pool(self.cfg, cache)
+    self.max_len = cache.max_seq_len
     self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
     # dead-slot pruning keeps holes in the cached token stream (IntentKV section 3.4)
     self.radix = RadixCache(self.alloc, cache_dead=True) if radix else None
@@ -182,40 +184,49 @@ class SessionRunner:
     if generate:
       gold = np.zeros(max_tokens, np.int32)     # slots reserved for the reply
     n, g = prompt.size, gold.size
+    if n + g > self.max_len:
+      raise ValueError(f"session {session_id!r} turn {i}: prompt + reply = {n + g} tokens "
+                       f"exceed cache.max_seq_len = {self.max_len}")
     toks = np.concatenate([prompt, gold])
-    seq = self.alloc.new_sequence()
-    hit = self.radix.adopt_prefix(seq, prompt[:n - 1]) if self.radix is not None else 0
-    self._reserve(seq, n + g - hit)
-    width = _bucket(n + g, 128)
-    cfg = self.pruning
-    rows = policy.query_rows(cfg)
-    lp_prompt, nxt, q = self._run_chunks(seq, toks, hit, n, hit, rows is not None, width)
-    smap = self.alloc.slot_map(seq)
-    t = np.arange(smap.size)
-    live = (smap != SENTINEL) & (t < n)
-    live_before = int(live.sum())
-    keep = live
-    pruned = cfg.method != "none" and live_before > cfg.budget
-    p0 = n
-    if pruned:
-      keep = self._select(session_id, smap, live, p, q, hit, n, width)
-      if cfg.layout == "dead_slot":
-        select.evict_dropped(self.alloc, seq, keep | (t >= n))   # reply slots stay
+    before = set(self.alloc.sequences())
+    try:
+      seq = self.alloc.new_sequence()
+      hit = self.radix.adopt_prefix(seq, prompt[:n - 1]) if self.radix is not None else 0
+      self._reserve(seq, n + g - hit)
+      width = _bucket(n + g, 128)
+      cfg = self.pruning
+      rows = policy.query_rows(cfg)
+      lp_prompt, nxt, q = self._run_chunks(seq, toks, hit, n, hit, rows is not None, width)
+      smap = self.alloc.slot_map(seq)
+      t = np.arange(smap.size)
+      live = (smap != SENTINEL) & (t < n)
+      live_before = int(live.sum())
+      keep = live
+      pruned = cfg.method != "none" and live_before > cfg.budget
+      p0 = n
+      if pruned:
+        keep = self._select(session_id, smap, live, p, q, hit, n, width)
+        if cfg.layout == "dead_slot":
+          select.evict_dropped(self.alloc, seq, keep | (t >= n))   # reply slots stay
+        else:
+          seq, p0 = self._compact(seq, smap, keep, g, width), int(keep.sum())
+      text = ""
+      if generate:
+        g = self._generate(seq, toks, n, p0, int(nxt[-1]), width)
+        text = self.tok.decode(toks[n:n + g])
+        nll = float("nan")
       else:
-        seq, p0 = self._compact(seq, smap, keep, g, width), int(keep.sum())
-    text = ""
-    if generate:
-      g = self._generate(seq, toks, n, p0, int(nxt[-1]), width)
-      text = self.tok.decode(toks[n:n + g])
-      nll = float("nan")
-    else:
-      lp_gold, _, _ = self._run_chunks(seq, toks, n, n + g, p0, False, width)
-      nll = -float(lp_prompt[-1] + lp_gold[:-1].sum()) / max(g, 1)
-    if self.radix is not None and not (pruned and cfg.layout == "compact"):
-      # the last reply token has no KV yet in free mode; a gold turn is fully written
-      cached = n + g - (1 if generate else 0)
-      self.radix.insert(toks[:cached], self.alloc.slot_map(seq)[:cached])
-    self.alloc.free_sequence(seq)
+        lp_gold, _, _ = self._run_chunks(seq, toks, n, n + g, p0, False, width)
+        nll = -float(lp_prompt[-1] + lp_gold[:-1].sum()) / max(g, 1)
+      if self.radix is not None and not (pruned and cfg.layout == "compact"):
+        # the last reply token has no KV yet in free mode; a gold turn is fully written
+        cached = n + g - (1 if generate else 0)
+        self.radix.insert(toks[:cached], self.alloc.slot_map(seq)[:cached])
+      self.alloc.free_sequence(seq)
+    except BaseException:
+      for leaked in set(self.alloc.sequences()) - before:   # free this turn's sequences
+        self.alloc.free_sequence(leaked)
+      raise
     live_after = int(keep.sum())
     steps_ = max(g - 1, 0)
     tri = steps_ * (steps_ + 1) // 2

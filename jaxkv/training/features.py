@@ -1,0 +1,307 @@
+"""Frozen-model features for IntentKV Phase-2 training (section 3.5, appendix H).
+
+For every (session, assistant turn i) row the prompt is messages[:i]. Sessions
+are replayed in increasing turn order over one KV pool (a contiguous slot map,
+slot 0 the sentinel): each turn's prompt extends the previous one, so only the
+tokens after the longest common prefix are prefilled, in chunks of at most
+`chunk_tokens` (<= 4,096) with KV caching, and the chunk boundaries are chosen
+so that the actionable query span [qs, N) is always ONE chunk (`plan_chunks`).
+That chunk captures the post-RoPE Q rows of the span; Enc(q_t) is their mean,
+the session's QueryMemory is updated by eq. 2 (lambda = 0.5, unit norm) and
+the rule score of eq. 3 is computed over the candidates H = [sys_len, qs)
+(live history outside the forced set: system prefix + query span; nothing is
+pruned while extracting).
+
+Stored per session (one .npz under the cache directory):
+
+  kbar    [N_max, D] float32  per-position key mean over layers and KV heads
+                              (residual.mean_keys; positions never shift, so
+                              one array serves every row of the session)
+  per row (concatenated over rows, `offsets` delimit them):
+  rule    [qs - sys_len]      eq. 3 over the candidate window
+  labels  [qs - sys_len] int8 1 evidence, 0 other history, -100 template tokens
+  mbar    [D]                 mean of M_t over layers and query heads
+  mnorm   [L, Hq]             ||M_t[l, h]||_2 of the memory the scorer used
+  n, qs, sys_len, turn
+
+K_bar^q is kbar[qs:n] (its last n_q rows) and positions in [0, sys_len) and
+[qs, n) carry label -100 implicitly (they are outside the stored window).
+Rows whose window holds no positive are dropped (section 3.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import pathlib
+import re
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.config import CacheConfig
+from jaxkv.data import labels as labels_lib
+from jaxkv.data import traces
+from jaxkv.kv import state as kv_state
+from jaxkv.policies.pruning import intentkv, residual, scores
+from jaxkv.training.config import PrunerTrainConfig, feature_key
+
+IGNORE = -100
+PAGE = 16
+
+
+# ----------------------------------------------------------------------------- prompts
+def _query_start(messages: Sequence[dict], i: int) -> int:
+  """First message of the trailing user / tool run before message i (as the engine)."""
+  j = i
+  while j > 0 and messages[j - 1].get("role") in ("user", "tool"):
+    j -= 1
+  return j
+
+
+def template_mask(tok, text: str, offsets) -> np.ndarray:
+  """[N] bool: special tokens and chat-template role headers (`<|im_start|>role\\n`)."""
+  special = [t.content for t in tok.backend.get_added_tokens_decoder().values() if t.special]
+  covered = np.zeros(len(text) + 1, bool)
+  for s in special:
+    pat = re.escape(s) + (r"[^\n]{0,32}\n" if "start" in s else "")
+    for m in re.finditer(pat, text):
+      covered[m.start():m.end()] = True
+  out = np.zeros(len(offsets), bool)
+  for j, (a, b) in enumerate(offsets):
+    out[j] = b > a and bool(covered[a:b].all())
+  return out
+
+
+def prepare_row(tok, messages: Sequence[dict], tools, i: int, lookahead: int = 5) -> dict:
+  """Prompt ids of messages[:i], query-span start qs, system length and labels.
+
+  Mirrors `SessionRunner.prepare` (same spans, same evidence) and adds the
+  template mask. labels [N] int8: 1 evidence, 0 other, -100 on the system
+  prefix, the query span and template tokens.
+  """
+  text = tok.render_chat(list(messages[:i]), tools=tools, add_generation_prompt=True)
+  ids, offsets = tok.encode_with_offsets(text)
+  before = tok.render_chat(list(messages[:_query_start(messages, i)]), tools=tools,
+                           add_generation_prompt=False)
+  qs = min(len(tok.encode(before, add_bos=False)), len(ids) - 1)
+  sys_len = 0
+  if messages and messages[0].get("role") == "system":
+    sys_len = len(tok.encode(tok.render_chat(list(messages[:1]), tools=tools,
+                                             add_generation_prompt=False), add_bos=False))
+  sys_len = min(sys_len, qs)
+  values = labels_lib.future_tool_arguments(messages, i, lookahead=lookahead)
+  q_char = offsets[qs][0] if qs < len(offsets) else len(text)
+  evidence = labels_lib.evidence_mask(text, offsets, values, end_char=q_char)
+  lab = evidence.astype(np.int8)
+  lab[template_mask(tok, text, offsets)] = IGNORE
+  lab[:sys_len] = IGNORE
+  lab[qs:] = IGNORE
+  return dict(ids=np.asarray(ids, np.int32), qs=qs, sys_len=sys_len, labels=lab)
+
+
+def plan_chunks(start: int, qs: int, n: int, chunk: int, max_chunk: int = 4096):
+  """Chunk boundaries covering [min(start, qs'), n) with the query span in ONE chunk.
+
+  History [start, qs') is cut into chunks of at most `chunk` tokens; the span
+  [qs', n) is the last chunk, where qs' = max(qs, n - max_chunk) (a span longer
+  than max_chunk keeps its last max_chunk rows). If start > qs' (span already
+  cached) the span is recomputed. Returns (list of (c0, c1), index of the span chunk).
+  """
+  qs = max(qs, n - max_chunk)
+  start = min(start, qs)
+  out = [(c0, min(qs, c0 + chunk)) for c0 in range(start, qs, chunk)]
+  out.append((qs, n))
+  return out, len(out) - 1
+
+
+def _bucket(n: int, lo: int = 16) -> int:
+  return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------- device steps
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture"),
+                   donate_argnums=(2,))
+def _prefill(graphdef, weights, kv, tokens, positions, slot_map, span, *, attn_impl, capture):
+  """One chunk: writes KV; with `capture`, returns Enc(q) over `span` [1, C] rows."""
+  model = nnx.merge(graphdef, weights)
+  ws = kv_state.write_slots(slot_map, positions, positions >= 0, kv.num_slots)
+  out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture)
+  enc = intentkv.encode_query(out[2], span) if capture else None
+  return out[1], enc
+
+
+@jax.jit
+def _row_features(pool_k, slot_map, enc, prev, candidates, decay):
+  """M_t (eq. 2), rule (eq. 3) over candidates, k_bar, m_bar and ||M_t|| per head."""
+  mem = intentkv.update_memory(prev, enc, decay)
+  k = scores.gather_keys(pool_k, slot_map)                 # [L, 1, W, Hkv, D]
+  rule = intentkv.rule_scores(mem, k, candidates)[0]
+  kbar = residual.mean_keys(k)[0]
+  mbar = jnp.mean(mem, axis=(0, 2))[0]
+  return mem, rule, kbar, mbar, jnp.linalg.norm(mem[:, 0], axis=-1)
+
+
+class Extractor:
+  """Replays sessions through a frozen model and returns per-session feature dicts."""
+
+  def __init__(self, llm, cfg: PrunerTrainConfig):
+    self.tok, self.mcfg, self.cfg = llm.tokenizer, llm.config, cfg
+    self.graphdef, self.weights = llm.engine.graphdef, llm.engine.weights
+    slots = _bucket(cfg.max_prompt_tokens, 128) + PAGE
+    self.cache = CacheConfig(num_pages=slots // PAGE + 1, page_size=PAGE,
+                             max_seq_len=cfg.max_prompt_tokens, dtype=cfg.dtype)
+    self.kv = kv_state.init_pool(self.mcfg, self.cache)
+
+  def _run(self, ids, c0, c1, span_lo, capture):
+    """Prefill positions [c0, c1) (slots PAGE + p); Enc over [span_lo, c1) if capture."""
+    n, cb, w = c1 - c0, _bucket(c1 - c0), _bucket(c1, 128)
+    tokens = np.zeros((1, cb), np.int32)
+    tokens[0, :n] = ids[c0:c1]
+    pos = np.full((1, cb), -1, np.int32)
+    pos[0, :n] = np.arange(c0, c1)
+    smap = np.zeros((1, w), np.int32)
+    smap[0, :c1] = PAGE + np.arange(c1)
+    span = np.zeros((1, cb), bool)
+    span[0, span_lo - c0:n] = True
+    self.kv, enc = _prefill(self.graphdef, self.weights, self.kv, jnp.asarray(tokens),
+                            jnp.asarray(pos), jnp.asarray(smap), jnp.asarray(span),
+                            attn_impl=self.cfg.attn_impl, capture=capture)
+    return enc
+
+  def session(self, sess: traces.Session) -> dict:
+    """Features of every usable row of one session (see the module docstring)."""
+    cfg = self.cfg
+    messages, tools = traces.session_chat(sess, self.tok)
+    prev_ids = np.zeros(0, np.int32)
+    memory = None
+    kbar = np.zeros((0, self.mcfg.head_dim), np.float32)
+    rows, chunks_log = [], []
+    for i, m in enumerate(messages):
+      if m.get("role") != "assistant" or i == 0:
+        continue
+      p = prepare_row(self.tok, messages, tools, i, cfg.lookahead)
+      ids, qs, sys_len, n = p["ids"], p["qs"], p["sys_len"], p["ids"].size
+      if n > cfg.max_prompt_tokens:
+        break                                  # later turns are longer still
+      lcp = 0
+      lim = min(prev_ids.size, n)
+      diff = np.nonzero(prev_ids[:lim] != ids[:lim])[0]
+      lcp = int(diff[0]) if diff.size else lim
+      plan, span_idx = plan_chunks(lcp, qs, n, cfg.chunk_tokens, cfg.max_chunk)
+      chunks_log.append(plan)
+      enc = None
+      for ci, (c0, c1) in enumerate(plan):
+        e = self._run(ids, c0, c1, c0, ci == span_idx)
+        if ci == span_idx:
+          enc = e
+      prev_ids = ids
+      w = _bucket(n, 128)
+      smap = np.zeros((1, w), np.int32)
+      smap[0, :n] = PAGE + np.arange(n)
+      cand = np.zeros((1, w), bool)
+      cand[0, sys_len:qs] = True
+      prev = jnp.zeros_like(enc) if memory is None else memory
+      memory, rule, kb, mbar, mnorm = _row_features(self.kv.k, jnp.asarray(smap), enc, prev,
+                                                    jnp.asarray(cand), cfg.decay)
+      kbar = np.asarray(kb[:n], np.float32)     # positions never shift: one array per session
+      lab = p["labels"][sys_len:qs]
+      rows.append(dict(turn=i, n=n, qs=qs, sys_len=sys_len,
+                       rule=np.asarray(rule)[sys_len:qs].astype(np.float32),
+                       labels=lab.astype(np.int8), mbar=np.asarray(mbar, np.float32),
+                       mnorm=np.asarray(mnorm, np.float32), positives=int((lab == 1).sum())))
+    return dict(kbar=kbar, rows=rows, chunks=chunks_log)
+
+
+# ----------------------------------------------------------------------------- storage
+def pack_session(feat: dict) -> dict:
+  """Session features -> flat arrays for np.savez (rows concatenated)."""
+  rows = feat["rows"]
+  lens = [r["rule"].size for r in rows]
+  out = dict(kbar=feat["kbar"], offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+  for k in ("turn", "n", "qs", "sys_len", "positives"):
+    out[k] = np.asarray([r[k] for r in rows], np.int64)
+  out["rule"] = np.concatenate([r["rule"] for r in rows]) if rows else np.zeros(0, np.float32)
+  out["labels"] = np.concatenate([r["labels"] for r in rows]) if rows else np.zeros(0, np.int8)
+  d = feat["kbar"].shape[1]
+  out["mbar"] = np.stack([r["mbar"] for r in rows]) if rows else np.zeros((0, d), np.float32)
+  out["mnorm"] = np.stack([r["mnorm"] for r in rows]) if rows else np.zeros((0, 1, 1), np.float32)
+  return out
+
+
+@dataclasses.dataclass
+class Row:
+  """One training example (host numpy), as the trainer consumes it."""
+  session: str
+  turn: int
+  rule: np.ndarray      # [T] candidate window [sys_len, qs)
+  labels: np.ndarray    # [T] int8
+  kbar: np.ndarray      # [T, D] k_bar over the window
+  kq: np.ndarray        # [n_q', D] k_bar at the last <= n_q span positions
+  mbar: np.ndarray      # [D]
+  mnorm: np.ndarray     # [L, Hq]
+
+
+def unpack_rows(sid: str, arrs, n_q: int) -> list[Row]:
+  """Rows of one stored session that have at least one positive."""
+  out = []
+  kbar = arrs["kbar"]
+  for r in range(arrs["n"].size):
+    if arrs["positives"][r] == 0:
+      continue
+    a, b = arrs["offsets"][r], arrs["offsets"][r + 1]
+    n, qs, sl = int(arrs["n"][r]), int(arrs["qs"][r]), int(arrs["sys_len"][r])
+    out.append(Row(session=sid, turn=int(arrs["turn"][r]), rule=arrs["rule"][a:b],
+                   labels=arrs["labels"][a:b], kbar=kbar[sl:qs], kq=kbar[max(qs, n - n_q):n],
+                   mbar=arrs["mbar"][r], mnorm=arrs["mnorm"][r]))
+  return out
+
+
+def _digest(path) -> str:
+  return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:16]
+
+
+def _safe(name: str) -> str:
+  return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] + "-" + hashlib.md5(name.encode()).hexdigest()[:8]
+
+
+def load_or_extract(cfg: PrunerTrainConfig, trace_path: str, max_sessions: int = 0, *,
+                    llm=None, progress: bool = True, log=print) -> dict[str, list[Row]]:
+  """Features of every session of a trace file, from the cache or the frozen model.
+
+  The cache lives in cache_dir/<key>/ where key hashes the model, the trace file
+  (path + content) and the feature settings; a session already stored is never
+  re-extracted, so an interrupted extraction resumes. `llm` is loaded lazily
+  (only when something is missing). Returns {session id: rows with a positive},
+  in file order.
+  """
+  import tqdm
+
+  sessions = traces.load_toolbench(trace_path, strict=False)
+  if max_sessions:
+    sessions = sessions[:max_sessions]
+  key = feature_key(cfg, trace_path, _digest(trace_path), max_sessions)
+  root = pathlib.Path(cfg.cache_dir) / key
+  root.mkdir(parents=True, exist_ok=True)
+  todo = [s for s in sessions if not (root / f"{_safe(s.id)}.npz").exists()]
+  log(f"features {trace_path}: {len(sessions)} sessions, {len(sessions) - len(todo)} cached "
+      f"in {root}")
+  if todo:
+    if llm is None:
+      import jaxkv
+      llm = jaxkv.load(cfg.model, dtype=cfg.dtype)
+    ex = Extractor(llm, cfg)
+    for s in tqdm.tqdm(todo, desc="extract", unit="session", disable=not progress):
+      arrs = pack_session(ex.session(s))
+      tmp = root / f"{_safe(s.id)}.tmp.npz"
+      np.savez(tmp, **arrs)
+      tmp.rename(root / f"{_safe(s.id)}.npz")
+  out = {}
+  for s in sessions:
+    with np.load(root / f"{_safe(s.id)}.npz") as z:
+      out[s.id] = unpack_rows(s.id, {k: z[k] for k in z.files}, cfg.n_q)
+  return out
