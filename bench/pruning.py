@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import numpy as np
 from tqdm import tqdm
@@ -115,13 +116,23 @@ def main():
     if len(sessions) == args.max_sessions:
       break
   cache = CacheConfig(num_pages=args.num_pages, page_size=16, max_seq_len=args.max_tokens + 1024)
+  # Rows are written as each configuration finishes; a rerun with the same --out
+  # resumes (configurations already in the file are not run again).
+  rows = []
+  if args.out and os.path.exists(args.out):
+    with open(args.out) as f:
+      rows = json.load(f)
+  have = {(r["method"], r["layout"], r["budget"]) for r in rows}
   full = run_config(llm, sessions, PruningConfig(method="none"), cache, "full cache")
-  rows = [dict(method="full", layout="-", budget=0, **summarize(full, full))]
+  if ("full", "-", 0) not in have:
+    rows.insert(0, dict(method="full", layout="-", budget=0, **summarize(full, full)))
   for budget in [int(b) for b in args.budgets.split(",")]:
     for name in args.methods.split(","):
       for layout in args.layouts.split(","):
         if (layout == "compact" and args.compact_budgets is not None
             and str(budget) not in args.compact_budgets.split(",")):
+          continue
+        if (name, layout, budget) in have:
           continue
         cfg = PruningConfig(layout=layout, budget=budget, **METHODS[name])
         turns = run_config(llm, sessions, cfg, cache, f"{name}/{layout}/C={budget}")
@@ -129,7 +140,8 @@ def main():
         r = rows[-1]
         print(f"{name:16s} {layout:9s} C={budget:5d}  eff_reads={r['eff_reads']:.0f} "
               f"hit={100 * r['prefix_hit_rate']:.0f}% dNLL={r['delta_nll']:+.3f} "
-              f"recall={r['future_evidence_recall']:.3f}", flush=True)
+              f"recall={r['future_evidence_recall']:.3f} wall={r['wall_s']:.1f}s", flush=True)
+        common.write_rows(args.out, rows)
 
   print(f"\n{args.model}, {len(sessions)} sessions / {rows[0]['n_turns']} turns from "
         f"{args.traces}; teacher-forced replay, radix prefix cache on")
