@@ -20,6 +20,8 @@ Columns (IntentKV section 4.1; means over sessions unless stated):
   dNLL         mean over turns of NLL(gold turn | pruned) - NLL(gold turn | full)
   recall       future-evidence recall: kept / all history tokens copied into
                the next five tool-call arguments (micro-average)
+  cand. recall the same over evidence outside the forced system prefix (tool
+               schemas there repeat argument values and are always kept)
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def summarize(turns_by_session, full_by_session) -> dict:
   full = [t for ts in full_by_session for t in ts]
   dnll = [a.nll - b.nll for a, b in zip(flat, full)]
   ev = sum(t.evidence for t in flat)
+  evc = sum(t.evidence_candidates for t in flat)
   return {
       "pt": float(np.mean([p["pt"] for p in per])),
       "eff_live_kv": float(np.mean([p["eff_live"] for p in per])),
@@ -74,6 +77,11 @@ def summarize(turns_by_session, full_by_session) -> dict:
       "wall_s": float(np.mean([p["wall"] for p in per])),
       "delta_nll": float(np.mean(dnll)) if dnll else math.nan,
       "future_evidence_recall": sum(t.evidence_kept for t in flat) / ev if ev else math.nan,
+      # the same over evidence outside the forced system prefix: what the scorer chose
+      "candidate_evidence_recall": (sum(t.evidence_candidates_kept for t in flat) / evc
+                                    if evc else math.nan),
+      "evidence_tokens": ev,
+      "candidate_evidence_tokens": evc,
       "pruned_share": float(np.mean([t.pruned for t in flat])) if flat else 0.0,
       "n_sessions": len(per),
       "n_turns": len(flat),
@@ -150,14 +158,14 @@ def main():
 
 
 HEADER = ("method", "layout", "C", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %",
-          "wall s", "dNLL", "recall", "pruned %")
+          "wall s", "dNLL", "recall", "cand. recall", "pruned %")
 
 
 def _cells(r):
   return (r["method"], r["layout"], str(r["budget"]), f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}",
           f"{r['raw_reads']:.0f}", f"{r['eff_reads']:.0f}", f"{100 * r['prefix_hit_rate']:.1f}",
           f"{r['wall_s']:.1f}", f"{r['delta_nll']:+.3f}", f"{r['future_evidence_recall']:.3f}",
-          f"{100 * r['pruned_share']:.0f}")
+          f"{r.get('candidate_evidence_recall', math.nan):.3f}", f"{100 * r['pruned_share']:.0f}")
 
 
 def print_tables(rows: list[dict]) -> None:

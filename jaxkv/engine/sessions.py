@@ -66,6 +66,8 @@ class TurnMetrics:
   evidence_kept: int      # ... that survived
   wall_s: float
   text: str = ""          # generated reply (free mode)
+  evidence_candidates: int = 0        # evidence outside the forced system prefix
+  evidence_candidates_kept: int = 0   # ... that the policy kept
   kept: np.ndarray | None = dataclasses.field(default=None, repr=False)  # [N] kept prompt mask
 
   def to_json(self) -> dict:
@@ -236,7 +238,10 @@ class SessionRunner:
         live_before=live_before, live_after=live_after, pruned=pruned, pt=n + steps_,
         eff_live_kv=live_after + steps_, raw_reads=steps_ * n + tri,
         eff_reads=steps_ * live_after + tri, nll=nll, evidence=int(ev.sum()),
-        evidence_kept=int((ev & keep[:n]).sum()), wall_s=time.perf_counter() - t0, text=text,
+        evidence_kept=int((ev & keep[:n]).sum()),
+        evidence_candidates=int(ev[p["sys_len"]:].sum()),
+        evidence_candidates_kept=int((ev & keep[:n])[p["sys_len"]:].sum()),
+        wall_s=time.perf_counter() - t0, text=text,
         kept=np.asarray(keep[:n]))
 
   def _generate(self, seq, toks, n, p0, first, width) -> int:
