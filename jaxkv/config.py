@@ -159,7 +159,7 @@ class PruningConfig:
   sink: int = 4                 # StreamingLLM attention sinks
   snap_window: int = 32         # SnapKV observation window W (also forced)
   snap_kernel: int = 7          # SnapKV max-pool kernel
-  h2o_recent_ratio: float = 0.5  # H2O ratio mode: recent floor = ratio * C
+  h2o_recent_ratio: float = 0.5  # H2O ratio mode: recent floor = ratio * C* (C - |F|)
   intent_mode: str = "memory"   # IntentKV scorer: query | memory | learnable (Phase-2 head)
   head_path: str = ""           # learnable: trained residual head (scripts/train_pruner.py)
   ablate_memory: bool = False   # learnable ablation "-memory": M_t replaced by Enc(q_t)

@@ -267,3 +267,28 @@ def test_dead_slot_eviction_never_frees_a_referenced_slot(data):
     m = alloc.slot_map(sq)
     assert (m[~keep] == SENTINEL).all()
     alloc.check()
+
+
+@pytest.mark.parametrize("method", ["streaming_llm", "snapkv", "h2o", "intentkv"])
+def test_every_method_keeps_budget_many_tokens(method):
+  """select_kept keeps exactly max(C, |F|) live tokens for every method (H2O's recent
+  floor is a share of C* = C - |F|, SnapKV's window and StreamingLLM's sinks are
+  small), so methods compare at equal KV."""
+  from jaxkv.config import PruningConfig
+  from jaxkv.policies.pruning import policy
+  seed, rng = _rng()
+  w = 8
+  q, k, live = _qk(rng, w)
+  q_pos = np.broadcast_to(np.arange(T - w, T, dtype=np.int32), (B, w))
+  forced = np.zeros((B, T), bool)
+  forced[:, :5] = True
+  forced[:, T - w:] = True
+  budget = 20
+  cfg = PruningConfig(method=method, budget=budget, snap_window=4, sink=2)
+  mem = np.zeros((L, B, HQ, D), np.float32)
+  keep, _ = policy.select_kept(cfg, k, live, forced, q, q_pos, mem)
+  keep = np.asarray(keep)
+  n_forced = (forced & live).sum(1)
+  want = np.where(live.sum(1) <= budget, live.sum(1), np.maximum(budget, n_forced))
+  np.testing.assert_array_equal(keep.sum(1), want, err_msg=f"seed={seed}")
+  assert not (keep & ~live).any() and (keep | ~(forced & live)).all()

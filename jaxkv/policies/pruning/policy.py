@@ -64,7 +64,10 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
   elif cfg.method == "snapkv":
     s, f = scores.snapkv(q, q_pos, k, live, scores.SnapKVConfig(cfg.snap_window, cfg.snap_kernel))
   elif cfg.method == "h2o":
-    s, f = scores.h2o(q, q_pos, k, live, cfg.budget, scores.H2OConfig(cfg.h2o_recent_ratio))
+    # Ratio mode over the residual budget C* = C - |F| (F = protected system prefix +
+    # query span), so H2O keeps as many tokens as every other method.
+    c_star = jnp.maximum(cfg.budget - jnp.sum(forced & live, axis=1), 0)
+    s, f = scores.h2o(q, q_pos, k, live, c_star, scores.H2OConfig(cfg.h2o_recent_ratio))
   elif cfg.method == "intentkv" and cfg.intent_mode == "learnable":
     candidates = live & ~forced
     enc = intentkv.encode_query(q, q_pos >= 0)

@@ -116,6 +116,8 @@ def h2o(q_all: jax.Array, q_pos: jax.Array, k: jax.Array, live: jax.Array, budge
 
   Ratio mode: the last `recent_ratio * budget` live tokens are forced (the
   recent floor); the rest of the budget goes to the highest accumulated scores.
+  `budget` (scalar or [B]) is the budget H2O itself splits: `policy.select_kept`
+  passes the residual budget C* = C - |F| left after the protected tokens.
   Queries are processed in blocks of `cfg.query_block` to bound memory.
   """
   _, b, n, hq, d = q_all.shape
