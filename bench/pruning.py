@@ -48,10 +48,20 @@ METHODS = {
     "intentkv_query": dict(method="intentkv", intent_mode="query"),
     "intentkv_memory": dict(method="intentkv", intent_mode="memory"),
 }
+# With --head: IntentKV Phase-2 and the appendix-B ablations (IntentKV Table 4).
+LEARNABLE = {
+    "intentkv_learnable": dict(method="intentkv", intent_mode="learnable"),
+    "learnable-memory": dict(method="intentkv", intent_mode="learnable", ablate_memory=True),
+    "learnable-xattn": dict(method="intentkv", intent_mode="learnable", ablate_xattn=True),
+    "learnable-residual": dict(method="intentkv", intent_mode="learnable",
+                               ablate_residual=True),
+}
 
 
-def run_config(llm, sessions, pruning: PruningConfig, cache: CacheConfig, desc: str):
-  runner = SessionRunner(llm, pruning, cache=cache)
+def run_config(llm, sessions, pruning: PruningConfig, cache: CacheConfig, desc: str,
+               head=None):
+  runner = SessionRunner(llm, pruning, cache=cache,
+                         head=head if pruning.intent_mode == "learnable" else None)
   turns = []
   for s in tqdm(sessions, desc=desc, leave=False):
     turns.append(runner.run_session(s.id, *traces.session_chat(s, llm.tokenizer)))
@@ -95,7 +105,10 @@ def main():
                   help="print the tables of an earlier --out JSON and exit")
   ap.add_argument("--out", default=None)
   ap.add_argument("--model", default="smollm2-135m")
-  ap.add_argument("--methods", default=",".join(METHODS))
+  ap.add_argument("--methods", default=None,
+                  help=f"default: {','.join(METHODS)} (+ {','.join(LEARNABLE)} with --head)")
+  ap.add_argument("--head", default=None,
+                  help="trained residual head (scripts/train_pruner.py) for IntentKV learnable")
   ap.add_argument("--layouts", default="dead_slot,compact")
   ap.add_argument("--compact_budgets", default=None,
                   help="budgets at which the compact layout also runs (default: all)")
@@ -115,6 +128,16 @@ def main():
     ap.error("--traces is required")
 
   llm = jaxkv.load(args.model)
+  head = None
+  methods = dict(METHODS)
+  if args.head:
+    from jaxkv.training import load_head
+    head = load_head(args.head)
+    methods.update(LEARNABLE)
+  names = args.methods.split(",") if args.methods else list(methods)
+  unknown = sorted(set(names) - set(methods))
+  if unknown:
+    ap.error(f"unknown methods {unknown} (learnable ones need --head); known: {sorted(methods)}")
   sessions = []
   for s in traces.load_toolbench(args.traces):
     msgs, tools = traces.session_chat(s, llm.tokenizer)
@@ -135,15 +158,15 @@ def main():
   if ("full", "-", 0) not in have:
     rows.insert(0, dict(method="full", layout="-", budget=0, **summarize(full, full)))
   for budget in [int(b) for b in args.budgets.split(",")]:
-    for name in args.methods.split(","):
+    for name in names:
       for layout in args.layouts.split(","):
         if (layout == "compact" and args.compact_budgets is not None
             and str(budget) not in args.compact_budgets.split(",")):
           continue
         if (name, layout, budget) in have:
           continue
-        cfg = PruningConfig(layout=layout, budget=budget, **METHODS[name])
-        turns = run_config(llm, sessions, cfg, cache, f"{name}/{layout}/C={budget}")
+        cfg = PruningConfig(layout=layout, budget=budget, **methods[name])
+        turns = run_config(llm, sessions, cfg, cache, f"{name}/{layout}/C={budget}", head)
         rows.append(dict(method=name, layout=layout, budget=budget, **summarize(turns, full)))
         r = rows[-1]
         print(f"{name:16s} {layout:9s} C={budget:5d}  eff_reads={r['eff_reads']:.0f} "

@@ -118,9 +118,16 @@ def serve_sessions(cfg, src: pathlib.Path, dst: pathlib.Path, done: set) -> None
   errors: list = []
   sessions = traces.load_toolbench(src, strict=False, errors=errors)
   llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine)
+  head = None
+  if cfg.pruning.method == "intentkv" and cfg.pruning.intent_mode == "learnable":
+    if not cfg.pruning.head_path:
+      raise app.UsageError("pruning.intent_mode=learnable needs --config.pruning.head_path="
+                           "<head saved by scripts/train_pruner.py>")
+    from jaxkv.training import load_head
+    head = load_head(cfg.pruning.head_path)
   runner = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
                          prefill_chunk=cfg.engine.prefill_chunk,
-                         attn_impl=cfg.engine.attention_impl)
+                         attn_impl=cfg.engine.attention_impl, head=head)
   todo = [s for s in sessions if s.id not in done]
   print(f"{len(sessions)} sessions in {src} ({len(errors)} malformed), {len(done)} already "
         f"in {dst}; pruning {cfg.pruning.method}/{cfg.pruning.layout} C={cfg.pruning.budget}",

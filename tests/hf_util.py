@@ -33,3 +33,23 @@ def dense_forward(model, tokens: np.ndarray, page_size: int = 16):
   hidden, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slot_map),
                     jnp.asarray(ws), pool)
   return np.asarray(model.logits(hidden))
+
+
+def tiny_chat_llm(directory):
+  """A tiny random 2-layer Llama (vocab 49152) with SmolLM2's real tokenizer and chat
+  template: fast sessions / training tests on real token streams."""
+  import torch
+  import transformers
+
+  from jaxkv.engine.llm import LLM
+  from jaxkv.models import presets, weights
+  from jaxkv.tokens import Tokenizer
+
+  cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=4096)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(cfg).save_pretrained(directory)
+  mcfg, params = weights.load_hf_dir(directory)
+  tok = Tokenizer.load(presets.smollm2_gguf())
+  return LLM(build(mcfg, params), tok, CacheConfig(num_pages=4, page_size=4))

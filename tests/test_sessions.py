@@ -13,31 +13,18 @@ import json
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import hf_util
 from jaxkv.config import CacheConfig, PruningConfig
-from jaxkv.engine.llm import LLM
 from jaxkv.engine.sessions import SessionRunner
 from jaxkv.kv.state import SENTINEL
-from jaxkv.models import presets, weights
-from jaxkv.tokens import Tokenizer
 
 CACHE = CacheConfig(num_pages=512, page_size=4, max_seq_len=2048)
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-  d = tmp_path_factory.mktemp("tiny_sessions")
-  cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=4096)
-  torch.manual_seed(0)
-  transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-  mcfg, params = weights.load_hf_dir(d)
-  tok = Tokenizer.load(presets.smollm2_gguf())
-  return LLM(hf_util.build(mcfg, params), tok, CacheConfig(num_pages=4, page_size=4))
+  return hf_util.tiny_chat_llm(tmp_path_factory.mktemp("tiny_sessions"))
 
 
 def _call(name, **args):

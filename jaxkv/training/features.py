@@ -27,6 +27,25 @@ Stored per session (one .npz under the cache directory):
 K_bar^q is kbar[qs:n] (its last n_q rows) and positions in [0, sys_len) and
 [qs, n) carry label -100 implicitly (they are outside the stored window).
 Rows whose window holds no positive are dropped (section 3.5).
+
+Decisions where the paper is silent:
+
+  * Labels follow `SessionRunner.prepare` (future-evidence of the next five tool
+    calls, `jaxkv.data.labels`); "special-template tokens" are the tokenizer's
+    special tokens plus ChatML role headers (`<|im_start|>role\n`).
+  * A row whose prompt exceeds `max_prompt_tokens` (SmolLM2: its 8,192 context)
+    ends the session's replay (later turns are longer). A query span longer
+    than `max_chunk` keeps its last `max_chunk` rows for Enc(q_t).
+  * Chunk lengths are padded to powers of two up to 128, then multiples of 128;
+    the slot-map width to multiples of 512 (the jnp reference attention is
+    dense over the width, so a tight width is worth a few extra compiles).
+  * The prefix KV is also reused across sessions (their system prompts agree);
+    keys at a position depend only on the tokens before it, so this changes
+    nothing but float rounding.
+
+`PrunerTrainConfig` (the whole training run's frozen config, read by
+`configs/pruner_smollm2.py` and `scripts/train_pruner.py`) lives here too; its
+feature fields hash into the cache key (`feature_key`).
 """
 
 from __future__ import annotations
@@ -34,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import pathlib
 import re
 from collections.abc import Sequence
@@ -48,10 +68,85 @@ from jaxkv.data import labels as labels_lib
 from jaxkv.data import traces
 from jaxkv.kv import state as kv_state
 from jaxkv.policies.pruning import intentkv, residual, scores
-from jaxkv.training.config import PrunerTrainConfig, feature_key
 
 IGNORE = -100
 PAGE = 16
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class PrunerTrainConfig:
+  """Phase-2 residual-head training run (section 3.5, 4.1 Training, appendix A).
+
+  Paper values: AdamW lr 1e-3, weight decay 0.01, grad-accum 8, seed 42, two
+  epochs of reservoir-sampled examples (3,000 per epoch for Qwen3-8B), rho =
+  0.05, gamma = 0.01, eta = 0.001, BCE positive-rate clip [0.02, 0.5], top-64
+  hard negatives, lambda = 0.5, five-call lookahead. Knobs the paper leaves
+  open (chunking, caps, the recall budget C*) are documented per field. A
+  frozen dataclass like those of `jaxkv.config`, so `to_config_dict` /
+  `from_config_dict` and `--config.<field>=<value>` overrides work.
+  """
+  model: str = "smollm2-135m"          # preset / .gguf / HF dir (jaxkv.load)
+  dtype: str = "float32"               # frozen model + KV pool dtype
+  train_traces: str = "data_local/tau2_train.json"
+  val_traces: str = "data_local/tau2_heldout.json"
+  cache_dir: str = "data_local/pruner_features"   # on-disk feature cache
+  out_dir: str = "data_local/runs/pruner_smollm2"  # checkpoints, logs, final head
+  # --- feature extraction (frozen model)
+  chunk_tokens: int = 1024             # history prefill chunk (<= max_chunk)
+  max_chunk: int = 4096                # hard cap on any chunk (paper: 4,096)
+  max_prompt_tokens: int = 8192        # rows with longer prompts are skipped (model context)
+  max_train_sessions: int = 0          # 0 = all sessions of train_traces
+  max_val_sessions: int = 0            # 0 = all sessions of val_traces
+  decay: float = 0.5                   # lambda of eq. 2
+  lookahead: int = 5                   # future tool calls scanned for labels
+  n_q: int = 512                       # cap on K_bar^q rows (last n_q span positions)
+  attn_impl: str = "auto"
+  # --- optimisation
+  epochs: int = 2
+  examples_per_epoch: int = 3000       # reservoir sample size (capped at #rows)
+  lr: float = 1e-3
+  weight_decay: float = 0.01
+  grad_accum: int = 8                  # optax.MultiSteps every_k_schedule
+  seed: int = 42
+  # --- loss (eq. 8)
+  rho: float = 0.05
+  gamma: float = 0.01
+  eta: float = 0.001
+  pos_clip: tuple = (0.02, 0.5)
+  hard_negatives: int = 64
+  # --- validation / bookkeeping
+  recall_budget: int = 256             # C*: candidates kept for recall@C*
+  ckpt_every: int = 0                  # optimizer updates between checkpoints (0: per epoch)
+  max_to_keep: int = 3
+  progress: bool = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "pos_clip", tuple(float(x) for x in self.pos_clip))
+    if len(self.pos_clip) != 2 or not 0 < self.pos_clip[0] <= self.pos_clip[1] < 1:
+      raise ValueError(f"pos_clip must be (lo, hi) with 0 < lo <= hi < 1, got {self.pos_clip}")
+    if not 16 <= self.chunk_tokens <= self.max_chunk <= 4096:
+      raise ValueError("need 16 <= chunk_tokens <= max_chunk <= 4096 (section 3.5)")
+    if self.epochs < 1 or self.grad_accum < 1 or self.examples_per_epoch < 1:
+      raise ValueError("epochs, grad_accum and examples_per_epoch must be >= 1")
+    if self.hard_negatives < 1 or self.n_q < 1 or self.recall_budget < 1:
+      raise ValueError("hard_negatives, n_q and recall_budget must be >= 1")
+
+
+# Fields that change the extracted features (and so the cache key).
+FEATURE_FIELDS = ("model", "dtype", "chunk_tokens", "max_chunk", "max_prompt_tokens", "decay",
+                  "lookahead", "attn_impl")
+FEATURE_VERSION = 1
+
+
+def feature_key(cfg: PrunerTrainConfig, trace_path: str, trace_digest: str) -> str:
+  """Cache key: hash of the model, the trace file (path + content digest) and settings.
+
+  Files are per session, so runs capped at different session counts share them.
+  """
+  blob = {f: getattr(cfg, f) for f in FEATURE_FIELDS}
+  blob.update(trace=str(trace_path), digest=trace_digest, version=FEATURE_VERSION)
+  return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -123,6 +218,17 @@ def _bucket(n: int, lo: int = 16) -> int:
   return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
+def _chunk_bucket(n: int) -> int:
+  """Padded chunk length: powers of two up to 128, then multiples of 128."""
+  return _bucket(n) if n <= 128 else -(-n // 128) * 128
+
+
+def _width_bucket(n: int) -> int:
+  """Slot-map width (keys attended): multiples of 512. The reference attention is
+  dense over the width, so a tight width matters more than a few extra compiles."""
+  return max(512, -(-n // 512) * 512)
+
+
 # ----------------------------------------------------------------------------- device steps
 @functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture"),
                    donate_argnums=(2,))
@@ -152,14 +258,20 @@ class Extractor:
   def __init__(self, llm, cfg: PrunerTrainConfig):
     self.tok, self.mcfg, self.cfg = llm.tokenizer, llm.config, cfg
     self.graphdef, self.weights = llm.engine.graphdef, llm.engine.weights
-    slots = _bucket(cfg.max_prompt_tokens, 128) + PAGE
+    slots = _width_bucket(cfg.max_prompt_tokens) + PAGE
     self.cache = CacheConfig(num_pages=slots // PAGE + 1, page_size=PAGE,
                              max_seq_len=cfg.max_prompt_tokens, dtype=cfg.dtype)
     self.kv = kv_state.init_pool(self.mcfg, self.cache)
+    # token ids whose KV the pool holds at slots PAGE + p: the prefix shared with
+    # the next prompt (the same session's earlier turn, or the previous session's
+    # system prompt) is not recomputed, as a radix prefix cache would serve it
+    self.prev_ids = np.zeros(0, np.int32)
+    self.reused_tokens = 0
+    self.computed_tokens = 0
 
   def _run(self, ids, c0, c1, span_lo, capture):
     """Prefill positions [c0, c1) (slots PAGE + p); Enc over [span_lo, c1) if capture."""
-    n, cb, w = c1 - c0, _bucket(c1 - c0), _bucket(c1, 128)
+    n, cb, w = c1 - c0, _chunk_bucket(c1 - c0), _width_bucket(c1)
     tokens = np.zeros((1, cb), np.int32)
     tokens[0, :n] = ids[c0:c1]
     pos = np.full((1, cb), -1, np.int32)
@@ -177,7 +289,6 @@ class Extractor:
     """Features of every usable row of one session (see the module docstring)."""
     cfg = self.cfg
     messages, tools = traces.session_chat(sess, self.tok)
-    prev_ids = np.zeros(0, np.int32)
     memory = None
     kbar = np.zeros((0, self.mcfg.head_dim), np.float32)
     rows, chunks_log = [], []
@@ -188,19 +299,20 @@ class Extractor:
       ids, qs, sys_len, n = p["ids"], p["qs"], p["sys_len"], p["ids"].size
       if n > cfg.max_prompt_tokens:
         break                                  # later turns are longer still
-      lcp = 0
-      lim = min(prev_ids.size, n)
-      diff = np.nonzero(prev_ids[:lim] != ids[:lim])[0]
+      lim = min(self.prev_ids.size, n)
+      diff = np.nonzero(self.prev_ids[:lim] != ids[:lim])[0]
       lcp = int(diff[0]) if diff.size else lim
       plan, span_idx = plan_chunks(lcp, qs, n, cfg.chunk_tokens, cfg.max_chunk)
       chunks_log.append(plan)
+      self.reused_tokens += plan[0][0]
+      self.computed_tokens += n - plan[0][0]
       enc = None
       for ci, (c0, c1) in enumerate(plan):
         e = self._run(ids, c0, c1, c0, ci == span_idx)
         if ci == span_idx:
           enc = e
-      prev_ids = ids
-      w = _bucket(n, 128)
+      self.prev_ids = ids
+      w = _width_bucket(n)
       smap = np.zeros((1, w), np.int32)
       smap[0, :n] = PAGE + np.arange(n)
       cand = np.zeros((1, w), bool)
@@ -269,6 +381,22 @@ def _safe(name: str) -> str:
   return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] + "-" + hashlib.md5(name.encode()).hexdigest()[:8]
 
 
+def _plan(cfg: PrunerTrainConfig, trace_path: str, max_sessions: int):
+  """(sessions, cache directory, sessions not yet cached)."""
+  sessions = traces.load_toolbench(trace_path, strict=False)
+  if max_sessions:
+    sessions = sessions[:max_sessions]
+  key = feature_key(cfg, trace_path, _digest(trace_path))
+  root = pathlib.Path(cfg.cache_dir) / key
+  return sessions, root, [s for s in sessions if not (root / f"{_safe(s.id)}.npz").exists()]
+
+
+def all_cached(cfg: PrunerTrainConfig) -> bool:
+  """Whether the train and val features are all on disk (no model load needed)."""
+  return not (_plan(cfg, cfg.train_traces, cfg.max_train_sessions)[2]
+              or _plan(cfg, cfg.val_traces, cfg.max_val_sessions)[2])
+
+
 def load_or_extract(cfg: PrunerTrainConfig, trace_path: str, max_sessions: int = 0, *,
                     llm=None, progress: bool = True, log=print) -> dict[str, list[Row]]:
   """Features of every session of a trace file, from the cache or the frozen model.
@@ -281,13 +409,8 @@ def load_or_extract(cfg: PrunerTrainConfig, trace_path: str, max_sessions: int =
   """
   import tqdm
 
-  sessions = traces.load_toolbench(trace_path, strict=False)
-  if max_sessions:
-    sessions = sessions[:max_sessions]
-  key = feature_key(cfg, trace_path, _digest(trace_path), max_sessions)
-  root = pathlib.Path(cfg.cache_dir) / key
+  sessions, root, todo = _plan(cfg, trace_path, max_sessions)
   root.mkdir(parents=True, exist_ok=True)
-  todo = [s for s in sessions if not (root / f"{_safe(s.id)}.npz").exists()]
   log(f"features {trace_path}: {len(sessions)} sessions, {len(sessions) - len(todo)} cached "
       f"in {root}")
   if todo:

@@ -29,8 +29,11 @@ Decisions where the paper is silent:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 IGNORE = -100
 
@@ -96,3 +99,47 @@ def total_loss(s: jax.Array, labels: jax.Array, mnorm: jax.Array, *, rho: float 
   ok = jnp.any(labels != IGNORE, axis=-1).astype(jnp.float32)
   den = jnp.maximum(jnp.sum(ok), 1.0)
   return jnp.sum(row * ok) / den, {k: jnp.sum(v * ok) / den for k, v in terms.items()}
+
+
+# ----------------------------------------------------------------------------- metrics
+def recall_at(scores: np.ndarray, labels: np.ndarray, budget: int) -> tuple[int, int]:
+  """(kept positives, positives) keeping the top-`budget` of one row's window."""
+  pos = np.asarray(labels) == 1
+  if scores.size <= budget:
+    return int(pos.sum()), int(pos.sum())
+  top = np.argpartition(-np.asarray(scores), budget - 1)[:budget]
+  return int(pos[top].sum()), int(pos.sum())
+
+
+@dataclasses.dataclass
+class RecallAtBudget:
+  """Micro-averaged future-evidence recall@C* of the Phase-1 rule vs Phase-2 scores."""
+  budget: int
+  kept1: int = 0
+  kept2: int = 0
+  positives: int = 0
+  rows: int = 0
+  kept1_over: int = 0
+  kept2_over: int = 0
+  positives_over: int = 0
+  rows_over: int = 0
+
+  def add(self, rule: np.ndarray, phase2: np.ndarray, labels: np.ndarray) -> None:
+    """One row: rule / phase2 scores and labels over its candidate window."""
+    a1, p = recall_at(rule, labels, self.budget)
+    a2, _ = recall_at(phase2, labels, self.budget)
+    self.kept1, self.kept2, self.positives, self.rows = (self.kept1 + a1, self.kept2 + a2,
+                                                        self.positives + p, self.rows + 1)
+    if np.asarray(rule).size > self.budget:
+      self.kept1_over += a1
+      self.kept2_over += a2
+      self.positives_over += p
+      self.rows_over += 1
+
+  def summary(self, prefix: str = "") -> dict:
+    div = lambda a, b: a / b if b else float("nan")
+    return {f"{prefix}recall_phase1": div(self.kept1, self.positives),
+            f"{prefix}recall_phase2": div(self.kept2, self.positives),
+            f"{prefix}recall_phase1_over": div(self.kept1_over, self.positives_over),
+            f"{prefix}recall_phase2_over": div(self.kept2_over, self.positives_over),
+            f"{prefix}rows_over_budget": self.rows_over, f"{prefix}positives": self.positives}
