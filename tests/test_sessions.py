@@ -152,3 +152,19 @@ def test_learnable_mode_with_fresh_head_equals_phase1(llm):
   assert any(changed)                                     # ... and is used when not ablated
   with pytest.raises(ValueError, match="residual head"):
     SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE)
+
+
+def test_free_generation_equals_engine_greedy(llm):
+  """Free mode decodes with the engine's scan step: the reply equals LLM.generate's
+  greedy reply to the same prompt."""
+  from jaxkv.config import SamplingConfig
+  runner = SessionRunner(llm, PruningConfig(), cache=CACHE, prefill_chunk=64)
+  turn = runner.run_turn("s", MESSAGES, None, 2, generate=True, max_tokens=20)
+  from jaxkv.engine.llm import LLM
+  engine_llm = LLM(llm.model, llm.tokenizer, CACHE)        # the fixture's engine pool is tiny
+  want = engine_llm.generate([MESSAGES[:2]], SamplingConfig(max_tokens=20))[0]
+  assert want.finish_reason in ("stop", "length"), want.error
+  assert turn.text == want.text and turn.reply_tokens == want.completion_tokens
+  assert np.isnan(turn.nll)
+  runner.alloc.check()
+  runner.radix.check()

@@ -86,3 +86,52 @@ def evidence_mask(text: str, offsets: Sequence[tuple[int, int]], values: Iterabl
   starts = np.array([o[0] for o in offsets], np.int64)
   ends = np.array([o[1] for o in offsets], np.int64)
   return (cum[ends] - cum[starts]) > 0
+
+
+def query_start(messages: Sequence[dict], i: int) -> int:
+  """Index of the first message of the actionable query span before message i:
+  the trailing run of user / tool messages (the latest request or tool results)."""
+  j = i
+  while j > 0 and messages[j - 1].get("role") in ("user", "tool"):
+    j -= 1
+  return j
+
+
+def prepare_turn(tok, messages: Sequence[dict], tools, i: int, *, lookahead: int = LOOKAHEAD,
+                 reply: bool = True) -> dict:
+  """One agent request: prompt = messages[:i] (with the generation prompt), spans, labels.
+
+  Shared by the session runner (metrics) and the Phase-2 feature extractor (labels).
+
+  Returns a dict with `ids` (prompt token ids), `text` and `offsets` (the rendered
+  prompt and each token's character span), `qs` (start of the actionable query
+  span), `sys_len` (protected system prefix, <= qs), `evidence` ([N] bool, history
+  tokens before qs copied into the next `lookahead` tool-call arguments) and, with
+  `reply`, `gold` (token ids of messages[i] as the template renders it).
+
+  Raises:
+    ValueError: the chat template is not prefix-stable, so the reply cannot be
+      replayed as a continuation of the prompt.
+  """
+  def render(msgs, gen):
+    return tok.render_chat(list(msgs), tools=tools, add_generation_prompt=gen)
+
+  text = render(messages[:i], True)
+  ids, offsets = tok.encode_with_offsets(text)
+  out = dict(ids=ids, text=text, offsets=offsets)
+  if reply:
+    full = tok.encode(render(messages[:i + 1], False), add_bos=False)
+    if full[:len(ids)] != ids:
+      raise ValueError(f"chat template is not prefix-stable at message {i}; cannot replay")
+    out["gold"] = full[len(ids):]
+  before_query = tok.encode(render(messages[:query_start(messages, i)], False), add_bos=False)
+  qs = min(len(before_query), len(ids) - 1)
+  sys_len = 0
+  if messages and messages[0].get("role") == "system":
+    sys_len = len(tok.encode(render(messages[:1], False), add_bos=False))
+  values = future_tool_arguments(messages, i, lookahead=lookahead)
+  q_char = offsets[qs][0] if qs < len(offsets) else len(text)
+  evidence = evidence_mask(text, offsets, values, end_char=q_char)
+  evidence[qs:] = False
+  out.update(qs=qs, sys_len=min(sys_len, qs), evidence=evidence)
+  return out

@@ -71,10 +71,8 @@ class _Row:
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
-  b = lo
-  while b < n:
-    b *= 2
-  return min(b, hi) if hi >= n else n
+  """`steps.bucket` capped at hi (n itself when n > hi)."""
+  return min(steps.bucket(n, lo), hi) if hi >= n else n
 
 
 class Engine:

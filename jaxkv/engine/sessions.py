@@ -74,8 +74,11 @@ class TurnMetrics:
     return {k: v for k, v in dataclasses.asdict(self).items() if k != "kept"}
 
 
-def _bucket(n: int, lo: int) -> int:
-  return max(lo, 1 << max(0, int(n) - 1).bit_length())
+def _row(x, width: int, dtype=np.int32) -> jax.Array:
+  """[1, width] device row holding x at the front (zeros = SENTINEL / False after)."""
+  out = np.zeros((1, width), dtype)
+  out[0, :len(x)] = x
+  return jnp.asarray(out)
 
 
 class SessionRunner:
@@ -118,46 +121,25 @@ class SessionRunner:
     self.inv_freq, _ = rope_frequencies(self.cfg.rope, self.cfg.head_dim, None)
 
   # ---------------------------------------------------------------- prompts
-  def _render(self, messages, tools, add_generation_prompt):
-    return self.tok.render_chat(list(messages), tools=tools,
-                                add_generation_prompt=add_generation_prompt)
-
   def prepare(self, messages: Sequence[dict], tools, i: int) -> dict:
-    """Prompt (messages[:i]), gold reply (messages[i]), spans and evidence labels."""
-    text = self._render(messages[:i], tools, True)
-    ids, offsets = self.tok.encode_with_offsets(text)
-    full = self.tok.encode(self._render(messages[:i + 1], tools, False), add_bos=False)
-    if full[:len(ids)] != ids:
-      raise ValueError(f"chat template is not prefix-stable at message {i}; cannot replay")
-    gold = full[len(ids):]
-    before_query = self.tok.encode(self._render(messages[:_query_start(messages, i)], tools,
-                                                False), add_bos=False)
-    qs = min(len(before_query), len(ids) - 1)
-    sys_len = 0
-    if messages and messages[0].get("role") == "system":
-      sys_len = len(self.tok.encode(self._render(messages[:1], tools, False), add_bos=False))
-    values = labels.future_tool_arguments(messages, i)
-    q_char = offsets[qs][0] if qs < len(offsets) else len(text)
-    evidence = labels.evidence_mask(text, offsets, values, end_char=q_char)
-    evidence[qs:] = False
-    return dict(ids=ids, gold=gold, qs=qs, sys_len=min(sys_len, qs), evidence=evidence)
+    """Prompt (messages[:i]), gold reply (messages[i]), spans and evidence labels
+    (`labels.prepare_turn`)."""
+    return labels.prepare_turn(self.tok, messages, tools, i)
 
   # ---------------------------------------------------------------- device steps
   def _run_chunks(self, seq: int, toks: np.ndarray, start: int, stop: int, p0: int,
-                  capture: bool, width: int):
-    """Forward positions [start, stop) of `toks` written at logical p0 + (j - start)...
+                  capture: bool, width: int, all_logits: bool = True):
+    """Forward toks[start:stop], written at logical positions p0 + (j - start).
 
-    Returns (logprobs of toks[j + 1] for j in [start, stop), greedy next token
-    after each position, q rows or None).
+    Returns (logprobs of toks[j + 1] and greedy next tokens -- for every j in
+    [start, stop), or only for the last one without `all_logits` --, q rows or None).
     """
-    smap = np.zeros((1, width), np.int32)
-    m = self.alloc.slot_map(seq)
-    smap[0, :m.size] = m
+    smap = _row(self.alloc.slot_map(seq), width)
     lps, qs, nxts = [], [], []
     for c0 in range(start, stop, self.chunk):
       c1 = min(stop, c0 + self.chunk)
       n = c1 - c0
-      cb = _bucket(n, 16)
+      cb = steps.bucket(n, 16)
       tokens = np.zeros((1, cb), np.int32)
       tokens[0, :n] = toks[c0:c1]
       pos = np.full((1, cb), -1, np.int32)
@@ -166,10 +148,11 @@ class SessionRunner:
       nxt = toks[c0 + 1:c1 + 1]
       tgt[0, :nxt.size] = nxt
       lp, am, self.kv, q = steps.score_chunk(
-          self.graphdef, self.weights, self.kv, jnp.asarray(tokens), jnp.asarray(pos),
-          jnp.asarray(smap), jnp.asarray(tgt), attn_impl=self.attn_impl, capture_q=capture)
-      lps.append(np.asarray(lp[0, :n]))
-      nxts.append(np.asarray(am[0, :n]))
+          self.graphdef, self.weights, self.kv, jnp.asarray(tokens), jnp.asarray(pos), smap,
+          jnp.asarray(tgt), attn_impl=self.attn_impl, capture_q=capture, all_logits=all_logits)
+      if all_logits or c1 == stop:
+        lps.append(np.asarray(lp[0, :n]))
+        nxts.append(np.asarray(am[0, :n]))
       if capture:
         qs.append(q[:, :, :n])
     q_all = jnp.concatenate(qs, axis=2) if capture else None
@@ -195,10 +178,11 @@ class SessionRunner:
       seq = self.alloc.new_sequence()
       hit = self.radix.adopt_prefix(seq, prompt[:n - 1]) if self.radix is not None else 0
       self._reserve(seq, n + g - hit)
-      width = _bucket(n + g, 128)
+      width = steps.bucket(n + g, 128)
       cfg = self.pruning
       rows = policy.query_rows(cfg)
-      lp_prompt, nxt, q = self._run_chunks(seq, toks, hit, n, hit, rows is not None, width)
+      lp_prompt, nxt, q = self._run_chunks(seq, toks, hit, n, hit, rows is not None, width,
+                                           all_logits=False)
       smap = self.alloc.slot_map(seq)
       t = np.arange(smap.size)
       live = (smap != SENTINEL) & (t < n)
@@ -244,15 +228,26 @@ class SessionRunner:
         wall_s=time.perf_counter() - t0, text=text,
         kept=np.asarray(keep[:n]))
 
-  def _generate(self, seq, toks, n, p0, first, width) -> int:
-    """Greedy decode into toks[n:], one token per step, until a stop token; returns length."""
-    stop = set(self.tok.stop_ids)
+  def _generate(self, seq, toks, n, p0, first, width, steps_per_call: int = 16) -> int:
+    """Greedy decode into toks[n:] with the engine's `lax.scan` decode step, until a
+    stop token or the reserved length; returns the number of reply tokens."""
+    stop = self.tok.stop_ids
+    stop_ids = jnp.asarray(list(stop) or [-1], jnp.int32)
+    greedy = steps.SamplingParams(temperature=jnp.zeros(1, jnp.float32),
+                                  top_k=jnp.zeros(1, jnp.int32), top_p=jnp.ones(1, jnp.float32),
+                                  key=jnp.zeros((1, 2), jnp.uint32))
+    smap = _row(self.alloc.slot_map(seq), width)
     toks[n] = first
-    g = 1
-    while toks[n + g - 1] not in stop and n + g < toks.size:
-      _, nxt, _ = self._run_chunks(seq, toks, n + g - 1, n + g, p0 + g - 1, False, width)
-      toks[n + g] = nxt[-1]
-      g += 1
+    g, cap = 1, toks.size - n
+    while toks[n + g - 1] not in stop and g < cap:
+      out, emitted, self.kv = steps.decode_steps(
+          self.graphdef, self.weights, self.kv, jnp.asarray([toks[n + g - 1]], jnp.int32),
+          jnp.asarray([p0 + g - 1], jnp.int32), smap, jnp.asarray([cap - g], jnp.int32),
+          stop_ids, greedy, num_steps=steps_per_call, attn_impl=self.attn_impl,
+          greedy_only=True)
+      new = np.asarray(out)[np.asarray(emitted)[:, 0], 0]
+      toks[n + g:n + g + new.size] = new
+      g += new.size
     return g
 
   def _reserve(self, seq: int, n: int) -> None:
@@ -267,15 +262,12 @@ class SessionRunner:
 
   def _select(self, session_id, smap, live, p, q, hit, n, width):
     cfg = self.pruning
-    smap_b = np.zeros((1, width), np.int32)
-    smap_b[0, :smap.size] = smap
-    live_b = np.zeros((1, width), bool)
-    live_b[0, :live.size] = live
-    forced = np.zeros((1, width), bool)
-    forced[0, p["qs"]:n] = True
+    span = np.zeros(n, bool)
+    span[p["qs"]:] = True
+    forced = span.copy()
     if cfg.protect_system:
-      forced[0, :p["sys_len"]] = True
-    k = scores.gather_keys(self.kv.k, jnp.asarray(smap_b))
+      forced[:p["sys_len"]] = True
+    k = scores.gather_keys(self.kv.k, _row(smap, width))
     rows = policy.query_rows(cfg)
     qq = qpos = memory = None
     key = None
@@ -284,17 +276,15 @@ class SessionRunner:
       lo = {"window": max(0, pos.size - cfg.snap_window), "all": 0,
             "span": max(0, p["qs"] - hit)}[rows]
       qq, pos = q[:, :, lo:], pos[lo:]
-      rb = _bucket(pos.size, 16)
+      rb = steps.bucket(pos.size, 16)
       qq = jnp.pad(qq, ((0, 0), (0, 0), (0, rb - pos.size), (0, 0), (0, 0)))
       qpos = jnp.asarray(np.pad(pos, (0, rb - pos.size), constant_values=-1)[None])
     if cfg.method == "intentkv":
       key = intentkv.session_key(session_id=session_id)
       shape = (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim)
       memory, _ = self.memories.gather([key], shape)
-    span = np.zeros((1, width), bool)
-    span[0, p["qs"]:n] = True
-    keep, new_mem = policy.select_kept(cfg, k, jnp.asarray(live_b), jnp.asarray(forced),
-                                       qq, qpos, memory, jnp.asarray(span),
+    keep, new_mem = policy.select_kept(cfg, k, _row(live, width, bool), _row(forced, width, bool),
+                                       qq, qpos, memory, _row(span, width, bool),
                                        head_graphdef=self.head[0], head_state=self.head[1])
     if cfg.method == "intentkv" and cfg.intent_mode != "query":
       self.memories.scatter([key], new_mem)
@@ -304,14 +294,9 @@ class SessionRunner:
     n_keep = int(keep.sum())
     new = self.alloc.new_sequence()
     self._reserve(new, n_keep + g)
-    dest = np.zeros((1, width), np.int32)
-    dest[0, :n_keep] = self.alloc.slot_map(new)[:n_keep]
-    smap_b = np.zeros((1, width), np.int32)
-    smap_b[0, :smap.size] = smap
-    keep_b = np.zeros((1, width), bool)
-    keep_b[0, :keep.size] = keep
-    self.kv, _, _ = _compact_jit(self.kv, jnp.asarray(smap_b), jnp.asarray(keep_b),
-                                 jnp.asarray(dest), self.inv_freq)
+    dest = _row(self.alloc.slot_map(new)[:n_keep], width)
+    self.kv, _, _ = _compact_jit(self.kv, _row(smap, width), _row(keep, width, bool), dest,
+                                 self.inv_freq)
     self.alloc.free_sequence(seq)
     return new
 
@@ -331,11 +316,3 @@ class SessionRunner:
 
 _compact_jit = jax.jit(select.compact_layout, donate_argnums=(0,))
 
-
-def _query_start(messages: Sequence[dict], i: int) -> int:
-  """Index of the first message of the actionable query span before message i:
-  the trailing run of user / tool messages (the latest request or tool results)."""
-  j = i
-  while j > 0 and messages[j - 1].get("role") in ("user", "tool"):
-    j -= 1
-  return j

@@ -119,29 +119,41 @@ def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
   return out, emitted, kv
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q"),
+def bucket(n: int, lo: int) -> int:
+  """Smallest power of two >= max(n, lo): padded shapes that bound recompilation."""
+  return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q", "all_logits"),
                    donate_argnames=("kv",))
 def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, targets,
-                *, attn_impl: str, capture_q: bool):
+                *, attn_impl: str, capture_q: bool, all_logits: bool = True):
   """Teacher-forced chunk: writes its KV and scores the given next tokens.
 
   Used by the session runner for prompt prefill (capturing post-RoPE queries
   for the pruning scorers) and for the NLL of a gold continuation.
 
   Args:
-    tokens, positions: [B, C] int32 (positions < 0: padding).
+    tokens, positions: [B, C] int32 (positions < 0: padding, at the end of a row).
     slot_map: [B, T] int32, already holding the chunk's slots.
     targets: [B, C] int32 token expected after each position (any value where
       unused).
+    all_logits: score every position; False scores only each row's last valid
+      position (prompt prefill needs nothing else), skipping the vocab-sized
+      head on the rest of the chunk.
   Returns:
-    (logprob of targets [B, C] float32, greedy argmax [B, C] int32, kv, and
-    q [L, B, C, Hq, D] when `capture_q` else None).
+    (logprob of targets and greedy argmax, [B, C] or [B, 1] without
+    `all_logits`, kv, and q [L, B, C, Hq, D] when `capture_q` else None).
   """
   model = nnx.merge(graphdef, weights)
   valid = positions >= 0
   ws = kv_state.write_slots(slot_map, positions, valid, kv.num_slots)
   out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture_q)
   hidden, kv = out[:2]
+  if not all_logits:
+    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)[:, None]             # [B, 1]
+    hidden = jnp.take_along_axis(hidden, last[:, :, None], axis=1)
+    targets = jnp.take_along_axis(targets, last, axis=1)
   logits = model.logits(hidden)
   logp = jax.nn.log_softmax(logits, axis=-1)
   lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]

@@ -51,7 +51,6 @@ feature fields hash into the cache key (`feature_key`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import pathlib
@@ -61,11 +60,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxkv.config import CacheConfig
 from jaxkv.data import labels as labels_lib
 from jaxkv.data import traces
+from jaxkv.engine import steps
 from jaxkv.kv import state as kv_state
 from jaxkv.policies.pruning import intentkv, residual, scores
 
@@ -150,14 +149,6 @@ def feature_key(cfg: PrunerTrainConfig, trace_path: str, trace_digest: str) -> s
 
 
 # ----------------------------------------------------------------------------- prompts
-def _query_start(messages: Sequence[dict], i: int) -> int:
-  """First message of the trailing user / tool run before message i (as the engine)."""
-  j = i
-  while j > 0 and messages[j - 1].get("role") in ("user", "tool"):
-    j -= 1
-  return j
-
-
 def template_mask(tok, text: str, offsets) -> np.ndarray:
   """[N] bool: special tokens and chat-template role headers (`<|im_start|>role\\n`)."""
   special = [t.content for t in tok.backend.get_added_tokens_decoder().values() if t.special]
@@ -175,28 +166,17 @@ def template_mask(tok, text: str, offsets) -> np.ndarray:
 def prepare_row(tok, messages: Sequence[dict], tools, i: int, lookahead: int = 5) -> dict:
   """Prompt ids of messages[:i], query-span start qs, system length and labels.
 
-  Mirrors `SessionRunner.prepare` (same spans, same evidence) and adds the
-  template mask. labels [N] int8: 1 evidence, 0 other, -100 on the system
-  prefix, the query span and template tokens.
+  The spans and evidence are `labels.prepare_turn`'s (the same as the session
+  runner's); labels [N] int8: 1 evidence, 0 other, -100 on the system prefix,
+  the query span and template tokens.
   """
-  text = tok.render_chat(list(messages[:i]), tools=tools, add_generation_prompt=True)
-  ids, offsets = tok.encode_with_offsets(text)
-  before = tok.render_chat(list(messages[:_query_start(messages, i)]), tools=tools,
-                           add_generation_prompt=False)
-  qs = min(len(tok.encode(before, add_bos=False)), len(ids) - 1)
-  sys_len = 0
-  if messages and messages[0].get("role") == "system":
-    sys_len = len(tok.encode(tok.render_chat(list(messages[:1]), tools=tools,
-                                             add_generation_prompt=False), add_bos=False))
-  sys_len = min(sys_len, qs)
-  values = labels_lib.future_tool_arguments(messages, i, lookahead=lookahead)
-  q_char = offsets[qs][0] if qs < len(offsets) else len(text)
-  evidence = labels_lib.evidence_mask(text, offsets, values, end_char=q_char)
-  lab = evidence.astype(np.int8)
-  lab[template_mask(tok, text, offsets)] = IGNORE
+  p = labels_lib.prepare_turn(tok, messages, tools, i, lookahead=lookahead, reply=False)
+  qs, sys_len = p["qs"], p["sys_len"]
+  lab = p["evidence"].astype(np.int8)
+  lab[template_mask(tok, p["text"], p["offsets"])] = IGNORE
   lab[:sys_len] = IGNORE
   lab[qs:] = IGNORE
-  return dict(ids=np.asarray(ids, np.int32), qs=qs, sys_len=sys_len, labels=lab)
+  return dict(ids=np.asarray(p["ids"], np.int32), qs=qs, sys_len=sys_len, labels=lab)
 
 
 def plan_chunks(start: int, qs: int, n: int, chunk: int, max_chunk: int = 4096):
@@ -214,13 +194,10 @@ def plan_chunks(start: int, qs: int, n: int, chunk: int, max_chunk: int = 4096):
   return out, len(out) - 1
 
 
-def _bucket(n: int, lo: int = 16) -> int:
-  return max(lo, 1 << max(0, int(n) - 1).bit_length())
-
 
 def _chunk_bucket(n: int) -> int:
   """Padded chunk length: powers of two up to 128, then multiples of 128."""
-  return _bucket(n) if n <= 128 else -(-n // 128) * 128
+  return steps.bucket(n, 16) if n <= 128 else -(-n // 128) * 128
 
 
 def _width_bucket(n: int) -> int:
@@ -230,17 +207,6 @@ def _width_bucket(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- device steps
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture"),
-                   donate_argnums=(2,))
-def _prefill(graphdef, weights, kv, tokens, positions, slot_map, span, *, attn_impl, capture):
-  """One chunk: writes KV; with `capture`, returns Enc(q) over `span` [1, C] rows."""
-  model = nnx.merge(graphdef, weights)
-  ws = kv_state.write_slots(slot_map, positions, positions >= 0, kv.num_slots)
-  out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture)
-  enc = intentkv.encode_query(out[2], span) if capture else None
-  return out[1], enc
-
-
 @jax.jit
 def _row_features(pool_k, slot_map, enc, prev, candidates, decay):
   """M_t (eq. 2), rule (eq. 3) over candidates, k_bar, m_bar and ||M_t|| per head."""
@@ -280,10 +246,11 @@ class Extractor:
     smap[0, :c1] = PAGE + np.arange(c1)
     span = np.zeros((1, cb), bool)
     span[0, span_lo - c0:n] = True
-    self.kv, enc = _prefill(self.graphdef, self.weights, self.kv, jnp.asarray(tokens),
-                            jnp.asarray(pos), jnp.asarray(smap), jnp.asarray(span),
-                            attn_impl=self.cfg.attn_impl, capture=capture)
-    return enc
+    _, _, self.kv, q = steps.score_chunk(
+        self.graphdef, self.weights, self.kv, jnp.asarray(tokens), jnp.asarray(pos),
+        jnp.asarray(smap), jnp.zeros_like(jnp.asarray(tokens)), attn_impl=self.cfg.attn_impl,
+        capture_q=capture, all_logits=False)
+    return intentkv.encode_query(q, jnp.asarray(span)) if capture else None
 
   def session(self, sess: traces.Session) -> dict:
     """Features of every usable row of one session (see the module docstring)."""

@@ -49,6 +49,8 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxkv.engine import steps
+
 from jaxkv.policies.pruning.residual import ResidualHead
 from jaxkv.training import loss as loss_lib
 from jaxkv.training.features import IGNORE, PrunerTrainConfig, Row
@@ -58,15 +60,12 @@ LOG_FIELDS = ("epoch", "micro", "update", "session", "turn", "tokens", "loss", "
 
 
 # ----------------------------------------------------------------------------- batches
-def _bucket(n: int, lo: int) -> int:
-  return max(lo, 1 << max(0, int(n) - 1).bit_length())
-
 
 def make_batch(rows: list[Row], t: int | None = None, n_q: int | None = None) -> dict:
   """Pads rows to [B, T] / [B, n_q] (power-of-two buckets unless given); numpy dict."""
   d = rows[0].kbar.shape[1]
-  t = t or _bucket(max(r.rule.size for r in rows), 64)
-  n_q = n_q or _bucket(max(max(r.kq.shape[0], 1) for r in rows), 16)
+  t = t or steps.bucket(max(r.rule.size for r in rows), 64)
+  n_q = n_q or steps.bucket(max(max(r.kq.shape[0], 1) for r in rows), 16)
   b = len(rows)
   out = dict(rule=np.zeros((b, t), np.float32), labels=np.full((b, t), IGNORE, np.int32),
              kbar=np.zeros((b, t, d), np.float32), cand=np.zeros((b, t), bool),
