@@ -51,6 +51,9 @@ MIN_DOT = 16  # Triton tl.dot needs every dimension >= 16
 # Pure-jnp reference.
 # ----------------------------------------------------------------------------
 
+REF_QUERY_BLOCK = 64   # query rows per step of the reference's block loop
+
+
 def attention_mask(slot_map: jax.Array, q_positions: jax.Array) -> jax.Array:
   """Visibility [B, Tq, T] from a slot map [B, T] and query positions [B, Tq]."""
   t = jnp.arange(slot_map.shape[-1], dtype=jnp.int32)
@@ -78,20 +81,48 @@ def gather_kv(pool: jax.Array, slot_map: jax.Array, layer) -> jax.Array:
 
 
 def attend_reference(q, k, v, slot_map, q_positions, scale):
-  """Masked GQA attention over already-gathered k, v [B, T, Hkv, D]."""
+  """Masked GQA attention over already-gathered k, v [B, T, Hkv, D].
+
+  Computed per (row, KV head) with the g = Hq / Hkv query heads folded into the
+  query axis, so both products are plain batched matmuls with leading batch
+  dims ([B*Hkv, g*Tq, D] x [B*Hkv, T, D]): on XLA:CPU this layout runs ~2.8x
+  faster than the 5-D einsum it replaced (bench: Tq 512, T 4096, SmolLM2 heads).
+  Chunks longer than REF_QUERY_BLOCK rows run block by block (`lax.map`).
+  """
   b, tq, hq, d = q.shape
-  hkv = k.shape[2]
+  t, hkv = k.shape[1], k.shape[2]
   if hq % hkv:
     raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
   scale = d ** -0.5 if scale is None else scale
-  qg = q.reshape(b, tq, hkv, hq // hkv, d)
-  scores = jnp.einsum("bqhgd,bthd->bhgqt", qg, k,
-                      preferred_element_type=jnp.float32) * scale
-  mask = attention_mask(slot_map, q_positions)[:, None, None]  # [B, 1, 1, Tq, T]
+  kf = k.transpose(0, 2, 1, 3).reshape(b * hkv, t, d)              # [B*Hkv, T, D]
+  vf = v.transpose(0, 2, 1, 3).reshape(b * hkv, t, v.shape[-1])
+  if tq > REF_QUERY_BLOCK and tq % REF_QUERY_BLOCK == 0:
+    # Long prefill chunks: one query block at a time keeps the [rows, T] score
+    # block in cache (~1.3x on XLA:CPU at Tq 512-1024, T 4096); rows are independent,
+    # so the result is the same computation row by row.
+    nb = tq // REF_QUERY_BLOCK
+    qb = jnp.moveaxis(q.reshape(b, nb, REF_QUERY_BLOCK, hq, d), 1, 0)
+    pb = jnp.moveaxis(q_positions.reshape(b, nb, REF_QUERY_BLOCK), 1, 0)
+    out = jax.lax.map(lambda a: _attend_rows(a[0], kf, vf, slot_map, a[1], scale), (qb, pb))
+    return jnp.moveaxis(out, 0, 1).reshape(b, tq, hq, -1)
+  return _attend_rows(q, kf, vf, slot_map, q_positions, scale)
+
+
+def _attend_rows(q, kf, vf, slot_map, q_positions, scale):
+  """attend_reference on folded keys/values kf, vf [B*Hkv, T, D]."""
+  b, tq, hq, d = q.shape
+  t, hkv = kf.shape[1], kf.shape[0] // b
+  g = hq // hkv
+  qf = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * tq, d)
+  batched = (((2,), (2,)), ((0,), (0,)))
+  scores = jax.lax.dot_general(qf, kf, batched, preferred_element_type=jnp.float32) * scale
+  mask = attention_mask(slot_map, q_positions)                  # [B, Tq, T]
+  mask = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, tq, t)).reshape(b * hkv, g * tq, t)
   w = masked_softmax_weights(scores, mask)
-  out = jnp.einsum("bhgqt,bthd->bqhgd", w.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(b, tq, hq, d).astype(q.dtype)
+  out = jax.lax.dot_general(w.astype(vf.dtype), vf, (((2,), (1,)), ((0,), (0,))),
+                            preferred_element_type=jnp.float32)   # [B*Hkv, g*Tq, Dv]
+  out = out.reshape(b, hkv, g, tq, -1).transpose(0, 3, 1, 2, 4)
+  return out.reshape(b, tq, hq, -1).astype(q.dtype)
 
 
 def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

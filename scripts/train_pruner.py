@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 import time
 
@@ -36,6 +37,9 @@ def main(argv):
     raise app.UsageError("--config is required")
   logging.set_verbosity(logging.WARNING)      # Orbax logs every save at INFO
   cfg = from_config_dict(PrunerTrainConfig, _CONFIG.value)
+  # compiled frozen-model steps persist across runs (one per chunk/width bucket)
+  import jax
+  jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.cache_dir) / "xla"))
 
   def log(msg):
     print(msg, file=sys.stderr, flush=True)

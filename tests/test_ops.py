@@ -53,11 +53,12 @@ def paged_layout(k, v, lengths, keep, page_size, rng):
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("dead_fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_paged_equals_dense(page_size, groups, dead_fraction, mode):
+@pytest.mark.parametrize("t", [40, 128])   # 128: the reference's query-block loop
+def test_paged_equals_dense(page_size, groups, dead_fraction, mode, t):
   rng = np.random.default_rng()
-  b, t, hkv, d = 3, 40, 2, 32
+  b, hkv, d = 3, 2, 32
   hq = hkv * groups
-  lengths = np.array([40, 23, 1])
+  lengths = np.array([t, 23, 1])
   k = rng.standard_normal((b, t, hkv, d)).astype(np.float32)
   v = rng.standard_normal((b, t, hkv, d)).astype(np.float32)
   keep = (rng.random((b, t)) >= dead_fraction) & (np.arange(t)[None] < lengths[:, None])
