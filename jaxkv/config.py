@@ -81,6 +81,44 @@ class ModelConfig:
     return 2 * self.num_layers * self.d_kv * bytes_per_elem
 
 
+LORA_TARGETS = ("q", "k", "v", "o")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Shared-A multi-LoRA (LRAgent): one down-projection A per target and layer,
+  shared by every adapter, and one up-projection B_i per adapter.
+
+  delta_t(x) = (x A_t) B_{t,i} * alpha / rank for each target projection t.
+  `names` are the adapters (agent roles) in index order; a sequence selects one
+  by index (-1: the base model).
+  """
+  rank: int = 8
+  alpha: float = 16.0
+  targets: tuple = ("q", "v")               # subset of q, k, v, o (LRAgent default: Q, V)
+  names: tuple = ("plan", "action", "reflect")
+
+  def __post_init__(self):
+    object.__setattr__(self, "targets", tuple(self.targets))
+    object.__setattr__(self, "names", tuple(self.names))
+    if self.rank < 1:
+      raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+    bad = [t for t in self.targets if t not in LORA_TARGETS]
+    if bad or not self.targets or len(set(self.targets)) != len(self.targets):
+      raise ValueError(f"LoRA targets must be distinct names from {LORA_TARGETS}, "
+                       f"got {self.targets}")
+    if not self.names or len(set(self.names)) != len(self.names):
+      raise ValueError(f"LoRA adapter names must be distinct and non-empty, got {self.names}")
+
+  @property
+  def num_adapters(self) -> int:
+    return len(self.names)
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
   """Size of the paged KV pool (slot 0 is the sentinel, page 0 is reserved)."""

@@ -17,21 +17,23 @@ def build(cfg, params, dtype=jnp.float32):
   return model
 
 
-def dense_forward(model, tokens: np.ndarray, page_size: int = 16):
+def dense_forward(model, tokens: np.ndarray, page_size: int = 16, lr_rank: int = 0,
+                  **model_kwargs):
   """Runs a whole batch of equal-length prompts in one chunk over a fresh pool.
 
-  tokens: [B, T]. Returns logits [B, T, V] float32 numpy.
+  tokens: [B, T]; model_kwargs go to the model (e.g. lora, adapter_ids, lora_mode;
+  lr_rank sizes the pool's low-rank value cache). Returns logits [B, T, V] float32.
   """
   b, t = tokens.shape
   cfg = model.cfg
   num_pages = (b * t) // page_size + 2
   pool = kv_state.init_pool(cfg, CacheConfig(num_pages=num_pages, page_size=page_size,
-                                             max_seq_len=t))
+                                             max_seq_len=t), lr_rank=lr_rank)
   slot_map = (page_size + np.arange(b * t, dtype=np.int32)).reshape(b, t)
   positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
   ws = kv_state.write_slots(slot_map, positions, np.ones((b, t), bool), pool.num_slots)
   hidden, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slot_map),
-                    jnp.asarray(ws), pool)
+                    jnp.asarray(ws), pool, **model_kwargs)
   return np.asarray(model.logits(hidden))
 
 

@@ -56,10 +56,12 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
   return jnp.where(params.temperature > 0, sampled, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "greedy_only"),
+@functools.partial(jax.jit,
+                   static_argnames=("graphdef", "attn_impl", "greedy_only", "lora_mode"),
                    donate_argnames=("kv",))
 def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map,
-                 last_index, sampling: SamplingParams, *, attn_impl: str, greedy_only: bool):
+                 last_index, sampling: SamplingParams, *, attn_impl: str, greedy_only: bool,
+                 lora=None, adapter_ids=None, lora_mode: str = "full"):
   """One prefill chunk for every row.
 
   Args:
@@ -67,13 +69,16 @@ def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
     slot_map: [B, T] int32, already holding the chunk's slots.
     last_index: [B] int32 index in the chunk whose logits to sample (the last
       prompt token when this chunk ends a prompt; anything otherwise).
+    lora, adapter_ids, lora_mode: multi-LoRA weights, [B] adapter per row and
+      cache layout (see `Transformer.__call__`); lora None runs the base model.
   Returns:
     (next_tokens [B] int32, kv).
   """
   model = nnx.merge(graphdef, weights)
   valid = positions >= 0
   ws = kv_state.write_slots(slot_map, positions, valid, kv.num_slots)
-  hidden, kv = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl)
+  hidden, kv = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, lora=lora,
+                     adapter_ids=adapter_ids, lora_mode=lora_mode)
   last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
   logits = model.logits(last)
   last_pos = jnp.take_along_axis(positions, last_index[:, None], axis=1)[:, 0]
@@ -81,11 +86,13 @@ def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("graphdef", "num_steps", "attn_impl", "greedy_only"),
+                   static_argnames=("graphdef", "num_steps", "attn_impl", "greedy_only",
+                                    "lora_mode"),
                    donate_argnames=("kv",))
 def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map,
                  remaining, stop_ids, sampling: SamplingParams, *, num_steps: int,
-                 attn_impl: str, greedy_only: bool):
+                 attn_impl: str, greedy_only: bool, lora=None, adapter_ids=None,
+                 lora_mode: str = "full"):
   """`num_steps` decode steps with `lax.scan`.
 
   Args:
@@ -95,6 +102,7 @@ def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
       positions + min(num_steps, remaining) - 1.
     remaining: [B] int32 tokens each row may still generate.
     stop_ids: [K] int32 stop tokens (pad with -1).
+    lora, adapter_ids, lora_mode: as `prefill_step`.
   Returns:
     (out_tokens [num_steps, B] int32, emitted [num_steps, B] bool, kv). A row
     stops emitting after a stop token or when `remaining` runs out; its later
@@ -107,7 +115,8 @@ def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
     live = (pos >= 0) & (left > 0)
     pos_in = jnp.where(live, pos, -1)[:, None]
     ws = kv_state.write_slots(slot_map, pos_in, live[:, None], kv.num_slots)
-    hidden, kv = model(tok[:, None], pos_in, slot_map, ws, kv, attn_impl=attn_impl)
+    hidden, kv = model(tok[:, None], pos_in, slot_map, ws, kv, attn_impl=attn_impl,
+                       lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode)
     nxt = sample(model.logits(hidden[:, 0]), sampling, pos + 1, greedy_only=greedy_only)
     nxt = jnp.where(live, nxt, tok)
     stop = jnp.any(nxt[:, None] == stop_ids[None, :], axis=-1)
@@ -124,10 +133,12 @@ def bucket(n: int, lo: int) -> int:
   return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q", "all_logits"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q", "all_logits",
+                                             "lora_mode"),
                    donate_argnames=("kv",))
 def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, targets,
-                *, attn_impl: str, capture_q: bool, all_logits: bool = True):
+                *, attn_impl: str, capture_q: bool, all_logits: bool = True, lora=None,
+                adapter_ids=None, lora_mode: str = "full", base_write=None):
   """Teacher-forced chunk: writes its KV and scores the given next tokens.
 
   Used by the session runner for prompt prefill (capturing post-RoPE queries
@@ -141,6 +152,11 @@ def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
     all_logits: score every position; False scores only each row's last valid
       position (prompt prefill needs nothing else), skipping the vocab-sized
       head on the rest of the chunk.
+    lora, adapter_ids, lora_mode: as `prefill_step`.
+    base_write: [B, C] bool, or None (all): which tokens write K and the base V.
+      The others only write the low-rank value (LRAgent BaseShared: an agent
+      recomputes its own LR cache over tokens whose shared base another agent
+      already wrote).
   Returns:
     (logprob of targets and greedy argmax, [B, C] or [B, 1] without
     `all_logits`, kv, and q [L, B, C, Hq, D] when `capture_q` else None).
@@ -148,7 +164,11 @@ def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
   model = nnx.merge(graphdef, weights)
   valid = positions >= 0
   ws = kv_state.write_slots(slot_map, positions, valid, kv.num_slots)
-  out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture_q)
+  lr_ws = None
+  if base_write is not None:
+    lr_ws, ws = ws, jnp.where(base_write, ws, kv.num_slots)
+  out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture_q,
+              lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode, lr_write_slots=lr_ws)
   hidden, kv = out[:2]
   if not all_logits:
     last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)[:, None]             # [B, 1]

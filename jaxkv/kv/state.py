@@ -27,8 +27,10 @@ SENTINEL = 0
 class KVPool:
   """Per-layer flat slot pools. Slot 0 is the sentinel."""
   k: jax.Array          # [L, S, Hkv, D] post-RoPE keys
-  v: jax.Array          # [L, S, Hkv, D]
+  v: jax.Array          # [L, S, Hkv, D] (LoRA decoupled mode: the base value x W_v)
   positions: jax.Array  # [S] int32 logical position each slot was written at (-1: never)
+  vlr: jax.Array | None = None  # [L, S, r] LoRA low-rank value cache x A_v * alpha / r
+                                # (LRAgent; shared across heads and adapters), or None
 
   @property
   def num_layers(self) -> int:
@@ -41,17 +43,27 @@ class KVPool:
   def nbytes_per_slot(self) -> int:
     """Bytes one slot holds across layers (K + V), d_kv accounting."""
     _, _, hkv, d = self.k.shape
-    return 2 * self.num_layers * hkv * d * self.k.dtype.itemsize
+    lr = 0 if self.vlr is None else self.num_layers * self.vlr.shape[-1] * self.vlr.dtype.itemsize
+    return 2 * self.num_layers * hkv * d * self.k.dtype.itemsize + lr
+
+  @property
+  def lr_rank(self) -> int:
+    """Rank of the low-rank value pool (0 when there is none)."""
+    return 0 if self.vlr is None else self.vlr.shape[-1]
 
 
-def init_pool(model: ModelConfig, cache: CacheConfig) -> KVPool:
-  """Zero pool sized by the cache config (zeros keep the sentinel exact)."""
+def init_pool(model: ModelConfig, cache: CacheConfig, lr_rank: int = 0) -> KVPool:
+  """Zero pool sized by the cache config (zeros keep the sentinel exact).
+
+  lr_rank > 0 adds the LoRA low-rank value pool `vlr` [L, S, lr_rank].
+  """
   dtype = jnp.dtype(cache.dtype)
   shape = (model.num_layers, cache.num_slots, model.num_kv_heads, model.head_dim)
   return KVPool(
       k=jnp.zeros(shape, dtype),
       v=jnp.zeros(shape, dtype),
       positions=jnp.full((cache.num_slots,), -1, jnp.int32),
+      vlr=(jnp.zeros((model.num_layers, cache.num_slots, lr_rank), dtype) if lr_rank else None),
   )
 
 
@@ -72,6 +84,13 @@ def write_layer(pool_k: jax.Array, pool_v: jax.Array, layer: jax.Array,
   pool_k = pool_k.at[layer, flat].set(kf, mode="drop")
   pool_v = pool_v.at[layer, flat].set(vf, mode="drop")
   return pool_k, pool_v
+
+
+def write_lr(pool_vlr: jax.Array, layer: jax.Array, slots: jax.Array,
+             vlr: jax.Array) -> jax.Array:
+  """Scatters one layer's low-rank values [B, C, r] into vlr [L, S, r] (>= S: dropped)."""
+  flat = vlr.reshape(-1, vlr.shape[-1]).astype(pool_vlr.dtype)
+  return pool_vlr.at[layer, slots.reshape(-1)].set(flat, mode="drop")
 
 
 def write_positions(positions: jax.Array, slots: jax.Array,

@@ -10,6 +10,12 @@ Layer weights are stacked along a leading layer axis and run with `lax.scan`
 writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
 keys are written post-RoPE. Weights layout is [in, out] (x @ w).
 
+Shared-A multi-LoRA (LRAgent; `jaxkv.models.lora`) is an optional call
+argument: per-row adapter indices select each row's B, and `lora_mode`
+chooses whether the V adapter output is folded into the cached value ("full")
+or kept as the pool's low-rank value cache and expanded inside
+Flash-LoRA-Attention ("decoupled").
+
 Cross jit boundaries with `nnx.split` / `nnx.merge` and pass the state as an
 argument (see jaxkv.engine.steps); never close over the weights.
 """
@@ -23,6 +29,7 @@ from flax import nnx
 from jaxkv import ops
 from jaxkv.config import ModelConfig
 from jaxkv.kv import state as kv_state
+from jaxkv.models import lora as lora_lib
 from jaxkv.models.layers import apply_rope, gated_mlp, rms_norm, rope_frequencies
 
 
@@ -51,6 +58,27 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   if not cfg.tie_embeddings:
     shapes["lm_head"] = (D, V)
   return shapes
+
+
+LORA_MODES = ("full", "decoupled")
+
+
+def _check_lora(lora, adapter_ids, mode: str, kv) -> bool:
+  """Validates the LoRA arguments; returns whether V is decoupled (base + low rank)."""
+  if mode not in LORA_MODES:
+    raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
+  if lora is None:
+    return False
+  if adapter_ids is None:
+    raise ValueError("lora weights need adapter_ids [B] (-1 selects the base model)")
+  if mode == "full":
+    return False
+  if "v" not in lora.targets:
+    raise ValueError("lora_mode='decoupled' needs 'v' among the LoRA targets")
+  if kv.vlr is None or kv.vlr.shape[-1] != lora.rank:
+    raise ValueError(f"lora_mode='decoupled' needs a pool with vlr of rank {lora.rank} "
+                     "(kv_state.init_pool(..., lr_rank=r))")
+  return True
 
 
 class Layers(nnx.Module):
@@ -89,7 +117,9 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, slot_map: jax.Array,
                write_slots: jax.Array, kv: kv_state.KVPool, *,
-               attn_impl: str = "auto", capture_q: bool = False):
+               attn_impl: str = "auto", capture_q: bool = False,
+               lora: lora_lib.LoraWeights | None = None, adapter_ids: jax.Array | None = None,
+               lora_mode: str = "full", lr_write_slots: jax.Array | None = None):
     """Runs the decoder over one chunk of tokens per row.
 
     Args:
@@ -102,6 +132,16 @@ class Transformer(nnx.Module):
       attn_impl: `jaxkv.ops` implementation.
       capture_q: also return every layer's post-RoPE queries exactly as attention
         consumes them (the hook pruning scorers and IntentKV features read).
+      lora: shared-A multi-LoRA weights (`jaxkv.models.lora`), or None.
+      adapter_ids: [B] int32 adapter of each row (-1: base model); required with lora.
+      lora_mode: "full": every target's delta is added to its projection, so the
+        pool holds the writing adapter's full K/V (NonShared / FullShared);
+        "decoupled" (LRAgent BaseShared / BaseLRShared): the pool's v holds the
+        base value x W_v, `kv.vlr` the rank-r value x A_v * scale, and attention
+        expands each row's own B_v inside Flash-LoRA-Attention.
+      lr_write_slots: [B, C] destination slots of the low-rank values (default
+        `write_slots`); BaseShared passes the agent's own slots here while
+        `write_slots` drops the base K/V that another agent already wrote.
     Returns:
       (hidden [B, C, D] after the final norm, updated pool), plus
       q [L, B, C, Hq, D] when `capture_q`.
@@ -113,16 +153,27 @@ class Transformer(nnx.Module):
     inv_freq, rope_scale = rope_frequencies(cfg.rope, dh, seq_len)
     x = self.embed[...][tokens]
     per_layer_map = slot_map.ndim == 3
+    targets = () if lora is None else lora.targets
+    decoupled = _check_lora(lora, adapter_ids, lora_mode, kv)
+    lr_ws = write_slots if lr_write_slots is None else lr_write_slots
 
     def layer(carry, xs):
-      x, pool_k, pool_v = carry
-      p, idx, lmap = xs
+      x, pool_k, pool_v, pool_vlr = carry
+      p, idx, lmap, lw = xs
       lmap = lmap if per_layer_map else slot_map
+      rows_b = {t: lora_lib.select_b(lw["b"][t], adapter_ids) for t in targets}
+
+      def adapt(t, inp, out):
+        if t not in targets or (t == "v" and decoupled):
+          return out
+        return out + lora_lib.delta(inp, lw["a"][t], rows_b[t], lora.scale).astype(out.dtype)
+
       with jax.named_scope("attention"):
         y = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
         q, kk, vv = y @ p["wq"], y @ p["wk"], y @ p["wv"]
         if cfg.qkv_bias:
           q, kk, vv = q + p["bq"], kk + p["bk"], vv + p["bv"]
+        q, kk, vv = adapt("q", y, q), adapt("k", y, kk), adapt("v", y, vv)
         q = q.reshape(b, c, h, dh)
         kk = kk.reshape(b, c, k, dh)
         vv = vv.reshape(b, c, k, dh)
@@ -132,20 +183,29 @@ class Transformer(nnx.Module):
         q = apply_rope(q, positions, inv_freq, rope_scale)
         kk = apply_rope(kk, positions, inv_freq, rope_scale)
         pool_k, pool_v = kv_state.write_layer(pool_k, pool_v, idx, write_slots, kk, vv)
-        o = ops.paged_attention(q, pool_k, pool_v, lmap, positions, layer=idx,
-                                impl=attn_impl)
-        x = x + o.reshape(b, c, h * dh) @ p["wo"]
+        if decoupled:
+          pool_vlr = kv_state.write_lr(pool_vlr, idx, lr_ws,
+                                       lora_lib.down(y, lw["a"]["v"], lora.scale))
+          b_v = rows_b["v"].reshape(b, -1, k, dh)                  # [B, r, Hkv, D]
+          o = ops.flash_lora_attention(q, pool_k, pool_v, pool_vlr, b_v, lmap, positions,
+                                       layer=idx, impl=attn_impl)
+        else:
+          o = ops.paged_attention(q, pool_k, pool_v, lmap, positions, layer=idx,
+                                  impl=attn_impl)
+        o = o.reshape(b, c, h * dh)
+        x = x + adapt("o", o, o @ p["wo"])
       with jax.named_scope("mlp"):
         y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         x = x + gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"])
-      return (x, pool_k, pool_v), (q if capture_q else None)
+      return (x, pool_k, pool_v, pool_vlr), (q if capture_q else None)
 
+    lw = None if lora is None else {"a": lora.a, "b": lora.b}
     xs = (self.layers.stacked(), jnp.arange(cfg.num_layers),
-          slot_map if per_layer_map else None)
-    (x, pool_k, pool_v), q_all = jax.lax.scan(layer, (x, kv.k, kv.v), xs)
+          slot_map if per_layer_map else None, lw)
+    (x, pool_k, pool_v, pool_vlr), q_all = jax.lax.scan(layer, (x, kv.k, kv.v, kv.vlr), xs)
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     new_positions = kv_state.write_positions(kv.positions, write_slots, positions)
-    pool = kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions)
+    pool = kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions, vlr=pool_vlr)
     return (x, pool, q_all) if capture_q else (x, pool)
 
   def logits(self, hidden: jax.Array) -> jax.Array:

@@ -116,7 +116,9 @@ def compact_layout(pool: kv_state.KVPool, slot_map: jax.Array, keep: jax.Array,
   new_k = pool.k.at[:, dest].set(k, mode="drop")
   new_v = pool.v.at[:, dest].set(v, mode="drop")
   new_pos = pool.positions.at[dest].set(jnp.broadcast_to(i, (b, t)), mode="drop")
-  new_pool = kv_state.KVPool(k=new_k, v=new_v, positions=new_pos)
+  new_vlr = (None if pool.vlr is None else
+             pool.vlr.at[:, dest].set(pool.vlr[:, old_slots], mode="drop"))
+  new_pool = kv_state.KVPool(k=new_k, v=new_v, positions=new_pos, vlr=new_vlr)
   return new_pool, jnp.where(ok, dest_slots, SENTINEL), n
 
 
