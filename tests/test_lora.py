@@ -181,3 +181,34 @@ def test_load_peft_refuses_what_it_cannot_compute(tmp_path):
     lora.load_peft([tmp_path], cfg)
   with pytest.raises(ValueError, match="targets must be"):
     LoraConfig(targets=("q", "gate"))
+
+
+def test_layer_range_and_hidden_capture_compose_to_the_full_forward(tmp_path):
+  """DroidSpeak hooks: running layers [0, l) then [l, L) from the hidden state
+  captured entering layer l reproduces the full forward and its pool (fp32
+  rounding only: the split compiles as different programs)."""
+  import jax
+  from jaxkv.config import CacheConfig
+  from jaxkv.kv import state as kv_state
+
+  model = _base_model(tmp_path)
+  ml = lora.MultiLoRA(model.cfg, LoraConfig(rank=4), rngs=nnx.Rngs(0))
+  w = dataclass_b_scaled(ml.weights(), 0.0)
+  w = lora.LoraWeights(a=w.a, b={t: jax.random.normal(jax.random.key(1), v.shape) * 0.1
+                                 for t, v in w.b.items()}, scale=w.scale)
+  rng = np.random.default_rng()
+  tokens = jnp.asarray(rng.integers(0, _BASE["vocab_size"], (1, 10)))
+  pos = jnp.arange(10, dtype=jnp.int32)[None]
+  smap = 16 + pos
+  fresh = lambda: kv_state.init_pool(model.cfg, CacheConfig(num_pages=3, page_size=16))
+  kw = dict(lora=w, adapter_ids=jnp.asarray([1], jnp.int32))
+  x_full, pool_full, q_full, h1 = model(tokens, pos, smap, smap, fresh(), capture_q=True,
+                                        capture_hidden=1, **kw)
+  assert q_full.shape[0] == 3 and h1.shape == (1, 10, 96)
+  _, pool_a = model(tokens, pos, smap, smap, fresh(), layer_range=(0, 1), **kw)
+  assert float(jnp.abs(pool_a.k[1:]).max()) == 0.0          # only layer 0 written
+  x, pool_b = model(tokens, pos, smap, smap, pool_a, layer_range=(1, 3), hidden_in=h1, **kw)
+  for a, b in ((x, x_full), (pool_b.k, pool_full.k), (pool_b.v, pool_full.v)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="capture_hidden"):
+    model(tokens, pos, smap, smap, fresh(), layer_range=(1, 3), capture_hidden=0)

@@ -138,7 +138,7 @@ def bucket(n: int, lo: int) -> int:
                    donate_argnames=("kv",))
 def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, targets,
                 *, attn_impl: str, capture_q: bool, all_logits: bool = True, lora=None,
-                adapter_ids=None, lora_mode: str = "full", base_write=None):
+                adapter_ids=None, lora_mode: str = "full"):
   """Teacher-forced chunk: writes its KV and scores the given next tokens.
 
   Used by the session runner for prompt prefill (capturing post-RoPE queries
@@ -153,10 +153,6 @@ def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
       position (prompt prefill needs nothing else), skipping the vocab-sized
       head on the rest of the chunk.
     lora, adapter_ids, lora_mode: as `prefill_step`.
-    base_write: [B, C] bool, or None (all): which tokens write K and the base V.
-      The others only write the low-rank value (LRAgent BaseShared: an agent
-      recomputes its own LR cache over tokens whose shared base another agent
-      already wrote).
   Returns:
     (logprob of targets and greedy argmax, [B, C] or [B, 1] without
     `all_logits`, kv, and q [L, B, C, Hq, D] when `capture_q` else None).
@@ -164,11 +160,8 @@ def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
   model = nnx.merge(graphdef, weights)
   valid = positions >= 0
   ws = kv_state.write_slots(slot_map, positions, valid, kv.num_slots)
-  lr_ws = None
-  if base_write is not None:
-    lr_ws, ws = ws, jnp.where(base_write, ws, kv.num_slots)
   out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture_q,
-              lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode, lr_write_slots=lr_ws)
+              lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode)
   hidden, kv = out[:2]
   if not all_logits:
     last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)[:, None]             # [B, 1]

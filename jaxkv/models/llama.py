@@ -22,6 +22,8 @@ argument (see jaxkv.engine.steps); never close over the weights.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -119,7 +121,9 @@ class Transformer(nnx.Module):
                write_slots: jax.Array, kv: kv_state.KVPool, *,
                attn_impl: str = "auto", capture_q: bool = False,
                lora: lora_lib.LoraWeights | None = None, adapter_ids: jax.Array | None = None,
-               lora_mode: str = "full", lr_write_slots: jax.Array | None = None):
+               lora_mode: str = "full", lr_write_slots: jax.Array | None = None,
+               layer_range: tuple[int, int] | None = None, hidden_in: jax.Array | None = None,
+               capture_hidden: int | None = None):
     """Runs the decoder over one chunk of tokens per row.
 
     Args:
@@ -142,16 +146,27 @@ class Transformer(nnx.Module):
       lr_write_slots: [B, C] destination slots of the low-rank values (default
         `write_slots`); BaseShared passes the agent's own slots here while
         `write_slots` drops the base K/V that another agent already wrote.
+      layer_range: (l0, l1), static: run only layers l0 <= l < l1 (their KV is
+        written, the other layers' pool entries are untouched; DroidSpeak's
+        layer-selective recompute). The final norm is applied only if l1 = L.
+      hidden_in: [B, C, D] input of layer l0 instead of the token embeddings.
+      capture_hidden: static layer index l: also return the hidden state entering
+        layer l (DroidSpeak's E-cache), [B, C, D].
     Returns:
-      (hidden [B, C, D] after the final norm, updated pool), plus
-      q [L, B, C, Hq, D] when `capture_q`.
+      (hidden [B, C, D], updated pool), plus q [L', B, C, Hq, D] (the layers run)
+      when `capture_q`, plus the captured hidden state when `capture_hidden`.
     """
     cfg = self.cfg
     b, c = tokens.shape
     h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     seq_len = jnp.max(positions) + 1 if cfg.rope.kind == "dynamic" else None
     inv_freq, rope_scale = rope_frequencies(cfg.rope, dh, seq_len)
-    x = self.embed[...][tokens]
+    l0, l1 = (0, cfg.num_layers) if layer_range is None else layer_range
+    if not 0 <= l0 < l1 <= cfg.num_layers:
+      raise ValueError(f"layer_range {layer_range} outside [0, {cfg.num_layers}]")
+    if capture_hidden is not None and not l0 <= capture_hidden < l1:
+      raise ValueError(f"capture_hidden={capture_hidden} is not among the layers run {l0}..{l1}")
+    x = self.embed[...][tokens] if hidden_in is None else hidden_in
     per_layer_map = slot_map.ndim == 3
     targets = () if lora is None else lora.targets
     decoupled = _check_lora(lora, adapter_ids, lora_mode, kv)
@@ -202,11 +217,25 @@ class Transformer(nnx.Module):
     lw = None if lora is None else {"a": lora.a, "b": lora.b}
     xs = (self.layers.stacked(), jnp.arange(cfg.num_layers),
           slot_map if per_layer_map else None, lw)
+    captured, start = None, l0
+    if capture_hidden is not None and capture_hidden > l0:     # run up to it, keep x, go on
+      head = jax.tree.map(lambda a: a[l0:capture_hidden], xs)
+      (x, pk, pv, pvlr), q_head = jax.lax.scan(layer, (x, kv.k, kv.v, kv.vlr), head)
+      kv = dataclasses.replace(kv, k=pk, v=pv, vlr=pvlr)
+      l0 = capture_hidden
+    if capture_hidden is not None:
+      captured = x
+    if (l0, l1) != (0, cfg.num_layers):
+      xs = jax.tree.map(lambda a: a[l0:l1], xs)
     (x, pool_k, pool_v, pool_vlr), q_all = jax.lax.scan(layer, (x, kv.k, kv.v, kv.vlr), xs)
-    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    if capture_q and start < l0:
+      q_all = jnp.concatenate([q_head, q_all])
+    if l1 == cfg.num_layers:
+      x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     new_positions = kv_state.write_positions(kv.positions, write_slots, positions)
     pool = kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions, vlr=pool_vlr)
-    return (x, pool, q_all) if capture_q else (x, pool)
+    out = (x, pool) + ((q_all,) if capture_q else ())
+    return out + ((captured,) if capture_hidden is not None else ())
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""

@@ -1,0 +1,327 @@
+"""LRAgent multi-agent runner: LoRA agents extend one trajectory under a KV-sharing scheme.
+
+`AgentRunner.run(trajectory)` walks a `jaxkv.data.agents.Trajectory` call by
+call. For a call of agent a generating tokens [start, end):
+
+  1. context phase: the tokens before `start` that the scheme makes agent a
+     compute (`jaxkv.policies.sharing.lragent` says which) are prefilled in
+     chunks with a's adapter; the last one yields the logits of the first
+     generated token. Its wall time is the call's TTFT.
+  2. generation: the gold tokens [start, end) are fed back one per step
+     (teacher-forced decode, `lax.scan`), scoring each gold token's logprob and
+     the greedy argmax under the scheme; their KV is written as agent a's
+     output, as real generation would. The last generated token is left for
+     the next call to process (as after real sampling).
+
+Fidelity is measured against `non_shared` on the same trajectory (Delta-NLL
+of the gold tokens, greedy agreement); tokens/s is generated tokens over the
+trajectory's wall time (TTFT + decode of every call), LRAgent's end-to-end
+system throughput. One trajectory per runner; batch size 1.
+
+Shapes are bucketed (chunk length, slot-map width, decode length: powers of
+two), so a warm-up pass compiles what a timed pass runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.config import CacheConfig
+from jaxkv.data.agents import Trajectory
+from jaxkv.engine import steps
+from jaxkv.kv import state as kv_state
+from jaxkv.models.lora import LoraWeights
+from jaxkv.policies.sharing import lragent
+
+PAGE = 16
+
+
+@dataclasses.dataclass
+class CallResult:
+  """One agent call under a scheme."""
+  role: int
+  start: int
+  end: int
+  computed: int          # tokens run through the full model in the context phase
+  recomputed: int        # DroidSpeak: tokens whose critical layers were recomputed
+  ttft_s: float
+  decode_s: float
+  logprob: np.ndarray    # [end - start] logprob of each gold token
+  argmax: np.ndarray     # [end - start] greedy token at each step
+
+
+@dataclasses.dataclass
+class RunResult:
+  scheme: str
+  tokens: int
+  calls: list[CallResult]
+  kv_bytes: int
+  window: tuple[int, int] | None
+
+  @property
+  def generated(self) -> int:
+    return sum(c.end - c.start for c in self.calls)
+
+  @property
+  def wall_s(self) -> float:
+    return sum(c.ttft_s + c.decode_s for c in self.calls)
+
+  def nll(self) -> float:
+    return float(-np.mean(np.concatenate([c.logprob for c in self.calls])))
+
+
+# ----------------------------------------------------------------------------- device steps
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "lora_mode", "layer_range",
+                                             "capture_hidden", "logits"),
+                   donate_argnames=("kv",))
+def _chunk(graphdef, weights, kv, tokens, positions, view, write, lr_write, target, last, lora,
+           adapter_ids, hidden_in, *, attn_impl, lora_mode, layer_range, capture_hidden, logits):
+  """One prefill chunk [1, C]: (logprob of `target` and argmax at index `last`, kv, hidden)."""
+  model = nnx.merge(graphdef, weights)
+  out = model(tokens, positions, view, write, kv, attn_impl=attn_impl, lora=lora,
+              adapter_ids=adapter_ids, lora_mode=lora_mode, lr_write_slots=lr_write,
+              layer_range=layer_range, hidden_in=hidden_in, capture_hidden=capture_hidden)
+  hidden, kv = out[:2]
+  cap = out[2] if capture_hidden is not None else None
+  if not logits:
+    return jnp.zeros(()), jnp.zeros((), jnp.int32), kv, cap
+  lg = model.logits(hidden[0, last])
+  return jax.nn.log_softmax(lg)[target], jnp.argmax(lg).astype(jnp.int32), kv, cap
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "lora_mode",
+                                             "capture_hidden"),
+                   donate_argnames=("kv",))
+def _decode(graphdef, weights, kv, tokens, positions, view, write, targets, lora, adapter_ids,
+            *, attn_impl, lora_mode, capture_hidden):
+  """Teacher-forced decode: tokens/positions/write/targets [n] (position -1: padding)."""
+  model = nnx.merge(graphdef, weights)
+
+  def step(kv, xs):
+    tok, pos, ws, tgt = xs
+    out = model(tok[None, None], pos[None, None], view, ws[None, None], kv, attn_impl=attn_impl,
+                lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode,
+                capture_hidden=capture_hidden)
+    hidden, kv = out[:2]
+    lg = model.logits(hidden[0, 0])
+    cap = out[2][0, 0] if capture_hidden is not None else jnp.zeros(())
+    return kv, (jax.nn.log_softmax(lg)[tgt], jnp.argmax(lg).astype(jnp.int32), cap)
+
+  kv, (lp, am, cap) = jax.lax.scan(step, kv, (tokens, positions, write, targets))
+  return lp, am, kv, cap
+
+
+# ----------------------------------------------------------------------------- runner
+class AgentRunner:
+  """Runs trajectories of role agents under one sharing scheme (see module docstring).
+
+  Args:
+    llm: the base model (`jaxkv.load`).
+    lora: shared-A multi-LoRA weights, adapter i = role i (`load_peft`).
+    scheme: one of `lragent.SCHEMES`.
+    max_tokens: longest trajectory this runner takes.
+    window: DroidSpeak's critical layers (l0, l1) (`profile_window`).
+    chunk: prefill chunk length.
+  """
+
+  def __init__(self, llm, lora: LoraWeights, scheme: str, *, max_tokens: int,
+               window: tuple[int, int] | None = None, chunk: int = 256,
+               attn_impl: str = "auto"):
+    self.scheme = lragent.check_scheme(scheme)
+    if scheme == "droidspeak" and window is None:
+      raise ValueError("droidspeak needs its critical-layer window (profile_window)")
+    if scheme in lragent.DECOUPLED and "v" not in lora.targets:
+      raise ValueError(f"{scheme} shares the value cache as base + low rank: needs a LoRA on v")
+    self.cfg, self.lora, self.window = llm.config, lora, window
+    self.graphdef, self.weights = llm.engine.graphdef, llm.engine.weights
+    self.n_agents, self.chunk, self.attn_impl = lora.num_adapters, chunk, attn_impl
+    self.size = -(-max_tokens // PAGE) * PAGE
+    self.mode = "decoupled" if scheme in lragent.DECOUPLED else "full"
+    regions = lragent.num_regions(scheme, self.n_agents)
+    self.cache = CacheConfig(num_pages=1 + regions * self.size // PAGE, page_size=PAGE,
+                             max_seq_len=self.size, dtype=str(self.weights_dtype()))
+    self.max_tokens = max_tokens
+
+  def weights_dtype(self):
+    return jax.tree.leaves(self.weights)[0].dtype
+
+  # -- host-side maps
+  def _slots(self, region, positions):
+    return lragent.region_slots(region, positions, self.size, PAGE)
+
+  def _region(self, agent: int) -> int:
+    return agent if self.scheme == "non_shared" else 0
+
+  def _view(self, agent: int, width: int) -> np.ndarray:
+    row = np.zeros(width, np.int32)
+    n = min(width, self.size)
+    row[:n] = self._slots(self._region(agent), np.arange(n))
+    if self.scheme != "droidspeak":
+      return row[None]
+    own = np.zeros(width, np.int32)
+    own[:n] = self._slots(1 + agent, np.arange(n))
+    rec = np.zeros(width, bool)
+    rec[:n] = self.recomputed[agent][:n]
+    return lragent.droidspeak_view(row, own, rec, self.window, self.cfg.num_layers)[:, None]
+
+  def _reset(self):
+    self.kv = kv_state.init_pool(self.cfg, self.cache,
+                                 lr_rank=self.lora.rank if self.mode == "decoupled" else 0)
+    self.written, self.seen = 0, [0] * self.n_agents
+    if self.scheme == "base_shared":
+      self.own_vlr = [self.kv.vlr] + [jnp.zeros_like(self.kv.vlr)
+                                      for _ in range(self.n_agents - 1)]
+    if self.scheme == "droidspeak":
+      self.recomputed = [np.zeros(self.size, bool) for _ in range(self.n_agents)]
+      self.ecache = np.zeros((self.size, self.cfg.hidden_size), np.float32)
+
+  def _swap_in(self, agent):
+    if self.scheme == "base_shared":
+      self.kv = dataclasses.replace(self.kv, vlr=self.own_vlr[agent])
+
+  def _swap_out(self, agent):
+    if self.scheme == "base_shared":
+      self.own_vlr[agent] = self.kv.vlr
+
+  # -- phases
+  def _prefill(self, ids, agent, lo, hi, *, recompute=False):
+    """Runs positions [lo, hi); returns (logprob, argmax) of ids[hi] after the last chunk."""
+    s = self.kv.num_slots
+    ids_ext = np.append(ids, 0)
+    lp = am = None
+    for c0 in range(lo, hi, self.chunk):
+      c1 = min(hi, c0 + self.chunk)
+      n, cb = c1 - c0, steps.bucket(c1 - c0, 16)
+      pos = np.full(cb, -1, np.int32)
+      pos[:n] = np.arange(c0, c1)
+      tok = np.zeros(cb, np.int32)
+      tok[:n] = ids[c0:c1]
+      view = self._view(agent, steps.bucket(c1, 256))
+      region = 1 + agent if recompute else self._region(agent)
+      write = np.full(cb, s, np.int32)
+      write[:n] = self._slots(region, pos[:n])
+      lr_write = write
+      if self.scheme == "base_shared":             # base only where nobody wrote it yet
+        write = np.where(pos >= self.written, write, s).astype(np.int32)
+      hidden_in = None
+      if recompute:
+        hidden_in = np.zeros((1, cb, self.cfg.hidden_size), np.float32)
+        hidden_in[0, :n] = self.ecache[c0:c1]
+        hidden_in = jnp.asarray(hidden_in, self.weights_dtype())
+      capture = (self.window[0] if self.scheme == "droidspeak" and not recompute else None)
+      lp, am, self.kv, cap = _chunk(
+          self.graphdef, self.weights, self.kv, jnp.asarray(tok[None]), jnp.asarray(pos[None]),
+          jnp.asarray(view), jnp.asarray(write[None]), jnp.asarray(lr_write[None]),
+          jnp.asarray(ids_ext[c1]), jnp.asarray(n - 1), self.lora,
+          jnp.asarray([agent], jnp.int32), hidden_in, attn_impl=self.attn_impl,
+          lora_mode=self.mode, layer_range=self.window if recompute else None,
+          capture_hidden=capture, logits=not recompute)
+      if cap is not None:
+        self.ecache[c0:c1] = np.asarray(cap[0, :n], np.float32)
+    return lp, am
+
+  def _generate(self, ids, agent, start, end):
+    """Feeds gold tokens [start, end - 1); returns logprob/argmax of ids[start + 1:end]."""
+    n = end - 1 - start
+    if n <= 0:
+      return np.zeros(0, np.float32), np.zeros(0, np.int32)
+    nb = steps.bucket(n, 8)
+    s = self.kv.num_slots
+    tok = np.zeros(nb, np.int32)
+    tok[:n] = ids[start:end - 1]
+    pos = np.full(nb, -1, np.int32)
+    pos[:n] = np.arange(start, end - 1)
+    write = np.full(nb, s, np.int32)
+    write[:n] = self._slots(self._region(agent), pos[:n])
+    tgt = np.zeros(nb, np.int32)
+    tgt[:n] = ids[start + 1:end]
+    capture = self.window[0] if self.scheme == "droidspeak" else None
+    lp, am, self.kv, cap = _decode(
+        self.graphdef, self.weights, self.kv, jnp.asarray(tok), jnp.asarray(pos),
+        jnp.asarray(self._view(agent, steps.bucket(end, 256))), jnp.asarray(write),
+        jnp.asarray(tgt), self.lora, jnp.asarray([agent], jnp.int32), attn_impl=self.attn_impl,
+        lora_mode=self.mode, capture_hidden=capture)
+    if capture is not None:
+      self.ecache[start:end - 1] = np.asarray(cap[:n], np.float32)
+    return np.asarray(lp[:n]), np.asarray(am[:n])
+
+  def _call(self, ids, c) -> CallResult:
+    a, start, end = c.role, c.start, c.end
+    shared = self.scheme != "non_shared"
+    lo = self.seen[a] if self.scheme in ("non_shared", "base_shared", "droidspeak") else self.written
+    t0 = time.perf_counter()
+    self._swap_in(a)
+    recomputed = 0
+    if self.scheme == "droidspeak":
+      hi = min(self.written, start)
+      if hi > lo:                                   # tokens another agent wrote: recompute
+        self.recomputed[a][lo:hi] = True            # (the view reads the copy being written)
+        self._prefill(ids, a, lo, hi, recompute=True)
+        recomputed = hi - lo
+      lo = max(lo, self.written)
+    lo = min(lo, start - 1)
+    lp0, am0 = self._prefill(ids, a, lo, start)
+    lp0, am0 = float(lp0), int(am0)
+    t1 = time.perf_counter()
+    lp, am = self._generate(ids, a, start, end)
+    self._swap_out(a)
+    t2 = time.perf_counter()
+    self.seen[a] = end - 1
+    if shared:
+      self.written = max(self.written, end - 1)
+    computed = start - lo
+    return CallResult(a, start, end, computed, recomputed, t1 - t0, t2 - t1,
+                      np.concatenate([[lp0], lp]).astype(np.float32),
+                      np.concatenate([[am0], am]).astype(np.int32))
+
+  def run(self, traj: Trajectory) -> RunResult:
+    """All calls of one trajectory on fresh caches."""
+    if len(traj) > self.max_tokens:
+      raise ValueError(f"trajectory {traj.session} has {len(traj)} tokens > max_tokens "
+                       f"{self.max_tokens}")
+    if traj.calls and traj.calls[0].start < 1:
+      raise ValueError("the first agent call needs context before it")
+    self._reset()
+    calls = [self._call(traj.ids, c) for c in traj.calls]
+    jax.block_until_ready(self.kv)
+    rec = sum(c.recomputed for c in calls)
+    kvb = lragent.kv_bytes(self.scheme, len(traj), num_layers=self.cfg.num_layers,
+                           d_kv=self.cfg.d_kv, hidden=self.cfg.hidden_size,
+                           rank=self.lora.rank, num_agents=self.n_agents,
+                           recomputed_tokens=rec, window=self.window or (0, 0),
+                           bytes_per_elem=jnp.dtype(self.weights_dtype()).itemsize)
+    return RunResult(self.scheme, len(traj), calls, kvb, self.window)
+
+
+def fidelity(result: RunResult, reference: RunResult) -> dict:
+  """Delta-NLL of the gold tokens and greedy agreement vs the reference (non_shared)."""
+  lp = np.concatenate([c.logprob for c in result.calls])
+  lp_ref = np.concatenate([c.logprob for c in reference.calls])
+  am = np.concatenate([c.argmax for c in result.calls])
+  am_ref = np.concatenate([c.argmax for c in reference.calls])
+  return dict(delta_nll=float(np.mean(lp_ref) - np.mean(lp)),
+              greedy_agreement=float(np.mean(am == am_ref)))
+
+
+def profile_window(llm, lora: LoraWeights, ids: np.ndarray, n_critical: int, *,
+                   attn_impl: str = "auto") -> tuple[tuple[int, int], np.ndarray]:
+  """DroidSpeak's critical layers: each agent prefills `ids` into its own cache
+  (non_shared) and the window of n_critical layers whose K/V differ most across
+  agents is chosen. Returns ((l0, l1), per-layer deviation [L])."""
+  r = AgentRunner(llm, lora, "non_shared", max_tokens=len(ids) + 1, attn_impl=attn_impl)
+  r._reset()
+  n = len(ids)
+  for a in range(r.n_agents):
+    r._prefill(np.asarray(ids), a, 0, n)
+  slots = np.stack([r._slots(a, np.arange(n)) for a in range(r.n_agents)])    # [A, T]
+  k = np.asarray(r.kv.k)[:, slots].transpose(1, 0, 2, 3, 4)                  # [A, L, T, H, D]
+  v = np.asarray(r.kv.v)[:, slots].transpose(1, 0, 2, 3, 4)
+  dev = lragent.layer_deviation(k, v)
+  return lragent.critical_window(dev, n_critical), dev

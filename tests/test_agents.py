@@ -1,0 +1,126 @@
+"""LRAgent's five KV-sharing schemes on a tiny random Llama (SmolLM2 tokenizer and
+template) with random shared-A adapters: the equivalences that must hold exactly
+(fp32 rounding, atol 1e-5 on logprobs) and the differences that must show."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hf_util
+from jaxkv.config import LoraConfig
+from jaxkv.data import agents
+from jaxkv.engine.agents import AgentRunner, fidelity, profile_window
+from jaxkv.models import lora as lora_lib
+from jaxkv.policies.sharing import lragent
+from test_lora_train import _session
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+  return hf_util.tiny_chat_llm(tmp_path_factory.mktemp("tiny_agents"))
+
+
+def _lora(llm, n=3, same=False, targets=("q", "v"), seed=0):
+  ml = lora_lib.MultiLoRA(llm.config, LoraConfig(rank=4, targets=targets,
+                                                 names=agents.ROLES[:n] if n <= 3 else
+                                                 tuple(f"a{i}" for i in range(n))),
+                          rngs=nnx.Rngs(seed))
+  w = ml.weights()
+  b = {}
+  for i, (t, v) in enumerate(sorted(w.b.items())):
+    r = jax.random.normal(jax.random.key(seed + 10 + i), v.shape) * 0.3
+    b[t] = jnp.broadcast_to(r[:, :1], v.shape) if same else r
+  return lora_lib.LoraWeights(a=w.a, b=b, scale=w.scale)
+
+
+@pytest.fixture(scope="module")
+def traj(llm):
+  return agents.build(_session(), llm.tokenizer)
+
+
+def _run(llm, w, scheme, traj, **kw):
+  return AgentRunner(llm, w, scheme, max_tokens=len(traj) + 8, chunk=64, **kw).run(traj)
+
+
+def _lp(res):
+  return np.concatenate([c.logprob for c in res.calls])
+
+
+def test_single_agent_every_scheme_equals_non_shared(llm, traj):
+  one = dataclasses.replace(traj, calls=[dataclasses.replace(c, role=0) for c in traj.calls])
+  w = _lora(llm, n=1)
+  ref = _run(llm, w, "non_shared", one)
+  for scheme in lragent.SCHEMES[1:]:
+    res = _run(llm, w, scheme, one, window=(0, 1))
+    np.testing.assert_allclose(_lp(res), _lp(ref), atol=TOL, rtol=0, err_msg=scheme)
+    assert fidelity(res, ref)["greedy_agreement"] == 1.0
+    assert sum(c.recomputed for c in res.calls) == 0
+  # one agent runs each token once (up to the last call's final, unfed token)
+  assert sum(c.computed + c.end - c.start - 1 for c in ref.calls) == one.calls[-1].end - 1
+
+
+def test_identical_adapters_make_sharing_exact(llm, traj):
+  """Identical hidden states across agents (same B for all): BaseShared, and every
+  other scheme, reproduce NonShared."""
+  w = _lora(llm, same=True)
+  ref = _run(llm, w, "non_shared", traj)
+  for scheme in lragent.SCHEMES[1:]:
+    res = _run(llm, w, scheme, traj, window=(0, 1))
+    np.testing.assert_allclose(_lp(res), _lp(ref), atol=TOL, rtol=0, err_msg=scheme)
+
+
+def test_distinct_adapters_separate_the_schemes(llm, traj):
+  w = _lora(llm)
+  ref = _run(llm, w, "non_shared", traj)
+  res = {s: _run(llm, w, s, traj, window=(0, 1)) for s in lragent.SCHEMES[1:]}
+  for s, r in res.items():                     # sharing approximates, it is not exact here
+    assert abs(fidelity(r, ref)["delta_nll"]) > 1e-4, s
+  # computation: non_shared and base_shared run every token for every agent that reads
+  # it; full_shared / base_lr_shared / droidspeak run each token once (+ recompute)
+  comp = {s: sum(c.computed for c in r.calls) for s, r in {**res, "non_shared": ref}.items()}
+  assert comp["non_shared"] == comp["base_shared"] > comp["full_shared"] == comp["base_lr_shared"]
+  assert sum(c.recomputed for c in res["droidspeak"].calls) > 0
+  b = {s: r.kv_bytes for s, r in {**res, "non_shared": ref}.items()}
+  assert b["non_shared"] == 3 * b["full_shared"]
+  assert b["full_shared"] < b["base_lr_shared"] < b["base_shared"] < b["non_shared"]
+
+
+def test_droidspeak_recomputing_every_layer_is_non_shared(llm, traj):
+  """A window over all layers recomputes every reused token from its embedding
+  with the agent's own adapter: exactly the agent's own cache."""
+  w = _lora(llm)
+  ref = _run(llm, w, "non_shared", traj)
+  res = _run(llm, w, "droidspeak", traj, window=(0, llm.config.num_layers))
+  np.testing.assert_allclose(_lp(res), _lp(ref), atol=TOL, rtol=0)
+
+
+def test_base_lr_shared_through_the_flash_lora_kernel(llm, traj):
+  """BaseLRShared attention through Flash-LoRA-Attention (Pallas, interpreted)
+  equals the materialise-then-attend reference."""
+  w = _lora(llm)
+  short = dataclasses.replace(traj, calls=traj.calls[:2])
+  ref = _run(llm, w, "base_lr_shared", short, attn_impl="reference")
+  fla = _run(llm, w, "base_lr_shared", short, attn_impl="interpret")
+  np.testing.assert_allclose(_lp(fla), _lp(ref), atol=TOL, rtol=0)
+
+
+def test_profile_window_and_errors(llm, traj):
+  w = _lora(llm)
+  (l0, l1), dev = profile_window(llm, w, traj.ids[:48], 1)
+  assert dev.shape == (llm.config.num_layers,) and (dev > 0).all() and l1 - l0 == 1
+  assert l0 == int(np.argmax(dev))
+  assert lragent.critical_window(np.array([0., 5, 1, 4, 4]), 2) == (3, 5)
+  with pytest.raises(ValueError, match="window"):
+    AgentRunner(llm, w, "droidspeak", max_tokens=64)
+  with pytest.raises(ValueError, match="needs a LoRA on v"):
+    AgentRunner(llm, _lora(llm, targets=("q",)), "base_shared", max_tokens=64)
+  with pytest.raises(ValueError, match="unknown sharing scheme"):
+    AgentRunner(llm, w, "shared", max_tokens=64)
+  with pytest.raises(ValueError, match="max_tokens"):
+    AgentRunner(llm, w, "full_shared", max_tokens=16).run(traj)
