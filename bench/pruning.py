@@ -208,8 +208,25 @@ def print_tables(rows: list[dict]) -> None:
     if {r["layout"] for r in abl} >= {"dead_slot", "compact"}:
       print(f"\nTable 7 shape, C={b}: the same scorers under both layouts")
       common.print_table(HEADER, [_cells(r) for r in sorted(abl, key=lambda r: r["method"])])
+    t4 = {r["method"]: r for r in rows if r["budget"] == b and r["layout"] == "dead_slot"}
+    if "intentkv_learnable" in t4:
+      print(f"\nTable 4 shape, C={b} (dead-slot): Phase-1, Phase-2 and its ablations")
+      common.print_table(T4_HEADER, [_t4_cells(label, t4[m]) for m, label in T4_ROWS
+                                     if m in t4])
   print("\nAll rows")
   common.print_table(HEADER, [_cells(r) for r in rows])
+
+
+T4_HEADER = ("variant", "cand. recall", "recall", "dNLL", "evidence tokens (cand.)", "turns")
+T4_ROWS = (("intentkv_query", "Phase-1 query"), ("intentkv_memory", "Phase-1 memory"),
+           ("intentkv_learnable", "Phase-2 (learnable)"), ("learnable-memory", "  - memory"),
+           ("learnable-xattn", "  - x-attn"), ("learnable-residual", "  - residual"))
+
+
+def _t4_cells(label, r):
+  return (label, f"{r.get('candidate_evidence_recall', math.nan):.3f}",
+          f"{r['future_evidence_recall']:.3f}", f"{r['delta_nll']:+.3f}",
+          f"{r['evidence_tokens']} ({r.get('candidate_evidence_tokens', 0)})", str(r["n_turns"]))
 
 
 if __name__ == "__main__":

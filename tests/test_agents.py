@@ -124,3 +124,21 @@ def test_profile_window_and_errors(llm, traj):
     AgentRunner(llm, w, "shared", max_tokens=64)
   with pytest.raises(ValueError, match="max_tokens"):
     AgentRunner(llm, w, "full_shared", max_tokens=16).run(traj)
+
+
+def test_bench_emulation_traces_hit_their_lengths(llm):
+  """bench/lragent.py's controlled traces: compact system prompt, tool results padded
+  with real text to about the requested length; agent calls unchanged."""
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import lragent as bench  # noqa: E402
+
+  s = _session()
+  filler = "reservations: NO6JO3 (BOS), AIXC01 (LAX). flight HAT136 JFK to BOS. " * 200
+  base = agents.build(s, llm.tokenizer)
+  for target in (400, 1200):
+    t = agents.build(bench.emulate(s, filler, target, llm.tokenizer), llm.tokenizer)
+    assert abs(len(t) - target) <= 0.1 * target, (len(t), target)
+    assert [c.role for c in t.calls] == [c.role for c in base.calls]
+    assert "Tools: cancel_reservation, get_user_details" in t.text

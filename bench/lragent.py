@@ -1,0 +1,176 @@
+"""LRAgent: five KV-sharing schemes for multi-LoRA agents, side by side (TTFT, throughput tables).
+
+    python bench/lragent.py --traces=data_local/tau2_heldout.json \\
+        --adapters=data_local/runs/lora_smollm2/adapters --out=bench/results_lragent.json \\
+        [--emulate=1024,2048,4096,8192] [--max_sessions=4] [--schemes=...] \\
+        [--qkvo_adapters=data_local/runs/lora_qkvo/adapters]
+
+Trajectories (`jaxkv.data.agents`): plan -> action -> tool result -> ... ->
+reflect over one token stream, from
+  * real sessions of any ToolBench-format file (the first --max_sessions), and
+  * controlled emulation traces (LRAgent's 1.9k..66k traces, scaled to this
+    machine): the first session with its system prompt reduced to the tool
+    names and its tool results padded with real tool output text of the other
+    sessions until the stream has --emulate tokens (actual lengths reported).
+Each scheme runs every trajectory twice on fresh caches; the first pass
+compiles, the second is timed. non_shared is the fidelity reference.
+
+JSON rows: scheme, trace, context_tokens, kv_bytes, ttft_s (mean per agent
+call), tokens_per_s (generated tokens / wall of all calls), delta_nll (gold
+agent outputs, vs non_shared), greedy_agreement, computed_tokens,
+recomputed_tokens, targets. --tables_from=FILE reprints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import numpy as np
+from tqdm import tqdm
+
+import common
+
+import jaxkv
+from jaxkv.data import agents, traces
+from jaxkv.data.traces import Session, Turn
+from jaxkv.engine.agents import AgentRunner, fidelity, profile_window
+from jaxkv.models import lora as lora_lib
+from jaxkv.policies.sharing import lragent
+
+
+def emulate(session: Session, filler: str, target: int, tok) -> Session:
+  """The session with a tool-name-only system prompt and tool results padded with
+  `filler` text so the rendered trajectory has about `target` tokens."""
+  tools = sorted({c.name for t in session.turns for c in t.tool_calls})
+  turns = list(session.turns)
+  if turns and turns[0].role == "system":
+    turns[0] = dataclasses.replace(turns[0], content="You are a customer service agent. Call "
+                                   "tools in the ReAct format. Tools: " + ", ".join(tools))
+  tool_idx = [i for i, t in enumerate(turns) if t.role == "tool"]
+  base = dataclasses.replace(session, turns=tuple(turns), tools=())
+  n0 = len(agents.build(base, tok))
+  if not tool_idx or target <= n0:
+    return base
+  chars_per_tok = max(2.0, len(filler[:20000]) / max(1, len(tok.encode(filler[:20000]))))
+  per = int((target - n0) * chars_per_tok / len(tool_idx))
+  off = 0
+  for i in tool_idx:
+    pad = filler[off:off + per]
+    off = (off + per) % max(1, len(filler) - per)
+    turns[i] = dataclasses.replace(turns[i], content=turns[i].content + "\n" + pad)
+  return dataclasses.replace(base, id=f"{session.id}@{target}", turns=tuple(turns))
+
+
+def run_all(llm, w, trajs, schemes, window, chunk, label):
+  rows = []
+  for tr in tqdm(trajs, desc=label):
+    res = {}
+    for s in schemes:
+      r = AgentRunner(llm, w, s, max_tokens=len(tr) + 16, window=window, chunk=chunk)
+      r.run(tr)                                     # compile
+      res[s] = r.run(tr)
+    ref = res["non_shared"]
+    for s, r in res.items():
+      rows.append(dict(scheme=s, trace=tr.session, context_tokens=len(tr), kv_bytes=r.kv_bytes,
+                       ttft_s=float(np.mean([c.ttft_s for c in r.calls])),
+                       tokens_per_s=r.generated / r.wall_s, **fidelity(r, ref),
+                       computed_tokens=sum(c.computed for c in r.calls),
+                       recomputed_tokens=sum(c.recomputed for c in r.calls),
+                       targets=",".join(w.targets), window=list(window), kind=label))
+  return rows
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--traces")
+  ap.add_argument("--adapters", default="data_local/runs/lora_smollm2/adapters")
+  ap.add_argument("--qkvo_adapters", default=None, help="LoRA-on-QKVO ablation adapters")
+  ap.add_argument("--out", default=None)
+  ap.add_argument("--tables_from", default=None)
+  ap.add_argument("--model", default="smollm2-135m")
+  ap.add_argument("--schemes", default=",".join(lragent.SCHEMES))
+  ap.add_argument("--max_sessions", type=int, default=4)
+  ap.add_argument("--emulate", default="1024,2048,4096,8192")
+  ap.add_argument("--n_critical", type=int, default=0, help="DroidSpeak layers (0: L / 4)")
+  ap.add_argument("--chunk", type=int, default=512)
+  args = ap.parse_args()
+  if args.tables_from:
+    with open(args.tables_from) as f:
+      print_tables(json.load(f))
+    return
+  if not args.traces:
+    ap.error("--traces is required")
+  schemes = args.schemes.split(",")
+  for s in schemes:
+    lragent.check_scheme(s)
+  if "non_shared" not in schemes:
+    schemes.insert(0, "non_shared")              # the fidelity reference
+  llm = jaxkv.load(args.model)
+  tok = llm.tokenizer
+  sessions = traces.load_toolbench(args.traces)
+  real = agents.build_all(sessions[:args.max_sessions], tok, negative_rate=0.5, seed=0)
+  filler = "\n".join(t.content for s in sessions[1:] for t in s.turns if t.role == "tool")
+  emu = [agents.build(emulate(sessions[0], filler, int(n), tok), tok)
+         for n in args.emulate.split(",") if n]
+  rows = []
+  if args.out and os.path.exists(args.out):
+    with open(args.out) as f:
+      rows = json.load(f)
+  done = {(r["kind"], r["targets"]) for r in rows}
+  for name, path in (("qv", args.adapters), ("qkvo", args.qkvo_adapters)):
+    if not path:
+      continue
+    _, w = lora_lib.load_peft([os.path.join(path, r) for r in agents.ROLES], llm.config)
+    n_crit = args.n_critical or max(1, llm.config.num_layers // 4)
+    window, dev = profile_window(llm, w, real[0].ids[:512], n_crit)
+    print(f"{name}: DroidSpeak window {window} (per-layer deviation "
+          f"{np.round(dev, 3).tolist()})", flush=True)
+    for kind, trajs in (("real", real), ("emulated", emu)):
+      if (f"{kind}-{name}", ",".join(w.targets)) in done:
+        continue
+      rows += run_all(llm, w, trajs, schemes, window, args.chunk, f"{kind}-{name}")
+      common.write_rows(args.out, rows)
+  print_tables(rows)
+  common.write_rows(args.out, rows)
+
+
+def print_tables(rows):
+  for kind in sorted({r["kind"] for r in rows}):
+    sub = [r for r in rows if r["kind"] == kind]
+    schemes = [s for s in lragent.SCHEMES if any(r["scheme"] == s for r in sub)]
+    if kind.startswith("emulated"):
+      lens = sorted({r["context_tokens"] for r in sub})
+      for metric, title, fmt in (("ttft_s", "TTFT (s, mean per agent call)", "{:.3f}"),
+                                 ("tokens_per_s", "throughput (generated tokens/s)", "{:.1f}"),
+                                 ("kv_bytes", "KV MB", None)):
+        print(f"\n{kind}: {title} by trajectory length (tokens)")
+        lines = []
+        for s in schemes:
+          cells = [s]
+          for n in lens:
+            r = next(r for r in sub if r["scheme"] == s and r["context_tokens"] == n)
+            ref = next(x for x in sub if x["scheme"] == "non_shared" and x["context_tokens"] == n)
+            if metric == "kv_bytes":
+              cells.append(f"{r[metric] / 2**20:.1f}")
+            else:
+              cells.append(fmt.format(r[metric]) + f" ({r[metric] / ref[metric]:.2f}x)")
+          lines.append(cells)
+        common.print_table(["scheme"] + [str(n) for n in lens], lines)
+    print(f"\n{kind}: fidelity vs non_shared (means over {len({r['trace'] for r in sub})} "
+          "trajectories)")
+    lines = []
+    for s in schemes:
+      rs = [r for r in sub if r["scheme"] == s]
+      lines.append([s, f"{np.mean([r['delta_nll'] for r in rs]):+.4f}",
+                    f"{np.mean([r['greedy_agreement'] for r in rs]):.3f}",
+                    f"{np.mean([r['computed_tokens'] for r in rs]):.0f}",
+                    f"{np.mean([r['recomputed_tokens'] for r in rs]):.0f}"])
+    common.print_table(["scheme", "dNLL", "greedy agree", "computed tok", "recomputed tok"],
+                       lines)
+
+
+if __name__ == "__main__":
+  main()
