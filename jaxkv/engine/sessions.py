@@ -104,6 +104,10 @@ class SessionRunner:
         raise ValueError("IntentKV learnable mode needs a trained residual head "
                          "(pruning.head_path / SessionRunner(head=...))")
       self.head = nnx.split(head) if isinstance(head, nnx.Module) else tuple(head)
+      head_dim = nnx.merge(*self.head).head_dim
+      if head_dim != llm.config.head_dim:
+        raise ValueError(f"the residual head was trained for head_dim {head_dim}, but the "
+                         f"model has head_dim {llm.config.head_dim}: train it on this model")
     else:
       self.head = (None, None)
     self.tok = llm.tokenizer

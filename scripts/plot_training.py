@@ -1,0 +1,100 @@
+"""Training curve of an IntentKV Phase-2 run (loss and alpha) as a PNG.
+
+    python scripts/plot_training.py --run=data_local/runs/pruner_smollm2 \
+        --out=docs/pruner_training_smollm2.png
+
+Reads run/log.csv (one line per micro-step: loss terms and alpha, written by
+`jaxkv.training.train`) and run/metrics.jsonl (per-epoch validation). Panels:
+(1) training loss per micro-step and its moving average (window --smooth),
+with the per-epoch validation loss as markers; (2) alpha per micro-step;
+(3) validation recall@C* of Phase-1 (the rule) vs Phase-2 per epoch.
+Needs matplotlib (`pip install -e ".[bench]"`, done by scripts/setup.sh).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+
+import numpy as np
+from absl import app, flags
+
+_RUN = flags.DEFINE_string("run", None, "training run directory (out_dir of train_pruner.py)")
+_OUT = flags.DEFINE_string("out", None, "PNG path (default: <run>/training.png)")
+_SMOOTH = flags.DEFINE_integer("smooth", 64, "moving-average window over micro-steps")
+
+
+def read_run(run: pathlib.Path) -> tuple[dict, list[dict]]:
+  """(columns of log.csv as float arrays, validation records of metrics.jsonl)."""
+  log = run / "log.csv"
+  if not log.is_file():
+    raise FileNotFoundError(f"{log} not found: is {run} a train_pruner.py out_dir?")
+  with log.open() as f:
+    rows = list(csv.DictReader(f))
+  if not rows:
+    raise ValueError(f"{log} has no training steps yet")
+  cols = {k: np.array([float(r[k]) for r in rows]) for k in ("micro", "loss", "alpha", "epoch")}
+  cols["step"] = np.arange(len(rows))
+  metrics = []
+  mpath = run / "metrics.jsonl"
+  if mpath.is_file():
+    metrics = [json.loads(x) for x in mpath.read_text().splitlines() if x.strip()]
+  return cols, metrics
+
+
+def moving_average(x: np.ndarray, w: int) -> np.ndarray:
+  """Trailing mean over the last min(w, i + 1) values (same length as x)."""
+  c = np.cumsum(np.concatenate([[0.0], x]))
+  i = np.arange(1, x.size + 1)
+  lo = np.maximum(0, i - w)
+  return (c[i] - c[lo]) / (i - lo)
+
+
+def plot(run: pathlib.Path, out: pathlib.Path, smooth: int = 64) -> pathlib.Path:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  cols, metrics = read_run(run)
+  fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+  ax[0].plot(cols["step"], cols["loss"], lw=0.4, alpha=0.35, label="loss (micro-step)")
+  ax[0].plot(cols["step"], moving_average(cols["loss"], smooth), lw=1.5,
+             label=f"moving average ({smooth})")
+  # validation after e epochs sits after the micro-steps of epochs 1..e (log.csv counts from 1)
+  val = [(int(np.sum(cols["epoch"] <= m["epoch"])), m["val_loss"]) for m in metrics
+         if "val_loss" in m]
+  if val:
+    ax[0].plot(*zip(*val), "o-", color="k", label="validation loss (per epoch)")
+  ax[0].set(xlabel="micro-step (one row each)", ylabel="eq. 8 loss", title="Loss")
+  ax[0].legend(fontsize=8)
+  ax[1].plot(cols["step"], cols["alpha"], color="tab:red")
+  ax[1].set(xlabel="micro-step", ylabel="alpha", title="Residual scale alpha (init 1)")
+  ep = [m["epoch"] for m in metrics if "recall_phase1" in m]
+  if ep:
+    ax[2].plot(ep, [m["recall_phase1"] for m in metrics if "recall_phase1" in m], "s--",
+               label="Phase-1 rule")
+    ax[2].plot(ep, [m["recall_phase2"] for m in metrics if "recall_phase1" in m], "o-",
+               label="Phase-2 (rule + residual)")
+    ax[2].set_xticks(ep)
+    ax[2].legend(fontsize=8)
+  ax[2].set(xlabel="epoch", ylabel="recall@C*", title="Validation future-evidence recall")
+  fig.suptitle(f"IntentKV Phase-2 training: {run}")
+  fig.tight_layout()
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
+def main(argv):
+  del argv
+  if not _RUN.value:
+    raise app.UsageError("--run is required")
+  run = pathlib.Path(_RUN.value)
+  out = pathlib.Path(_OUT.value) if _OUT.value else run / "training.png"
+  print(plot(run, out, _SMOOTH.value))
+
+
+if __name__ == "__main__":
+  app.run(main)
