@@ -50,7 +50,7 @@ from jaxkv.models import lora as lora_lib
 from jaxkv.training import train as train_lib
 
 PAGE = 16
-LOG_FIELDS = ("step", "update", "role", "session", "tokens", "loss", "lr")
+LOG_FIELDS = ("step", "update", "role", "session", "tokens", "loss", "lr", "sec")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class LoraTrainConfig:
   weight_decay: float = 0.0
   seed: int = 42
   negative_rate: float = 0.5           # share of trajectories whose answer is wrong
-  val_examples_per_role: int = 24
+  val_examples_per_role: int = 12
   eval_every: int = 0                  # micro-steps between evaluations (0: start and end)
   ckpt_every: int = 100                # micro-steps between checkpoints
   attn_impl: str = "auto"
@@ -249,12 +249,13 @@ def train(cfg: LoraTrainConfig, llm, train_ex: list[Example], val_ex: list[Examp
                     disable=not cfg.progress)
     for step in bar:
       ex = pick(by_role, cfg.seed, step)
+      ts = time.perf_counter()
       params, opt_state, loss = train_step(params, opt_state, weights, make_batch(ex), tx=tx,
                                            **kw)
       loss = float(loss)
       w.writerow(dict(step=step, update=(step + 1) // cfg.grad_accum, role=agents.ROLES[ex.role],
                       session=ex.session, tokens=ex.prompt.size + ex.target.size,
-                      loss=round(loss, 6), lr=cfg.lr))
+                      loss=round(loss, 6), lr=cfg.lr, sec=round(time.perf_counter() - ts, 3)))
       bar.set_postfix(loss=f"{loss:.3f}")
       done = step + 1
       if done % cfg.ckpt_every == 0 or done == cfg.steps:
