@@ -20,9 +20,15 @@ import pathlib
 import numpy as np
 from absl import app, flags
 
-_RUN = flags.DEFINE_string("run", None, "training run directory (out_dir of train_pruner.py)")
-_OUT = flags.DEFINE_string("out", None, "PNG path (default: <run>/training.png)")
-_SMOOTH = flags.DEFINE_integer("smooth", 64, "moving-average window over micro-steps")
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a script, so importing this module
+  next to other absl scripts never clashes)."""
+  flags.DEFINE_string("run", None, "training run directory (out_dir of train_pruner.py)")
+  flags.DEFINE_string("out", None, "PNG path (default: <run>/training.png)")
+  flags.DEFINE_integer("smooth", 64, "moving-average window over micro-steps")
 
 
 def read_run(run: pathlib.Path) -> tuple[dict, list[dict]]:
@@ -89,12 +95,13 @@ def plot(run: pathlib.Path, out: pathlib.Path, smooth: int = 64) -> pathlib.Path
 
 def main(argv):
   del argv
-  if not _RUN.value:
+  if not FLAGS.run:
     raise app.UsageError("--run is required")
-  run = pathlib.Path(_RUN.value)
-  out = pathlib.Path(_OUT.value) if _OUT.value else run / "training.png"
-  print(plot(run, out, _SMOOTH.value))
+  run = pathlib.Path(FLAGS.run)
+  out = pathlib.Path(FLAGS.out) if FLAGS.out else run / "training.png"
+  print(plot(run, out, FLAGS.smooth))
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

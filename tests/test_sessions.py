@@ -152,6 +152,9 @@ def test_learnable_mode_with_fresh_head_equals_phase1(llm):
   assert any(changed)                                     # ... and is used when not ablated
   with pytest.raises(ValueError, match="residual head"):
     SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE)
+  with pytest.raises(ValueError, match=f"head_dim {2 * llm.config.head_dim}"):
+    SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE,
+                  head=ResidualHead(2 * llm.config.head_dim, rngs=nnx.Rngs(0)))
 
 
 def test_free_generation_equals_engine_greedy(llm):
