@@ -142,3 +142,17 @@ def test_bench_emulation_traces_hit_their_lengths(llm):
     assert abs(len(t) - target) <= 0.1 * target, (len(t), target)
     assert [c.role for c in t.calls] == [c.role for c in base.calls]
     assert "Tools: cancel_reservation, get_user_details" in t.text
+
+
+def test_base_shared_keeps_one_lr_cache_per_agent(llm, traj):
+  """BaseShared: each agent's LR cache comes from its OWN hidden states (they differ
+  between agents over the tokens both processed); base_lr_shared keeps one."""
+  w = _lora(llm)
+  r = AgentRunner(llm, w, "base_shared", max_tokens=len(traj) + 8, chunk=64)
+  r.run(traj)
+  n = min(r.seen)                                   # tokens every agent has run
+  lr = [np.asarray(v[:, 16:16 + n]) for v in r.own_vlr]
+  assert n > 100 and all(np.abs(x).max() > 0 for x in lr)
+  assert np.abs(lr[0] - lr[1]).max() > 1e-3 and np.abs(lr[1] - lr[2]).max() > 1e-3
+  # layer 0 reads the embeddings, the same for every agent: equal there
+  np.testing.assert_allclose(lr[0][0], lr[1][0], atol=1e-6)
