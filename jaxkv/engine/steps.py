@@ -56,12 +56,10 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
   return jnp.where(params.temperature > 0, sampled, greedy)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("graphdef", "attn_impl", "greedy_only", "lora_mode"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "greedy_only"),
                    donate_argnames=("kv",))
 def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map,
-                 last_index, sampling: SamplingParams, *, attn_impl: str, greedy_only: bool,
-                 lora=None, adapter_ids=None, lora_mode: str = "full"):
+                 last_index, sampling: SamplingParams, *, attn_impl: str, greedy_only: bool):
   """One prefill chunk for every row.
 
   Args:
@@ -69,16 +67,13 @@ def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
     slot_map: [B, T] int32, already holding the chunk's slots.
     last_index: [B] int32 index in the chunk whose logits to sample (the last
       prompt token when this chunk ends a prompt; anything otherwise).
-    lora, adapter_ids, lora_mode: multi-LoRA weights, [B] adapter per row and
-      cache layout (see `Transformer.__call__`); lora None runs the base model.
   Returns:
     (next_tokens [B] int32, kv).
   """
   model = nnx.merge(graphdef, weights)
   valid = positions >= 0
   ws = kv_state.write_slots(slot_map, positions, valid, kv.num_slots)
-  hidden, kv = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, lora=lora,
-                     adapter_ids=adapter_ids, lora_mode=lora_mode)
+  hidden, kv = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl)
   last = jnp.take_along_axis(hidden, last_index[:, None, None], axis=1)[:, 0]  # [B, D]
   logits = model.logits(last)
   last_pos = jnp.take_along_axis(positions, last_index[:, None], axis=1)[:, 0]
@@ -86,13 +81,11 @@ def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("graphdef", "num_steps", "attn_impl", "greedy_only",
-                                    "lora_mode"),
+                   static_argnames=("graphdef", "num_steps", "attn_impl", "greedy_only"),
                    donate_argnames=("kv",))
 def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map,
                  remaining, stop_ids, sampling: SamplingParams, *, num_steps: int,
-                 attn_impl: str, greedy_only: bool, lora=None, adapter_ids=None,
-                 lora_mode: str = "full"):
+                 attn_impl: str, greedy_only: bool):
   """`num_steps` decode steps with `lax.scan`.
 
   Args:
@@ -102,7 +95,6 @@ def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
       positions + min(num_steps, remaining) - 1.
     remaining: [B] int32 tokens each row may still generate.
     stop_ids: [K] int32 stop tokens (pad with -1).
-    lora, adapter_ids, lora_mode: as `prefill_step`.
   Returns:
     (out_tokens [num_steps, B] int32, emitted [num_steps, B] bool, kv). A row
     stops emitting after a stop token or when `remaining` runs out; its later
@@ -115,8 +107,7 @@ def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
     live = (pos >= 0) & (left > 0)
     pos_in = jnp.where(live, pos, -1)[:, None]
     ws = kv_state.write_slots(slot_map, pos_in, live[:, None], kv.num_slots)
-    hidden, kv = model(tok[:, None], pos_in, slot_map, ws, kv, attn_impl=attn_impl,
-                       lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode)
+    hidden, kv = model(tok[:, None], pos_in, slot_map, ws, kv, attn_impl=attn_impl)
     nxt = sample(model.logits(hidden[:, 0]), sampling, pos + 1, greedy_only=greedy_only)
     nxt = jnp.where(live, nxt, tok)
     stop = jnp.any(nxt[:, None] == stop_ids[None, :], axis=-1)
@@ -133,12 +124,15 @@ def bucket(n: int, lo: int) -> int:
   return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q", "all_logits",
-                                             "lora_mode"),
+def bucket128(n: int, lo: int) -> int:
+  """`bucket` up to 128, then the next multiple of 128 (long chunks waste < 128 rows)."""
+  return bucket(n, lo) if n <= 128 else -(-int(n) // 128) * 128
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q", "all_logits"),
                    donate_argnames=("kv",))
 def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, targets,
-                *, attn_impl: str, capture_q: bool, all_logits: bool = True, lora=None,
-                adapter_ids=None, lora_mode: str = "full"):
+                *, attn_impl: str, capture_q: bool, all_logits: bool = True):
   """Teacher-forced chunk: writes its KV and scores the given next tokens.
 
   Used by the session runner for prompt prefill (capturing post-RoPE queries
@@ -152,7 +146,6 @@ def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
     all_logits: score every position; False scores only each row's last valid
       position (prompt prefill needs nothing else), skipping the vocab-sized
       head on the rest of the chunk.
-    lora, adapter_ids, lora_mode: as `prefill_step`.
   Returns:
     (logprob of targets and greedy argmax, [B, C] or [B, 1] without
     `all_logits`, kv, and q [L, B, C, Hq, D] when `capture_q` else None).
@@ -160,8 +153,7 @@ def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
   model = nnx.merge(graphdef, weights)
   valid = positions >= 0
   ws = kv_state.write_slots(slot_map, positions, valid, kv.num_slots)
-  out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture_q,
-              lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode)
+  out = model(tokens, positions, slot_map, ws, kv, attn_impl=attn_impl, capture_q=capture_q)
   hidden, kv = out[:2]
   if not all_logits:
     last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)[:, None]             # [B, 1]

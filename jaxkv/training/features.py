@@ -197,7 +197,7 @@ def plan_chunks(start: int, qs: int, n: int, chunk: int, max_chunk: int = 4096):
 
 def _chunk_bucket(n: int) -> int:
   """Padded chunk length: powers of two up to 128, then multiples of 128."""
-  return steps.bucket(n, 16) if n <= 128 else -(-n // 128) * 128
+  return steps.bucket128(n, 16)
 
 
 def _width_bucket(n: int) -> int:

@@ -115,7 +115,7 @@ def make_batch(ex: Example, role: int | None = None) -> dict:
   """Padded arrays of one example; numpy. Lengths are bucketed (sequence: powers of two
   up to 128, then multiples of 128; targets: powers of two), bounding recompiles."""
   p, g = ex.prompt.size, ex.target.size
-  t = steps.bucket(p + g, 64) if p + g <= 128 else -(-(p + g) // 128) * 128
+  t = steps.bucket128(p + g, 64)
   tt = steps.bucket(g, 16)
   tokens = np.zeros((1, t), np.int32)
   tokens[0, :p + g] = np.concatenate([ex.prompt, ex.target])
