@@ -31,8 +31,10 @@ def smollm2():
 
 def test_smollm2_logits_match_transformers_gguf_import(smollm2):
   err, agree = _max_logit_error_vs_hf_gguf(smollm2, presets.smollm2_gguf(), 49152, (2, 24))
-  # 30 fp32 layers, logits of magnitude ~30: summation order alone gives ~1e-4.
-  assert err <= 5e-4, err
+  # 30 fp32 layers, logits of magnitude ~30: summation order alone moves them by
+  # 1e-4..9e-4 depending on the CPU's vector width (8.6e-4 seen on the CI machine).
+  # 2e-3 still sits far below any real bug (a wrong RoPE or norm moves logits by O(1)).
+  assert err <= 2e-3, err
   assert agree >= 0.9  # argmax may flip on a near-tie within the tolerance
 
 
