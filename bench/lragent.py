@@ -3,7 +3,7 @@
     python bench/lragent.py --traces=data_local/tau2_heldout.json \\
         --adapters=data_local/runs/lora_smollm2/adapters --out=bench/results_lragent.json \\
         [--emulate=1024,2048,4096,8192] [--max_sessions=4] [--schemes=...] \\
-        [--qkvo_adapters=data_local/runs/lora_qkvo/adapters]
+        [--qkvo_adapters=data_local/runs/lora_qkvo/adapters] [--qkvo_emulate=1024,4096]
 
 Trajectories (`jaxkv.data.agents`): plan -> action -> tool result -> ... ->
 reflect over one token stream, from
@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -36,6 +37,7 @@ import common
 import jaxkv
 from jaxkv.data import agents, traces
 from jaxkv.data.traces import Session, Turn
+from jaxkv.engine import steps
 from jaxkv.engine.agents import AgentRunner, fidelity, profile_window
 from jaxkv.models import lora as lora_lib
 from jaxkv.policies.sharing import lragent
@@ -64,14 +66,23 @@ def emulate(session: Session, filler: str, target: int, tok) -> Session:
   return dataclasses.replace(base, id=f"{session.id}@{target}", turns=tuple(turns))
 
 
-def run_all(llm, w, trajs, schemes, window, chunk, label):
-  rows = []
-  for tr in tqdm(trajs, desc=label):
+def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out):
+  """Runs every scheme on each trajectory not yet in `rows`; appends its rows and
+  writes `out` after each trajectory (a rerun resumes)."""
+  targets = ",".join(w.targets)
+  done = {(r["kind"], r["targets"], r["trace"]) for r in rows}
+  todo = [tr for tr in trajs if (label, targets, tr.session) not in done]
+  bar = tqdm(total=len(todo) * len(schemes), desc=label)
+  for tr in todo:
     res = {}
     for s in schemes:
-      r = AgentRunner(llm, w, s, max_tokens=len(tr) + 16, window=window, chunk=chunk)
+      bar.set_postfix(trace=tr.session, tokens=len(tr), scheme=s)
+      # Pool sizes bucketed so trajectories of similar length share compiled steps.
+      r = AgentRunner(llm, w, s, max_tokens=steps.bucket(len(tr) + 16, 1024), window=window,
+                      chunk=chunk)
       r.run(tr)                                     # compile
       res[s] = r.run(tr)
+      bar.update()
     ref = res["non_shared"]
     for s, r in res.items():
       rows.append(dict(scheme=s, trace=tr.session, context_tokens=len(tr), kv_bytes=r.kv_bytes,
@@ -79,8 +90,9 @@ def run_all(llm, w, trajs, schemes, window, chunk, label):
                        tokens_per_s=r.generated / r.wall_s, **fidelity(r, ref),
                        computed_tokens=sum(c.computed for c in r.calls),
                        recomputed_tokens=sum(c.recomputed for c in r.calls),
-                       targets=",".join(w.targets), window=list(window), kind=label))
-  return rows
+                       targets=targets, window=list(window), kind=label))
+    common.write_rows(out, rows)
+  bar.close()
 
 
 def main():
@@ -94,8 +106,13 @@ def main():
   ap.add_argument("--schemes", default=",".join(lragent.SCHEMES))
   ap.add_argument("--max_sessions", type=int, default=4)
   ap.add_argument("--emulate", default="1024,2048,4096,8192")
+  ap.add_argument("--qkvo_emulate", default="1024,4096",
+                  help="emulated lengths of the QKVO ablation (a subset, to bound its cost)")
+  ap.add_argument("--qkvo_max_sessions", type=int, default=2)
   ap.add_argument("--n_critical", type=int, default=0, help="DroidSpeak layers (0: L / 4)")
   ap.add_argument("--chunk", type=int, default=512)
+  ap.add_argument("--xla_cache", default="data_local/xla_cache",
+                  help="persistent compilation cache: reruns skip the warm-up compiles")
   args = ap.parse_args()
   if args.tables_from:
     with open(args.tables_from) as f:
@@ -108,18 +125,22 @@ def main():
     lragent.check_scheme(s)
   if "non_shared" not in schemes:
     schemes.insert(0, "non_shared")              # the fidelity reference
+  if args.xla_cache:
+    jax.config.update("jax_compilation_cache_dir", args.xla_cache)
   llm = jaxkv.load(args.model)
   tok = llm.tokenizer
   sessions = traces.load_toolbench(args.traces)
   real = agents.build_all(sessions[:args.max_sessions], tok, negative_rate=0.5, seed=0)
   filler = "\n".join(t.content for s in sessions[1:] for t in s.turns if t.role == "tool")
-  emu = [agents.build(emulate(sessions[0], filler, int(n), tok), tok)
-         for n in args.emulate.split(",") if n]
+  emu = {n: agents.build(emulate(sessions[0], filler, int(n), tok), tok)
+         for n in sorted({*args.emulate.split(","), *args.qkvo_emulate.split(",")} - {""}, key=int)}
+  sets = {"qv": (real, [emu[n] for n in args.emulate.split(",") if n]),
+          "qkvo": (real[:args.qkvo_max_sessions],
+                   [emu[n] for n in args.qkvo_emulate.split(",") if n])}
   rows = []
   if args.out and os.path.exists(args.out):
     with open(args.out) as f:
       rows = json.load(f)
-  done = {(r["kind"], r["targets"]) for r in rows}
   for name, path in (("qv", args.adapters), ("qkvo", args.qkvo_adapters)):
     if not path:
       continue
@@ -128,13 +149,9 @@ def main():
     window, dev = profile_window(llm, w, real[0].ids[:512], n_crit)
     print(f"{name}: DroidSpeak window {window} (per-layer deviation "
           f"{np.round(dev, 3).tolist()})", flush=True)
-    for kind, trajs in (("real", real), ("emulated", emu)):
-      if (f"{kind}-{name}", ",".join(w.targets)) in done:
-        continue
-      rows += run_all(llm, w, trajs, schemes, window, args.chunk, f"{kind}-{name}")
-      common.write_rows(args.out, rows)
+    for kind, trajs in zip(("emulated", "real"), sets[name][::-1]):
+      run_all(llm, w, trajs, schemes, window, args.chunk, f"{kind}-{name}", rows, args.out)
   print_tables(rows)
-  common.write_rows(args.out, rows)
 
 
 def print_tables(rows):

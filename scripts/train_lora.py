@@ -1,7 +1,7 @@
 """Trains LRAgent's plan / action / reflect adapters (shared-A multi-LoRA, jointly).
 
     python scripts/train_lora.py --config=configs/lora_smollm2.py \
-        [--config.steps=600] [--config.targets='("q","k","v","o")' --config.rank=4] \
+        [--config.steps=480] [--config.targets='("q","k","v","o")' --config.rank=4] \
         [--config.out_dir=data_local/runs/lora_smollm2]
 
 1. trajectories: each ToolBench-format session of train_traces / val_traces
@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 import time
 
@@ -28,6 +29,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py", l
 
 def main(argv):
   del argv
+  import jax
+
   import jaxkv
   from jaxkv.config import from_config_dict
   from jaxkv.data import agents, traces
@@ -42,6 +45,8 @@ def main(argv):
     print(msg, file=sys.stderr, flush=True)
 
   t0 = time.perf_counter()
+  # Compiled steps persist across reruns and resumes (one shape per length bucket).
+  jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.out_dir) / "xla"))
   llm = jaxkv.load(cfg.model, dtype=cfg.dtype)
   sets = []
   for path, cap, seed in ((cfg.train_traces, cfg.max_train_sessions, cfg.seed),

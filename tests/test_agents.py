@@ -44,6 +44,13 @@ def traj(llm):
   return agents.build(_session(), llm.tokenizer)
 
 
+@pytest.fixture(scope="module")
+def distinct(llm, traj):
+  """Random distinct adapters and their non_shared reference run (shared by tests)."""
+  w = _lora(llm)
+  return w, _run(llm, w, "non_shared", traj)
+
+
 def _run(llm, w, scheme, traj, **kw):
   return AgentRunner(llm, w, scheme, max_tokens=len(traj) + 8, chunk=64, **kw).run(traj)
 
@@ -75,9 +82,8 @@ def test_identical_adapters_make_sharing_exact(llm, traj):
     np.testing.assert_allclose(_lp(res), _lp(ref), atol=TOL, rtol=0, err_msg=scheme)
 
 
-def test_distinct_adapters_separate_the_schemes(llm, traj):
-  w = _lora(llm)
-  ref = _run(llm, w, "non_shared", traj)
+def test_distinct_adapters_separate_the_schemes(llm, traj, distinct):
+  w, ref = distinct
   res = {s: _run(llm, w, s, traj, window=(0, 1)) for s in lragent.SCHEMES[1:]}
   for s, r in res.items():                     # sharing approximates, it is not exact here
     assert abs(fidelity(r, ref)["delta_nll"]) > 1e-4, s
@@ -91,11 +97,10 @@ def test_distinct_adapters_separate_the_schemes(llm, traj):
   assert b["full_shared"] < b["base_lr_shared"] < b["base_shared"] < b["non_shared"]
 
 
-def test_droidspeak_recomputing_every_layer_is_non_shared(llm, traj):
+def test_droidspeak_recomputing_every_layer_is_non_shared(llm, traj, distinct):
   """A window over all layers recomputes every reused token from its embedding
   with the agent's own adapter: exactly the agent's own cache."""
-  w = _lora(llm)
-  ref = _run(llm, w, "non_shared", traj)
+  w, ref = distinct
   res = _run(llm, w, "droidspeak", traj, window=(0, llm.config.num_layers))
   np.testing.assert_allclose(_lp(res), _lp(ref), atol=TOL, rtol=0)
 

@@ -68,7 +68,7 @@ class LoraTrainConfig:
   targets: tuple = ("q", "v")          # LRAgent default; ("q", "k", "v", "o") for the ablation
   max_context: int = 512               # tokens of trajectory before each call
   max_target: int = 64                 # gold output tokens scored per call
-  steps: int = 600                     # micro-steps
+  steps: int = 480                     # micro-steps
   grad_accum: int = 4
   lr: float = 5e-4
   warmup: int = 20                     # optimizer updates of linear warm-up
