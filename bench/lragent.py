@@ -132,11 +132,12 @@ def main():
   sessions = traces.load_toolbench(args.traces)
   real = agents.build_all(sessions[:args.max_sessions], tok, negative_rate=0.5, seed=0)
   filler = "\n".join(t.content for s in sessions[1:] for t in s.turns if t.role == "tool")
-  emu = {n: agents.build(emulate(sessions[0], filler, int(n), tok), tok)
-         for n in sorted({*args.emulate.split(","), *args.qkvo_emulate.split(",")} - {""}, key=int)}
-  sets = {"qv": (real, [emu[n] for n in args.emulate.split(",") if n]),
-          "qkvo": (real[:args.qkvo_max_sessions],
-                   [emu[n] for n in args.qkvo_emulate.split(",") if n])}
+  emu = {n: agents.build(emulate(sessions[0], filler, n, tok), tok)
+         for n in {int(n) for n in (args.emulate + "," + args.qkvo_emulate).split(",") if n}}
+  sets = {"qv": {"emulated": [emu[int(n)] for n in args.emulate.split(",") if n],
+                 "real": real},
+          "qkvo": {"emulated": [emu[int(n)] for n in args.qkvo_emulate.split(",") if n],
+                   "real": real[:args.qkvo_max_sessions]}}
   rows = []
   if args.out and os.path.exists(args.out):
     with open(args.out) as f:
@@ -149,7 +150,7 @@ def main():
     window, dev = profile_window(llm, w, real[0].ids[:512], n_crit)
     print(f"{name}: DroidSpeak window {window} (per-layer deviation "
           f"{np.round(dev, 3).tolist()})", flush=True)
-    for kind, trajs in zip(("emulated", "real"), sets[name][::-1]):
+    for kind, trajs in sets[name].items():
       run_all(llm, w, trajs, schemes, window, args.chunk, f"{kind}-{name}", rows, args.out)
   print_tables(rows)
 

@@ -195,11 +195,6 @@ def plan_chunks(start: int, qs: int, n: int, chunk: int, max_chunk: int = 4096):
 
 
 
-def _chunk_bucket(n: int) -> int:
-  """Padded chunk length: powers of two up to 128, then multiples of 128."""
-  return steps.bucket128(n, 16)
-
-
 def _width_bucket(n: int) -> int:
   """Slot-map width (keys attended): multiples of 512. The reference attention is
   dense over the width, so a tight width matters more than a few extra compiles."""
@@ -237,7 +232,7 @@ class Extractor:
 
   def _run(self, ids, c0, c1, span_lo, capture):
     """Prefill positions [c0, c1) (slots PAGE + p); Enc over [span_lo, c1) if capture."""
-    n, cb, w = c1 - c0, _chunk_bucket(c1 - c0), _width_bucket(c1)
+    n, cb, w = c1 - c0, steps.bucket128(c1 - c0, 16), _width_bucket(c1)
     tokens = np.zeros((1, cb), np.int32)
     tokens[0, :n] = ids[c0:c1]
     pos = np.full((1, cb), -1, np.int32)
