@@ -3,7 +3,7 @@
 `Tokenizer` wraps an HF `tokenizers.Tokenizer` (the Rust library, not
 `transformers`) and adds special token ids, the stop set and the model's jinja2
 chat template. `Tokenizer.from_gguf` rebuilds the tokenizer from a GGUF file's
-`tokenizer.*` metadata (read with `gguf.GGUFReader`; no tensor is read) exactly
+`tokenizer.*` metadata (read with `jaxkv.models.gguf_file`; no tensor is read) exactly
 as transformers' GGUF converter does
 (`transformers/integrations/gguf/gguf_tokenizer_mapping.py`);
 `Tokenizer.from_hf_dir` reads a `save_pretrained` directory. `render_chat`
@@ -365,16 +365,10 @@ class Tokenizer:
       ValueError: `tokenizer.ggml.model` is not 'gpt2', `tokenizer.ggml.pre` is
         unknown, or the tokens/merges are missing.
     """
-    import gguf  # pylint: disable=import-outside-toplevel
+    from jaxkv.models import gguf_file  # pylint: disable=import-outside-toplevel
 
     path = pathlib.Path(path).expanduser()
-    if not path.is_file():
-      raise FileNotFoundError(f"GGUF file not found: {path}")
-    fields = gguf.GGUFReader(path, "r").fields
-
-    def get(key, default=None):
-      field = fields.get(key)
-      return default if field is None else field.contents()
+    get = gguf_file.read(path).get
 
     model = get("tokenizer.ggml.model")
     if model != "gpt2":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxkv.config import CacheConfig
 from jaxkv.kv import state as kv_state
@@ -12,9 +11,7 @@ from jaxkv.models.llama import Transformer
 
 
 def build(cfg, params, dtype=jnp.float32):
-  model = Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-  model.load_params(params)
-  return model
+  return Transformer.from_params(cfg, params, dtype=dtype)
 
 
 def dense_forward(model, tokens: np.ndarray, page_size: int = 16, lr_rank: int = 0,

@@ -149,5 +149,5 @@ def test_wrong_shapes_are_a_clear_error(tmp_path):
 def test_not_a_gguf_file(tmp_path):
   bad = tmp_path / "x.gguf"
   bad.write_bytes(b"not a gguf at all")
-  with pytest.raises(ValueError, match="not a readable GGUF"):
+  with pytest.raises(ValueError, match="not a GGUF file"):
     weights.load_gguf(bad)

@@ -16,7 +16,6 @@ import time
 from typing import Iterable, Iterator, Sequence
 
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request, Result
@@ -99,8 +98,7 @@ def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
   path = presets.resolve(model)
   t0 = time.perf_counter()
   cfg, params = weights.load(path)
-  net = Transformer(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0))
-  net.load_params(params)
+  net = Transformer.from_params(cfg, params, dtype=jnp.dtype(dtype))
   tok = Tokenizer.load(path)
   if verbose:
     print(f"loaded {model} ({cfg.architecture}, {cfg.num_layers} layers) "

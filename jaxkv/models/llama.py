@@ -242,6 +242,18 @@ class Transformer(nnx.Module):
     w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
     return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
 
+  @classmethod
+  def from_params(cls, cfg: ModelConfig, params: dict[str, "np.ndarray"], *,  # noqa: F821
+                  dtype=jnp.float32) -> "Transformer":
+    """A module holding `params`, built without running the random initializers.
+
+    The module is traced abstractly (`nnx.eval_shape`) and every parameter then
+    set from `params`, so loading real weights does no throwaway init work.
+    """
+    net = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    net.load_params(params)
+    return net
+
   def load_params(self, params: dict[str, "np.ndarray"]) -> None:  # noqa: F821
     """Fills every parameter from a flat {name: array} dict (see `param_shapes`).
 
@@ -263,4 +275,5 @@ class Transformer(nnx.Module):
       for part in path:
         holder = getattr(holder, part)
       param = getattr(holder, leaf)
-      param[...] = jnp.asarray(value, dtype=param[...].dtype)
+      # set_value (not param[...] = ...) also fills an abstract module from nnx.eval_shape
+      param.set_value(jnp.asarray(value, dtype=param.get_value().dtype))

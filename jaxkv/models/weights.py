@@ -7,17 +7,21 @@ layers, [in, out] matrices), filled into the NNX module by
 GGUF: llama.cpp stores `attn_q` / `attn_k` of Llama-architecture models with
 rows permuted for interleaved RoPE; we un-permute them so the one rotate-half
 RoPE of jaxkv.models.layers applies to every source (Qwen2/Qwen3 GGUFs are not
-permuted). Quantized tensors are dequantized to float32 with `gguf.quants`.
+permuted). Quantized tensors are dequantized to float32 with `gguf.quants`; the file is
+parsed by `jaxkv.models.gguf_file` (fast metadata, memory-mapped tensors).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import pathlib
 
 import numpy as np
 
 from jaxkv.config import ModelConfig, RopeConfig
+from jaxkv.models import gguf_file
 from jaxkv.models.llama import param_shapes
 
 _ARCHS = ("llama", "qwen2", "qwen3")
@@ -66,26 +70,19 @@ def _stack(per_layer: dict[str, list], num_layers: int, what: str) -> dict[str, 
 
 # ----------------------------------------------------------------------------- GGUF
 
-def _field(fields, key, default=None):
-  f = fields.get(key)
-  if f is None:
-    return default
-  return f.contents()
-
-
-def gguf_config(fields) -> ModelConfig:
-  """ModelConfig from GGUF metadata (`GGUFReader(path).fields`)."""
-  arch = _field(fields, "general.architecture")
+def gguf_config(meta: dict) -> ModelConfig:
+  """ModelConfig from GGUF metadata (`gguf_file.read(path).metadata`)."""
+  arch = meta.get("general.architecture")
   if arch not in _ARCHS:
     raise ValueError(f"unsupported GGUF architecture {arch!r}; jaxkv loads {_ARCHS}")
-  g = lambda k, d=None: _field(fields, f"{arch}.{k}", d)  # noqa: E731
+  g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
   hidden = int(g("embedding_length"))
   heads = int(g("attention.head_count"))
   head_dim = int(g("attention.key_length", hidden // heads))
   vocab = g("vocab_size")
   if vocab is None:
-    vocab = len(fields["tokenizer.ggml.tokens"].data)
-  rope_kind = _field(fields, f"{arch}.rope.scaling.type", "none")
+    vocab = len(meta["tokenizer.ggml.tokens"])
+  rope_kind = meta.get(f"{arch}.rope.scaling.type", "none")
   rope_kw = dict(theta=float(g("rope.freq_base", 10000.0)))
   if rope_kind in ("linear", "yarn"):
     rope_kw.update(kind=rope_kind, factor=float(g("rope.scaling.factor")),
@@ -109,40 +106,43 @@ def load_gguf(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarr
   """Reads and dequantizes a GGUF checkpoint. Raises ValueError on a bad file."""
   import dataclasses
 
-  import gguf
   path = pathlib.Path(path)
-  try:
-    reader = gguf.GGUFReader(str(path))
-  except Exception as e:  # gguf raises bare ValueError / struct errors on garbage
-    raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-  cfg = gguf_config(reader.fields)
-  tensors = {t.name: t for t in reader.tensors}
+  f = gguf_file.read(path)
+  cfg = gguf_config(f.metadata)
+  tensors = f.tensors
   if "rope_freqs.weight" in tensors:
     raise ValueError(f"{path}: llama3 rope_freqs tensors are not supported from GGUF; "
                      "load the HF safetensors checkpoint instead")
   cfg = dataclasses.replace(cfg, tie_embeddings="output.weight" not in tensors)
 
-  def deq(name):
-    t = tensors[name]
-    arr = gguf.quants.dequantize(t.data, t.tensor_type)
-    return np.asarray(arr, np.float32).reshape([int(d) for d in reversed(t.shape)])
-
   L = cfg.num_layers
+  wanted = [f"blk.{i}.{suffix}" for i in range(L) for suffix in _GGUF_LAYER
+            if f"blk.{i}.{suffix}" in tensors]
+  wanted += ["token_embd.weight", "output_norm.weight"]
+  if not cfg.tie_embeddings:
+    wanted.append("output.weight")
+  missing = [k for k in wanted if k not in tensors]
+  if missing:
+    raise ValueError(f"{path}: tensors {missing} missing")
+  # gguf.quants is numpy; its large ops release the GIL, so threads overlap.
+  with concurrent.futures.ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as ex:
+    deq = dict(zip(wanted, ex.map(lambda k: tensors[k].dequantize(), wanted)))
+
   per_layer: dict[str, list] = {}
   for i in range(L):
     for suffix, (name, transpose) in _GGUF_LAYER.items():
       key = f"blk.{i}.{suffix}"
-      if key not in tensors:
+      if key not in deq:
         continue
-      w = deq(key)
+      w = deq.pop(key)
       if cfg.architecture == "llama" and suffix in ("attn_q.weight", "attn_k.weight"):
         w = unpermute_rows(w, cfg.num_heads if "attn_q" in suffix else cfg.num_kv_heads)
       per_layer.setdefault(name, [None] * L)[i] = w.T if transpose else w
   params = _stack(per_layer, L, str(path))
-  params["embed"] = deq("token_embd.weight")
-  params["final_norm"] = deq("output_norm.weight")
+  params["embed"] = deq["token_embd.weight"]
+  params["final_norm"] = deq["output_norm.weight"]
   if not cfg.tie_embeddings:
-    params["lm_head"] = deq("output.weight").T
+    params["lm_head"] = deq["output.weight"].T
   _check(cfg, params, str(path))
   return cfg, params
 
