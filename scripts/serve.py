@@ -5,7 +5,9 @@
         [--config.sampling.max_tokens=64] [--config.engine.max_batch=4]
 
 Rerunning the same command resumes: ids already answered in --output are
-skipped. See jaxkv/engine/batch.py for the line formats.
+skipped. See jaxkv/engine/batch.py for the line formats. Set
+JAX_COMPILATION_CACHE_DIR=<dir> to keep compiled steps between runs (a rerun
+then starts in about half the time).
 
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
 --input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
@@ -117,7 +119,10 @@ def serve_sessions(cfg, src: pathlib.Path, dst: pathlib.Path, done: set) -> None
 
   errors: list = []
   sessions = traces.load_toolbench(src, strict=False, errors=errors)
-  llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine)
+  todo = [s for s in sessions if s.id not in done]
+  print(f"{len(sessions)} sessions in {src} ({len(errors)} malformed), {len(done)} already "
+        f"in {dst}; pruning {cfg.pruning.method}/{cfg.pruning.layout} C={cfg.pruning.budget}",
+        file=sys.stderr)
   head = None
   if cfg.pruning.method == "intentkv" and cfg.pruning.intent_mode == "learnable":
     if not cfg.pruning.head_path:
@@ -125,13 +130,14 @@ def serve_sessions(cfg, src: pathlib.Path, dst: pathlib.Path, done: set) -> None
                            "<head saved by scripts/train_pruner.py>")
     from jaxkv.training import load_head
     head = load_head(cfg.pruning.head_path)
-  runner = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
-                         prefill_chunk=cfg.engine.prefill_chunk,
-                         attn_impl=cfg.engine.attention_impl, head=head)
-  todo = [s for s in sessions if s.id not in done]
-  print(f"{len(sessions)} sessions in {src} ({len(errors)} malformed), {len(done)} already "
-        f"in {dst}; pruning {cfg.pruning.method}/{cfg.pruning.layout} C={cfg.pruning.budget}",
-        file=sys.stderr)
+  runner = None
+  if todo:  # a finished run resumes without loading the model
+    t0 = time.perf_counter()
+    llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine)
+    print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    runner = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
+                           prefill_chunk=cfg.engine.prefill_chunk,
+                           attn_impl=cfg.engine.attention_impl, head=head)
   dst.parent.mkdir(parents=True, exist_ok=True)
   with open(dst, "a") as out:
     def write(record):
@@ -143,7 +149,7 @@ def serve_sessions(cfg, src: pathlib.Path, dst: pathlib.Path, done: set) -> None
         write({"id": key, "error": str(e), "finish_reason": "error"})
     for s in tqdm.tqdm(todo, unit="session", disable=not _PROGRESS.value, file=sys.stderr):
       try:
-        turns = runner.run_session(s.id, *traces.session_chat(s, llm.tokenizer),
+        turns = runner.run_session(s.id, *traces.session_chat(s, runner.tok),
                                    generate=cfg.session_generate,
                                    max_tokens=cfg.sampling.max_tokens)
       except (ValueError, RuntimeError) as e:   # e.g. longer than the pool: record, go on
@@ -160,7 +166,7 @@ def serve_sessions(cfg, src: pathlib.Path, dst: pathlib.Path, done: set) -> None
           "prompt_tokens": sum(t.prompt_tokens for t in turns),
           "future_evidence_recall": (sum(t.evidence_kept for t in turns) / ev) if ev else None,
           "wall_s": round(sum(t.wall_s for t in turns), 3)}})
-  st = runner.radix.stats if runner.radix is not None else None
+  st = runner.radix.stats if runner is not None and runner.radix is not None else None
   print("METRICS " + json.dumps({"sessions": len(todo), "malformed": len(errors),
                                  "prefix_hit_rate": st.hit_rate if st else None}))
 

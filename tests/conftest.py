@@ -1,6 +1,51 @@
+import functools
 import os
 import sys
 
 # Tests run on the CPU; keep XLA from grabbing every core for its own pool.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _share_gguf_parses():
+  """Shares read-only GGUF parsing work inside the test process.
+
+  transformers' GGUF import (the reference side of the real-weight tests) builds a
+  `gguf.GGUFReader` for every config, weight and tokenizer load: 4-21 s per parse of
+  the shipped files on a 2-core CPU, several times per file. Within this process a
+  file is parsed once and the same reader object handed out again; the reference's
+  code and results are unchanged (readers are read-only, the files immutable)."""
+  try:
+    import gguf
+  except ImportError:
+    return
+  base = gguf.GGUFReader
+  if getattr(base, "_jaxkv_shared", False):
+    return
+
+  class SharedGGUFReader(base):
+    _jaxkv_shared = True
+    _readers: dict = {}
+
+    def __new__(cls, path, mode="r"):
+      st = os.stat(path)
+      key = (os.path.realpath(path), mode, st.st_size, st.st_mtime_ns)
+      if mode != "r":
+        return super().__new__(cls)
+      if key not in cls._readers:
+        reader = super().__new__(cls)
+        base.__init__(reader, path, mode)
+        cls._readers[key] = reader
+      return cls._readers[key]
+
+    def __init__(self, path, mode="r"):
+      if mode != "r":
+        base.__init__(self, path, mode)
+
+  gguf.GGUFReader = SharedGGUFReader
+  # transformers also rebuilds the same (arch, n_blocks) TensorNameMap once per
+  # submodule (~400 times, ~10 s per model); it is a pure, read-only lookup table.
+  gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+
+_share_gguf_parses()

@@ -2,6 +2,7 @@
 results written per request, and resume on rerun."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -10,13 +11,29 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+_ENV: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _xla_cache(tmp_path_factory):
+  """The serve.py processes of this module share one persistent XLA cache (JAX reads
+  JAX_COMPILATION_CACHE_DIR), as a user's reruns would: a resume or a second
+  sessions run loads its compiled steps instead of compiling them again (~2x)."""
+  _ENV.update(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla")),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  yield
+  _ENV.clear()
+
+
+def _run(cmd):
+  return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_ENV)
 
 
 def _serve(inp, out, *extra):
   cmd = [sys.executable, str(ROOT / "scripts/serve.py"), f"--config={ROOT}/configs/smollm2.py",
          f"--input={inp}", f"--output={out}", "--config.sampling.max_tokens=8",
          "--config.cache.num_pages=64", "--config.engine.max_batch=2", "--noprogress", *extra]
-  return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  return _run(cmd)
 
 
 def _records(path):
@@ -91,7 +108,7 @@ def test_serve_sessions_with_pruning_and_resume(tmp_path):
   cmd = [sys.executable, str(ROOT / "scripts/serve.py"),
          f"--config={ROOT}/configs/smollm2_sessions.py", f"--input={inp}", f"--output={out}",
          "--config.pruning.budget=60", "--config.cache.num_pages=128", "--noprogress"]
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  proc = _run(cmd)
   assert proc.returncode == 0, proc.stderr[-3000:]
   recs = {r["id"]: r for r in _records(out)}
   assert set(recs) == {"s1", "s2", "bad"}
@@ -101,9 +118,10 @@ def test_serve_sessions_with_pruning_and_resume(tmp_path):
   assert any(t["pruned"] and t["live_after"] < t["live_before"] for t in s1["turns"])
   assert s1["turns"][1]["hit_tokens"] > 0 and s1["summary"]["eff_reads"] < s1["summary"]["raw_reads"]
   assert json.loads(proc.stdout.split("METRICS ", 1)[1])["prefix_hit_rate"] > 0
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  proc = _run(cmd)   # everything done: resumes without loading the model
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(r["id"] for r in _records(out) if "turns" in r) == ["s1", "s2"]
+  assert "loaded" not in proc.stderr.lower() and "2 already in" in proc.stderr
 
 
 def test_serve_sessions_with_a_trained_head(tmp_path):
@@ -153,7 +171,7 @@ def test_serve_sessions_with_a_trained_head(tmp_path):
            f"--config={ROOT}/configs/smollm2_sessions.py", f"--input={inp}", f"--output={out}",
            "--config.pruning.budget=60", "--config.cache.num_pages=128", "--noprogress",
            "--config.pruning.intent_mode=learnable", f"--config.pruning.head_path={head_path}"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return _run(cmd)
 
   proc = run(head_path, tmp_path / "out.jsonl")
   assert proc.returncode == 0, proc.stderr[-3000:]
