@@ -32,6 +32,14 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 29, reps: int = 5) -> float:
   return 2 * nbytes / timeit(jax.jit(lambda a: a + 1.0), x, reps=reps) / 1e9
 
 
+def matvec_bandwidth_gbs(nbytes: int = 1 << 29, reps: int = 5) -> float:
+  """Read bandwidth of a large fp32 matrix-vector product (the access pattern of a
+  decode step's weight reads; XLA:CPU runs it on all cores), in GB/s."""
+  x = jnp.ones((nbytes // 4 // 1024, 1024), jnp.float32)
+  v = jnp.ones((1024,), jnp.float32)
+  return nbytes / timeit(jax.jit(lambda a, b: a @ b), x, v, reps=reps) / 1e9
+
+
 def print_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> None:
   """A markdown table (pasteable into the README)."""
   print("| " + " | ".join(header) + " |")
