@@ -1,11 +1,12 @@
 """jaxkv vs HF transformers `generate`: prefill and decode throughput, side by side.
 
-    python bench/throughput.py [--batches=1,8] [--new_tokens=128] [--out=results.json]
+    python bench/throughput.py [--batches=1,8] [--new_tokens=128] [--reps=3] [--out=results.json]
 
 Same model (SmolLM2-135M-Instruct, both dequantized from the same GGUF to fp32),
 same chat prompts, greedy, exactly `new_tokens` tokens per row (stop tokens off
 on both sides), batch 1 and 8, in one run. Each system is warmed up on the same
-shapes first (compilation / first-call overhead excluded).
+shapes first (compilation / first-call overhead excluded); the timed runs
+alternate between the systems and the median of `--reps` is reported.
 
 - HF prefill tokens/s: prompt tokens / time of one forward over the padded batch;
   HF decode tokens/s: B x (N - 1) / (time of generate(N) - time of generate(1)).
@@ -43,21 +44,26 @@ QUESTIONS = [
 ]
 
 
-def bench_jaxkv(llm, prompts, batch, new_tokens):
+def jaxkv_runner(llm, prompts, batch, new_tokens):
+  """Compiles and warms the engine; returns a function timing one run."""
   eng = Engine(llm.model, [], CacheConfig(num_pages=1 + batch * 32, page_size=16,
                                           max_seq_len=512),
                EngineConfig(max_batch=batch, prefill_chunk=256, decode_steps=16))
   reqs = [Request(str(i), p, SamplingConfig(max_tokens=new_tokens))
           for i, p in enumerate(prompts)]
   list(eng.run(reqs))                   # warm-up: compiles every shape used below
-  eng.metrics = type(eng.metrics)(bytes_per_slot=eng.metrics.bytes_per_slot)
-  out = list(eng.run(reqs))
-  assert all(len(r.tokens) == new_tokens for r in out)
-  m = eng.metrics.summary()
-  return m["prefill_tok_s"], m["decode_tok_s"], {r.id: r.tokens for r in out}
+
+  def once():
+    eng.metrics = type(eng.metrics)(bytes_per_slot=eng.metrics.bytes_per_slot)
+    out = list(eng.run(reqs))
+    assert all(len(r.tokens) == new_tokens for r in out)
+    m = eng.metrics.summary()
+    return m["prefill_tok_s"], m["decode_tok_s"], {r.id: r.tokens for r in out}
+  return once
 
 
-def bench_hf(hf, prompts, batch, new_tokens, pad_id):
+def hf_runner(hf, prompts, batch, new_tokens, pad_id):
+  """Warms HF generate up; returns a function timing one run."""
   import torch
   width = max(len(p) for p in prompts)
   ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -74,15 +80,29 @@ def bench_hf(hf, prompts, batch, new_tokens, pad_id):
     return time.perf_counter() - t0, out
 
   gen(2)                                # warm-up
-  with torch.no_grad():
-    t0 = time.perf_counter()
-    hf(input_ids=ids, attention_mask=mask)
-    t_prefill = time.perf_counter() - t0
-  t1, _ = gen(1)
-  tn, out = gen(new_tokens)
-  prompt_tokens = sum(len(p) for p in prompts)
-  toks = {str(i): out[i, width:].tolist() for i in range(batch)}
-  return prompt_tokens / t_prefill, batch * (new_tokens - 1) / (tn - t1), toks
+
+  def once():
+    with torch.no_grad():
+      t0 = time.perf_counter()
+      hf(input_ids=ids, attention_mask=mask)
+      t_prefill = time.perf_counter() - t0
+    t1, _ = gen(1)
+    tn, out = gen(new_tokens)
+    prompt_tokens = sum(len(p) for p in prompts)
+    toks = {str(i): out[i, width:].tolist() for i in range(batch)}
+    return prompt_tokens / t_prefill, batch * (new_tokens - 1) / (tn - t1), toks
+  return once
+
+
+def _median_runs(runners, reps):
+  """Runs the systems alternately `reps` times (so drift in a shared machine hits
+  both alike); per system the median prefill and decode rate and the last tokens."""
+  runs = [[] for _ in runners]
+  for _ in range(reps):
+    for r, once in zip(runs, runners):
+      r.append(once())
+  return [(float(np.median([x[0] for x in r])), float(np.median([x[1] for x in r])), r[-1][2])
+          for r in runs]
 
 
 def main():
@@ -90,6 +110,8 @@ def main():
   ap.add_argument("--batches", default="1,8")
   ap.add_argument("--new_tokens", type=int, default=128)
   ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+  ap.add_argument("--reps", type=int, default=3,
+                  help="timed runs per system, alternating; the median is reported")
   ap.add_argument("--out", default=None, help="write JSON rows here")
   args = ap.parse_args()
 
@@ -112,8 +134,9 @@ def main():
   rows, table = [], []
   for batch in [int(b) for b in args.batches.split(",")]:
     prompts = [chats[i % len(chats)] for i in range(batch)]
-    j_pre, j_dec, j_tok = bench_jaxkv(llm, prompts, batch, args.new_tokens)
-    h_pre, h_dec, h_tok = bench_hf(hf, prompts, batch, args.new_tokens, tok.pad_id or 0)
+    (j_pre, j_dec, j_tok), (h_pre, h_dec, h_tok) = _median_runs(
+        [jaxkv_runner(llm, prompts, batch, args.new_tokens),
+         hf_runner(hf, prompts, batch, args.new_tokens, tok.pad_id or 0)], args.reps)
     agree = np.mean([np.mean(np.array(j_tok[k][:16]) == np.array(h_tok[k][:16]))
                      for k in j_tok])
     mean_ctx = np.mean([len(p) for p in prompts]) + args.new_tokens / 2
@@ -124,7 +147,8 @@ def main():
                    "decode_tok_s": round(dec, 1)})
     table.append((batch, j_pre, h_pre, j_dec, h_dec, ceiling, agree))
 
-  print(f"\nSmolLM2-135M fp32, greedy, {args.new_tokens} new tokens, "
+  print(f"\nSmolLM2-135M fp32, greedy, {args.new_tokens} new tokens, median of {args.reps} "
+        f"alternating runs, "
         f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads); measured bandwidth {bw:.1f} GB/s (copy "
         f"{bw_copy:.1f}, mat-vec read {bw_gemv:.1f}); "
