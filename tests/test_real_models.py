@@ -56,11 +56,13 @@ def test_qwen25_coder_logits_and_reply():
   """The Qwen2 path on real Q4_K_M weights (q/k/v bias, no Q/K un-permute)."""
   llm = jaxkv.load(presets.QWEN25_CODER)
   err, agree = _max_logit_error_vs_hf_gguf(llm, presets.qwen25_coder_gguf(), 150000, (1, 16))
-  # Qwen2.5's residual stream carries outlier channels of magnitude ~1e3-1e4, so
-  # fp32 summation order alone moves logits by up to ~6e-4 (seen 5.0e-5..5.5e-4
-  # across CPUs). 2e-3 still sits two orders below any real bug (a wrong bias
-  # or RoPE moves logits by O(1)).
-  assert err <= 2e-3, err
+  # Qwen2.5's residual stream carries massive activations (|h| ~ 1e2-1e4 at the
+  # first positions), so fp32 summation order alone moves the logits (~10-20) at
+  # the position after the attention sink: over 8 seeded random draws the error
+  # was 7e-5..4.3e-3 (4.3e-3 at position 1, 4e-4 elsewhere), and 5.5e-4 was seen
+  # on the CI CPU. 1e-2 still sits far below a real bug (a wrong bias, RoPE or
+  # mapping moves logits by O(1)); the argmax agreement is checked as well.
+  assert err <= 1e-2, err
   assert agree >= 0.9  # argmax may flip on a near-tie within the tolerance
   out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
                      jaxkv.SamplingConfig(max_tokens=20))
