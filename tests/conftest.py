@@ -28,10 +28,10 @@ def _share_gguf_parses():
     _readers: dict = {}
 
     def __new__(cls, path, mode="r"):
-      st = os.stat(path)
-      key = (os.path.realpath(path), mode, st.st_size, st.st_mtime_ns)
       if mode != "r":
         return super().__new__(cls)
+      st = os.stat(path)
+      key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
       if key not in cls._readers:
         reader = super().__new__(cls)
         base.__init__(reader, path, mode)

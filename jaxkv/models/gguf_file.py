@@ -21,6 +21,7 @@ import os
 import pathlib
 import struct
 
+import gguf
 import numpy as np
 
 _MAGIC = b"GGUF"
@@ -41,15 +42,8 @@ class TensorInfo:
   data: np.ndarray  # uint8 view into the file
 
   def dequantize(self) -> np.ndarray:
-    """float32 array of `shape` (F32/F16/BF16 or any type gguf.quants knows)."""
-    import gguf  # pylint: disable=import-outside-toplevel
-    qtype = gguf.GGMLQuantizationType(self.ggml_type)
-    if qtype == gguf.GGMLQuantizationType.F32:
-      arr = self.data.view(np.float32)
-    elif qtype == gguf.GGMLQuantizationType.F16:
-      arr = self.data.view(np.float16)
-    else:
-      arr = gguf.quants.dequantize(self.data, qtype)
+    """float32 array of `shape` (any type `gguf.quants.dequantize` knows, F32/F16 included)."""
+    arr = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType(self.ggml_type))
     return np.asarray(arr, np.float32).reshape(self.shape)
 
 
@@ -149,18 +143,15 @@ def _read(path: str, size: int, mtime_ns: int) -> GGUFFile:
   align = int(metadata.get("general.alignment", 32))
   data_start = -(-cur.pos // align) * align
   out = {}
-  if infos:
-    import gguf  # pylint: disable=import-outside-toplevel
-    for name, shape, ggml_type, offset in infos:
-      try:
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
-      except (KeyError, ValueError) as e:
-        raise ValueError(f"{path}: tensor {name!r} has unknown ggml type {ggml_type}") from e
-      n = int(np.prod(shape)) if shape else 1
-      nbytes = n // block * type_size
-      start = data_start + offset
-      if start + nbytes > size:
-        raise ValueError(f"{path}: tensor {name!r} runs past the end of the file "
-                         f"(truncated download?)")
-      out[name] = TensorInfo(name, shape, ggml_type, buf[start:start + nbytes])
+  for name, shape, ggml_type, offset in infos:
+    try:
+      block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    except (KeyError, ValueError) as e:
+      raise ValueError(f"{path}: tensor {name!r} has unknown ggml type {ggml_type}") from e
+    nbytes = int(np.prod(shape)) // block * type_size
+    start = data_start + offset
+    if start + nbytes > size:
+      raise ValueError(f"{path}: tensor {name!r} runs past the end of the file "
+                       f"(truncated download?)")
+    out[name] = TensorInfo(name, shape, ggml_type, buf[start:start + nbytes])
   return GGUFFile(path, version, metadata, out)
