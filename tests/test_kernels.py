@@ -7,10 +7,16 @@ token references are NaN too, so a kernel reading a wrong slot cannot pass;
 where stated, SENTINEL (slot 0) and whole key blocks are poisoned to prove that
 dead and future key blocks are skipped, not read and masked.
 
-Tolerances (max abs error vs the reference):
-  float32: 2e-5 (summation order of the online softmax; values are O(1));
-  bfloat16: 3e-2 (about two bf16 ulps at |x| ~ 2: the kernel keeps P and
-  accumulators in f32, the reference rounds P and the materialised V to bf16).
+Tolerances:
+  float32: max abs error vs the reference <= 2e-5 (summation order of the
+  online softmax; values are O(1)).
+  bfloat16: a fixed bound flakes, because one output ulp is 2^-5 once |x| >= 4
+  (the materialised LoRA V reaches that). So, as FlashAttention's own tests do,
+  both the kernel and the bf16 reference are scored against the reference run
+  in float32 on the same (bf16-valued) inputs, and the kernel's max error must
+  be at most twice the bf16 reference's. Measured over 120 seeded cases: ratio
+  0.75 median, 1.32 max (the kernel keeps P and accumulators in f32; the
+  reference rounds P and the materialised V to bf16).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from jaxkv.kv.state import SENTINEL
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
 
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+F32_TOL = 2e-5
 NUM_LAYERS = 2
 
 
@@ -73,12 +79,27 @@ def _case(*, page_size, head_dim, groups, dead, q_len, dtype=jnp.float32, hkv=2,
   return seed, out
 
 
-def _check(seed, got, want, dtype):
+def _check(seed, got, want):
+  """float32: max abs error against the reference."""
   got = np.asarray(got, np.float32)
   want = np.asarray(want, np.float32)
   assert np.isfinite(got).all(), f"seed={seed}: NaN/inf in kernel output"
   err = np.abs(got - want).max()
-  assert err <= TOL[dtype], f"seed={seed}: max abs error {err} > {TOL[dtype]}"
+  assert err <= F32_TOL, f"seed={seed}: max abs error {err} > {F32_TOL}"
+
+
+def _check_bf16(seed, got, reference, a, layer):
+  """bfloat16: no worse than twice the bf16 reference, both scored against the
+  reference computed in float32 on the same inputs."""
+  assert got.dtype == jnp.bfloat16
+  up = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in a.items()}
+  truth = np.asarray(reference(**up, layer=layer), np.float32)
+  got = np.asarray(got, np.float32)
+  assert np.isfinite(got).all(), f"seed={seed}: NaN/inf in kernel output"
+  err = np.abs(got - truth).max()
+  ref_err = np.abs(np.asarray(reference(**a, layer=layer), np.float32) - truth).max()
+  assert err <= 2 * ref_err + 1e-6, (
+      f"seed={seed}: kernel error {err} > 2 x bf16 reference error {ref_err}")
 
 
 SWEEP = list(itertools.product([1, 16], [64, 128], [1, 3, 7], [0.0, 0.5, 1.0]))
@@ -92,7 +113,7 @@ def test_paged_attention_matches_reference(page_size, head_dim, groups, dead):
     layer = jnp.int32(1)
     want = pa.paged_attention_reference(**a, layer=layer)
     got = pa.paged_attention(**a, layer=layer, block_k=16, interpret=True)
-    _check(seed, got, want, jnp.float32)
+    _check(seed, got, want)
     if dead == 1.0:
       assert not np.asarray(got).any(), "all-dead rows must return exact zeros"
 
@@ -102,10 +123,8 @@ def test_paged_attention_matches_reference(page_size, head_dim, groups, dead):
 def test_paged_attention_bf16(head_dim, groups, q_len):
   seed, a = _case(page_size=16, head_dim=head_dim, groups=groups, dead=0.5, q_len=q_len,
                   dtype=jnp.bfloat16)
-  want = pa.paged_attention_reference(**a, layer=0)
   got = pa.paged_attention(**a, layer=0, interpret=True)
-  assert got.dtype == jnp.bfloat16
-  _check(seed, got, want, jnp.bfloat16)
+  _check_bf16(seed, got, pa.paged_attention_reference, a, layer=0)
 
 
 @pytest.mark.parametrize("k_splits,block_k", [(None, None), (3, 16), (8, 32)])
@@ -114,7 +133,7 @@ def test_key_splits_merge_exactly(k_splits, block_k):
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=1, max_len=1200)
   want = pa.paged_attention_reference(**a, layer=1)
   got = pa.paged_attention(**a, layer=1, k_splits=k_splits, block_k=block_k, interpret=True)
-  _check(seed, got, want, jnp.float32)
+  _check(seed, got, want)
 
 
 def test_dead_and_future_blocks_are_skipped_not_read():
@@ -136,7 +155,7 @@ def test_dead_and_future_blocks_are_skipped_not_read():
     x[:, future] = np.nan
   a.update(k_pool=jnp.asarray(k), v_pool=jnp.asarray(v))
   got = pa.paged_attention(**a, layer=0, block_k=block_k, interpret=True)
-  _check(seed, got, want, jnp.float32)
+  _check(seed, got, want)
 
 
 def test_unstacked_pool_and_scale():
@@ -144,7 +163,7 @@ def test_unstacked_pool_and_scale():
   a["k_pool"], a["v_pool"] = a["k_pool"][0], a["v_pool"][0]
   want = pa.paged_attention_reference(**a, scale=0.3)
   got = pa.paged_attention(**a, scale=0.3, interpret=True)
-  _check(seed, got, want, jnp.float32)
+  _check(seed, got, want)
 
 
 LORA_SWEEP = [(4, 1, 0.0), (8, 3, 0.5), (16, 7, 1.0), (4, 7, 0.5), (8, 1, 1.0), (16, 3, 0.0)]
@@ -158,15 +177,14 @@ def test_flash_lora_matches_materialize_then_attend(rank, groups, dead, page_siz
                     rank=rank)
     want = fla.flash_lora_attention_reference(**a, layer=1)
     got = fla.flash_lora_attention(**a, layer=1, block_k=16, interpret=True)
-    _check(seed, got, want, jnp.float32)
+    _check(seed, got, want)
 
 
 def test_flash_lora_head_dim_128_bf16_and_splits():
   seed, a = _case(page_size=16, head_dim=128, groups=3, dead=0.5, q_len=1, rank=8,
                   max_len=700, dtype=jnp.bfloat16)
-  want = fla.flash_lora_attention_reference(**a, layer=0)
   got = fla.flash_lora_attention(**a, layer=0, k_splits=4, interpret=True)
-  _check(seed, got, want, jnp.bfloat16)
+  _check_bf16(seed, got, fla.flash_lora_attention_reference, a, layer=0)
 
 
 def test_flash_lora_per_sequence_adapters_equal_separate_runs():
@@ -177,7 +195,7 @@ def test_flash_lora_per_sequence_adapters_equal_separate_runs():
     one = {k: (v[i:i + 1] if k in ("q", "slot_map", "q_positions", "lora_b") else v)
            for k, v in a.items()}
     alone = fla.flash_lora_attention(**one, layer=0, interpret=True)
-    _check(seed, both[i:i + 1], alone, jnp.float32)
+    _check(seed, both[i:i + 1], alone)
 
 
 def test_flash_lora_with_zero_b_is_paged_attention():
@@ -185,7 +203,7 @@ def test_flash_lora_with_zero_b_is_paged_attention():
   a["lora_b"] = jnp.zeros_like(a["lora_b"])
   got = fla.flash_lora_attention(**a, layer=0, interpret=True)
   a.pop("vlr_pool"), a.pop("lora_b")
-  _check(seed, got, pa.paged_attention_reference(**a, layer=0), jnp.float32)
+  _check(seed, got, pa.paged_attention_reference(**a, layer=0))
 
 
 def test_bad_shapes_raise_clear_errors():
@@ -205,10 +223,10 @@ def test_ops_dispatch():
                                       else "reference")
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=2, rank=4)
   want = ops.flash_lora_attention(**a, layer=0, impl="reference")
-  _check(seed, ops.flash_lora_attention(**a, layer=0, impl="interpret"), want, jnp.float32)
+  _check(seed, ops.flash_lora_attention(**a, layer=0, impl="interpret"), want)
   a.pop("vlr_pool"), a.pop("lora_b")
   want = ops.paged_attention(**a, layer=0, impl="reference")
-  _check(seed, ops.paged_attention(**a, layer=0, impl="interpret"), want, jnp.float32)
+  _check(seed, ops.paged_attention(**a, layer=0, impl="interpret"), want)
 
 
 # ----------------------------------------------------------------------------
