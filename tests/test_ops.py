@@ -1,5 +1,10 @@
 """Paged attention reference = dense attention (numpy float64) on random inputs,
-with dead slots, ragged lengths, GQA, page sizes 1 and 16, all-dead rows."""
+with dead slots, ragged lengths, GQA, page sizes 1 and 16, all-dead rows.
+
+The modes cover both formulations of the reference: "prefill" runs the
+per-(row, KV head) batched matmuls (and, at t = 128, the query-block loop);
+"decode" and "short" (4 queries at each row's end, padding before the start)
+stay under REF_PER_ROW_MAX and run the one-matmul-per-row path."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +12,7 @@ import pytest
 
 from jaxkv import ops
 from jaxkv.kv.state import SENTINEL
+from pallas_kernels import paged_attention as pa
 
 
 def dense_attention(q, k, v, keep, q_pos):
@@ -52,7 +58,7 @@ def paged_layout(k, v, lengths, keep, page_size, rng):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("dead_fraction", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["prefill", "decode", "short"])
 @pytest.mark.parametrize("t", [40, 128])   # 128: the reference's query-block loop
 def test_paged_equals_dense(page_size, groups, dead_fraction, mode, t):
   rng = np.random.default_rng()
@@ -66,6 +72,9 @@ def test_paged_equals_dense(page_size, groups, dead_fraction, mode, t):
   if mode == "prefill":
     q_pos = np.broadcast_to(np.arange(t), (b, t)).copy()
     q_pos[np.arange(t)[None] >= lengths[:, None]] = -1      # padding queries
+  elif mode == "short":
+    q_pos = lengths[:, None] - 4 + np.arange(4)[None]
+    q_pos[q_pos < 0] = -1
   else:
     q_pos = (lengths - 1)[:, None]
   q = rng.standard_normal((b, q_pos.shape[1], hq, d)).astype(np.float32)
@@ -73,6 +82,8 @@ def test_paged_equals_dense(page_size, groups, dead_fraction, mode, t):
                             jnp.asarray(slot_map), jnp.asarray(q_pos, np.int32))
   out = np.asarray(out)
   ref = dense_attention(q, k, v, keep, q_pos)
+  per_row = hkv * hq * q_pos.shape[1] <= pa.REF_PER_ROW_MAX
+  assert per_row == (mode != "prefill"), "the modes no longer cover both formulations"
   assert np.isfinite(out).all()
   np.testing.assert_allclose(out, ref, atol=2e-5, rtol=1e-4)
 
