@@ -158,6 +158,14 @@ class SamplingConfig:
 
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret")  # == jaxkv.ops.IMPLS
 
+# XLA compiler options of every jaxkv jit (pass them to your own `jax.jit` when
+# you call jaxkv functions inside it). On XLA:CPU, jax 0.10 hands dots and
+# reductions to YNNPACK library fusions, which run this engine's shapes slower
+# than XLA's own emitters and Eigen: decode batch 8 1.20x, prefill 1.09-1.22x
+# faster without them (SmolLM2, A/B in one process, bench/profile_decode.py
+# shows where the time goes). GPU and TPU compilers ignore the option.
+COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:

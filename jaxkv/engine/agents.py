@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.config import CacheConfig
+from jaxkv.config import COMPILER_OPTIONS, CacheConfig
 from jaxkv.data.agents import Trajectory
 from jaxkv.engine import steps
 from jaxkv.kv import state as kv_state
@@ -78,8 +78,9 @@ class RunResult:
 
 
 # ----------------------------------------------------------------------------- device steps
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "lora_mode", "layer_range",
-                                             "capture_hidden", "logits"),
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("graphdef", "attn_impl", "lora_mode", "layer_range",
+                                    "capture_hidden", "logits"),
                    donate_argnames=("kv",))
 def _chunk(graphdef, weights, kv, tokens, positions, view, write, lr_write, target, last, lora,
            adapter_ids, hidden_in, *, attn_impl, lora_mode, layer_range, capture_hidden, logits):
@@ -96,8 +97,8 @@ def _chunk(graphdef, weights, kv, tokens, positions, view, write, lr_write, targ
   return jax.nn.log_softmax(lg)[target], jnp.argmax(lg).astype(jnp.int32), kv, cap
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "lora_mode",
-                                             "capture_hidden"),
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("graphdef", "attn_impl", "lora_mode", "capture_hidden"),
                    donate_argnames=("kv",))
 def _decode(graphdef, weights, kv, tokens, positions, view, write, targets, lora, adapter_ids,
             *, attn_impl, lora_mode, capture_hidden):

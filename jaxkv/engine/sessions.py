@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.config import CacheConfig, PruningConfig
+from jaxkv.config import COMPILER_OPTIONS, CacheConfig, PruningConfig
 from jaxkv.data import labels
 from jaxkv.engine import steps
 from jaxkv.kv import state as kv_state
@@ -318,5 +318,6 @@ class SessionRunner:
     return out
 
 
-_compact_jit = jax.jit(select.compact_layout, donate_argnums=(0,))
+_compact_jit = jax.jit(select.compact_layout, donate_argnums=(0,),
+                       compiler_options=COMPILER_OPTIONS)
 

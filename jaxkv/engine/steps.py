@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.kv import state as kv_state
 
 
@@ -56,7 +57,8 @@ def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
   return jnp.where(params.temperature > 0, sampled, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "greedy_only"),
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("graphdef", "attn_impl", "greedy_only"),
                    donate_argnames=("kv",))
 def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map,
                  last_index, sampling: SamplingParams, *, attn_impl: str, greedy_only: bool):
@@ -80,7 +82,7 @@ def prefill_step(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot
   return sample(logits, sampling, last_pos + 1, greedy_only=greedy_only), kv
 
 
-@functools.partial(jax.jit,
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
                    static_argnames=("graphdef", "num_steps", "attn_impl", "greedy_only"),
                    donate_argnames=("kv",))
 def decode_steps(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map,
@@ -129,7 +131,8 @@ def bucket128(n: int, lo: int) -> int:
   return bucket(n, lo) if n <= 128 else -(-int(n) // 128) * 128
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_impl", "capture_q", "all_logits"),
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("graphdef", "attn_impl", "capture_q", "all_logits"),
                    donate_argnames=("kv",))
 def score_chunk(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, targets,
                 *, attn_impl: str, capture_q: bool, all_logits: bool = True):

@@ -51,6 +51,7 @@ feature fields hash into the cache key (`feature_key`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -61,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.config import CacheConfig
+from jaxkv.config import COMPILER_OPTIONS, CacheConfig
 from jaxkv.data import labels as labels_lib
 from jaxkv.data import traces
 from jaxkv.engine import steps
@@ -202,7 +203,7 @@ def _width_bucket(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------- device steps
-@jax.jit
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 def _row_features(pool_k, slot_map, enc, prev, candidates, decay):
   """M_t (eq. 2), rule (eq. 3) over candidates, k_bar, m_bar and ||M_t|| per head."""
   mem = intentkv.update_memory(prev, enc, decay)

@@ -42,7 +42,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxkv.config import CacheConfig, LoraConfig
+from jaxkv.config import COMPILER_OPTIONS, CacheConfig, LoraConfig
 from jaxkv.data import agents
 from jaxkv.engine import steps
 from jaxkv.kv import state as kv_state
@@ -162,7 +162,8 @@ def make_optimizer(lr: float, warmup: int, weight_decay: float, grad_accum: int)
                           every_k_schedule=grad_accum)
 
 
-@functools.partial(jax.jit, static_argnames=("lcfg", "graphdef", "tx", "attn_impl"),
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("lcfg", "graphdef", "tx", "attn_impl"),
                    donate_argnums=(0, 1))
 def train_step(lora_params, opt_state, weights, batch, *, lcfg, graphdef, tx, attn_impl):
   """One micro-step on the LoRA params (pure dict); the base weights get no gradient."""
@@ -171,7 +172,8 @@ def train_step(lora_params, opt_state, weights, batch, *, lcfg, graphdef, tx, at
   return optax.apply_updates(lora_params, updates), opt_state, loss
 
 
-@functools.partial(jax.jit, static_argnames=("lcfg", "graphdef", "attn_impl"))
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("lcfg", "graphdef", "attn_impl"))
 def eval_step(lora_params, weights, batch, *, lcfg, graphdef, attn_impl):
   return _nll(lora_params, lcfg, graphdef, weights, batch, attn_impl)
 

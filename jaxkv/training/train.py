@@ -49,6 +49,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.engine import steps
 
 from jaxkv.policies.pruning.residual import ResidualHead
@@ -122,7 +123,9 @@ def make_optimizer(cfg: PrunerTrainConfig) -> optax.GradientTransformation:
   return _optimizer(cfg.lr, cfg.weight_decay, cfg.grad_accum)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "lc"), donate_argnums=(1, 2))
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("graphdef", "tx", "lc"),
+                   donate_argnums=(1, 2))
 def train_step(graphdef, params, opt_state, batch, *, tx, lc):
   """One micro-step: grads of eq. 8 (settings `lc`, see `loss_settings`) on `batch`;
   MultiSteps applies the averaged update every grad_accum micro-steps."""
@@ -132,7 +135,8 @@ def train_step(graphdef, params, opt_state, batch, *, tx, lc):
   return params, opt_state, value, terms
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "lc"))
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("graphdef", "lc"))
 def eval_step(graphdef, params, batch, *, lc):
   """(loss, terms, scores with alpha clipped as at inference) on `batch`."""
   value, terms = _loss_fn(params, graphdef, batch, lc)

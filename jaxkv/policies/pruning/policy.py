@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv.config import PruningConfig
+from jaxkv.config import COMPILER_OPTIONS, PruningConfig
 from jaxkv.policies.pruning import intentkv, residual, scores
 from jaxkv.policies.pruning.select import keep_mask
 
@@ -37,7 +37,8 @@ def intentkv_config(cfg: PruningConfig) -> intentkv.IntentKVConfig:
                                  store_capacity=cfg.memory_capacity)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "head_graphdef"))
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("cfg", "head_graphdef"))
 def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.Array,
                 q: jax.Array | None = None, q_pos: jax.Array | None = None,
                 memory: jax.Array | None = None, span: jax.Array | None = None,

@@ -1,0 +1,155 @@
+"""Where a decode step's time goes: a traced `decode_steps`, broken down by category.
+
+  python bench/profile_decode.py [--preset=smollm2-135m] [--batch=8] [--context=256]
+
+Runs jaxkv's jitted multi-step decode (`lax.scan` over steps, `lax.scan` over
+layers) on real weights, traces it with `jax.profiler`, and sums the device or
+host-thread time of every XLA op per step. Each op is put in a category from
+the `op_name` metadata the compiled HLO carries for it:
+
+  matmul            dot_general (on CPU: the YNNPACK/XNNPACK library fusions)
+  weight slice      per-layer dynamic-slice of the stacked [L, ...] weights
+  attention         everything under jaxkv.ops.paged_attention (reference or Pallas)
+  KV write          the scatters into the pool
+  other             norms, RoPE, residuals, sampling, loop bookkeeping
+
+On CPU, XLA runs independent ops of a step concurrently on its threads, so the
+summed op time can exceed the wall time; and Eigen runs the matmuls' work on a
+pool the trace does not see, so their op time is undercounted. Tracing slows
+the run, so the untraced wall time is printed too. The shares still say what
+to attack. The table lists the top ops with their HLO names and op_names, so a
+finding can be traced back to the jaxpr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import common
+
+from jaxkv.config import CacheConfig
+from jaxkv.engine import steps
+from jaxkv.engine.llm import load
+from jaxkv.kv import state as kv_state
+
+CATEGORIES = (  # first match wins, tested against the op_name metadata
+    ("attention", re.compile(r"paged_attention|flash_lora_attention")),
+    ("weight slice", re.compile(r"dynamic_index_in_dim|dynamic_slice")),
+    ("matmul", re.compile(r"dot_general|matmul|einsum")),
+    ("KV write", re.compile(r"scatter")),
+)
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> op_name metadata, from compiled HLO text."""
+  pat = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+  return {m.group(1): m.group(2) for m in map(pat.match, hlo_text.splitlines()) if m}
+
+
+def category(op_name: str) -> str:
+  for name, pat in CATEGORIES:
+    if pat.search(op_name):
+      return name
+  return "other"
+
+
+def op_times(trace_dir: str, names: dict[str, str]) -> dict[str, float]:
+  """Summed duration (s) of every traced event that is an HLO instruction."""
+  from jax.profiler import ProfileData
+  (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  out = collections.Counter()
+  for plane in ProfileData.from_file(path).planes:
+    for line in plane.lines:
+      for ev in line.events:
+        if ev.name in names:
+          out[ev.name] += ev.duration_ns * 1e-9
+  return out
+
+
+def decode_inputs(llm, batch: int, context: int, num_steps: int):
+  """A pool, a slot map and row states for `batch` rows with `context` tokens cached."""
+  page = 16
+  width = steps.bucket(context + num_steps, 128)      # as the engine sizes it
+  pages_per_row = -(-width // page)
+  cache = CacheConfig(num_pages=1 + batch * pages_per_row, page_size=page,
+                      max_seq_len=width)
+  kv = kv_state.init_pool(llm.model.cfg, cache)
+  slot_map = page + np.arange(batch * pages_per_row * page).reshape(batch, -1)[:, :width]
+  sampling = steps.SamplingParams(
+      temperature=jnp.zeros(batch), top_k=jnp.zeros(batch, jnp.int32),
+      top_p=jnp.ones(batch), key=jnp.zeros((batch, 2), jnp.uint32))
+  return dict(kv=kv, tokens=jnp.ones(batch, jnp.int32),
+              positions=jnp.full(batch, context - 1, jnp.int32),
+              slot_map=jnp.asarray(slot_map, jnp.int32),
+              remaining=jnp.full(batch, 1 << 20, jnp.int32),
+              stop_ids=jnp.asarray([-1], jnp.int32), sampling=sampling)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--preset", default="smollm2-135m")
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--context", type=int, default=256, help="tokens already cached per row")
+  ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
+  ap.add_argument("--reps", type=int, default=3, help="traced calls")
+  ap.add_argument("--top", type=int, default=12, help="ops listed individually")
+  ap.add_argument("--attn_impl", default="auto")
+  args = ap.parse_args()
+
+  llm = load(args.preset)
+  graphdef, weights = nnx.split(llm.model)
+  a = decode_inputs(llm, args.batch, args.context, args.steps)
+  kw = dict(num_steps=args.steps, attn_impl=args.attn_impl, greedy_only=True)
+  rest = [a[k] for k in ("tokens", "positions", "slot_map", "remaining", "stop_ids",
+                         "sampling")]
+  names = op_names(steps.decode_steps.lower(graphdef, weights, a["kv"], *rest, **kw)
+                   .compile().as_text())
+  kv = a["kv"]
+  out, _, kv = steps.decode_steps(graphdef, weights, kv, *rest, **kw)   # compile + warm
+  jax.block_until_ready(out)
+  t0 = time.perf_counter()
+  for _ in range(args.reps):
+    out, _, kv = steps.decode_steps(graphdef, weights, kv, *rest, **kw)
+    jax.block_until_ready(out)
+  untraced = (time.perf_counter() - t0) / (args.reps * args.steps)
+  with tempfile.TemporaryDirectory() as d:
+    t0 = time.perf_counter()
+    with jax.profiler.trace(d):
+      for _ in range(args.reps):
+        out, _, kv = steps.decode_steps(graphdef, weights, kv, *rest, **kw)
+        jax.block_until_ready(out)
+    wall = (time.perf_counter() - t0) / (args.reps * args.steps)
+    times = op_times(d, names)
+  if not times:
+    raise SystemExit("the trace holds no HLO op events on this backend")
+  per_step = 1e3 / (args.reps * args.steps)
+  total = sum(times.values())
+  by_cat = collections.Counter()
+  for n, t in times.items():
+    by_cat[category(names[n])] += t
+  print(f"{args.preset} decode, batch {args.batch}, {args.context} cached tokens per row, "
+        f"{jax.default_backend()}: wall {untraced * 1e3:.1f} ms/step "
+        f"({wall * 1e3:.1f} traced), "
+        f"op time {total * per_step:.1f} ms/step")
+  common.print_table(["category", "op ms/step", "share"],
+                     [[c, f"{t * per_step:.1f}", f"{t / total:.0%}"]
+                      for c, t in by_cat.most_common()])
+  print()
+  common.print_table(["op", "category", "ms/step", "op_name"],
+                     [[n, category(names[n]), f"{t * per_step:.2f}", names[n][-70:]]
+                      for n, t in times.most_common(args.top)])
+
+
+if __name__ == "__main__":
+  main()
