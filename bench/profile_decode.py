@@ -7,7 +7,7 @@ layers) on real weights, traces it with `jax.profiler`, and sums the device or
 host-thread time of every XLA op per step. Each op is put in a category from
 the `op_name` metadata the compiled HLO carries for it:
 
-  matmul            dot_general (on CPU: the YNNPACK/XNNPACK library fusions)
+  matmul            dot_general outside attention (Eigen on CPU, cuBLAS on GPU)
   weight slice      per-layer dynamic-slice of the stacked [L, ...] weights
   attention         everything under jaxkv.ops.paged_attention (reference or Pallas)
   KV write          the scatters into the pool
@@ -100,7 +100,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--preset", default="smollm2-135m")
   ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--context", type=int, default=256, help="tokens already cached per row")
+  ap.add_argument("--context", type=int, default=256,
+                  help="tokens already cached per row (the slot map is bucketed as the engine does)")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
   ap.add_argument("--reps", type=int, default=3, help="traced calls")
   ap.add_argument("--top", type=int, default=12, help="ops listed individually")
