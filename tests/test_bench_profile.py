@@ -38,8 +38,8 @@ def test_trace_attributes_time_to_ops():
                                jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (2, 32)),
                                impl="reference").sum()
 
-  jf = jax.jit(f, compiler_options=COMPILER_OPTIONS)
-  names = profile_decode.op_names(jf.lower(x, w, pool).compile().as_text())
+  jf = jax.jit(f, compiler_options=COMPILER_OPTIONS).lower(x, w, pool).compile()
+  names = profile_decode.op_names(jf.as_text())
   assert names and all(isinstance(v, str) for v in names.values())
   cats = {profile_decode.category(v) for v in names.values()}
   assert {"matmul", "attention"} <= cats, cats
