@@ -37,8 +37,8 @@ import common
 import jaxkv
 from jaxkv.data import agents, traces
 from jaxkv.data.traces import Session, Turn
-from jaxkv.engine import steps
 from jaxkv.engine.agents import AgentRunner, fidelity, profile_window
+from jaxkv.kv import plan
 from jaxkv.models import lora as lora_lib
 from jaxkv.policies.sharing import lragent
 
@@ -78,8 +78,8 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out):
     for s in schemes:
       bar.set_postfix(trace=tr.session, tokens=len(tr), scheme=s)
       # Pool sizes bucketed so trajectories of similar length share compiled steps.
-      r = AgentRunner(llm, w, s, max_tokens=steps.bucket(len(tr) + 16, 1024), window=window,
-                      chunk=chunk)
+      r = AgentRunner(llm, w, s, max_tokens=plan.bucket(len(tr) + 16, 1024, 1024),
+                      window=window, chunk=chunk)
       r.run(tr)                                     # compile
       res[s] = r.run(tr)
       bar.update()

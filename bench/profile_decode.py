@@ -1,4 +1,4 @@
-"""Where a decode step's time goes: a traced `decode_steps`, broken down by category.
+"""Where a decode step's time goes: a traced `decode_scan`, broken down by category.
 
   python bench/profile_decode.py [--preset=smollm2-135m] [--batch=8] [--context=256]
 
@@ -34,13 +34,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import common
 
-from jaxkv.config import CacheConfig
-from jaxkv.engine import steps
+from jaxkv.config import PAGE_SIZE, CacheConfig
+from jaxkv.engine import driver
 from jaxkv.engine.llm import load
+from jaxkv.engine.sampling import SamplingParams
+from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 
 CATEGORIES = (  # first match wins, tested against the op_name metadata
@@ -79,16 +80,14 @@ def op_times(trace_dir: str, names: dict[str, str]) -> dict[str, float]:
 
 def decode_inputs(llm, batch: int, context: int, num_steps: int):
   """A pool, a slot map and row states for `batch` rows with `context` tokens cached."""
-  page = 16
-  width = steps.bucket(context + num_steps, 128)      # as the engine sizes it
+  page = PAGE_SIZE
+  width = plan.width(context + num_steps)             # as the engine sizes it
   pages_per_row = -(-width // page)
   cache = CacheConfig(num_pages=1 + batch * pages_per_row, page_size=page,
                       max_seq_len=width)
   kv = kv_state.init_pool(llm.model.cfg, cache)
   slot_map = page + np.arange(batch * pages_per_row * page).reshape(batch, -1)[:, :width]
-  sampling = steps.SamplingParams(
-      temperature=jnp.zeros(batch), top_k=jnp.zeros(batch, jnp.int32),
-      top_p=jnp.ones(batch), key=jnp.zeros((batch, 2), jnp.uint32))
+  sampling = SamplingParams.greedy(batch)
   return dict(kv=kv, tokens=jnp.ones(batch, jnp.int32),
               positions=jnp.full(batch, context - 1, jnp.int32),
               slot_map=jnp.asarray(slot_map, jnp.int32),
@@ -109,28 +108,28 @@ def main():
   args = ap.parse_args()
 
   llm = load(args.preset)
-  graphdef, weights = nnx.split(llm.model)
+  graphdef, weights = llm.graphdef, llm.weights
   a = decode_inputs(llm, args.batch, args.context, args.steps)
   kw = dict(num_steps=args.steps, attn_impl=args.attn_impl, greedy_only=True)
-  rest = [a[k] for k in ("tokens", "positions", "slot_map", "remaining", "stop_ids",
-                         "sampling")]
+  rest = [a[k] for k in ("tokens", "positions", "slot_map", "remaining")]
+  dyn = dict(stop_ids=a["stop_ids"], sampling=a["sampling"])
   # One compile: its HLO names the traced ops, and it is the executable timed.
   # (graphdef is static, so the compiled call takes only the array arguments.)
-  compiled = steps.decode_steps.lower(graphdef, weights, a["kv"], *rest, **kw).compile()
+  compiled = driver.decode_scan.lower(graphdef, weights, a["kv"], *rest, **dyn, **kw).compile()
   names = op_names(compiled.as_text())
   kv = a["kv"]
-  out, _, kv = compiled(weights, kv, *rest)                     # warm
+  out, kv = compiled(weights, kv, *rest, **dyn)                 # warm
   jax.block_until_ready(out)
   t0 = time.perf_counter()
   for _ in range(args.reps):
-    out, _, kv = compiled(weights, kv, *rest)
+    out, kv = compiled(weights, kv, *rest, **dyn)
     jax.block_until_ready(out)
   untraced = (time.perf_counter() - t0) / (args.reps * args.steps)
   with tempfile.TemporaryDirectory() as d:
     t0 = time.perf_counter()
     with jax.profiler.trace(d):
       for _ in range(args.reps):
-        out, _, kv = compiled(weights, kv, *rest)
+        out, kv = compiled(weights, kv, *rest, **dyn)
         jax.block_until_ready(out)
     wall = (time.perf_counter() - t0) / (args.reps * args.steps)
     times = op_times(d, names)

@@ -126,7 +126,7 @@ def main():
   tok = llm.tokenizer
   chats = [llm.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
   cfg = llm.config
-  weight_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(llm.engine.weights))
+  weight_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(llm.weights))
   # The floor uses the faster of two probes: an elementwise copy (one thread on
   # XLA:CPU) and a large fp32 mat-vec (all cores, the decode step's own pattern).
   bw_copy, bw_gemv = common.copy_bandwidth_gbs(), common.matvec_bandwidth_gbs()

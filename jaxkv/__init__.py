@@ -9,8 +9,8 @@ Public API:
 """
 
 from jaxkv import ops
-from jaxkv.config import (CacheConfig, EngineConfig, ModelConfig, PruningConfig, RopeConfig,
-                          SamplingConfig, ServeConfig)
+from jaxkv.config import (COMPILER_OPTIONS, CacheConfig, EngineConfig, ModelConfig,
+                          PruningConfig, RopeConfig, SamplingConfig, ServeConfig)
 from jaxkv.engine.engine import Engine, Request, Result
 from jaxkv.engine.llm import LLM, Completion, load
 from jaxkv.engine.sessions import SessionRunner, TurnMetrics
@@ -21,8 +21,8 @@ from jaxkv.models.llama import Transformer
 from jaxkv.tokens import Tokenizer
 
 __all__ = [
-    "CacheConfig", "Completion", "Engine", "EngineConfig", "KVPool", "LLM", "ModelConfig",
-    "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request", "Result",
-    "RopeConfig", "SENTINEL", "SamplingConfig", "ServeConfig", "SessionRunner", "Tokenizer",
+    "COMPILER_OPTIONS", "CacheConfig", "Completion", "Engine", "EngineConfig", "KVPool", "LLM",
+    "ModelConfig", "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request",
+    "Result", "RopeConfig", "SENTINEL", "SamplingConfig", "ServeConfig", "SessionRunner", "Tokenizer",
     "Transformer", "TurnMetrics", "init_pool", "load", "ops",
 ]

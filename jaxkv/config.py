@@ -119,11 +119,16 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
+# The one page size every runner uses unless its CacheConfig says otherwise:
+# the allocation unit of the pool (pages of slots) and MemArt's block size.
+PAGE_SIZE = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
   """Size of the paged KV pool (slot 0 is the sentinel, page 0 is reserved)."""
   num_pages: int = 512
-  page_size: int = 16
+  page_size: int = PAGE_SIZE
   max_seq_len: int = 2048     # longest sequence (prompt + completion)
   dtype: str = "float32"      # KV pool dtype
 

@@ -15,23 +15,48 @@ def build(cfg, params, dtype=jnp.float32):
 
 
 def dense_forward(model, tokens: np.ndarray, page_size: int = 16, lr_rank: int = 0,
-                  **model_kwargs):
-  """Runs a whole batch of equal-length prompts in one chunk over a fresh pool.
+                  lora=None, adapter_ids=None, lora_mode: str = "full", cached: bool = True):
+  """Full-sequence logits through the paged path (one chunk, contiguous slots), or
+  through the cache-free path (`cached=False`).
 
-  tokens: [B, T]; model_kwargs go to the model (e.g. lora, adapter_ids, lora_mode;
-  lr_rank sizes the pool's low-rank value cache). Returns logits [B, T, V] float32.
+  tokens: [B, T]; lora / adapter_ids / lora_mode become `forward.LoraInputs`;
+  lr_rank sizes the pool's low-rank value cache. Returns logits [B, T, V] float32.
   """
+  from jaxkv.models.forward import LoraInputs
+
   b, t = tokens.shape
   cfg = model.cfg
+  positions = jnp.asarray(np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
+  li = None if lora is None else LoraInputs(lora, adapter_ids, mode=lora_mode)
+  if not cached:
+    return np.asarray(model.logits(model(jnp.asarray(tokens), positions, lora=li).hidden))
   num_pages = (b * t) // page_size + 2
   pool = kv_state.init_pool(cfg, CacheConfig(num_pages=num_pages, page_size=page_size,
                                              max_seq_len=t), lr_rank=lr_rank)
   slot_map = (page_size + np.arange(b * t, dtype=np.int32)).reshape(b, t)
-  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-  ws = kv_state.write_slots(slot_map, positions, np.ones((b, t), bool), pool.num_slots)
-  hidden, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slot_map),
-                    jnp.asarray(ws), pool, **model_kwargs)
-  return np.asarray(model.logits(hidden))
+  out = model(jnp.asarray(tokens), positions, pool, slot_map=jnp.asarray(slot_map), lora=li)
+  return np.asarray(model.logits(out.hidden))
+
+
+def tiny_llama(directory, vocab: int = 128):
+  """A tiny random HF Llama (2 layers, GQA 2, tied) saved to `directory` and the
+  same weights as a jaxkv model: (hf, model). Embeddings are scaled up so greedy
+  choices are not near-ties."""
+  import torch
+  import transformers
+
+  from jaxkv.models import weights
+
+  cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=512,
+                                 tie_word_embeddings=True)
+  torch.manual_seed(1)
+  hf = transformers.LlamaForCausalLM(cfg).eval()
+  with torch.no_grad():
+    hf.model.embed_tokens.weight.mul_(25.0)
+  hf.save_pretrained(directory)
+  return hf, build(*weights.load_hf_dir(directory))
 
 
 def tiny_chat_llm(directory):

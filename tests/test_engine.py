@@ -8,32 +8,20 @@ import numpy as np
 import pytest
 from flax import nnx
 import torch
-import transformers
 
 import hf_util
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxkv.engine import steps
+from jaxkv.engine import driver
+from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.engine.engine import Engine, Request
-from jaxkv.models import weights
+from jaxkv.kv import state as kv_state
 
 VOCAB = 128
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-  d = tmp_path_factory.mktemp("tiny")
-  cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=512,
-                                 tie_word_embeddings=True)
-  torch.manual_seed(1)
-  hf = transformers.LlamaForCausalLM(cfg).eval()
-  # Sharper logits than the default init so greedy choices are not near-ties.
-  with torch.no_grad():
-    hf.model.embed_tokens.weight.mul_(25.0)
-  hf.save_pretrained(d)
-  mcfg, params = weights.load_hf_dir(d)
-  return hf, hf_util.build(mcfg, params)
+  return hf_util.tiny_llama(tmp_path_factory.mktemp("tiny"), VOCAB)
 
 
 def _engine(model, *, max_batch=3, page_size=4, num_pages=64, chunk=8, steps_=4, stop=(),
@@ -90,16 +78,17 @@ def test_prefill_and_decode_steps_lower_for_cuda_with_pallas(tiny):
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   ws_s = jax.tree.map(spec, ws)
-  kv_s = jax.tree.map(spec, eng.kv)
+  assert eng.kv is None                                  # allocated on the first run
+  kv_s = jax.tree.map(spec, kv_state.init_pool(model.cfg, eng.cache_cfg))
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  samp = steps.SamplingParams(temperature=f32(b), top_k=i32(b), top_p=f32(b),
-                              key=jax.ShapeDtypeStruct((b, 2), jnp.uint32))
+  samp = SamplingParams(temperature=f32(b), top_k=i32(b), top_p=f32(b),
+                        key=jax.ShapeDtypeStruct((b, 2), jnp.uint32))
   disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  prefill = jax.export.export(steps.prefill_step, platforms=["cuda"], disabled_checks=disabled)(
-      graphdef, ws_s, kv_s, i32(b, c), i32(b, c), i32(b, t), i32(b), samp,
+  prefill = jax.export.export(driver.chunk_step, platforms=["cuda"], disabled_checks=disabled)(
+      graphdef, ws_s, kv_s, i32(b, c), i32(b, c), i32(b, t), read=i32(b, 1), sampling=samp,
       attn_impl="pallas", greedy_only=True)
-  decode = jax.export.export(steps.decode_steps, platforms=["cuda"], disabled_checks=disabled)(
-      graphdef, ws_s, kv_s, i32(b), i32(b), i32(b, t), i32(b), i32(2), samp,
+  decode = jax.export.export(driver.decode_scan, platforms=["cuda"], disabled_checks=disabled)(
+      graphdef, ws_s, kv_s, i32(b), i32(b), i32(b, t), i32(b), stop_ids=i32(2), sampling=samp,
       num_steps=4, attn_impl="pallas", greedy_only=True)
   for exp in (prefill, decode):
     assert "__gpu$xla.gpu.triton" in exp.mlir_module()
@@ -163,16 +152,47 @@ def test_sample_top_k_one_is_greedy_and_top_p_keeps_mass():
   keys = jnp.asarray(np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(i)))
                                for i in range(6)]))
   pos = jnp.arange(6, dtype=jnp.int32)
-  params = steps.SamplingParams(jnp.full(6, 1.0), jnp.full(6, 1, jnp.int32), jnp.ones(6), keys)
-  got = steps.sample(logits, params, pos, greedy_only=False)
+  params = SamplingParams(jnp.full(6, 1.0), jnp.full(6, 1, jnp.int32), jnp.ones(6), keys)
+  got = sample(logits, params, pos, greedy_only=False)
   assert np.array_equal(np.asarray(got), np.argmax(np.asarray(logits), -1))
   # top_p tiny -> only the most likely token survives.
-  params = steps.SamplingParams(jnp.full(6, 1.0), jnp.zeros(6, jnp.int32), jnp.full(6, 1e-4), keys)
-  got = steps.sample(logits, params, pos, greedy_only=False)
+  params = SamplingParams(jnp.full(6, 1.0), jnp.zeros(6, jnp.int32), jnp.full(6, 1e-4), keys)
+  got = sample(logits, params, pos, greedy_only=False)
   assert np.array_equal(np.asarray(got), np.argmax(np.asarray(logits), -1))
   # Temperature sampling draws from the top-k set only.
-  params = steps.SamplingParams(jnp.full(6, 2.0), jnp.full(6, 3, jnp.int32), jnp.ones(6), keys)
+  params = SamplingParams(jnp.full(6, 2.0), jnp.full(6, 3, jnp.int32), jnp.ones(6), keys)
   top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
   for p in range(20):
-    got = np.asarray(steps.sample(logits, params, pos + 100 * p, greedy_only=False))
+    got = np.asarray(sample(logits, params, pos + 100 * p, greedy_only=False))
     assert all(g in t for g, t in zip(got, top3))
+
+
+def test_compile_donation_and_sync_budgets(tiny):
+  """Requests of lengths within one bucket reuse the compiled steps; the pool a
+  step consumed is deleted (donated); decode syncs with the host once per
+  `decode_steps` tokens, never per token, and moves nothing implicitly."""
+  import jax
+  _, model = tiny
+  rng = np.random.default_rng()
+  eng = _engine(model, max_batch=2, chunk=32, steps_=4)
+  warm = [Request("w", rng.integers(1, VOCAB, 17).tolist(), SamplingConfig(max_tokens=9))]
+  list(eng.run(warm))
+  sizes = driver.chunk_step._cache_size(), driver.decode_scan._cache_size()
+  calls = []
+  inner = eng.driver.decode
+
+  def counted(*a, **kw):
+    calls.append(1)
+    with jax.transfer_guard("disallow"):     # every input is already on the device
+      return inner(*a, **kw)
+
+  eng.driver.decode = counted
+  pool = eng.kv
+  reqs = [Request(str(n), rng.integers(1, VOCAB, n).tolist(), SamplingConfig(max_tokens=9))
+          for n in range(18, 32, 3)]
+  out = list(eng.run(reqs))
+  assert all(r.completion_tokens == 9 for r in out)
+  assert (driver.chunk_step._cache_size(), driver.decode_scan._cache_size()) == sizes
+  assert pool.k.is_deleted() and pool.v.is_deleted()
+  # 5 requests in rows of 2: three admission waves, each 8 tokens after prefill = 2 calls
+  assert len(calls) == 3 * 2

@@ -20,6 +20,7 @@ from flax import nnx
 import hf_util
 from jaxkv.config import LoraConfig
 from jaxkv.models import lora, weights
+from jaxkv.models.forward import Capture, LayerWindow, LoraInputs
 
 TOL = 1e-4
 _BASE = dict(vocab_size=256, hidden_size=96, intermediate_size=112, num_hidden_layers=3,
@@ -151,8 +152,8 @@ def test_model_rejects_bad_lora_arguments(tmp_path):
   model = _base_model(tmp_path / "m")
   ml = lora.MultiLoRA(model.cfg, LoraConfig(rank=4, targets=("q",)), rngs=nnx.Rngs(0))
   tokens = np.zeros((1, 4), np.int64)
-  with pytest.raises(ValueError, match="adapter_ids"):
-    hf_util.dense_forward(model, tokens, lora=ml.weights())
+  with pytest.raises(TypeError, match="adapter_ids"):
+    LoraInputs(ml.weights())
   with pytest.raises(ValueError, match="'v' among the LoRA targets"):
     hf_util.dense_forward(model, tokens, lr_rank=4, lora=ml.weights(),
                           adapter_ids=jnp.zeros(1, jnp.int32), lora_mode="decoupled")
@@ -160,8 +161,8 @@ def test_model_rejects_bad_lora_arguments(tmp_path):
   with pytest.raises(ValueError, match="vlr of rank 4"):
     hf_util.dense_forward(model, tokens, lora=ml.weights(),
                           adapter_ids=jnp.zeros(1, jnp.int32), lora_mode="decoupled")
-  with pytest.raises(ValueError, match="lora_mode"):
-    hf_util.dense_forward(model, tokens, lora_mode="shared")
+  with pytest.raises(ValueError, match="lora mode must be"):
+    LoraInputs(ml.weights(), jnp.zeros(1, jnp.int32), mode="shared")
 
 
 def test_load_peft_refuses_what_it_cannot_compute(tmp_path):
@@ -183,7 +184,7 @@ def test_load_peft_refuses_what_it_cannot_compute(tmp_path):
     LoraConfig(targets=("q", "gate"))
 
 
-def test_layer_range_and_hidden_capture_compose_to_the_full_forward(tmp_path):
+def test_layer_window_and_hidden_capture_compose_to_the_full_forward(tmp_path):
   """DroidSpeak hooks: running layers [0, l) then [l, L) from the hidden state
   captured entering layer l reproduces the full forward and its pool (fp32
   rounding only: the split compiles as different programs)."""
@@ -201,14 +202,13 @@ def test_layer_range_and_hidden_capture_compose_to_the_full_forward(tmp_path):
   pos = jnp.arange(10, dtype=jnp.int32)[None]
   smap = 16 + pos
   fresh = lambda: kv_state.init_pool(model.cfg, CacheConfig(num_pages=3, page_size=16))
-  kw = dict(lora=w, adapter_ids=jnp.asarray([1], jnp.int32))
-  x_full, pool_full, q_full, h1 = model(tokens, pos, smap, smap, fresh(), capture_q=True,
-                                        capture_hidden=1, **kw)
-  assert q_full.shape[0] == 3 and h1.shape == (1, 10, 96)
-  _, pool_a = model(tokens, pos, smap, smap, fresh(), layer_range=(0, 1), **kw)
+  kw = dict(slot_map=smap, lora=LoraInputs(w, jnp.asarray([1], jnp.int32)))
+  full = model(tokens, pos, fresh(), capture=Capture(q=True, hidden_at=1), **kw)
+  assert full.q.shape[0] == 3 and full.hidden_at.shape == (1, 10, 96)
+  pool_a = model(tokens, pos, fresh(), window=LayerWindow(stop=1), **kw).kv
   assert float(jnp.abs(pool_a.k[1:]).max()) == 0.0          # only layer 0 written
-  x, pool_b = model(tokens, pos, smap, smap, pool_a, layer_range=(1, 3), hidden_in=h1, **kw)
-  for a, b in ((x, x_full), (pool_b.k, pool_full.k), (pool_b.v, pool_full.v)):
+  out = model(tokens, pos, pool_a, window=LayerWindow(full.hidden_at, 1, 3), **kw)
+  for a, b in ((out.hidden, full.hidden), (out.kv.k, full.kv.k), (out.kv.v, full.kv.v)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
-  with pytest.raises(ValueError, match="capture_hidden"):
-    model(tokens, pos, smap, smap, fresh(), layer_range=(1, 3), capture_hidden=0)
+  with pytest.raises(ValueError, match="capture hidden_at"):
+    model(tokens, pos, fresh(), window=LayerWindow(start=1), capture=Capture(hidden_at=0), **kw)

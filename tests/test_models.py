@@ -63,6 +63,9 @@ def test_logits_match_transformers(name, tmp_path):
     ref = hf(torch.tensor(tokens)).logits.numpy()
   err = np.abs(ours - ref).max()
   assert err <= TOL, f"{name}: max abs logit error {err:.3g} > {TOL}"
+  # the cache-free forward (training) is the same model
+  err = np.abs(hf_util.dense_forward(model, tokens, cached=False) - ref).max()
+  assert err <= TOL, f"{name} without a cache: max abs logit error {err:.3g} > {TOL}"
 
 
 def test_paged_chunked_equals_one_shot(tmp_path):
@@ -86,10 +89,9 @@ def test_paged_chunked_equals_one_shot(tmp_path):
   for start in range(0, T, 8):
     chunk = tokens[:, start:start + 8]
     pos = np.arange(start, start + chunk.shape[1])[None]
-    ws = kv_state.write_slots(slot_map, pos, np.ones_like(pos, bool), pool.num_slots)
-    hidden, pool = model(jnp.asarray(chunk), jnp.asarray(pos), jnp.asarray(slot_map),
-                         jnp.asarray(ws), pool)
-    outs.append(np.asarray(model.logits(hidden)))
+    out = model(jnp.asarray(chunk), jnp.asarray(pos), pool, slot_map=jnp.asarray(slot_map))
+    pool = out.kv
+    outs.append(np.asarray(model.logits(out.hidden)))
   ours = np.concatenate(outs, axis=1)
   assert np.abs(ours - ref).max() <= TOL
   # Positions are recorded for every written slot; the sentinel stays untouched.
@@ -99,12 +101,13 @@ def test_paged_chunked_equals_one_shot(tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_captured_queries_equal_hf_post_rope_queries(name, tmp_path, monkeypatch):
-  """`capture_q=True` returns every layer's post-RoPE q exactly where attention
+  """`Capture(q=True)` returns every layer's post-RoPE q exactly where attention
   consumes it: equal to HF's own apply_rotary_pos_emb output."""
   import importlib
   import jax.numpy as jnp
   from jaxkv.config import CacheConfig
   from jaxkv.kv import state as kv_state
+  from jaxkv.models.forward import Capture
 
   hf = _hf_model(name, tmp_path)
   mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -123,9 +126,8 @@ def test_captured_queries_equal_hf_post_rope_queries(name, tmp_path, monkeypatch
   pool = kv_state.init_pool(cfg, CacheConfig(num_pages=40, page_size=1))
   slot_map = (1 + np.arange(22, dtype=np.int32)).reshape(2, 11)
   pos = np.broadcast_to(np.arange(11, dtype=np.int32), (2, 11))
-  ws = kv_state.write_slots(slot_map, pos, np.ones((2, 11), bool), pool.num_slots)
-  _, _, q = model(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(slot_map),
-                  jnp.asarray(ws), pool, capture_q=True)
+  q = model(jnp.asarray(tokens), jnp.asarray(pos), pool, slot_map=jnp.asarray(slot_map),
+            capture=Capture(q=True)).q
   assert q.shape == (cfg.num_layers, 2, 11, cfg.num_heads, cfg.head_dim)
   want = np.stack(seen).transpose(0, 1, 3, 2, 4)      # [L, B, T, H, D]
   assert np.abs(np.asarray(q) - want).max() <= TOL

@@ -171,3 +171,29 @@ def test_free_generation_equals_engine_greedy(llm):
   assert np.isnan(turn.nll)
   runner.alloc.check()
   runner.radix.check()
+
+
+def test_session_steps_compile_once_per_bucket(llm):
+  """Turns whose prompts differ in length but share every bucket (chunk 256, width
+  512, 256 query rows) reuse the compiled prefill, capture and pruning steps."""
+  from jaxkv.engine import driver, sessions
+  from jaxkv.policies.pruning import policy
+  runner = SessionRunner(llm, PruningConfig(method="h2o", budget=100), cache=CACHE,
+                         radix=False, prefill_chunk=256)
+
+  def chat(words):
+    return [{"role": "system", "content": "You are a travel agent. Use the tools."},
+            {"role": "user", "content": "Please help with my trip. " + "really " * words},
+            {"role": "assistant", "content": "Sure."}]
+
+  lengths = {w: len(runner.prepare(chat(w), None, 2)["ids"]) for w in (150, 160, 170, 180)}
+  assert all(129 <= n <= 250 for n in lengths.values()), lengths
+  def sizes():
+    return (driver.chunk_step._cache_size(), policy._select_kept_at._cache_size(),
+            sessions._write_rows._cache_size())
+  first = runner.run_turn("s0", chat(150), None, 2)
+  assert first.pruned
+  before = sizes()
+  for w in (160, 170, 180):
+    assert runner.run_turn(f"s{w}", chat(w), None, 2).pruned
+  assert sizes() == before, lengths

@@ -20,6 +20,7 @@ from jaxkv.config import CacheConfig
 from jaxkv.data import traces
 from jaxkv.engine.sessions import SessionRunner
 from jaxkv.kv import state as kv_state
+from jaxkv.models.forward import Capture
 from jaxkv.policies.pruning import intentkv, residual
 from jaxkv.training import PrunerTrainConfig, features, load_head, loss, train
 
@@ -90,15 +91,14 @@ def _dense_qk(llm, ids):
                                                     max_seq_len=n))
   smap = (4 + np.arange(n, dtype=np.int32))[None]
   pos = np.arange(n, dtype=np.int32)[None]
-  ws = kv_state.write_slots(smap, pos, np.ones((1, n), bool), pool.num_slots)
 
   @jax.jit
   def fwd(weights, pool):
-    model = nnx.merge(llm.engine.graphdef, weights)
-    _, pool, q = model(jnp.asarray(ids[None]), jnp.asarray(pos), jnp.asarray(smap),
-                       jnp.asarray(ws), pool, capture_q=True)
-    return q, pool.k[:, smap]
-  return fwd(llm.engine.weights, pool)
+    model = nnx.merge(llm.graphdef, weights)
+    out = model(jnp.asarray(ids[None]), jnp.asarray(pos), pool, slot_map=jnp.asarray(smap),
+                capture=Capture(q=True))
+    return out.q, out.kv.k[:, smap]
+  return fwd(llm.weights, pool)
 
 
 def test_features_match_a_dense_replay(llm):

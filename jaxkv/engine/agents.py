@@ -18,29 +18,29 @@ of the gold tokens, greedy agreement); tokens/s is generated tokens over the
 trajectory's wall time (TTFT + decode of every call), LRAgent's end-to-end
 system throughput. One trajectory per runner; batch size 1.
 
-Shapes are bucketed (chunk length, slot-map width, decode length: powers of
-two), so a warm-up pass compiles what a timed pass runs.
+Both phases run on the one driver (`jaxkv.engine.driver`): the context phase
+is its chunked prefill, generation its teacher-forced `decode_scan`. Shapes
+are bucketed by `jaxkv.kv.plan`, so a warm-up pass compiles what a timed pass
+runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxkv.config import COMPILER_OPTIONS, CacheConfig
+from jaxkv.config import PAGE_SIZE, CacheConfig
 from jaxkv.data.agents import Trajectory
-from jaxkv.engine import steps
+from jaxkv.engine.driver import Driver
+from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
+from jaxkv.models.forward import Capture, LayerWindow, LoraInputs
 from jaxkv.models.lora import LoraWeights
 from jaxkv.policies.sharing import lragent
-
-PAGE = 16
 
 
 @dataclasses.dataclass
@@ -77,48 +77,6 @@ class RunResult:
     return float(-np.mean(np.concatenate([c.logprob for c in self.calls])))
 
 
-# ----------------------------------------------------------------------------- device steps
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
-                   static_argnames=("graphdef", "attn_impl", "lora_mode", "layer_range",
-                                    "capture_hidden", "logits"),
-                   donate_argnames=("kv",))
-def _chunk(graphdef, weights, kv, tokens, positions, view, write, lr_write, target, last, lora,
-           adapter_ids, hidden_in, *, attn_impl, lora_mode, layer_range, capture_hidden, logits):
-  """One prefill chunk [1, C]: (logprob of `target` and argmax at index `last`, kv, hidden)."""
-  model = nnx.merge(graphdef, weights)
-  out = model(tokens, positions, view, write, kv, attn_impl=attn_impl, lora=lora,
-              adapter_ids=adapter_ids, lora_mode=lora_mode, lr_write_slots=lr_write,
-              layer_range=layer_range, hidden_in=hidden_in, capture_hidden=capture_hidden)
-  hidden, kv = out[:2]
-  cap = out[2] if capture_hidden is not None else None
-  if not logits:
-    return jnp.zeros(()), jnp.zeros((), jnp.int32), kv, cap
-  lg = model.logits(hidden[0, last])
-  return jax.nn.log_softmax(lg)[target], jnp.argmax(lg).astype(jnp.int32), kv, cap
-
-
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
-                   static_argnames=("graphdef", "attn_impl", "lora_mode", "capture_hidden"),
-                   donate_argnames=("kv",))
-def _decode(graphdef, weights, kv, tokens, positions, view, write, targets, lora, adapter_ids,
-            *, attn_impl, lora_mode, capture_hidden):
-  """Teacher-forced decode: tokens/positions/write/targets [n] (position -1: padding)."""
-  model = nnx.merge(graphdef, weights)
-
-  def step(kv, xs):
-    tok, pos, ws, tgt = xs
-    out = model(tok[None, None], pos[None, None], view, ws[None, None], kv, attn_impl=attn_impl,
-                lora=lora, adapter_ids=adapter_ids, lora_mode=lora_mode,
-                capture_hidden=capture_hidden)
-    hidden, kv = out[:2]
-    lg = model.logits(hidden[0, 0])
-    cap = out[2][0, 0] if capture_hidden is not None else jnp.zeros(())
-    return kv, (jax.nn.log_softmax(lg)[tgt], jnp.argmax(lg).astype(jnp.int32), cap)
-
-  kv, (lp, am, cap) = jax.lax.scan(step, kv, (tokens, positions, write, targets))
-  return lp, am, kv, cap
-
-
 # ----------------------------------------------------------------------------- runner
 class AgentRunner:
   """Runs trajectories of role agents under one sharing scheme (see module docstring).
@@ -141,21 +99,19 @@ class AgentRunner:
     if scheme in lragent.DECOUPLED and "v" not in lora.targets:
       raise ValueError(f"{scheme} shares the value cache as base + low rank: needs a LoRA on v")
     self.cfg, self.lora, self.window = llm.config, lora, window
-    self.graphdef, self.weights = llm.engine.graphdef, llm.engine.weights
+    self.graphdef, self.weights, self.dtype = llm.graphdef, llm.weights, llm.dtype
     self.n_agents, self.chunk, self.attn_impl = lora.num_adapters, chunk, attn_impl
-    self.size = -(-max_tokens // PAGE) * PAGE
+    self.size = -(-max_tokens // PAGE_SIZE) * PAGE_SIZE
     self.mode = "decoupled" if scheme in lragent.DECOUPLED else "full"
     regions = lragent.num_regions(scheme, self.n_agents)
-    self.cache = CacheConfig(num_pages=1 + regions * self.size // PAGE, page_size=PAGE,
-                             max_seq_len=self.size, dtype=str(self.weights_dtype()))
+    self.cache = CacheConfig(num_pages=1 + regions * self.size // PAGE_SIZE,
+                             page_size=PAGE_SIZE, max_seq_len=self.size, dtype=str(self.dtype))
     self.max_tokens = max_tokens
+    self.driver: Driver | None = None
 
-  def weights_dtype(self):
-    return jax.tree.leaves(self.weights)[0].dtype
-
-  # -- host-side maps
+  # -- host-side maps: region r of the pool holds positions [0, size) contiguously
   def _slots(self, region, positions):
-    return lragent.region_slots(region, positions, self.size, PAGE)
+    return plan.contiguous_slots(PAGE_SIZE + region * self.size, positions)
 
   def _region(self, agent: int) -> int:
     return agent if self.scheme == "non_shared" else 0
@@ -172,60 +128,64 @@ class AgentRunner:
     rec[:n] = self.recomputed[agent][:n]
     return lragent.droidspeak_view(row, own, rec, self.window, self.cfg.num_layers)[:, None]
 
+  def _lora(self, agent: int, lr_write=None) -> LoraInputs:
+    return LoraInputs(self.lora, jnp.asarray([agent], jnp.int32), lr_write, mode=self.mode)
+
   def _reset(self):
-    self.kv = kv_state.init_pool(self.cfg, self.cache,
-                                 lr_rank=self.lora.rank if self.mode == "decoupled" else 0)
+    pool = kv_state.init_pool(self.cfg, self.cache,
+                              lr_rank=self.lora.rank if self.mode == "decoupled" else 0)
+    self.driver = Driver(self.graphdef, self.weights, pool, attn_impl=self.attn_impl)
     self.written, self.seen = 0, [0] * self.n_agents
     if self.scheme == "base_shared":
-      self.own_vlr = [self.kv.vlr] + [jnp.zeros_like(self.kv.vlr)
-                                      for _ in range(self.n_agents - 1)]
+      vlr = self.driver.kv.vlr
+      self.own_vlr = [vlr] + [jnp.zeros_like(vlr) for _ in range(self.n_agents - 1)]
     if self.scheme == "droidspeak":
       self.recomputed = [np.zeros(self.size, bool) for _ in range(self.n_agents)]
       self.ecache = np.zeros((self.size, self.cfg.hidden_size), np.float32)
 
   def _swap_in(self, agent):
     if self.scheme == "base_shared":
-      self.kv = dataclasses.replace(self.kv, vlr=self.own_vlr[agent])
+      self.driver.kv = dataclasses.replace(self.driver.kv, vlr=self.own_vlr[agent])
 
   def _swap_out(self, agent):
     if self.scheme == "base_shared":
-      self.own_vlr[agent] = self.kv.vlr
+      self.own_vlr[agent] = self.driver.kv.vlr
 
   # -- phases
   def _prefill(self, ids, agent, lo, hi, *, recompute=False):
     """Runs positions [lo, hi); returns (logprob, argmax) of ids[hi] after the last chunk."""
-    s = self.kv.num_slots
-    ids_ext = np.append(ids, 0)
-    lp = am = None
-    for c0 in range(lo, hi, self.chunk):
-      c1 = min(hi, c0 + self.chunk)
-      n, cb = c1 - c0, steps.bucket(c1 - c0, 16)
-      pos = np.full(cb, -1, np.int32)
-      pos[:n] = np.arange(c0, c1)
-      tok = np.zeros(cb, np.int32)
-      tok[:n] = ids[c0:c1]
-      view = self._view(agent, steps.bucket(c1, 256))
-      region = 1 + agent if recompute else self._region(agent)
-      write = np.full(cb, s, np.int32)
+    s = self.driver.kv.num_slots
+    region = 1 + agent if recompute else self._region(agent)
+    capture = Capture(hidden_at=self.window[0] if self.scheme == "droidspeak" and not recompute
+                      else None)
+
+    def options(ch: plan.Chunk) -> dict:
+      pos, n = ch.positions[0], int(ch.count[0])
+      write = np.full(pos.size, s, np.int32)
       write[:n] = self._slots(region, pos[:n])
-      lr_write = write
+      lr_write = None
       if self.scheme == "base_shared":             # base only where nobody wrote it yet
+        lr_write = jnp.asarray(write[None])
         write = np.where(pos >= self.written, write, s).astype(np.int32)
-      hidden_in = None
+      window = None
       if recompute:
-        hidden_in = np.zeros((1, cb, self.cfg.hidden_size), np.float32)
-        hidden_in[0, :n] = self.ecache[c0:c1]
-        hidden_in = jnp.asarray(hidden_in, self.weights_dtype())
-      capture = (self.window[0] if self.scheme == "droidspeak" and not recompute else None)
-      lp, am, self.kv, cap = _chunk(
-          self.graphdef, self.weights, self.kv, jnp.asarray(tok[None]), jnp.asarray(pos[None]),
-          jnp.asarray(view), jnp.asarray(write[None]), jnp.asarray(lr_write[None]),
-          jnp.asarray(ids_ext[c1]), jnp.asarray(n - 1), self.lora,
-          jnp.asarray([agent], jnp.int32), hidden_in, attn_impl=self.attn_impl,
-          lora_mode=self.mode, layer_range=self.window if recompute else None,
-          capture_hidden=capture, logits=not recompute)
-      if cap is not None:
-        self.ecache[c0:c1] = np.asarray(cap[0, :n], np.float32)
+        hidden_in = np.zeros((1, pos.size, self.cfg.hidden_size), np.float32)
+        c0 = int(pos[0])
+        hidden_in[0, :n] = self.ecache[c0:c0 + n]
+        window = LayerWindow(jnp.asarray(hidden_in, self.dtype), *self.window)
+      return dict(write_slots=jnp.asarray(write[None]), lora=self._lora(agent, lr_write),
+                  window=window, capture=capture)
+
+    lp = am = None
+    for ch, out in self.driver.prefill(
+        [plan.Row(ids[lo:hi], lo)], chunk=self.chunk, slot_map=lambda w: self._view(agent, w),
+        read=None if recompute else "last", targets=[np.append(ids, 0)[lo + 1:hi + 1]],
+        options=options):
+      if out.hidden_at is not None:
+        c0, n = int(ch.positions[0, 0]), int(ch.count[0])
+        self.ecache[c0:c0 + n] = np.asarray(out.hidden_at[0, :n], np.float32)
+      if not recompute:
+        lp, am = out.logprob[0, 0], out.argmax[0, 0]
     return lp, am
 
   def _generate(self, ids, agent, start, end):
@@ -233,25 +193,19 @@ class AgentRunner:
     n = end - 1 - start
     if n <= 0:
       return np.zeros(0, np.float32), np.zeros(0, np.int32)
-    nb = steps.bucket(n, 8)
-    s = self.kv.num_slots
-    tok = np.zeros(nb, np.int32)
-    tok[:n] = ids[start:end - 1]
-    pos = np.full(nb, -1, np.int32)
-    pos[:n] = np.arange(start, end - 1)
-    write = np.full(nb, s, np.int32)
-    write[:n] = self._slots(self._region(agent), pos[:n])
-    tgt = np.zeros(nb, np.int32)
-    tgt[:n] = ids[start + 1:end]
-    capture = self.window[0] if self.scheme == "droidspeak" else None
-    lp, am, self.kv, cap = _decode(
-        self.graphdef, self.weights, self.kv, jnp.asarray(tok), jnp.asarray(pos),
-        jnp.asarray(self._view(agent, steps.bucket(end, 256))), jnp.asarray(write),
-        jnp.asarray(tgt), self.lora, jnp.asarray([agent], jnp.int32), attn_impl=self.attn_impl,
-        lora_mode=self.mode, capture_hidden=capture)
-    if capture is not None:
-      self.ecache[start:end - 1] = np.asarray(cap[:n], np.float32)
-    return np.asarray(lp[:n]), np.asarray(am[:n])
+    nb = plan.chunk_len(n)
+    forced = np.zeros((nb, 1), np.int32)
+    forced[:n, 0] = ids[start + 1:end]
+    width = plan.width(end)
+    own = self._slots(self._region(agent), np.arange(min(width, self.size)))
+    capture = Capture(hidden_at=self.window[0] if self.scheme == "droidspeak" else None)
+    out = self.driver.decode(
+        [ids[start]], [start], self._view(agent, width), [n], num_steps=nb,
+        forced=jnp.asarray(forced), write_map=jnp.asarray(plan.slot_rows([own], width)),
+        lora=self._lora(agent), capture=capture)
+    if out.hidden_at is not None:
+      self.ecache[start:end - 1] = np.asarray(out.hidden_at[:n, 0], np.float32)
+    return np.asarray(out.logprob[:n, 0]), np.asarray(out.tokens[:n, 0])
 
   def _call(self, ids, c) -> CallResult:
     a, start, end = c.role, c.start, c.end
@@ -291,13 +245,13 @@ class AgentRunner:
       raise ValueError("the first agent call needs context before it")
     self._reset()
     calls = [self._call(traj.ids, c) for c in traj.calls]
-    jax.block_until_ready(self.kv)
+    jax.block_until_ready(self.driver.kv)
     rec = sum(c.recomputed for c in calls)
     kvb = lragent.kv_bytes(self.scheme, len(traj), num_layers=self.cfg.num_layers,
                            d_kv=self.cfg.d_kv, hidden=self.cfg.hidden_size,
                            rank=self.lora.rank, num_agents=self.n_agents,
                            recomputed_tokens=rec, window=self.window or (0, 0),
-                           bytes_per_elem=jnp.dtype(self.weights_dtype()).itemsize)
+                           bytes_per_elem=jnp.dtype(self.dtype).itemsize)
     return RunResult(self.scheme, len(traj), calls, kvb, self.window)
 
 
@@ -322,7 +276,7 @@ def profile_window(llm, lora: LoraWeights, ids: np.ndarray, n_critical: int, *,
   for a in range(r.n_agents):
     r._prefill(np.asarray(ids), a, 0, n)
   slots = np.stack([r._slots(a, np.arange(n)) for a in range(r.n_agents)])    # [A, T]
-  k = np.asarray(r.kv.k)[:, slots].transpose(1, 0, 2, 3, 4)                  # [A, L, T, H, D]
-  v = np.asarray(r.kv.v)[:, slots].transpose(1, 0, 2, 3, 4)
+  k = np.asarray(r.driver.kv.k)[:, slots].transpose(1, 0, 2, 3, 4)           # [A, L, T, H, D]
+  v = np.asarray(r.driver.kv.v)[:, slots].transpose(1, 0, 2, 3, 4)
   dev = lragent.layer_deviation(k, v)
   return lragent.critical_window(dev, n_critical), dev

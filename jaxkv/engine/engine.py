@@ -3,13 +3,14 @@
 A fixed number of rows (`EngineConfig.max_batch`) decode together. Each loop:
 admit queued requests into empty rows (allocating their prompt slots), prefill
 the admitted rows chunk by chunk (ragged: each row advances through its own
-prompt), then run `decode_steps` tokens for every decoding row in one
+prompt), then run `EngineConfig.decode_steps` tokens for every decoding row in one
 `lax.scan` call, and retire rows that hit a stop token or their token limit,
 returning their slots to the allocator. Results are handed to `on_result` the
 moment a request finishes.
 
-Shapes are bucketed (chunk length and slot-map width: powers of two) so a run
-compiles a handful of step variants, not one per request.
+Prefill and decode go through the one driver (`jaxkv.engine.driver`); shapes
+are bucketed by `jaxkv.kv.plan`, so a run compiles a handful of step
+variants, not one per request. The pool is allocated on the first run.
 
 Timing: `ttft_s` runs from a request's admission into a row to its first
 token; `latency_s` from admission to its last token (in batch mode every
@@ -23,19 +24,17 @@ import dataclasses
 import time
 from typing import Iterable, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
-from jaxkv.engine import steps
+from jaxkv.engine.driver import Driver
 from jaxkv.engine.metrics import EngineMetrics
+from jaxkv.engine.sampling import SamplingParams
+from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import SENTINEL, OutOfSlotsError, PagedAllocator
-
-_MIN_CHUNK = 16
-_MIN_WIDTH = 128
+from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 
 
 @dataclasses.dataclass
@@ -63,16 +62,10 @@ class _Row:
   req: Request
   seq: int
   admitted: float
-  key: np.ndarray                  # [2] uint32 PRNG key of req.sampling.seed
   prefilled: int = 0               # prompt tokens already through prefill
   generated: list[int] = dataclasses.field(default_factory=list)
   first_token_at: float | None = None
   finish: str | None = None
-
-
-def _bucket(n: int, lo: int, hi: int) -> int:
-  """`steps.bucket` capped at hi (n itself when n > hi)."""
-  return min(steps.bucket(n, lo), hi) if hi >= n else n
 
 
 class Engine:
@@ -85,36 +78,24 @@ class Engine:
     self.cfg = engine
     self.graphdef, self.weights = nnx.split(model)
     self.stop_ids = sorted(set(int(t) for t in stop_ids))
-    self.kv = kv_state.init_pool(model.cfg, cache)
+    self.driver: Driver | None = None     # the pool is allocated on the first run
     self.allocator = PagedAllocator(cache.num_pages, cache.page_size)
-    self.metrics = EngineMetrics(bytes_per_slot=self.kv.nbytes_per_slot())
+    self.metrics = EngineMetrics(
+        bytes_per_slot=2 * model.cfg.num_layers * model.cfg.d_kv * jnp.dtype(cache.dtype).itemsize)
     self.attn_impl = engine.attention_impl
 
-  # ------------------------------------------------------------------ helpers
-  def _sampling_arrays(self, rows: list[_Row | None]) -> tuple[steps.SamplingParams, bool]:
-    B = self.cfg.max_batch
-    temp = np.zeros(B, np.float32)
-    top_k = np.zeros(B, np.int32)
-    top_p = np.ones(B, np.float32)
-    keys = np.zeros((B, 2), np.uint32)
-    for i, r in enumerate(rows):
-      if r is None:
-        continue
-      s = r.req.sampling
-      temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
-      keys[i] = r.key
-    greedy_only = not np.any(temp > 0)
-    return steps.SamplingParams(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
-                                jnp.asarray(keys)), greedy_only
+  @property
+  def kv(self) -> kv_state.KVPool | None:
+    return None if self.driver is None else self.driver.kv
 
-  def _slot_map(self, rows: list[_Row | None], need: int) -> np.ndarray:
-    width = _bucket(need, _MIN_WIDTH, self.cache_cfg.max_seq_len)
-    sm = np.full((self.cfg.max_batch, width), SENTINEL, np.int32)
-    for i, r in enumerate(rows):
-      if r is not None:
-        m = self.allocator.slot_map(r.seq)
-        sm[i, :len(m)] = m
-    return sm
+  # ------------------------------------------------------------------ helpers
+  def _sampling(self, rows: list[_Row | None]) -> tuple[SamplingParams, bool]:
+    return SamplingParams.from_configs([None if r is None else r.req.sampling for r in rows],
+                                       self.cfg.max_batch)
+
+  def _slot_map(self, rows: list[_Row | None], width: int) -> np.ndarray:
+    return plan.slot_rows([None if r is None else self.allocator.slot_map(r.seq) for r in rows],
+                          width)
 
   def _note_memory(self) -> None:
     self.metrics.observe_live_slots(self.allocator.num_live_slots)
@@ -150,46 +131,32 @@ class Engine:
                             f"{outstanding} reserved by running requests")
     seq = self.allocator.new_sequence()
     self.allocator.extend(seq, n)
-    key = np.asarray(jax.random.key_data(jax.random.PRNGKey(req.sampling.seed)), np.uint32)
-    return _Row(req=req, seq=seq, admitted=now, key=key)
+    return _Row(req=req, seq=seq, admitted=now)
 
   # ------------------------------------------------------------------ phases
   def _prefill(self, rows: list[_Row | None]) -> None:
-    todo = [i for i, r in enumerate(rows) if r is not None and r.prefilled < len(r.req.prompt)]
-    if not todo:
+    todo = [r if r is not None and r.prefilled < len(r.req.prompt) else None for r in rows]
+    if not any(todo):
       return
-    B = self.cfg.max_batch
-    sampling, greedy_only = self._sampling_arrays(rows)
+    sampling, greedy_only = self._sampling(rows)
     t0 = time.perf_counter()
     n_tokens = 0
-    while todo:
-      left = max(len(rows[i].req.prompt) - rows[i].prefilled for i in todo)
-      C = _bucket(min(left, self.cfg.prefill_chunk), _MIN_CHUNK, self.cfg.prefill_chunk)
-      tokens = np.zeros((B, C), np.int32)
-      positions = np.full((B, C), -1, np.int32)
-      last = np.zeros(B, np.int32)
-      for i in todo:
-        r = rows[i]
-        chunk = r.req.prompt[r.prefilled:r.prefilled + C]
-        tokens[i, :len(chunk)] = chunk
-        positions[i, :len(chunk)] = np.arange(r.prefilled, r.prefilled + len(chunk))
-        last[i] = len(chunk) - 1
-        n_tokens += len(chunk)
-      need = max(rows[i].prefilled + C for i in todo)
-      slot_map = self._slot_map(rows, min(need, self.cache_cfg.max_seq_len))
-      nxt, self.kv = steps.prefill_step(
-          self.graphdef, self.weights, self.kv, jnp.asarray(tokens), jnp.asarray(positions),
-          jnp.asarray(slot_map), jnp.asarray(last), sampling,
-          attn_impl=self.attn_impl, greedy_only=greedy_only)
-      nxt = np.asarray(nxt)
+    segments = [None if r is None else plan.Row(np.asarray(r.req.prompt[r.prefilled:], np.int32),
+                                                r.prefilled) for r in todo]
+    for ch, out in self.driver.prefill(
+        segments, chunk=self.cfg.prefill_chunk, max_width=self.cache_cfg.max_seq_len,
+        slot_map=lambda w: self._slot_map(rows, w), read="last", sampling=sampling,
+        greedy_only=greedy_only):
+      n_tokens += int(ch.count.sum())
+      if not ch.ends.any():
+        continue
+      nxt = np.asarray(out.token)
       now = time.perf_counter()
-      for i in list(todo):
+      for i in np.nonzero(ch.ends)[0]:
         r = rows[i]
-        r.prefilled = min(r.prefilled + C, len(r.req.prompt))
-        if r.prefilled == len(r.req.prompt):
-          todo.remove(i)
-          r.first_token_at = now
-          self._emit(r, int(nxt[i]))
+        r.prefilled = len(r.req.prompt)
+        r.first_token_at = now
+        self._emit(r, int(nxt[i]))
     self.metrics.add_prefill(n_tokens, time.perf_counter() - t0)
 
   def _emit(self, r: _Row, token: int) -> None:
@@ -220,15 +187,13 @@ class Engine:
       tokens[i], positions[i], remaining[i] = r.generated[-1], pos, rem
       need = max(need, pos + steps_here)
     self._note_memory()
-    stop_ids = np.asarray(self.stop_ids or [-1], np.int32)
-    sampling, greedy_only = self._sampling_arrays(rows)
-    slot_map = self._slot_map(rows, need)
+    stop_ids = jnp.asarray(self.stop_ids or [-1], jnp.int32)
+    sampling, greedy_only = self._sampling(rows)
+    slot_map = self._slot_map(rows, plan.width(need, self.cache_cfg.max_seq_len))
     t0 = time.perf_counter()
-    out, emitted, self.kv = steps.decode_steps(
-        self.graphdef, self.weights, self.kv, jnp.asarray(tokens), jnp.asarray(positions),
-        jnp.asarray(slot_map), jnp.asarray(remaining), jnp.asarray(stop_ids), sampling,
-        num_steps=n, attn_impl=self.attn_impl, greedy_only=greedy_only)
-    out, emitted = np.asarray(out), np.asarray(emitted)
+    res = self.driver.decode(tokens, positions, slot_map, remaining, num_steps=n,
+                             stop_ids=stop_ids, sampling=sampling, greedy_only=greedy_only)
+    out, emitted = np.asarray(res.tokens), np.asarray(res.emitted)
     dt = time.perf_counter() - t0
     count = 0
     for i in live:
@@ -256,6 +221,10 @@ class Engine:
     A request that cannot run (empty, longer than the cache) yields a result
     with finish_reason "error" and the run goes on.
     """
+    if self.driver is None:
+      self.driver = Driver(self.graphdef, self.weights,
+                           kv_state.init_pool(self.model_cfg, self.cache_cfg),
+                           attn_impl=self.attn_impl)
     queue = iter(requests)
     pending: Request | None = None
     rows: list[_Row | None] = [None] * self.cfg.max_batch

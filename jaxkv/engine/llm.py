@@ -15,7 +15,9 @@ import dataclasses
 import time
 from typing import Iterable, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request, Result
@@ -49,17 +51,36 @@ class Completion:
 
 
 class LLM:
-  """A model, its tokenizer and an engine over one KV pool."""
+  """A model and its tokenizer; the batch engine (and its KV pool) is created on
+  first use, so session and agent runners that bring their own pools pay for none.
+
+  `graphdef` / `weights` are the model's `nnx.split`, the form every jitted
+  step takes (weights are jit arguments, never closed over).
+  """
 
   def __init__(self, model: Transformer, tokenizer: Tokenizer,
                cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig()):
     self.model = model
     self.tokenizer = tokenizer
-    self.engine = Engine(model, tokenizer.stop_ids, cache, engine)
+    self.cache_config, self.engine_config = cache, engine
+    self.graphdef, self.weights = nnx.split(model)
+    self._engine: Engine | None = None
 
   @property
   def config(self):
     return self.model.cfg
+
+  @property
+  def engine(self) -> Engine:
+    if self._engine is None:
+      self._engine = Engine(self.model, self.tokenizer.stop_ids, self.cache_config,
+                            self.engine_config)
+    return self._engine
+
+  @property
+  def dtype(self):
+    """Dtype of the weights (and of pools runners allocate for them)."""
+    return jax.tree.leaves(self.weights)[0].dtype
 
   def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a raw string or a chat (generation prompt appended)."""

@@ -27,6 +27,7 @@ tool-call arguments that survive).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -37,13 +38,15 @@ from flax import nnx
 
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, PruningConfig
 from jaxkv.data import labels
-from jaxkv.engine import steps
+from jaxkv.engine.driver import Driver
+from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
-from jaxkv.models.layers import rope_frequencies
-from jaxkv.policies.pruning import intentkv, policy, scores, select
+from jaxkv.models.forward import Capture
+from jaxkv.rope import delta_frequencies
+from jaxkv.policies.pruning import intentkv, policy, select
 
 
 @dataclasses.dataclass
@@ -112,17 +115,17 @@ class SessionRunner:
       self.head = (None, None)
     self.tok = llm.tokenizer
     self.cfg = llm.config
-    self.graphdef, self.weights = llm.engine.graphdef, llm.engine.weights
     self.pruning = pruning
     self.chunk = prefill_chunk
-    self.attn_impl = attn_impl
-    self.kv = kv_state.init_pool(self.cfg, cache)
+    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.cfg, cache),
+                         attn_impl=attn_impl)
     self.max_len = cache.max_seq_len
     self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
     # dead-slot pruning keeps holes in the cached token stream (IntentKV section 3.4)
     self.radix = RadixCache(self.alloc, cache_dead=True) if radix else None
     self.memories = intentkv.QueryMemoryStore(pruning.memory_capacity)
-    self.inv_freq, _ = rope_frequencies(self.cfg.rope, self.cfg.head_dim, None)
+    if pruning.layout == "compact":      # survivors are re-rotated: needs an exact delta
+      self.inv_freq = delta_frequencies(self.cfg.rope, self.cfg.head_dim)
 
   # ---------------------------------------------------------------- prompts
   def prepare(self, messages: Sequence[dict], tools, i: int) -> dict:
@@ -136,31 +139,29 @@ class SessionRunner:
     """Forward toks[start:stop], written at logical positions p0 + (j - start).
 
     Returns (logprobs of toks[j + 1] and greedy next tokens -- for every j in
-    [start, stop), or only for the last one without `all_logits` --, q rows or None).
+    [start, stop), or only for the last one without `all_logits` --, and with
+    `capture` the post-RoPE queries [L, 1, Wq, Hq, D] of those tokens, row j - start
+    holding token j; Wq is bucketed and rows past stop - start are padding).
     """
-    smap = _row(self.alloc.slot_map(seq), width)
-    lps, qs, nxts = [], [], []
-    for c0 in range(start, stop, self.chunk):
-      c1 = min(stop, c0 + self.chunk)
-      n = c1 - c0
-      cb = steps.bucket(n, 16)
-      tokens = np.zeros((1, cb), np.int32)
-      tokens[0, :n] = toks[c0:c1]
-      pos = np.full((1, cb), -1, np.int32)
-      pos[0, :n] = p0 + np.arange(c0 - start, c1 - start)
-      tgt = np.zeros((1, cb), np.int32)
-      nxt = toks[c0 + 1:c1 + 1]
-      tgt[0, :nxt.size] = nxt
-      lp, am, self.kv, q = steps.score_chunk(
-          self.graphdef, self.weights, self.kv, jnp.asarray(tokens), jnp.asarray(pos), smap,
-          jnp.asarray(tgt), attn_impl=self.attn_impl, capture_q=capture, all_logits=all_logits)
-      if all_logits or c1 == stop:
-        lps.append(np.asarray(lp[0, :n]))
-        nxts.append(np.asarray(am[0, :n]))
+    smap = plan.slot_rows([self.alloc.slot_map(seq)], width)
+    lps, nxts = [], []
+    opts = {"capture": Capture(q=True)} if capture else {}
+    q_buf = None
+    for ch, out in self.driver.prefill(
+        [plan.Row(toks[start:stop], p0)], chunk=self.chunk, slot_map=smap,
+        read="all" if all_logits else "last", targets=[toks[start + 1:stop + 1]],
+        options=lambda ch: opts):
+      n = int(ch.count[0])
+      if all_logits or ch.ends[0]:
+        lps.append(np.asarray(out.logprob[0, :n]))
+        nxts.append(np.asarray(out.argmax[0, :n]))
       if capture:
-        qs.append(q[:, :, :n])
-    q_all = jnp.concatenate(qs, axis=2) if capture else None
-    return np.concatenate(lps), np.concatenate(nxts), q_all
+        if q_buf is None:      # room for the last padded chunk past the real rows
+          l, b, _, h, d = out.q.shape
+          q_buf = jnp.zeros((l, b, plan.chunk_len(stop - start + self.chunk), h, d),
+                            out.q.dtype)
+        q_buf = _write_rows(q_buf, out.q, int(ch.lo[0]))
+    return np.concatenate(lps), np.concatenate(nxts), q_buf
 
   # ---------------------------------------------------------------- one request
   def run_turn(self, session_id: str, messages: Sequence[dict], tools, i: int, *,
@@ -182,7 +183,7 @@ class SessionRunner:
       seq = self.alloc.new_sequence()
       hit = self.radix.adopt_prefix(seq, prompt[:n - 1]) if self.radix is not None else 0
       self._reserve(seq, n + g - hit)
-      width = steps.bucket(n + g, 128)
+      width = plan.width(n + g)
       cfg = self.pruning
       rows = policy.query_rows(cfg)
       lp_prompt, nxt, q = self._run_chunks(seq, toks, hit, n, hit, rows is not None, width,
@@ -237,19 +238,13 @@ class SessionRunner:
     stop token or the reserved length; returns the number of reply tokens."""
     stop = self.tok.stop_ids
     stop_ids = jnp.asarray(list(stop) or [-1], jnp.int32)
-    greedy = steps.SamplingParams(temperature=jnp.zeros(1, jnp.float32),
-                                  top_k=jnp.zeros(1, jnp.int32), top_p=jnp.ones(1, jnp.float32),
-                                  key=jnp.zeros((1, 2), jnp.uint32))
-    smap = _row(self.alloc.slot_map(seq), width)
+    smap = plan.slot_rows([self.alloc.slot_map(seq)], width)
     toks[n] = first
     g, cap = 1, toks.size - n
     while toks[n + g - 1] not in stop and g < cap:
-      out, emitted, self.kv = steps.decode_steps(
-          self.graphdef, self.weights, self.kv, jnp.asarray([toks[n + g - 1]], jnp.int32),
-          jnp.asarray([p0 + g - 1], jnp.int32), smap, jnp.asarray([cap - g], jnp.int32),
-          stop_ids, greedy, num_steps=steps_per_call, attn_impl=self.attn_impl,
-          greedy_only=True)
-      new = np.asarray(out)[np.asarray(emitted)[:, 0], 0]
+      out = self.driver.decode([toks[n + g - 1]], [p0 + g - 1], smap, [cap - g],
+                               num_steps=steps_per_call, stop_ids=stop_ids)
+      new = np.asarray(out.tokens)[np.asarray(out.emitted)[:, 0], 0]
       toks[n + g:n + g + new.size] = new
       g += new.size
     return g
@@ -271,25 +266,23 @@ class SessionRunner:
     forced = span.copy()
     if cfg.protect_system:
       forced[:p["sys_len"]] = True
-    k = scores.gather_keys(self.kv.k, _row(smap, width))
     rows = policy.query_rows(cfg)
-    qq = qpos = memory = None
-    key = None
+    memory = key = None
+    q_lo = q_count = 0
     if rows is not None:
-      pos = np.arange(hit, n, dtype=np.int32)
-      lo = {"window": max(0, pos.size - cfg.snap_window), "all": 0,
-            "span": max(0, p["qs"] - hit)}[rows]
-      qq, pos = q[:, :, lo:], pos[lo:]
-      rb = steps.bucket(pos.size, 16)
-      qq = jnp.pad(qq, ((0, 0), (0, 0), (0, rb - pos.size), (0, 0), (0, 0)))
-      qpos = jnp.asarray(np.pad(pos, (0, rb - pos.size), constant_values=-1)[None])
+      total = n - hit                          # rows of q: prompt tokens [hit, n)
+      q_lo = {"window": max(0, total - cfg.snap_window), "all": 0,
+              "span": max(0, p["qs"] - hit)}[rows]
+      q_count = total - q_lo
     if cfg.method == "intentkv":
       key = intentkv.session_key(session_id=session_id)
       shape = (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim)
       memory, _ = self.memories.gather([key], shape)
-    keep, new_mem = policy.select_kept(cfg, k, _row(live, width, bool), _row(forced, width, bool),
-                                       qq, qpos, memory, _row(span, width, bool),
-                                       head_graphdef=self.head[0], head_state=self.head[1])
+    keep, new_mem = policy.select_kept_at(
+        cfg, self.driver.kv.k, _row(smap, width), _row(live, width, bool),
+        _row(forced, width, bool),
+        q if rows is not None else None, hit, q_lo, q_count, memory, _row(span, width, bool),
+        head_graphdef=self.head[0], head_state=self.head[1])
     if cfg.method == "intentkv" and cfg.intent_mode != "query":
       self.memories.scatter([key], new_mem)
     return np.asarray(keep[0, :smap.size])
@@ -299,8 +292,8 @@ class SessionRunner:
     new = self.alloc.new_sequence()
     self._reserve(new, n_keep + g)
     dest = _row(self.alloc.slot_map(new)[:n_keep], width)
-    self.kv, _, _ = _compact_jit(self.kv, _row(smap, width), _row(keep, width, bool), dest,
-                                 self.inv_freq)
+    self.driver.kv, _, _ = _compact_jit(self.driver.kv, _row(smap, width),
+                                        _row(keep, width, bool), dest, self.inv_freq)
     self.alloc.free_sequence(seq)
     return new
 
@@ -320,4 +313,11 @@ class SessionRunner:
 
 _compact_jit = jax.jit(select.compact_layout, donate_argnums=(0,),
                        compiler_options=COMPILER_OPTIONS)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), compiler_options=COMPILER_OPTIONS)
+def _write_rows(buf: jax.Array, rows: jax.Array, offset) -> jax.Array:
+  """buf [L, B, W, ...] with rows [L, B, C, ...] written at row offset (traced)."""
+  start = (0, 0, offset) + (0,) * (buf.ndim - 3)
+  return jax.lax.dynamic_update_slice(buf, rows.astype(buf.dtype), start)
 

@@ -57,13 +57,18 @@ def init_pool(model: ModelConfig, cache: CacheConfig, lr_rank: int = 0) -> KVPoo
 
   lr_rank > 0 adds the LoRA low-rank value pool `vlr` [L, S, lr_rank].
   """
-  dtype = jnp.dtype(cache.dtype)
-  shape = (model.num_layers, cache.num_slots, model.num_kv_heads, model.head_dim)
+  return init_slots(model, cache.num_slots, cache.dtype, lr_rank)
+
+
+def init_slots(model: ModelConfig, num_slots: int, dtype, lr_rank: int = 0) -> KVPool:
+  """Zero pool of `num_slots` slots (slot 0 included) in `dtype`."""
+  dtype = jnp.dtype(dtype)
+  shape = (model.num_layers, num_slots, model.num_kv_heads, model.head_dim)
   return KVPool(
       k=jnp.zeros(shape, dtype),
       v=jnp.zeros(shape, dtype),
-      positions=jnp.full((cache.num_slots,), -1, jnp.int32),
-      vlr=(jnp.zeros((model.num_layers, cache.num_slots, lr_rank), dtype) if lr_rank else None),
+      positions=jnp.full((num_slots,), -1, jnp.int32),
+      vlr=(jnp.zeros((model.num_layers, num_slots, lr_rank), dtype) if lr_rank else None),
   )
 
 

@@ -10,19 +10,21 @@ Layer weights are stacked along a leading layer axis and run with `lax.scan`
 writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
 keys are written post-RoPE. Weights layout is [in, out] (x @ w).
 
-Shared-A multi-LoRA (LRAgent; `jaxkv.models.lora`) is an optional call
-argument: per-row adapter indices select each row's B, and `lora_mode`
-chooses whether the V adapter output is folded into the cached value ("full")
-or kept as the pool's low-rank value cache and expanded inside
-Flash-LoRA-Attention ("decoupled").
+Everything besides tokens, positions and the pool travels as the small pytrees
+of `jaxkv.models.forward` (LoRA inputs, a layer window, captures, selective
+recompute), and the call returns a `ForwardOutput`. Without a pool the model
+runs over the chunk alone (training).
+
+Shared-A multi-LoRA (LRAgent; `jaxkv.models.lora`): per-row adapter indices
+select each row's B, and `LoraInputs.mode` chooses whether the V adapter output
+is folded into the cached value ("full") or kept as the pool's low-rank value
+cache and expanded inside Flash-LoRA-Attention ("decoupled").
 
 Cross jit boundaries with `nnx.split` / `nnx.merge` and pass the state as an
-argument (see jaxkv.engine.steps); never close over the weights.
+argument (see jaxkv.engine.driver); never close over the weights.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +33,24 @@ from flax import nnx
 from jaxkv import ops
 from jaxkv.config import ModelConfig
 from jaxkv.kv import state as kv_state
+from jaxkv.models import forward as fwd
 from jaxkv.models import lora as lora_lib
-from jaxkv.models.layers import apply_rope, gated_mlp, rms_norm, rope_frequencies
+from jaxkv.rope import apply_rope, rope_frequencies
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm in fp32, cast back (HF LlamaRMSNorm). x: [..., D], weight: [D]."""
+  dtype = x.dtype
+  x32 = x.astype(jnp.float32)
+  var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+  x32 = x32 * jax.lax.rsqrt(var + eps)
+  return weight.astype(dtype) * x32.astype(dtype)
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+              w_down: jax.Array) -> jax.Array:
+  """SwiGLU MLP. x: [..., D]; w_gate, w_up: [D, F]; w_down: [F, D]."""
+  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -62,23 +80,14 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-LORA_MODES = ("full", "decoupled")
-
-
-def _check_lora(lora, adapter_ids, mode: str, kv) -> bool:
-  """Validates the LoRA arguments; returns whether V is decoupled (base + low rank)."""
-  if mode not in LORA_MODES:
-    raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
-  if lora is None:
+def _check_lora(lora: fwd.LoraInputs | None, kv: kv_state.KVPool) -> bool:
+  """Validates the LoRA inputs against the pool; returns whether V is decoupled."""
+  if lora is None or lora.mode == "full":
     return False
-  if adapter_ids is None:
-    raise ValueError("lora weights need adapter_ids [B] (-1 selects the base model)")
-  if mode == "full":
-    return False
-  if "v" not in lora.targets:
-    raise ValueError("lora_mode='decoupled' needs 'v' among the LoRA targets")
-  if kv.vlr is None or kv.vlr.shape[-1] != lora.rank:
-    raise ValueError(f"lora_mode='decoupled' needs a pool with vlr of rank {lora.rank} "
+  if "v" not in lora.weights.targets:
+    raise ValueError("lora mode 'decoupled' needs 'v' among the LoRA targets")
+  if kv.vlr is None or kv.vlr.shape[-1] != lora.weights.rank:
+    raise ValueError(f"lora mode 'decoupled' needs a pool with vlr of rank {lora.weights.rank} "
                      "(kv_state.init_pool(..., lr_rank=r))")
   return True
 
@@ -117,125 +126,151 @@ class Transformer(nnx.Module):
     self.lm_head = (None if cfg.tie_embeddings else
                     nnx.Param(init(rngs.params(), shapes["lm_head"], dtype)))
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array, slot_map: jax.Array,
-               write_slots: jax.Array, kv: kv_state.KVPool, *,
-               attn_impl: str = "auto", capture_q: bool = False,
-               lora: lora_lib.LoraWeights | None = None, adapter_ids: jax.Array | None = None,
-               lora_mode: str = "full", lr_write_slots: jax.Array | None = None,
-               layer_range: tuple[int, int] | None = None, hidden_in: jax.Array | None = None,
-               capture_hidden: int | None = None):
+  def __call__(self, tokens: jax.Array, positions: jax.Array,
+               kv: kv_state.KVPool | None = None, *, slot_map: jax.Array | None = None,
+               write_slots: jax.Array | None = None, lora: fwd.LoraInputs | None = None,
+               window: fwd.LayerWindow | None = None, capture: fwd.Capture = fwd.Capture(),
+               recompute: fwd.Recompute | None = None,
+               attn_impl: str = "auto") -> fwd.ForwardOutput:
     """Runs the decoder over one chunk of tokens per row.
 
     Args:
       tokens: [B, C] int32.
       positions: [B, C] int32 logical positions; negative marks padding.
-      slot_map: [B, T] or [L, B, T] int32, already holding this chunk's slots.
-      write_slots: [B, C] int32 destination slots (>= num_slots: drop), see
-        `kv_state.write_slots`.
-      kv: the pool.
+      kv: the pool, or None to run without a cache (training): the chunk then
+        attends to itself only, positions must lie in [0, C), and the output
+        carries no pool.
+      slot_map: [B, T] or [L, B, T] int32, already holding this chunk's slots
+        (required with a pool).
+      write_slots: [B, C] int32 destination slots (>= num_slots: dropped). Default:
+        `kv_state.write_slots(slot_map, positions, ...)`; required with a
+        per-layer slot map, whose layers may disagree.
+      lora: shared-A multi-LoRA inputs (`forward.LoraInputs`), or None.
+      window: run only a window of layers (`forward.LayerWindow`), or None.
+      capture: what to hand back (`forward.Capture`).
+      recompute: selective recompute (`forward.Recompute`), or None (every token
+        at every layer).
       attn_impl: `jaxkv.ops` implementation.
-      capture_q: also return every layer's post-RoPE queries exactly as attention
-        consumes them (the hook pruning scorers and IntentKV features read).
-      lora: shared-A multi-LoRA weights (`jaxkv.models.lora`), or None.
-      adapter_ids: [B] int32 adapter of each row (-1: base model); required with lora.
-      lora_mode: "full": every target's delta is added to its projection, so the
-        pool holds the writing adapter's full K/V (NonShared / FullShared);
-        "decoupled" (LRAgent BaseShared / BaseLRShared): the pool's v holds the
-        base value x W_v, `kv.vlr` the rank-r value x A_v * scale, and attention
-        expands each row's own B_v inside Flash-LoRA-Attention.
-      lr_write_slots: [B, C] destination slots of the low-rank values (default
-        `write_slots`); BaseShared passes the agent's own slots here while
-        `write_slots` drops the base K/V that another agent already wrote.
-      layer_range: (l0, l1), static: run only layers l0 <= l < l1 (their KV is
-        written, the other layers' pool entries are untouched; DroidSpeak's
-        layer-selective recompute). The final norm is applied only if l1 = L.
-      hidden_in: [B, C, D] input of layer l0 instead of the token embeddings.
-      capture_hidden: static layer index l: also return the hidden state entering
-        layer l (DroidSpeak's E-cache), [B, C, D].
     Returns:
-      (hidden [B, C, D], updated pool), plus q [L', B, C, Hq, D] (the layers run)
-      when `capture_q`, plus the captured hidden state when `capture_hidden`.
+      `forward.ForwardOutput`.
     """
     cfg = self.cfg
     b, c = tokens.shape
     h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    window = window or fwd.LayerWindow()
+    l0 = window.start
+    l1 = cfg.num_layers if window.stop is None else window.stop
+    if not 0 <= l0 < l1 <= cfg.num_layers:
+      raise ValueError(f"layer window ({l0}, {l1}) outside [0, {cfg.num_layers}]")
+    cap_at = capture.hidden_at
+    if cap_at is not None and not l0 <= cap_at < l1:
+      raise ValueError(f"capture hidden_at={cap_at} is not among the layers run {l0}..{l1}")
+    if recompute is not None:
+      if capture.q:
+        raise ValueError("capture q needs every token at every layer (no recompute)")
+      if recompute.index.shape[:2] != (cfg.num_layers, b):
+        raise ValueError(f"recompute index must be [L={cfg.num_layers}, B={b}, R], got "
+                         f"{recompute.index.shape}")
+    cached = kv is not None
+    if not cached:                       # a scratch pool: the chunk attends to itself
+      lr_rank = lora.weights.rank if lora is not None and lora.mode == "decoupled" else 0
+      kv = kv_state.init_slots(cfg, 1 + b * c, self.embed[...].dtype, lr_rank)
+      slot_map = (1 + jnp.arange(b * c, dtype=jnp.int32)).reshape(b, c)
+    elif slot_map is None:
+      raise ValueError("a forward pass over a pool needs its slot_map")
+    per_layer_map = slot_map.ndim == 3
+    if write_slots is None:
+      if per_layer_map:
+        raise ValueError("a per-layer slot map needs explicit write_slots [B, C]")
+      write_slots = kv_state.write_slots(slot_map, positions, positions >= 0, kv.num_slots)
     seq_len = jnp.max(positions) + 1 if cfg.rope.kind == "dynamic" else None
     inv_freq, rope_scale = rope_frequencies(cfg.rope, dh, seq_len)
-    l0, l1 = (0, cfg.num_layers) if layer_range is None else layer_range
-    if not 0 <= l0 < l1 <= cfg.num_layers:
-      raise ValueError(f"layer_range {layer_range} outside [0, {cfg.num_layers}]")
-    if capture_hidden is not None and not l0 <= capture_hidden < l1:
-      raise ValueError(f"capture_hidden={capture_hidden} is not among the layers run {l0}..{l1}")
-    x = self.embed[...][tokens] if hidden_in is None else hidden_in
-    per_layer_map = slot_map.ndim == 3
-    targets = () if lora is None else lora.targets
-    decoupled = _check_lora(lora, adapter_ids, lora_mode, kv)
-    lr_ws = write_slots if lr_write_slots is None else lr_write_slots
+    x = self.embed[...][tokens] if window.hidden_in is None else window.hidden_in
+    decoupled = _check_lora(lora, kv)
+    targets = () if lora is None else lora.weights.targets
+    lr_ws = write_slots if lora is None or lora.lr_write_slots is None else lora.lr_write_slots
 
     def layer(carry, xs):
       x, pool_k, pool_v, pool_vlr = carry
-      p, idx, lmap, lw = xs
+      p, idx, lmap, lw, sel = xs
       lmap = lmap if per_layer_map else slot_map
-      rows_b = {t: lora_lib.select_b(lw["b"][t], adapter_ids) for t in targets}
+      if sel is None:                    # every token of the chunk
+        xin, pos, ws, lws = x, positions, write_slots, lr_ws
+      else:                              # only the tokens listed for this layer
+        ok = sel >= 0
+        at = jnp.clip(sel, 0, c - 1)
+        xin = jnp.take_along_axis(x, at[..., None], axis=1)
+        pos = jnp.where(ok, jnp.take_along_axis(positions, at, axis=1), -1)
+        ws = jnp.where(ok, jnp.take_along_axis(write_slots, at, axis=1), kv.num_slots)
+        lws = jnp.where(ok, jnp.take_along_axis(lr_ws, at, axis=1), kv.num_slots)
+      n = xin.shape[1]
+      rows_b = {t: lora_lib.select_b(lw["b"][t], lora.adapter_ids) for t in targets}
 
       def adapt(t, inp, out):
         if t not in targets or (t == "v" and decoupled):
           return out
-        return out + lora_lib.delta(inp, lw["a"][t], rows_b[t], lora.scale).astype(out.dtype)
+        return out + lora_lib.delta(inp, lw["a"][t], rows_b[t],
+                                    lora.weights.scale).astype(out.dtype)
 
       with jax.named_scope("attention"):
-        y = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        y = rms_norm(xin, p["attn_norm"], cfg.rms_norm_eps)
         q, kk, vv = y @ p["wq"], y @ p["wk"], y @ p["wv"]
         if cfg.qkv_bias:
           q, kk, vv = q + p["bq"], kk + p["bk"], vv + p["bv"]
         q, kk, vv = adapt("q", y, q), adapt("k", y, kk), adapt("v", y, vv)
-        q = q.reshape(b, c, h, dh)
-        kk = kk.reshape(b, c, k, dh)
-        vv = vv.reshape(b, c, k, dh)
+        q = q.reshape(b, n, h, dh)
+        kk = kk.reshape(b, n, k, dh)
+        vv = vv.reshape(b, n, k, dh)
         if cfg.qk_norm:
           q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
           kk = rms_norm(kk, p["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq, rope_scale)
-        kk = apply_rope(kk, positions, inv_freq, rope_scale)
-        pool_k, pool_v = kv_state.write_layer(pool_k, pool_v, idx, write_slots, kk, vv)
+        q = apply_rope(q, pos, inv_freq, rope_scale)
+        kk = apply_rope(kk, pos, inv_freq, rope_scale)
+        pool_k, pool_v = kv_state.write_layer(pool_k, pool_v, idx, ws, kk, vv)
         if decoupled:
-          pool_vlr = kv_state.write_lr(pool_vlr, idx, lr_ws,
-                                       lora_lib.down(y, lw["a"]["v"], lora.scale))
+          pool_vlr = kv_state.write_lr(pool_vlr, idx, lws,
+                                       lora_lib.down(y, lw["a"]["v"], lora.weights.scale))
           b_v = rows_b["v"].reshape(b, -1, k, dh)                  # [B, r, Hkv, D]
-          o = ops.flash_lora_attention(q, pool_k, pool_v, pool_vlr, b_v, lmap, positions,
+          o = ops.flash_lora_attention(q, pool_k, pool_v, pool_vlr, b_v, lmap, pos,
                                        layer=idx, impl=attn_impl)
         else:
-          o = ops.paged_attention(q, pool_k, pool_v, lmap, positions, layer=idx,
-                                  impl=attn_impl)
-        o = o.reshape(b, c, h * dh)
-        x = x + adapt("o", o, o @ p["wo"])
+          o = ops.paged_attention(q, pool_k, pool_v, lmap, pos, layer=idx, impl=attn_impl)
+        o = o.reshape(b, n, h * dh)
+        xin = xin + adapt("o", o, o @ p["wo"])
       with jax.named_scope("mlp"):
-        y = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        x = x + gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"])
-      return (x, pool_k, pool_v, pool_vlr), (q if capture_q else None)
+        y = rms_norm(xin, p["mlp_norm"], cfg.rms_norm_eps)
+        xin = xin + gated_mlp(y, p["w_gate"], p["w_up"], p["w_down"])
+      if sel is None:
+        x = xin
+      else:                              # scatter back; padding entries are dropped
+        rows = jnp.arange(b)[:, None]
+        x = x.at[rows, jnp.where(ok, sel, c)].set(xin, mode="drop")
+      return (x, pool_k, pool_v, pool_vlr), (q if capture.q else None)
 
-    lw = None if lora is None else {"a": lora.a, "b": lora.b}
+    lw = None if lora is None else {"a": lora.weights.a, "b": lora.weights.b}
     xs = (self.layers.stacked(), jnp.arange(cfg.num_layers),
-          slot_map if per_layer_map else None, lw)
-    captured, start = None, l0
-    if capture_hidden is not None and capture_hidden > l0:     # run up to it, keep x, go on
-      head = jax.tree.map(lambda a: a[l0:capture_hidden], xs)
-      (x, pk, pv, pvlr), q_head = jax.lax.scan(layer, (x, kv.k, kv.v, kv.vlr), head)
-      kv = dataclasses.replace(kv, k=pk, v=pv, vlr=pvlr)
-      l0 = capture_hidden
-    if capture_hidden is not None:
-      captured = x
+          slot_map if per_layer_map else None, lw,
+          None if recompute is None else recompute.index)
+    carry = (x, kv.k, kv.v, kv.vlr)
+    hidden_at, q_head = None, None
+    if cap_at is not None and cap_at > l0:       # run up to the capture, keep x, go on
+      carry, q_head = jax.lax.scan(layer, carry, jax.tree.map(lambda a: a[l0:cap_at], xs))
+      l0 = cap_at
+    if cap_at is not None:
+      hidden_at = carry[0]
     if (l0, l1) != (0, cfg.num_layers):
       xs = jax.tree.map(lambda a: a[l0:l1], xs)
-    (x, pool_k, pool_v, pool_vlr), q_all = jax.lax.scan(layer, (x, kv.k, kv.v, kv.vlr), xs)
-    if capture_q and start < l0:
+    (x, pool_k, pool_v, pool_vlr), q_all = jax.lax.scan(layer, carry, xs)
+    if capture.q and q_head is not None:
       q_all = jnp.concatenate([q_head, q_all])
     if l1 == cfg.num_layers:
       x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-    new_positions = kv_state.write_positions(kv.positions, write_slots, positions)
-    pool = kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions, vlr=pool_vlr)
-    out = (x, pool) + ((q_all,) if capture_q else ())
-    return out + ((captured,) if capture_hidden is not None else ())
+    pool = None
+    if cached:
+      new_positions = kv_state.write_positions(kv.positions, write_slots, positions)
+      pool = kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions, vlr=pool_vlr)
+    return fwd.ForwardOutput(hidden=x, kv=pool, q=q_all if capture.q else None,
+                             hidden_at=hidden_at)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""

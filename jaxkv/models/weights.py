@@ -6,7 +6,7 @@ layers, [in, out] matrices), filled into the NNX module by
 
 GGUF: llama.cpp stores `attn_q` / `attn_k` of Llama-architecture models with
 rows permuted for interleaved RoPE; we un-permute them so the one rotate-half
-RoPE of jaxkv.models.layers applies to every source (Qwen2/Qwen3 GGUFs are not
+RoPE of jaxkv.rope applies to every source (Qwen2/Qwen3 GGUFs are not
 permuted). Quantized tensors are dequantized to float32 with `gguf.quants`; the file is
 parsed by `jaxkv.models.gguf_file` (fast metadata, memory-mapped tensors).
 """

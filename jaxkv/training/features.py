@@ -36,9 +36,8 @@ Decisions where the paper is silent:
   * A row whose prompt exceeds `max_prompt_tokens` (SmolLM2: its 8,192 context)
     ends the session's replay (later turns are longer). A query span longer
     than `max_chunk` keeps its last `max_chunk` rows for Enc(q_t).
-  * Chunk lengths are padded to powers of two up to 128, then multiples of 128;
-    the slot-map width to multiples of 512 (the jnp reference attention is
-    dense over the width, so a tight width is worth a few extra compiles).
+  * Chunks run on the one driver (`jaxkv.engine.driver`) with explicit cuts;
+    chunk lengths and slot-map widths are bucketed by `jaxkv.kv.plan`.
   * The prefix KV is also reused across sessions (their system prompts agree);
     keys at a position depend only on the tokens before it, so this changes
     nothing but float rounding.
@@ -62,15 +61,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.config import COMPILER_OPTIONS, CacheConfig
+from jaxkv.config import COMPILER_OPTIONS, PAGE_SIZE, CacheConfig
 from jaxkv.data import labels as labels_lib
 from jaxkv.data import traces
-from jaxkv.engine import steps
+from jaxkv.engine.driver import Driver
+from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
+from jaxkv.models.forward import Capture
 from jaxkv.policies.pruning import intentkv, residual, scores
 
 IGNORE = -100
-PAGE = 16
 
 
 # ----------------------------------------------------------------------------- config
@@ -196,12 +196,6 @@ def plan_chunks(start: int, qs: int, n: int, chunk: int, max_chunk: int = 4096):
 
 
 
-def _width_bucket(n: int) -> int:
-  """Slot-map width (keys attended): multiples of 512. The reference attention is
-  dense over the width, so a tight width matters more than a few extra compiles."""
-  return max(512, -(-n // 512) * 512)
-
-
 # ----------------------------------------------------------------------------- device steps
 @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 def _row_features(pool_k, slot_map, enc, prev, candidates, decay):
@@ -219,34 +213,35 @@ class Extractor:
 
   def __init__(self, llm, cfg: PrunerTrainConfig):
     self.tok, self.mcfg, self.cfg = llm.tokenizer, llm.config, cfg
-    self.graphdef, self.weights = llm.engine.graphdef, llm.engine.weights
-    slots = _width_bucket(cfg.max_prompt_tokens) + PAGE
-    self.cache = CacheConfig(num_pages=slots // PAGE + 1, page_size=PAGE,
+    slots = plan.width(cfg.max_prompt_tokens) + PAGE_SIZE
+    self.cache = CacheConfig(num_pages=slots // PAGE_SIZE + 1, page_size=PAGE_SIZE,
                              max_seq_len=cfg.max_prompt_tokens, dtype=cfg.dtype)
-    self.kv = kv_state.init_pool(self.mcfg, self.cache)
-    # token ids whose KV the pool holds at slots PAGE + p: the prefix shared with
+    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.mcfg, self.cache),
+                         attn_impl=cfg.attn_impl)
+    # token ids whose KV the pool holds at slots PAGE_SIZE + p: the prefix shared with
     # the next prompt (the same session's earlier turn, or the previous session's
     # system prompt) is not recomputed, as a radix prefix cache would serve it
     self.prev_ids = np.zeros(0, np.int32)
     self.reused_tokens = 0
     self.computed_tokens = 0
 
-  def _run(self, ids, c0, c1, span_lo, capture):
-    """Prefill positions [c0, c1) (slots PAGE + p); Enc over [span_lo, c1) if capture."""
-    n, cb, w = c1 - c0, steps.bucket128(c1 - c0, 16), _width_bucket(c1)
-    tokens = np.zeros((1, cb), np.int32)
-    tokens[0, :n] = ids[c0:c1]
-    pos = np.full((1, cb), -1, np.int32)
-    pos[0, :n] = np.arange(c0, c1)
-    smap = np.zeros((1, w), np.int32)
-    smap[0, :c1] = PAGE + np.arange(c1)
-    span = np.zeros((1, cb), bool)
-    span[0, span_lo - c0:n] = True
-    _, _, self.kv, q = steps.score_chunk(
-        self.graphdef, self.weights, self.kv, jnp.asarray(tokens), jnp.asarray(pos),
-        jnp.asarray(smap), jnp.zeros_like(jnp.asarray(tokens)), attn_impl=self.cfg.attn_impl,
-        capture_q=capture, all_logits=False)
-    return intentkv.encode_query(q, jnp.asarray(span)) if capture else None
+  @staticmethod
+  def _slot_map(width: int) -> np.ndarray:
+    """Position p lives at slot PAGE_SIZE + p (one contiguous sequence)."""
+    return plan.slot_rows([plan.contiguous_slots(PAGE_SIZE, np.arange(width))], width)
+
+  def _prefill(self, ids, boundaries, span_idx):
+    """Prefill the chunks [c0, c1) of `boundaries`; Enc(q_t) from the span chunk's q."""
+    start = boundaries[0][0]
+    cuts = [c0 - start for c0, _ in boundaries] + [boundaries[-1][1] - start]
+    enc = None
+    for ch, out in self.driver.prefill(
+        [plan.Row(ids[start:boundaries[-1][1]], start)], chunk=self.cfg.max_chunk,
+        slot_map=self._slot_map, read=None, cuts=cuts,
+        options=lambda ch: {"capture": Capture(q=ch.index == span_idx)}):
+      if ch.index == span_idx:
+        enc = intentkv.encode_query(out.q, jnp.asarray(ch.positions >= 0))
+    return enc
 
   def session(self, sess: traces.Session) -> dict:
     """Features of every usable row of one session (see the module docstring)."""
@@ -265,23 +260,17 @@ class Extractor:
       lim = min(self.prev_ids.size, n)
       diff = np.nonzero(self.prev_ids[:lim] != ids[:lim])[0]
       lcp = int(diff[0]) if diff.size else lim
-      plan, span_idx = plan_chunks(lcp, qs, n, cfg.chunk_tokens, cfg.max_chunk)
-      chunks_log.append(plan)
-      self.reused_tokens += plan[0][0]
-      self.computed_tokens += n - plan[0][0]
-      enc = None
-      for ci, (c0, c1) in enumerate(plan):
-        e = self._run(ids, c0, c1, c0, ci == span_idx)
-        if ci == span_idx:
-          enc = e
+      chunks, span_idx = plan_chunks(lcp, qs, n, cfg.chunk_tokens, cfg.max_chunk)
+      chunks_log.append(chunks)
+      self.reused_tokens += chunks[0][0]
+      self.computed_tokens += n - chunks[0][0]
+      enc = self._prefill(ids, chunks, span_idx)
       self.prev_ids = ids
-      w = _width_bucket(n)
-      smap = np.zeros((1, w), np.int32)
-      smap[0, :n] = PAGE + np.arange(n)
-      cand = np.zeros((1, w), bool)
+      smap = self._slot_map(plan.width(n))
+      cand = np.zeros(smap.shape, bool)
       cand[0, sys_len:qs] = True
       prev = jnp.zeros_like(enc) if memory is None else memory
-      memory, rule, kb, mbar, mnorm = _row_features(self.kv.k, jnp.asarray(smap), enc, prev,
+      memory, rule, kb, mbar, mnorm = _row_features(self.driver.kv.k, jnp.asarray(smap), enc, prev,
                                                     jnp.asarray(cand), cfg.decay)
       kbar = np.asarray(kb[:n], np.float32)     # positions never shift: one array per session
       lab = p["labels"][sys_len:qs]

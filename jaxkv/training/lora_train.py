@@ -42,14 +42,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxkv.config import COMPILER_OPTIONS, CacheConfig, LoraConfig
+from jaxkv.config import COMPILER_OPTIONS, LoraConfig
 from jaxkv.data import agents
-from jaxkv.engine import steps
-from jaxkv.kv import state as kv_state
+from jaxkv.engine import driver
+from jaxkv.kv import plan
 from jaxkv.models import lora as lora_lib
+from jaxkv.models.forward import LoraInputs
 from jaxkv.training import train as train_lib
-
-PAGE = 16
 LOG_FIELDS = ("step", "update", "role", "session", "tokens", "loss", "lr", "sec")
 
 
@@ -115,8 +114,8 @@ def make_batch(ex: Example, role: int | None = None) -> dict:
   """Padded arrays of one example; numpy. Lengths are bucketed (sequence: powers of two
   up to 128, then multiples of 128; targets: powers of two), bounding recompiles."""
   p, g = ex.prompt.size, ex.target.size
-  t = steps.bucket128(p + g, 64)
-  tt = steps.bucket(g, 16)
+  t = plan.bucket(p + g, 64, plan.CHUNK_FINE)
+  tt = plan.chunk_len(g)
   tokens = np.zeros((1, t), np.int32)
   tokens[0, :p + g] = np.concatenate([ex.prompt, ex.target])
   pos = np.full((1, t), -1, np.int32)
@@ -132,26 +131,18 @@ def make_batch(ex: Example, role: int | None = None) -> dict:
 
 
 def _nll(lora_params, lcfg, graphdef, weights, batch, attn_impl):
-  """Mean NLL of the batch's target tokens; lora_params: MultiLoRA pure dict."""
-  model = nnx.merge(graphdef, weights)
-  lw = lora_lib.from_params(lora_params, lcfg)
-  b, t = batch["tokens"].shape
-  pool = kv_state.init_pool(model.cfg, CacheConfig(num_pages=b * t // PAGE + 2, page_size=PAGE,
-                                                   max_seq_len=t, dtype=weights_dtype(weights)))
-  smap = (PAGE + jnp.arange(b * t, dtype=jnp.int32)).reshape(b, t)
-  valid = batch["positions"] >= 0
-  ws = kv_state.write_slots(smap, batch["positions"], valid, pool.num_slots)
-  hidden, _ = model(batch["tokens"], batch["positions"], smap, ws, pool, attn_impl=attn_impl,
-                    lora=lw, adapter_ids=batch["adapter"])
-  h = jnp.take_along_axis(hidden, batch["index"][..., None], axis=1)
-  logp = jax.nn.log_softmax(model.logits(h), axis=-1)
-  lp = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  """Mean NLL of the batch's target tokens; lora_params: MultiLoRA pure dict.
+
+  The driver's chunk forward without a pool (the pure function: this runs inside
+  the training step's own jit): the sequence attends to itself, and logits are
+  computed only at the rows that predict a target.
+  """
+  lora = LoraInputs(lora_lib.from_params(lora_params, lcfg), batch["adapter"])
+  out, _ = driver.forward_chunk(graphdef, weights, None, batch["tokens"], batch["positions"],
+                                read=batch["index"], targets=batch["targets"], lora=lora,
+                                attn_impl=attn_impl)
   n = jnp.maximum(jnp.sum(batch["mask"]), 1)
-  return -jnp.sum(jnp.where(batch["mask"], lp, 0.0)) / n
-
-
-def weights_dtype(weights) -> str:
-  return str(jax.tree.leaves(weights)[0].dtype)
+  return -jnp.sum(jnp.where(batch["mask"], out.logprob, 0.0)) / n
 
 
 @functools.lru_cache(maxsize=4)
@@ -222,7 +213,7 @@ def train(cfg: LoraTrainConfig, llm, train_ex: list[Example], val_ex: list[Examp
   lcfg = cfg.lora_config()
   module = lora_lib.MultiLoRA(llm.config, lcfg, rngs=nnx.Rngs(cfg.seed))
   params = nnx.to_pure_dict(nnx.state(module))
-  graphdef, weights = llm.engine.graphdef, llm.engine.weights
+  graphdef, weights = llm.graphdef, llm.weights
   tx = make_optimizer(cfg.lr, cfg.warmup, cfg.weight_decay, cfg.grad_accum)
   opt_state = tx.init(params)
   mgr = train_lib._manager(out / "ckpt", 3)

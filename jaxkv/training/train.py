@@ -50,7 +50,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxkv.config import COMPILER_OPTIONS
-from jaxkv.engine import steps
+from jaxkv.kv import plan
 
 from jaxkv.policies.pruning.residual import ResidualHead
 from jaxkv.training import loss as loss_lib
@@ -65,8 +65,9 @@ LOG_FIELDS = ("epoch", "micro", "update", "session", "turn", "tokens", "loss", "
 def make_batch(rows: list[Row], t: int | None = None, n_q: int | None = None) -> dict:
   """Pads rows to [B, T] / [B, n_q] (power-of-two buckets unless given); numpy dict."""
   d = rows[0].kbar.shape[1]
-  t = t or steps.bucket(max(r.rule.size for r in rows), 64)
-  n_q = n_q or steps.bucket(max(max(r.kq.shape[0], 1) for r in rows), 16)
+  # powers of two (fine = 4096): few compiles across the head's many ragged rows
+  t = t or plan.bucket(max(r.rule.size for r in rows), 64, 4096)
+  n_q = n_q or plan.bucket(max(max(r.kq.shape[0], 1) for r in rows), 16, 4096)
   b = len(rows)
   out = dict(rule=np.zeros((b, t), np.float32), labels=np.full((b, t), IGNORE, np.int32),
              kbar=np.zeros((b, t, d), np.float32), cand=np.zeros((b, t), bool),

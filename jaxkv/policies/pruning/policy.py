@@ -15,12 +15,13 @@ Queries come with their logical positions (-1 = padding row).
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.config import COMPILER_OPTIONS, PruningConfig
+from jaxkv.kv import plan
 from jaxkv.policies.pruning import intentkv, residual, scores
 from jaxkv.policies.pruning.select import keep_mask
 
@@ -37,13 +38,14 @@ def intentkv_config(cfg: PruningConfig) -> intentkv.IntentKVConfig:
                                  store_capacity=cfg.memory_capacity)
 
 
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
-                   static_argnames=("cfg", "head_graphdef"))
 def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.Array,
                 q: jax.Array | None = None, q_pos: jax.Array | None = None,
                 memory: jax.Array | None = None, span: jax.Array | None = None,
                 head_graphdef=None, head_state=None) -> tuple[jax.Array, jax.Array | None]:
   """The kept set of one pruning event.
+
+  The budget C travels as a traced scalar (the static config carries a fixed
+  placeholder), so sweeping budgets compiles once per method and shape.
 
   Args:
     cfg: pruning config (static).
@@ -57,6 +59,51 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
   Returns:
     (keep [B, T] bool, updated IntentKV memory or None).
   """
+  return _select_kept(dataclasses.replace(cfg, budget=1), k, live, forced, q, q_pos, memory,
+                      span, jnp.asarray(cfg.budget, jnp.int32), head_graphdef=head_graphdef,
+                      head_state=head_state)
+
+
+def select_kept_at(cfg: PruningConfig, pool_k: jax.Array, slot_map: jax.Array,
+                   live: jax.Array, forced: jax.Array, q_rows: jax.Array | None = None,
+                   q_start: int = 0, q_lo: int = 0, q_count: int = 0,
+                   memory: jax.Array | None = None, span: jax.Array | None = None,
+                   head_graphdef=None, head_state=None) -> tuple[jax.Array, jax.Array | None]:
+  """`select_kept` for a serving loop: one jitted call that gathers the keys from
+  the pool and slices the query rows itself (no eager, unbucketed copies).
+
+  Args:
+    pool_k: [L, S, Hkv, D] the pool's keys; slot_map [B, W] (bucketed width).
+    q_rows: [L, B, Wq, Hq, D] captured queries of the prompt tokens just computed
+      (row j at logical position q_start + j; Wq bucketed), or None.
+    q_lo, q_count: the method reads rows [q_lo, q_lo + q_count) (traced; the
+      static row count is `plan.chunk_len(q_count)`, padding rows get position -1).
+    others: see `select_kept`.
+  """
+  rows = plan.chunk_len(max(int(q_count), 1)) if q_rows is not None else 0
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  return _select_kept_at(dataclasses.replace(cfg, budget=1), pool_k, slot_map, live, forced,
+                         q_rows, i32(q_start), i32(q_lo), i32(q_count), memory, span,
+                         i32(cfg.budget), head_graphdef=head_graphdef, head_state=head_state,
+                         rows=rows)
+
+
+def _select_kept_at_impl(cfg, pool_k, slot_map, live, forced, q_rows, q_start, q_lo, q_count,
+                         memory, span, budget, head_graphdef=None, head_state=None, *, rows):
+  k = scores.gather_keys(pool_k, slot_map)                 # [L, B, W, Hkv, D], inside the jit
+  q = q_pos = None
+  if q_rows is not None:
+    j = jnp.arange(rows, dtype=jnp.int32)
+    idx = jnp.clip(q_lo + j, 0, q_rows.shape[2] - 1)
+    q = jnp.take(q_rows, idx, axis=2)
+    q_pos = jnp.broadcast_to(jnp.where(j < q_count, q_start + q_lo + j, -1),
+                             (live.shape[0], rows))
+  return _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, head_graphdef, head_state)
+
+
+def _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, head_graphdef=None,
+          head_state=None):
+  """The pruning event itself (pure; the two jitted entry points wrap it)."""
   new_memory = None
   if cfg.method == "none":
     return live, None
@@ -67,7 +114,7 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
   elif cfg.method == "h2o":
     # Ratio mode over the residual budget C* = C - |F| (F = protected system prefix +
     # query span), so H2O keeps as many tokens as every other method.
-    c_star = jnp.maximum(cfg.budget - jnp.sum(forced & live, axis=1), 0)
+    c_star = jnp.maximum(budget - jnp.sum(forced & live, axis=1), 0)
     s, f = scores.h2o(q, q_pos, k, live, c_star, scores.H2OConfig(cfg.h2o_recent_ratio))
   elif cfg.method == "intentkv" and cfg.intent_mode == "learnable":
     candidates = live & ~forced
@@ -88,4 +135,10 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
     f = jnp.zeros_like(live)
   else:
     raise ValueError(f"unknown pruning method {cfg.method!r}")
-  return keep_mask(s, live, forced | f, cfg.budget), new_memory
+  return keep_mask(s, live, forced | f, budget), new_memory
+
+
+_select_kept = jax.jit(_kept, compiler_options=COMPILER_OPTIONS,
+                       static_argnames=("cfg", "head_graphdef"))
+_select_kept_at = jax.jit(_select_kept_at_impl, compiler_options=COMPILER_OPTIONS,
+                          static_argnames=("cfg", "head_graphdef", "rows"))

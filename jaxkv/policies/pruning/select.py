@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.kv import splice
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.state import SENTINEL
-from jaxkv.models.layers import apply_rope
 
 
 def span_mask(length: int, starts: jax.Array, ends: jax.Array) -> jax.Array:
@@ -95,9 +95,10 @@ def compact_layout(pool: kv_state.KVPool, slot_map: jax.Array, keep: jax.Array,
     keep: [B, T] kept set (from `keep_mask`).
     dest_slots: [B, T] int32 fresh slots from the host allocator: entry i < n[b]
       receives the i-th survivor of row b; the rest must be SENTINEL.
-    inv_freq: [D/2] RoPE frequencies of the model (keys are stored post-RoPE;
-      the delta rotation R(i - p_old) is exact for every RoPE variant, with the
-      YaRN magnitude already inside the stored key).
+    inv_freq: [D/2] `jaxkv.rope.delta_frequencies` of the model (keys are stored
+      post-RoPE; the delta rotation R(i - p_old) is exact for default, linear,
+      llama3 and YaRN RoPE, with the YaRN magnitude already inside the stored
+      key; dynamic NTK has no exact delta and `delta_frequencies` refuses it).
   Returns:
     (pool with survivors copied and re-rotated, new slot map [B, T] = dest
     slots for positions 0..n-1 and SENTINEL after, n [B]).
@@ -107,18 +108,10 @@ def compact_layout(pool: kv_state.KVPool, slot_map: jax.Array, keep: jax.Array,
   i = jnp.arange(t, dtype=jnp.int32)[None, :]
   valid = i < n[:, None]
   old_slots = jnp.take_along_axis(slot_map, src, axis=1)
-  delta = jnp.where(valid, i - src, 0)                         # p_new - p_old <= 0
   ok = valid & (dest_slots != SENTINEL)                        # never write the sentinel
   dest = jnp.where(ok, dest_slots, pool.num_slots)             # out of range: dropped
-  k = pool.k[:, old_slots]                                     # [L, B, T, Hkv, D]
-  v = pool.v[:, old_slots]
-  k = jax.vmap(lambda x: apply_rope(x, delta, inv_freq))(k)
-  new_k = pool.k.at[:, dest].set(k, mode="drop")
-  new_v = pool.v.at[:, dest].set(v, mode="drop")
-  new_pos = pool.positions.at[dest].set(jnp.broadcast_to(i, (b, t)), mode="drop")
-  new_vlr = (None if pool.vlr is None else
-             pool.vlr.at[:, dest].set(pool.vlr[:, old_slots], mode="drop"))
-  new_pool = kv_state.KVPool(k=new_k, v=new_v, positions=new_pos, vlr=new_vlr)
+  new_pool = splice.splice_slots(pool, old_slots.reshape(-1), dest.reshape(-1),
+                                 jnp.broadcast_to(i, (b, t)).reshape(-1), inv_freq)
   return new_pool, jnp.where(ok, dest_slots, SENTINEL), n
 
 

@@ -21,7 +21,7 @@ differ in which caches exist and who computes what:
                   adapter-independent given the hidden state); each agent applies
                   its own B_i inside Flash-LoRA-Attention. Compute 1 x, memory ~1 x.
 
-The pure helpers here (region slot maps, DroidSpeak's per-layer view and
+The pure helpers here (DroidSpeak's per-layer view and
 critical-layer choice, KV-byte accounting) are used by
 `jaxkv.engine.agents.AgentRunner`, which holds the host-side state.
 
@@ -54,11 +54,6 @@ def num_regions(scheme: str, num_agents: int) -> int:
   """Slot regions of one trajectory length each: a full cache per agent for
   non_shared, the shared cache + one recompute copy per agent for droidspeak."""
   return {"non_shared": num_agents, "droidspeak": 1 + num_agents}.get(scheme, 1)
-
-
-def region_slots(region: int, positions: np.ndarray, region_size: int, first: int) -> np.ndarray:
-  """Slot of each logical position in a region (regions are contiguous slot ranges)."""
-  return (first + region * region_size + np.asarray(positions)).astype(np.int32)
 
 
 def droidspeak_view(shared_row: np.ndarray, own_row: np.ndarray, recomputed: np.ndarray,

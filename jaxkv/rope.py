@@ -1,14 +1,21 @@
-"""Pure building blocks: RMSNorm, rotary embeddings (five variants), gated MLP.
+"""Rotary position embeddings: five frequency variants and the rotation itself.
 
 RoPE is split in two pure functions so the same code serves the model and
-later exact re-indexing of cached post-RoPE keys:
+exact re-indexing of cached post-RoPE keys (splice, compact layouts):
 
 - `rope_frequencies(rope, head_dim, seq_len)` -> (inv_freq [D/2], attention_scaling)
   for the HF `rope_scaling` variants default / linear / dynamic NTK / llama3 / YaRN;
 - `apply_rope(x, positions, inv_freq, scaling)` rotates with the "rotate half"
   convention (HF Llama). Rotations compose, so a key stored post-RoPE at p_old
   moves to p_new exactly with `apply_rope(k, p_new - p_old, inv_freq, 1.0)`
-  (the YaRN magnitude scaling must not be applied twice: pass 1.0 for deltas).
+  (the YaRN magnitude scaling must not be applied twice: pass 1.0 for deltas);
+- `delta_frequencies(rope, head_dim)`: the frequencies for such a delta, or a
+  clear error where no exact delta exists (dynamic NTK: a key's frequencies
+  depend on the sequence length when it was written, which the pool does not
+  record).
+
+This module sits below both `jaxkv.models` and `jaxkv.kv` (it imports only jax
+and the config), so the KV substrate can re-rotate keys without importing a model.
 """
 
 from __future__ import annotations
@@ -19,15 +26,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import RopeConfig
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm in fp32, cast back (HF LlamaRMSNorm). x: [..., D], weight: [D]."""
-  dtype = x.dtype
-  x32 = x.astype(jnp.float32)
-  var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-  x32 = x32 * jax.lax.rsqrt(var + eps)
-  return weight.astype(dtype) * x32.astype(dtype)
 
 
 def _default_inv_freq(theta: float, head_dim: int) -> jax.Array:
@@ -137,7 +135,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
   return x * cos + rotated * sin
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-              w_down: jax.Array) -> jax.Array:
-  """SwiGLU MLP. x: [..., D]; w_gate, w_up: [D, F]; w_down: [F, D]."""
-  return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def delta_frequencies(rope: RopeConfig, head_dim: int) -> jax.Array:
+  """inv_freq [D/2] for exact re-indexing of stored post-RoPE keys by a delta.
+
+  Raises ValueError for dynamic NTK: there the frequencies of a cached key are
+  those in force when it was written (they grow with the sequence length past
+  `original_max_position`), so R(p_new - p_old) at today's frequencies is not
+  the rotation a fresh prefill at p_new would apply.
+  """
+  if rope.kind == "dynamic":
+    raise ValueError("delta-RoPE re-indexing is not exact for dynamic-NTK RoPE (a cached key "
+                     "keeps the base in force when it was written); recompute the keys instead")
+  inv_freq, _ = rope_frequencies(rope, head_dim, None)
+  return inv_freq

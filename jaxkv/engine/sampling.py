@@ -1,0 +1,75 @@
+"""Per-row token sampling on device.
+
+Sampling (per row): temperature 0 -> greedy; otherwise logits / temperature,
+top-k (0: off), top-p (1.0: off), then a categorical draw with the key
+`fold_in(PRNGKey(seed), position)` so a row's sample does not depend on what it
+is batched with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-row sampling parameters (device arrays)."""
+  temperature: jax.Array  # [B] float32; 0 -> greedy
+  top_k: jax.Array        # [B] int32; 0 -> off
+  top_p: jax.Array        # [B] float32; 1 -> off
+  key: jax.Array          # [B, 2] uint32 raw PRNG keys
+
+  @classmethod
+  def greedy(cls, batch: int) -> "SamplingParams":
+    return cls(temperature=jnp.zeros(batch, jnp.float32), top_k=jnp.zeros(batch, jnp.int32),
+               top_p=jnp.ones(batch, jnp.float32), key=jnp.zeros((batch, 2), jnp.uint32))
+
+  @classmethod
+  def from_configs(cls, configs, batch: int) -> tuple["SamplingParams", bool]:
+    """Params for `batch` rows from per-row `SamplingConfig`s (None: an idle row),
+    and whether every row is greedy (a static flag that skips the sampler)."""
+    temp = np.zeros(batch, np.float32)
+    top_k = np.zeros(batch, np.int32)
+    top_p = np.ones(batch, np.float32)
+    keys = np.zeros((batch, 2), np.uint32)
+    for i, s in enumerate(configs):
+      if s is None:
+        continue
+      temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+      keys[i] = _raw_key(int(s.seed))
+    return cls(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
+               jnp.asarray(keys)), not np.any(temp > 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _raw_key(seed: int) -> np.ndarray:
+  return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
+
+
+def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
+           greedy_only: bool) -> jax.Array:
+  """Next tokens [B] int32 from logits [B, V] float32 at positions [B]."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if greedy_only:
+    return greedy
+  vocab = logits.shape[-1]
+  temp = jnp.maximum(params.temperature, 1e-6)[:, None]
+  order = jnp.argsort(-logits, axis=-1)                     # [B, V] descending
+  sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temp
+  rank = jnp.arange(vocab)[None, :]
+  k = jnp.where(params.top_k > 0, params.top_k, vocab)[:, None]
+  keep = rank < k
+  probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs              # mass strictly above this token
+  keep &= (before < params.top_p[:, None]) | (rank == 0)
+  masked = jnp.where(keep, sorted_logits, -jnp.inf)
+  keys = jax.vmap(jax.random.fold_in)(params.key, positions)
+  choice = jax.vmap(jax.random.categorical)(keys, masked)  # index into sorted order
+  sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  return jnp.where(params.temperature > 0, sampled, greedy)
