@@ -6,9 +6,11 @@ Public API:
     jaxkv.ops.paged_attention(...)                    attention over the paged KV pool
     jaxkv.SessionRunner(llm, PruningConfig(...))      agent sessions with KV pruning
     jaxkv.policies.pruning                            pure pruning functions
+    jaxkv.functional                                  init_state / prefill / decode / generate:
+                                                      pure paged inference to jit, vmap, grad
 """
 
-from jaxkv import ops
+from jaxkv import functional, ops
 from jaxkv.config import (COMPILER_OPTIONS, CacheConfig, EngineConfig, ModelConfig,
                           PruningConfig, RopeConfig, SamplingConfig, ServeConfig)
 from jaxkv.engine.engine import Engine, Request, Result
@@ -24,5 +26,5 @@ __all__ = [
     "COMPILER_OPTIONS", "CacheConfig", "Completion", "Engine", "EngineConfig", "KVPool", "LLM",
     "ModelConfig", "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request",
     "Result", "RopeConfig", "SENTINEL", "SamplingConfig", "ServeConfig", "SessionRunner", "Tokenizer",
-    "Transformer", "TurnMetrics", "init_pool", "load", "ops",
+    "Transformer", "TurnMetrics", "functional", "init_pool", "load", "ops",
 ]
