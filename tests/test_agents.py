@@ -161,3 +161,17 @@ def test_base_shared_keeps_one_lr_cache_per_agent(llm, traj):
   assert np.abs(lr[0] - lr[1]).max() > 1e-3 and np.abs(lr[1] - lr[2]).max() > 1e-3
   # layer 0 reads the embeddings, the same for every agent: equal there
   np.testing.assert_allclose(lr[0][0], lr[1][0], atol=1e-6)
+
+
+def test_agent_steps_compile_once_per_shape(llm, traj):
+  """A fresh runner on a trajectory of the same call lengths but other tokens reuses
+  every compiled step (no per-runner or per-token-value recompiles)."""
+  from jaxkv.engine import driver
+  w = _lora(llm)
+  _run(llm, w, "droidspeak", traj, window=(0, 1))
+  sizes = driver.chunk_step._cache_size(), driver.decode_scan._cache_size()
+  rng = np.random.default_rng()
+  other = dataclasses.replace(traj, ids=rng.integers(1, 1000, len(traj)).astype(traj.ids.dtype))
+  res = _run(llm, w, "droidspeak", other, window=(0, 1))
+  assert sum(c.recomputed for c in res.calls) > 0
+  assert (driver.chunk_step._cache_size(), driver.decode_scan._cache_size()) == sizes

@@ -197,3 +197,4 @@ def test_session_steps_compile_once_per_bucket(llm):
   for w in (160, 170, 180):
     assert runner.run_turn(f"s{w}", chat(w), None, 2).pruned
   assert sizes() == before, lengths
+  assert llm._engine is None          # runners bring their own pools; no engine pool was made

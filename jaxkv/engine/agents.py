@@ -193,7 +193,7 @@ class AgentRunner:
     n = end - 1 - start
     if n <= 0:
       return np.zeros(0, np.float32), np.zeros(0, np.int32)
-    nb = plan.chunk_len(n)
+    nb = plan.bucket(n, 8, plan.CHUNK_FINE)   # decode steps: short calls (reflect) pad less
     forced = np.zeros((nb, 1), np.int32)
     forced[:n, 0] = ids[start + 1:end]
     width = plan.width(end)

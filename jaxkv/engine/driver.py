@@ -6,14 +6,14 @@ feature extraction, LoRA training) goes through these; they differ only in
 policy: which tokens, which slot map, which options.
 
 - `chunk_step` (jitted `forward_chunk`): one forward pass over a padded chunk
-  [B, C] (`Transformer` with its `forward` options), then a readout: logits only at the chunk indices
-  `read` [B, R] (the vocab-sized head is the costliest matmul, so a prompt
-  prefill reads one row), log p(targets), the greedy argmax, and a next token
-  sampled at each row's last read index. Without a pool it is a plain
-  differentiable forward (training).
+  [B, C] (`Transformer` with its `forward` options), then a readout: logits
+  only at the chunk indices `read` [B, R] (the vocab-sized head is the costliest
+  matmul, so a prompt prefill reads one row), log p(targets), the greedy argmax,
+  and a next token sampled at each row's last read index. Without a pool it is
+  a plain differentiable forward (training).
 - `decode_scan` (jitted `decode_loop`): `num_steps` single-token steps in one
-  `lax.scan`, sampling on device (the host only sees tokens), or teacher-forced with `forced` tokens
-  whose log-probabilities it returns.
+  `lax.scan`, sampling on device (the host only sees tokens), or teacher-forced
+  with `forced` tokens whose log-probabilities it returns.
 - `Driver`: owns a pool and the weights' `nnx.split`; `prefill` plans chunks
   (`jaxkv.kv.plan`), runs `chunk_step` on each and yields the outputs; `decode`
   runs `decode_scan`. Weights are jit arguments, the pool is donated.
