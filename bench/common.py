@@ -53,3 +53,12 @@ def write_rows(path: str | None, rows: list[dict]) -> None:
     with open(path, "w") as f:
       json.dump(rows, f, indent=1)
     print(f"wrote {path}")
+
+
+def matmul_gflops(n: int = 1024, reps: int = 5) -> float:
+  """Achieved fp32 FLOP/s of a large square matmul (the compute peak a prefill
+  can hope for on this device, with jaxkv's compiler options), in GFLOP/s."""
+  from jaxkv.config import COMPILER_OPTIONS
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda x, y: x @ y, compiler_options=COMPILER_OPTIONS)
+  return 2 * n ** 3 / timeit(f, a, a, reps=reps) / 1e9

@@ -127,7 +127,7 @@ def main():
     schemes.insert(0, "non_shared")              # the fidelity reference
   if args.xla_cache:
     jax.config.update("jax_compilation_cache_dir", args.xla_cache)
-  llm = jaxkv.load(args.model)
+  llm = jaxkv.load(args.model, scan_layers=True)   # many call shapes: lax.scan
   tok = llm.tokenizer
   sessions = traces.load_toolbench(args.traces)
   real = agents.build_all(sessions[:args.max_sessions], tok, negative_rate=0.5, seed=0)

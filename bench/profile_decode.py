@@ -105,9 +105,11 @@ def main():
   ap.add_argument("--reps", type=int, default=3, help="traced calls")
   ap.add_argument("--top", type=int, default=12, help="ops listed individually")
   ap.add_argument("--attn_impl", default="auto")
+  ap.add_argument("--scan_layers", type=int, default=0,
+                  help="1: stacked weights under lax.scan; 0: unrolled layers (the serving default)")
   args = ap.parse_args()
 
-  llm = load(args.preset)
+  llm = load(args.preset, scan_layers=bool(args.scan_layers))
   graphdef, weights = llm.graphdef, llm.weights
   a = decode_inputs(llm, args.batch, args.context, args.steps)
   kw = dict(num_steps=args.steps, attn_impl=args.attn_impl, greedy_only=True)

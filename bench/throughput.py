@@ -1,36 +1,48 @@
 """jaxkv vs HF transformers `generate`: prefill and decode throughput, side by side.
 
-    python bench/throughput.py [--batches=1,8] [--new_tokens=128] [--reps=3] [--out=results.json]
+    python bench/throughput.py [--batches=1,8] [--new_tokens=128] [--reps=3]
+        [--layouts=unrolled,scan] [--out=results.json]
 
 Same model (SmolLM2-135M-Instruct, both dequantized from the same GGUF to fp32),
 same chat prompts, greedy, exactly `new_tokens` tokens per row (stop tokens off
-on both sides), batch 1 and 8, in one run. Each system is warmed up on the same
-shapes first (compilation / first-call overhead excluded); the timed runs
+on both sides), batch 1 and 8, in one run. jaxkv runs in each layer layout of
+`--layouts` (unrolled: one set of weights per layer, the serving default; scan:
+stacked weights under `lax.scan`). Each system is warmed up on the same shapes
+first (its warm-up time, compilation included, is reported); the timed runs
 alternate between the systems and the median of `--reps` is reported.
 
 - HF prefill tokens/s: prompt tokens / time of one forward over the padded batch;
   HF decode tokens/s: B x (N - 1) / (time of generate(N) - time of generate(1)).
 - jaxkv: the engine's own split (prefill steps vs decode `lax.scan` calls).
-- Roofline: a decode step must read every weight once plus the live KV of every
+- Decode floor: a step must read every weight once plus the live KV of every
   row; bytes / measured memory bandwidth (the faster of a large elementwise copy
-  and a large fp32 mat-vec read) is the floor on step time, reported as a tokens/s
-  ceiling and the share of it achieved.
+  and a large fp32 mat-vec read) bounds tokens/s from above.
+- Prefill floor: the larger of the weight bytes / bandwidth and the prompt's
+  FLOPs (2 x parameters x tokens, plus attention) / the measured peak of a large
+  fp32 matmul, as tokens/s; "% of roof" is the share of it achieved.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import numpy as np
+from absl import app, flags
 
 import common
 
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request
-from jaxkv.engine.llm import load
+from jaxkv.engine.llm import LLM, load
 from jaxkv.models import presets
+
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
+_NEW = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
+_THREADS = flags.DEFINE_integer("threads", 0, "torch threads (0: torch default)")
+_REPS = flags.DEFINE_integer("reps", 3, "timed runs per system, alternating; the median is reported")
+_LAYOUTS = flags.DEFINE_list("layouts", ["unrolled", "scan"], "jaxkv layer layouts to run")
+_OUT = flags.DEFINE_string("out", None, "write JSON rows here")
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -51,7 +63,9 @@ def jaxkv_runner(llm, prompts, batch, new_tokens):
                EngineConfig(max_batch=batch, prefill_chunk=256, decode_steps=16))
   reqs = [Request(str(i), p, SamplingConfig(max_tokens=new_tokens))
           for i, p in enumerate(prompts)]
+  t0 = time.perf_counter()
   list(eng.run(reqs))                   # warm-up: compiles every shape used below
+  warmup_s = time.perf_counter() - t0
 
   def once():
     eng.metrics = type(eng.metrics)(bytes_per_slot=eng.metrics.bytes_per_slot)
@@ -59,6 +73,7 @@ def jaxkv_runner(llm, prompts, batch, new_tokens):
     assert all(len(r.tokens) == new_tokens for r in out)
     m = eng.metrics.summary()
     return m["prefill_tok_s"], m["decode_tok_s"], {r.id: r.tokens for r in out}
+  once.warmup_s = warmup_s
   return once
 
 
@@ -105,62 +120,81 @@ def _median_runs(runners, reps):
           for r in runs]
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--batches", default="1,8")
-  ap.add_argument("--new_tokens", type=int, default=128)
-  ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-  ap.add_argument("--reps", type=int, default=3,
-                  help="timed runs per system, alternating; the median is reported")
-  ap.add_argument("--out", default=None, help="write JSON rows here")
-  args = ap.parse_args()
+def prefill_flops(cfg, n_params: int, lengths) -> float:
+  """2 x (non-embedding) parameters per token + causal attention (QK and PV)."""
+  attn = sum(2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1) / 2
+             for n in lengths)
+  return 2.0 * n_params * sum(lengths) + attn
 
+
+def main(argv):
+  del argv
   import torch
   import transformers
-  if args.threads:
-    torch.set_num_threads(args.threads)
-  llm = load(presets.SMOLLM2)
+  if _THREADS.value:
+    torch.set_num_threads(_THREADS.value)
+  base = load(presets.SMOLLM2)
+  llms = {}
+  for name in _LAYOUTS.value:
+    if name not in ("unrolled", "scan"):
+      raise app.UsageError(f"--layouts takes unrolled and/or scan, got {name!r}")
+    model = base.model.relayout(scan_layers=name == "scan")
+    llms[name] = LLM(model, base.tokenizer)
   path = presets.smollm2_gguf()
   hf = transformers.AutoModelForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-  tok = llm.tokenizer
-  chats = [llm.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
-  cfg = llm.config
-  weight_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(llm.weights))
+  tok = base.tokenizer
+  chats = [base.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
+  cfg = base.config
+  weight_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(base.weights))
+  n_params = weight_bytes // 4 - cfg.vocab_size * cfg.hidden_size     # the embedding is a lookup
   # The floor uses the faster of two probes: an elementwise copy (one thread on
   # XLA:CPU) and a large fp32 mat-vec (all cores, the decode step's own pattern).
   bw_copy, bw_gemv = common.copy_bandwidth_gbs(), common.matvec_bandwidth_gbs()
   bw = max(bw_copy, bw_gemv)
+  peak = common.matmul_gflops()
   rows, table = [], []
-  for batch in [int(b) for b in args.batches.split(",")]:
+  for batch in [int(b) for b in _BATCHES.value]:
     prompts = [chats[i % len(chats)] for i in range(batch)]
-    (j_pre, j_dec, j_tok), (h_pre, h_dec, h_tok) = _median_runs(
-        [jaxkv_runner(llm, prompts, batch, args.new_tokens),
-         hf_runner(hf, prompts, batch, args.new_tokens, tok.pad_id or 0)], args.reps)
-    agree = np.mean([np.mean(np.array(j_tok[k][:16]) == np.array(h_tok[k][:16]))
-                     for k in j_tok])
-    mean_ctx = np.mean([len(p) for p in prompts]) + args.new_tokens / 2
+    runners = {f"jaxkv {n}": jaxkv_runner(m, prompts, batch, _NEW.value)
+               for n, m in llms.items()}
+    runners["hf"] = hf_runner(hf, prompts, batch, _NEW.value, tok.pad_id or 0)
+    results = dict(zip(runners, _median_runs(list(runners.values()), _REPS.value)))
+    h_pre, h_dec, h_tok = results["hf"]
+    mean_ctx = np.mean([len(p) for p in prompts]) + _NEW.value / 2
     step_bytes = weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token(4)
-    ceiling = batch / (step_bytes / (bw * 1e9))
-    for system, pre, dec in (("jaxkv", j_pre, j_dec), ("hf", h_pre, h_dec)):
+    dec_roof = batch / (step_bytes / (bw * 1e9))
+    lengths = [len(p) for p in prompts]
+    pre_s = max(weight_bytes / (bw * 1e9), prefill_flops(cfg, n_params, lengths) / (peak * 1e9))
+    pre_roof = sum(lengths) / pre_s
+    for system, (pre, dec, toks) in results.items():
+      agree = np.mean([np.mean(np.array(toks[k][:16]) == np.array(h_tok[k][:16]))
+                       for k in toks])
+      warm = getattr(runners[system], "warmup_s", None)
       rows.append({"system": system, "batch": batch, "prefill_tok_s": round(pre, 1),
-                   "decode_tok_s": round(dec, 1)})
-    table.append((batch, j_pre, h_pre, j_dec, h_dec, ceiling, agree))
+                   "decode_tok_s": round(dec, 1), "prefill_ratio": round(pre / h_pre, 3),
+                   "decode_ratio": round(dec / h_dec, 3), "prefill_roof_tok_s": round(pre_roof),
+                   "decode_roof_tok_s": round(dec_roof, 1), "greedy_agree16": agree,
+                   "warmup_s": None if warm is None else round(warm, 1)})
 
-  print(f"\nSmolLM2-135M fp32, greedy, {args.new_tokens} new tokens, median of {args.reps} "
-        f"alternating runs, "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads); measured bandwidth {bw:.1f} GB/s (copy "
-        f"{bw_copy:.1f}, mat-vec read {bw_gemv:.1f}); "
-        f"weights {weight_bytes / 1e6:.0f} MB")
-  hdr = ("batch", "prefill jaxkv", "prefill HF", "ratio", "decode jaxkv", "decode HF",
-         "ratio", "roofline tok/s", "% of roof", "greedy agree@16")
+  print(f"\nSmolLM2-135M fp32, greedy, {_NEW.value} new tokens, median of {_REPS.value} "
+        f"alternating runs, jax {jax.__version__} on {jax.devices()[0].platform}, torch "
+        f"{torch.__version__} ({torch.get_num_threads()} threads); measured bandwidth "
+        f"{bw:.1f} GB/s (copy {bw_copy:.1f}, mat-vec read {bw_gemv:.1f}), fp32 matmul peak "
+        f"{peak:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB")
+  hdr = ("batch", "system", "prefill tok/s", "vs HF", "% of roof", "decode tok/s", "vs HF",
+         "% of roof", "warm-up s (compile)", "greedy agree@16")
   common.print_table(hdr, [
-      (str(b), f"{jp:.0f}", f"{hp:.0f}", f"{jp / hp:.2f}x", f"{jd:.1f}", f"{hd:.1f}",
-       f"{jd / hd:.2f}x", f"{ceil:.0f}", f"{100 * jd / ceil:.0f}%", f"{agree:.2f}")
-      for b, jp, hp, jd, hd, ceil, agree in table])
-  common.write_rows(args.out, rows)
+      (str(r["batch"]), r["system"], f"{r['prefill_tok_s']:.0f}", f"{r['prefill_ratio']:.2f}x",
+       f"{100 * r['prefill_tok_s'] / r['prefill_roof_tok_s']:.0f}%",
+       f"{r['decode_tok_s']:.1f}", f"{r['decode_ratio']:.2f}x",
+       f"{100 * r['decode_tok_s'] / r['decode_roof_tok_s']:.0f}%",
+       "" if r["warmup_s"] is None else f"{r['warmup_s']:.1f}", f"{r['greedy_agree16']:.2f}")
+      for r in rows])
+  print(f"floors: decode = (weights + live KV) / bandwidth; prefill = max(weights / bandwidth, "
+        f"FLOPs / matmul peak)")
+  common.write_rows(_OUT.value, rows)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

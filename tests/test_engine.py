@@ -196,3 +196,28 @@ def test_compile_donation_and_sync_budgets(tiny):
   assert pool.k.is_deleted() and pool.v.is_deleted()
   # 5 requests in rows of 2: three admission waves, each 8 tokens after prefill = 2 calls
   assert len(calls) == 3 * 2
+
+
+def test_decode_steps_adapt_to_what_rows_still_need(tiny):
+  """decode_steps=16 with 4-token completions runs 4-step scans, not 16-step ones,
+  and the tokens equal HF generate's."""
+  hf, model = tiny
+  rng = np.random.default_rng()
+  prompts = [rng.integers(1, VOCAB, n).tolist() for n in (7, 12, 3)]
+  eng = _engine(model, steps_=16)
+  steps = []
+  list(eng.run([Request("w", prompts[0], SamplingConfig(max_tokens=2))]))   # makes the driver
+  inner = eng.driver.decode
+
+  def counted(*a, num_steps, **kw):
+    steps.append(num_steps)
+    return inner(*a, num_steps=num_steps, **kw)
+
+  eng.driver.decode = counted
+  out = {r.id: r for r in eng.run([Request(str(i), p, SamplingConfig(max_tokens=5))
+                                   for i, p in enumerate(prompts)])}
+  assert steps == [4]                 # 1 token from prefill, 4 more in one 4-step scan
+  for i, p in enumerate(prompts):
+    assert out[str(i)].tokens == _hf_greedy(hf, p, 5)
+  list(eng.run([Request("long", prompts[0], SamplingConfig(max_tokens=40))]))
+  assert steps[1:] == [16, 16, 8]     # 39 = 16 + 16 + 7: capped, then rounded up

@@ -3,8 +3,9 @@
 A fixed number of rows (`EngineConfig.max_batch`) decode together. Each loop:
 admit queued requests into empty rows (allocating their prompt slots), prefill
 the admitted rows chunk by chunk (ragged: each row advances through its own
-prompt), then run `EngineConfig.decode_steps` tokens for every decoding row in one
-`lax.scan` call, and retire rows that hit a stop token or their token limit,
+prompt), then run up to `EngineConfig.decode_steps` tokens for every decoding row
+in one `lax.scan` call (fewer when no row needs that many: the step count is the
+largest remaining budget rounded up to a power of two), and retire rows that hit a stop token or their token limit,
 returning their slots to the allocator. Results are handed to `on_result` the
 moment a request finishes.
 
@@ -171,7 +172,13 @@ class Engine:
             and r.prefilled == len(r.req.prompt)]
     if not live:
       return
-    B, n = self.cfg.max_batch, self.cfg.decode_steps
+    B = self.cfg.max_batch
+    # Steps this call: the most any live row may still take, rounded up to a power
+    # of two (a handful of compiled variants) and capped at decode_steps, so short
+    # completions do not pay for decode_steps steps.
+    cap = self.cfg.decode_steps
+    most = max(rows[i].req.sampling.max_tokens - len(rows[i].generated) for i in live)
+    n = plan.bucket(min(most, cap), 1, cap, hi=cap)
     tokens = np.zeros(B, np.int32)
     positions = np.full(B, -1, np.int32)
     remaining = np.zeros(B, np.int32)

@@ -114,12 +114,19 @@ class LLM:
 
 def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
          cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig(),
-         verbose: bool = False) -> LLM:
-  """Loads a preset name, a .gguf file or an HF directory into an `LLM`."""
+         scan_layers: bool = False, verbose: bool = False) -> LLM:
+  """Loads a preset name, a .gguf file or an HF directory into an `LLM`.
+
+  scan_layers: the weights' layer layout (`jaxkv.models.llama`). False (default,
+  inference): one set of weights per layer, unrolled: faster steps (SmolLM2 fp32
+  on a 2-core CPU: decode 1.15x, prefill 1.1x), each step shape compiles in ~2-5 s
+  instead of ~1-2 s. True: stacked and run with `lax.scan` (training, and runs
+  that compile many shapes). `LLM.model.relayout` converts.
+  """
   path = presets.resolve(model)
   t0 = time.perf_counter()
   cfg, params = weights.load(path)
-  net = Transformer.from_params(cfg, params, dtype=jnp.dtype(dtype))
+  net = Transformer.from_params(cfg, params, dtype=jnp.dtype(dtype), scan_layers=scan_layers)
   tok = Tokenizer.load(path)
   if verbose:
     print(f"loaded {model} ({cfg.architecture}, {cfg.num_layers} layers) "

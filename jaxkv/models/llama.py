@@ -5,8 +5,14 @@
 - Qwen2: `qkv_bias=True`;
 - Qwen3: `qk_norm=True` (RMSNorm over head_dim on q and k before RoPE).
 
-Layer weights are stacked along a leading layer axis and run with `lax.scan`
-(one traced layer: compile time independent of depth). The model reads and
+Layer weights have two layouts (`Transformer(..., scan_layers=...)`):
+- stacked along a leading layer axis and run with `lax.scan` (one traced layer:
+  compile time independent of depth; training and compile-sensitive paths);
+- one set of arrays per layer, run by an unrolled Python loop (MaxText's
+  `scan_layers=False`): each layer's weights are their own jit arguments, so no
+  per-layer dynamic-slice copies them out of the stack (on XLA:CPU those copies
+  took 44% of a decode step), at the price of a compile that grows with depth.
+`Transformer.relayout` converts between them; both compute the same function. The model reads and
 writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
 keys are written post-RoPE. Weights layout is [in, out] (x @ w).
 
@@ -92,36 +98,81 @@ def _check_lora(lora: fwd.LoraInputs | None, kv: kv_state.KVPool) -> bool:
   return True
 
 
-class Layers(nnx.Module):
-  """All decoder layers' weights, stacked on a leading [L] axis."""
+def _init_param(name: str, shape: tuple[int, ...], dtype, rngs: nnx.Rngs) -> nnx.Param:
+  if name.endswith("norm"):
+    return nnx.Param(jnp.ones(shape, dtype))
+  if name.startswith("b"):
+    return nnx.Param(jnp.zeros(shape, dtype))
+  return nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape, dtype))
+
+
+def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Per-layer parameter name -> stacked shape [L, ...] (the "layers." entries)."""
+  return {name.split(".", 1)[1]: shape for name, shape in param_shapes(cfg).items()
+          if name.startswith("layers.")}
+
+
+class Layer(nnx.Module):
+  """One decoder layer's weights (the unrolled layout)."""
 
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-    init = nnx.initializers.normal(0.02)
-    for name, shape in param_shapes(cfg).items():
-      if not name.startswith("layers."):
-        continue
-      name = name.split(".", 1)[1]
-      if name.endswith("norm"):
-        value = jnp.ones(shape, dtype)
-      elif name.startswith("b"):
-        value = jnp.zeros(shape, dtype)
-      else:
-        value = init(rngs.params(), shape, dtype)
-      setattr(self, name, nnx.Param(value))
+    for name, shape in _layer_shapes(cfg).items():
+      setattr(self, name, _init_param(name, shape[1:], dtype, rngs))
+
+  def weights(self) -> dict[str, jax.Array]:
+    return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+
+class Layers(nnx.Module):
+  """All decoder layers' weights: stacked on a leading [L] axis (`stacked=True`,
+  run with `lax.scan`) or one `Layer` per layer (unrolled)."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, stacked: bool = True):
+    self.is_stacked = stacked
+    if stacked:
+      for name, shape in _layer_shapes(cfg).items():
+        setattr(self, name, _init_param(name, shape, dtype, rngs))
+    else:
+      self.each = nnx.List([Layer(cfg, dtype=dtype, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
 
   def stacked(self) -> dict[str, jax.Array]:
+    """{name: [L, ...]} (stacked layout only: the unrolled one would copy)."""
+    if not self.is_stacked:
+      raise ValueError("these layers are unrolled; use layer(i) or Transformer.relayout")
     return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+  def layer(self, i: int) -> dict[str, jax.Array]:
+    """Layer i's weights (unrolled layout)."""
+    return self.each[i].weights()
+
+  def assign(self, name: str, value: jax.Array) -> None:
+    """Sets one stacked parameter [L, ...] in either layout."""
+    if self.is_stacked:
+      getattr(self, name).set_value(value)
+    else:
+      for i, layer in enumerate(self.each):
+        getattr(layer, name).set_value(value[i])
+
+  def export(self) -> dict[str, jax.Array]:
+    """{name: [L, ...]} in either layout (unrolled: stacked into a copy)."""
+    if self.is_stacked:
+      return self.stacked()
+    per = [layer.weights() for layer in self.each]
+    return {name: jnp.stack([w[name] for w in per]) for name in per[0]}
 
 
 class Transformer(nnx.Module):
   """Decoder-only LM over the paged KV pool."""
 
-  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+               scan_layers: bool = True):
     self.cfg = cfg
+    self.scan_layers = scan_layers
     init = nnx.initializers.normal(0.02)
     shapes = param_shapes(cfg)
     self.embed = nnx.Param(init(rngs.params(), shapes["embed"], dtype))
-    self.layers = Layers(cfg, dtype=dtype, rngs=rngs)
+    self.layers = Layers(cfg, dtype=dtype, rngs=rngs, stacked=scan_layers)
     self.final_norm = nnx.Param(jnp.ones(shapes["final_norm"], dtype))
     self.lm_head = (None if cfg.tie_embeddings else
                     nnx.Param(init(rngs.params(), shapes["lm_head"], dtype)))
@@ -248,19 +299,31 @@ class Transformer(nnx.Module):
       return (x, pool_k, pool_v, pool_vlr), (q if capture.q else None)
 
     lw = None if lora is None else {"a": lora.weights.a, "b": lora.weights.b}
-    xs = (self.layers.stacked(), jnp.arange(cfg.num_layers),
-          slot_map if per_layer_map else None, lw,
-          None if recompute is None else recompute.index)
+    per_layer = (slot_map if per_layer_map else None, lw,
+                 None if recompute is None else recompute.index)
+
+    def run(carry, lo, hi):
+      """Layers lo..hi-1: one `lax.scan` (stacked) or an unrolled loop."""
+      if self.layers.is_stacked:
+        xs = (self.layers.stacked(), jnp.arange(cfg.num_layers)) + per_layer
+        if (lo, hi) != (0, cfg.num_layers):
+          xs = jax.tree.map(lambda a: a[lo:hi], xs)
+        return jax.lax.scan(layer, carry, xs)
+      ys = []
+      for i in range(lo, hi):
+        xs_i = (self.layers.layer(i), i) + jax.tree.map(lambda a: a[i], per_layer)
+        carry, y = layer(carry, xs_i)
+        ys.append(y)
+      return carry, (jnp.stack(ys) if ys and ys[0] is not None else None)
+
     carry = (x, kv.k, kv.v, kv.vlr)
     hidden_at, q_head = None, None
     if cap_at is not None and cap_at > l0:       # run up to the capture, keep x, go on
-      carry, q_head = jax.lax.scan(layer, carry, jax.tree.map(lambda a: a[l0:cap_at], xs))
+      carry, q_head = run(carry, l0, cap_at)
       l0 = cap_at
     if cap_at is not None:
       hidden_at = carry[0]
-    if (l0, l1) != (0, cfg.num_layers):
-      xs = jax.tree.map(lambda a: a[l0:l1], xs)
-    (x, pool_k, pool_v, pool_vlr), q_all = jax.lax.scan(layer, carry, xs)
+    (x, pool_k, pool_v, pool_vlr), q_all = run(carry, l0, l1)
     if capture.q and q_head is not None:
       q_all = jnp.concatenate([q_head, q_all])
     if l1 == cfg.num_layers:
@@ -279,15 +342,33 @@ class Transformer(nnx.Module):
 
   @classmethod
   def from_params(cls, cfg: ModelConfig, params: dict[str, "np.ndarray"], *,  # noqa: F821
-                  dtype=jnp.float32) -> "Transformer":
+                  dtype=jnp.float32, scan_layers: bool = True) -> "Transformer":
     """A module holding `params`, built without running the random initializers.
 
     The module is traced abstractly (`nnx.eval_shape`) and every parameter then
     set from `params`, so loading real weights does no throwaway init work.
     """
-    net = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    net = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0),
+                                     scan_layers=scan_layers))
     net.load_params(params)
     return net
+
+  def params(self) -> dict[str, jax.Array]:
+    """Every parameter as the flat {name: array} dict of `param_shapes` (the
+    inverse of `load_params`; the unrolled layout stacks its layers into copies)."""
+    out = {"embed": self.embed[...], "final_norm": self.final_norm[...]}
+    out.update({f"layers.{k}": v for k, v in self.layers.export().items()})
+    if self.lm_head is not None:
+      out["lm_head"] = self.lm_head[...]
+    return out
+
+  def relayout(self, scan_layers: bool) -> "Transformer":
+    """This model in the other layer layout (stacked for `lax.scan`, or unrolled),
+    sharing the non-layer arrays; returns self if the layout already matches."""
+    if scan_layers == self.layers.is_stacked:
+      return self
+    return Transformer.from_params(self.cfg, self.params(), dtype=self.embed[...].dtype,
+                                   scan_layers=scan_layers)
 
   def load_params(self, params: dict[str, "np.ndarray"]) -> None:  # noqa: F821
     """Fills every parameter from a flat {name: array} dict (see `param_shapes`).
@@ -300,15 +381,14 @@ class Transformer(nnx.Module):
     if missing or extra:
       raise ValueError(f"weights do not match the model config: missing {missing}, "
                        f"unexpected {extra}")
+    dtype = self.embed.get_value().dtype
     for name, shape in expected.items():
       value = params[name]
       if tuple(value.shape) != shape:
         raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, "
                          f"config expects {shape}")
-      holder = self
-      *path, leaf = name.split(".")
-      for part in path:
-        holder = getattr(holder, part)
-      param = getattr(holder, leaf)
       # set_value (not param[...] = ...) also fills an abstract module from nnx.eval_shape
-      param.set_value(jnp.asarray(value, dtype=param.get_value().dtype))
+      if name.startswith("layers."):
+        self.layers.assign(name.split(".", 1)[1], jnp.asarray(value, dtype=dtype))
+      else:
+        getattr(self, name).set_value(jnp.asarray(value, dtype=dtype))

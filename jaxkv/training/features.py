@@ -368,7 +368,7 @@ def load_or_extract(cfg: PrunerTrainConfig, trace_path: str, max_sessions: int =
   if todo:
     if llm is None:
       import jaxkv
-      llm = jaxkv.load(cfg.model, dtype=cfg.dtype)
+      llm = jaxkv.load(cfg.model, dtype=cfg.dtype, scan_layers=True)   # many shapes: lax.scan
     ex = Extractor(llm, cfg)
     for s in tqdm.tqdm(todo, desc="extract", unit="session", disable=not progress):
       arrs = pack_session(ex.session(s))
