@@ -127,8 +127,8 @@ PAGE_SIZE = 16
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
   """Size of the paged KV pool (slot 0 is the sentinel, page 0 is reserved)."""
-  num_pages: int = 512
-  page_size: int = PAGE_SIZE
+  num_pages: int = 512        # pages in the pool (page 0 is the reserved sentinel page)
+  page_size: int = PAGE_SIZE  # token slots per page
   max_seq_len: int = 2048     # longest sequence (prompt + completion)
   dtype: str = "float32"      # KV pool dtype
 
@@ -144,11 +144,11 @@ class CacheConfig:
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """Per-request sampling; temperature 0 means greedy."""
-  temperature: float = 0.0
+  temperature: float = 0.0  # 0: greedy
   top_k: int = 0            # 0: off
   top_p: float = 1.0        # 1.0: off
-  seed: int = 0
-  max_tokens: int = 128
+  seed: int = 0             # per-request sampling seed
+  max_tokens: int = 128     # completion tokens at most
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -180,7 +180,7 @@ class EngineConfig:
   decode_steps: int = 16      # decode steps per jitted lax.scan call
   # jaxkv.ops impl: "auto" (Pallas on GPU, XLA reference elsewhere) | "reference"
   # | "pallas" | "interpret" (Pallas interpreter; slow, for debugging).
-  attention_impl: str = "auto"
+  attention_impl: str = "auto"  # auto | reference | pallas | interpret
 
   def __post_init__(self):
     if self.max_batch < 1 or self.prefill_chunk < 1 or self.decode_steps < 1:
@@ -241,13 +241,14 @@ class ServeConfig:
   """What `scripts/serve.py` runs."""
   model: str = "smollm2-135m"   # preset name, or a path to a .gguf file / HF directory
   dtype: str = "float32"        # compute dtype of the weights
+  scan_layers: bool = False     # True: lax.scan over stacked layers (compile independent of depth)
   cache: CacheConfig = CacheConfig()
   engine: EngineConfig = EngineConfig()
   sampling: SamplingConfig = SamplingConfig()
   system_prompt: str = ""       # prepended to "messages" requests lacking a system message
   # "requests": JSONL requests (engine/batch.py); "sessions": a ToolBench-format
   # trace file replayed turn by turn through SessionRunner with `pruning`.
-  mode: str = "requests"
+  mode: str = "requests"        # requests | sessions
   pruning: PruningConfig = PruningConfig()
   session_generate: bool = False  # sessions: generate each assistant turn instead of replay
 
@@ -282,8 +283,34 @@ def from_config_dict(cls: type, cd: Any, path: str = "config") -> Any:
     sub = _dataclass_type(hint)
     if sub is not None and isinstance(value, (dict, ml_collections.ConfigDict)):
       value = from_config_dict(sub, value, f"{path}.{name}")
+    else:
+      _check_type(value, hint, f"{path}.{name}")
     kwargs[name] = value
-  return cls(**kwargs)
+  try:
+    return cls(**kwargs)
+  except ValueError as e:               # a range or choice check: name the group
+    raise ValueError(f"{path}: {e}") from None
+
+
+_SIMPLE = {int: (int,), float: (int, float), str: (str,), bool: (bool,), tuple: (tuple, list)}
+
+
+def _check_type(value: Any, hint: Any, path: str) -> None:
+  """Refuses a value that is not of a simple field type (int, float, str, bool,
+  tuple, or one of them | None); other annotations are not checked."""
+  args = typing.get_args(hint)
+  optional = type(None) in args
+  if optional:
+    if value is None:
+      return
+    rest = [a for a in args if a is not type(None)]
+    hint = rest[0] if len(rest) == 1 else hint
+  ok = _SIMPLE.get(hint)
+  if ok is None:
+    return
+  if isinstance(value, bool) and hint is not bool or not isinstance(value, ok):
+    raise ValueError(f"{path} expects {hint.__name__}{' or None' if optional else ''}, got "
+                     f"{type(value).__name__} {value!r}")
 
 
 def _dataclass_type(hint) -> type | None:

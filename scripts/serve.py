@@ -1,4 +1,4 @@
-"""Batch inference: JSONL requests in, JSONL results out (written as each finishes).
+r"""Batch inference: JSONL requests in, JSONL results out (written as each finishes).
 
     python scripts/serve.py --config=configs/smollm2.py \
         --input=examples/requests.jsonl --output=results.jsonl \
@@ -28,148 +28,223 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from jaxkv import cli
+from jaxkv.config import ServeConfig
+
+__doc__ = cli.with_reference(__doc__, ServeConfig)
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py", lock_config=True)
 _INPUT = flags.DEFINE_string("input", None, "JSONL file of requests")
-_OUTPUT = flags.DEFINE_string("output", None, "JSONL file of results (appended; resumable)")
+_OUTPUT = flags.DEFINE_string("output", None, "JSONL file of results (one record per input "
+                              "line; a rerun resumes)")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "start a fresh output instead of resuming")
 _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
 
 
-def _count_lines(path: pathlib.Path) -> int:
-  with open(path) as f:
-    return sum(1 for line in f if line.strip())
-
-
-def main(argv):
-  del argv
-  import tqdm
-
-  import jaxkv
-  from jaxkv.config import ServeConfig, from_config_dict
-  from jaxkv.engine import batch
-
-  if _CONFIG.value is None or _INPUT.value is None or _OUTPUT.value is None:
-    raise app.UsageError("--config, --input and --output are required")
-  cfg = from_config_dict(ServeConfig, _CONFIG.value)
-  src, dst = pathlib.Path(_INPUT.value), pathlib.Path(_OUTPUT.value)
+def _check_paths(src: pathlib.Path, dst: pathlib.Path) -> None:
+  """Refuses unusable --input / --output before anything loads."""
   if not src.exists():
-    raise app.UsageError(f"--input {src} does not exist")
-  if _OVERWRITE.value and dst.exists():
-    dst.unlink()
-  done = batch.finished_ids(dst)
-  if cfg.mode == "sessions":
-    return serve_sessions(cfg, src, dst, done)
-  total = _count_lines(src)
+    cli.fail(f"--input {src} does not exist")
+  if src.is_dir():
+    cli.fail(f"--input {src} is a directory, not a JSONL file")
+  if dst.is_dir():
+    cli.fail(f"--output {dst} is a directory; give a file path")
+  for parent in dst.parents:
+    if parent.exists() and not parent.is_dir():
+      cli.fail(f"--output {dst}: {parent} is a file, not a directory")
+    if parent.exists():
+      break
 
-  t0 = time.perf_counter()
-  llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine)
-  print(f"loaded {cfg.model}: {llm.config.architecture}, {llm.config.num_layers} layers, "
-        f"d_kv={llm.config.d_kv} in {time.perf_counter() - t0:.1f}s; "
-        f"{len(done)} ids already in {dst}", file=sys.stderr)
 
-  dst.parent.mkdir(parents=True, exist_ok=True)
-  bar = tqdm.tqdm(total=total, initial=len(done), unit="req", disable=not _PROGRESS.value,
-                  file=sys.stderr)
-  errors = 0
-  with open(dst, "a") as out:
-    def write(record: dict) -> None:
-      out.write(json.dumps(record, ensure_ascii=False) + "\n")
-      out.flush()
-      bar.update(1)
+def _pending(src: pathlib.Path, cfg, done: set[str]) -> tuple[int, int]:
+  """(non-blank lines, usable lines still to run): a cheap pass without the model
+  (an unusable line gets its error record again without it)."""
+  from jaxkv.engine import batch
+  total = todo = 0
+  with open(src) as f:
+    for line, text in enumerate(f, start=1):
+      if not text.strip():
+        continue
+      total += 1
+      try:
+        todo += batch.parse_line(text, line, cfg.sampling).id not in done
+      except batch.RequestError:
+        pass
+  return total, todo
 
-    def on_error(e: batch.RequestError) -> None:
-      nonlocal errors
-      errors += 1
-      print(f"skipping {e}", file=sys.stderr)
-      write(e.record())
 
-    def encode(prompt, tools):
-      if isinstance(prompt, list) and cfg.system_prompt and prompt[0].get("role") != "system":
-        prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
-      return llm.encode(prompt, tools=tools)
+def _load(cfg):
+  """jaxkv.load, with a missing or unreadable model as a one-line error."""
+  import jaxkv
+  try:
+    return jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine,
+                      scan_layers=cfg.scan_layers)
+  except (FileNotFoundError, ValueError) as e:
+    cli.fail(f"--config.model={cfg.model}: {e}")
 
-    requests = batch.read_requests(src, encode, cfg.sampling, done, on_error)
-    for completion in llm.stream(requests):
-      errors += completion.finish_reason == "error"
-      write(completion.to_json())
-  bar.close()
 
-  m = llm.engine.metrics.summary()
-  m["line_errors"] = errors
-  rows = [("requests run", f"{m['requests']}"), ("errors", f"{errors}"),
-          ("prefill tokens/s", f"{m['prefill_tok_s']:.1f} ({m['prefill_tokens']} tokens)"),
-          ("decode tokens/s", f"{m['decode_tok_s']:.1f} ({m['decode_tokens']} tokens)"),
-          ("median TTFT s", f"{m['median_ttft_s']:.3f}"),
-          ("median latency s", f"{m['median_latency_s']:.3f}"),
-          ("peak KV bytes", f"{m['peak_kv_bytes']:,} ({m['peak_live_slots']} live slots)"),
-          ("wall s", f"{m['wall_s']:.1f}")]
+def _summary(rows: list[tuple[str, str]], m: dict) -> None:
   print("\nmetrics (first use of each shape includes compilation)")
   for k, v in rows:
     print(f"  {k:<18} {v}")
   print("METRICS " + json.dumps(m))
 
 
-def serve_sessions(cfg, src: pathlib.Path, dst: pathlib.Path, done: set) -> None:
+def main(argv):
+  del argv
+  import tqdm
+
+  from jaxkv.engine import batch
+
+  if _CONFIG.value is None or _INPUT.value is None or _OUTPUT.value is None:
+    raise app.UsageError("--config, --input and --output are required")
+  cfg = cli.load_config(ServeConfig, _CONFIG.value)
+  src, dst = pathlib.Path(_INPUT.value), pathlib.Path(_OUTPUT.value)
+  _check_paths(src, dst)
+  out = batch.ResultFile(dst, overwrite=_OVERWRITE.value)
+  if cfg.mode == "sessions":
+    return serve_sessions(cfg, src, out)
+  total, todo = _pending(src, cfg, out.done)
+  if total == 0:
+    out.finish([])
+    print(f"nothing to do: {src} holds no requests", file=sys.stderr)
+    return
+  if todo == 0:
+    n = out.finish(_order(src, cfg, out))
+    print(f"nothing to run: every usable request of {src} is answered in {dst} "
+          f"({n} records, one per input line)", file=sys.stderr)
+    return
+
+  t0 = time.perf_counter()
+  llm = _load(cfg)
+  print(f"loaded {cfg.model}: {llm.config.architecture}, {llm.config.num_layers} layers, "
+        f"d_kv={llm.config.d_kv} in {time.perf_counter() - t0:.1f}s; "
+        f"{total - todo} of {total} requests already answered in {dst}", file=sys.stderr)
+
+  bar = tqdm.tqdm(total=total, initial=total - todo, unit="req",
+                  disable=not _PROGRESS.value, file=sys.stderr)
+  line_errors = request_errors = 0
+
+  def on_error(e: batch.RequestError) -> None:
+    nonlocal line_errors
+    line_errors += 1
+    bar.write(f"error: {e}", file=sys.stderr)
+    out.add(e.record())
+    bar.update(1)
+
+  def encode(prompt, tools):
+    if isinstance(prompt, list) and cfg.system_prompt and prompt[0].get("role") != "system":
+      prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+    return llm.encode(prompt, tools=tools)
+
+  order: list[str] = []
+  requests = batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order)
+  for completion in llm.stream(requests):
+    if completion.finish_reason == "error":
+      request_errors += 1
+      bar.write(f"error: request {completion.id!r}: {completion.error}", file=sys.stderr)
+    out.add(completion.to_json())
+    bar.update(1)
+    m = llm.engine.metrics
+    if m.decode_s > 0:
+      bar.set_postfix_str(f"decode {m.decode_tokens / m.decode_s:.1f} tok/s", refresh=False)
+  bar.close()
+  n = out.finish(order)
+
+  m = llm.engine.metrics.summary()
+  m["errors"] = line_errors + request_errors     # every error record this run wrote
+  m["line_errors"], m["request_errors"] = line_errors, request_errors
+  m["records"] = n
+  _summary([("requests run", f"{m['requests']}"),
+            ("errors", f"{m['errors']} ({line_errors} unusable lines, {request_errors} "
+                       f"refused requests)"),
+            ("prefill tokens/s", f"{m['prefill_tok_s']:.1f} ({m['prefill_tokens']} tokens)"),
+            ("decode tokens/s", f"{m['decode_tok_s']:.1f} ({m['decode_tokens']} tokens)"),
+            ("median TTFT s", f"{m['median_ttft_s']:.3f}"),
+            ("median latency s", f"{m['median_latency_s']:.3f}"),
+            ("peak KV bytes", f"{m['peak_kv_bytes']:,} ({m['peak_live_slots']} live slots)"),
+            ("wall s", f"{m['wall_s']:.1f}"),
+            ("output", f"{dst} ({n} records, one per input line)")], m)
+
+
+def _order(src: pathlib.Path, cfg, out) -> list[str]:
+  """Record keys of every input line, in order, when nothing is left to run;
+  unusable lines get their error records (printed to stderr)."""
+  from jaxkv.engine import batch
+
+  def on_error(e: batch.RequestError) -> None:
+    print(f"error: {e}", file=sys.stderr)
+    out.add(e.record())
+
+  order: list[str] = []
+  for _ in batch.read_requests(src, lambda p, t: [], cfg.sampling, out.done, on_error, order):
+    raise AssertionError("no request is left to run")
+  return order
+
+
+def serve_sessions(cfg, src: pathlib.Path, out) -> None:
   """Replays (or generates) every session of a ToolBench-format file with pruning."""
   import tqdm
 
-  import jaxkv
   from jaxkv.data import traces
   from jaxkv.engine.sessions import SessionRunner
 
   errors: list = []
   sessions = traces.load_toolbench(src, strict=False, errors=errors)
-  todo = [s for s in sessions if s.id not in done]
-  print(f"{len(sessions)} sessions in {src} ({len(errors)} malformed), {len(done)} already "
-        f"in {dst}; pruning {cfg.pruning.method}/{cfg.pruning.layout} C={cfg.pruning.budget}",
-        file=sys.stderr)
+  todo = [s for s in sessions if s.id not in out.done]
+  print(f"{len(sessions)} sessions in {src} ({len(errors)} malformed), "
+        f"{len(sessions) - len(todo)} already in {out.path}; pruning "
+        f"{cfg.pruning.method}/{cfg.pruning.layout} C={cfg.pruning.budget}", file=sys.stderr)
   head = None
   if cfg.pruning.method == "intentkv" and cfg.pruning.intent_mode == "learnable":
     if not cfg.pruning.head_path:
-      raise app.UsageError("pruning.intent_mode=learnable needs --config.pruning.head_path="
-                           "<head saved by scripts/train_pruner.py>")
+      cli.fail("pruning.intent_mode=learnable needs --config.pruning.head_path="
+               "<head saved by scripts/train_pruner.py>")
     from jaxkv.training import load_head
     head = load_head(cfg.pruning.head_path)
   runner = None
   if todo:  # a finished run resumes without loading the model
     t0 = time.perf_counter()
-    llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine)
+    llm = _load(cfg)
     print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     runner = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
                            prefill_chunk=cfg.engine.prefill_chunk,
                            attn_impl=cfg.engine.attention_impl, head=head)
-  dst.parent.mkdir(parents=True, exist_ok=True)
-  with open(dst, "a") as out:
-    def write(record):
-      out.write(json.dumps(record, ensure_ascii=False) + "\n")
-      out.flush()
-    for e in errors:
-      key = f"entry-{e.index}" if e.entry_id is None else str(e.entry_id)
-      if key not in done:
-        write({"id": key, "error": str(e), "finish_reason": "error"})
-    for s in tqdm.tqdm(todo, unit="session", disable=not _PROGRESS.value, file=sys.stderr):
-      try:
-        turns = runner.run_session(s.id, *traces.session_chat(s, runner.tok),
-                                   generate=cfg.session_generate,
-                                   max_tokens=cfg.sampling.max_tokens)
-      except (ValueError, RuntimeError) as e:   # e.g. longer than the pool: record, go on
-        write({"id": s.id, "error": str(e), "finish_reason": "error"})
-        continue
-      rows = [t.to_json() for t in turns]
-      ev = sum(t.evidence for t in turns)
-      write({"id": s.id, "turns": rows, "summary": {
-          "turns": len(turns), "pt": max((t.pt for t in turns), default=0),
-          "eff_live_kv": max((t.eff_live_kv for t in turns), default=0),
-          "raw_reads": sum(t.raw_reads for t in turns),
-          "eff_reads": sum(t.eff_reads for t in turns),
-          "hit_tokens": sum(t.hit_tokens for t in turns),
-          "prompt_tokens": sum(t.prompt_tokens for t in turns),
-          "future_evidence_recall": (sum(t.evidence_kept for t in turns) / ev) if ev else None,
-          "wall_s": round(sum(t.wall_s for t in turns), 3)}})
+  order = []
+  for e in errors:
+    key = f"entry-{e.index}" if e.entry_id is None else str(e.entry_id)
+    print(f"error: {e}", file=sys.stderr)
+    out.add({"id": key, "error": str(e), "finish_reason": "error"})
+    order.append(key)
+  order += [s.id for s in sessions]
+  failed = 0
+  for s in tqdm.tqdm(todo, unit="session", disable=not _PROGRESS.value, file=sys.stderr):
+    try:
+      turns = runner.run_session(s.id, *traces.session_chat(s, runner.tok),
+                                 generate=cfg.session_generate,
+                                 max_tokens=cfg.sampling.max_tokens)
+    except (ValueError, RuntimeError) as e:   # e.g. longer than the pool: record, go on
+      failed += 1
+      print(f"error: session {s.id!r}: {e}", file=sys.stderr)
+      out.add({"id": s.id, "error": str(e), "finish_reason": "error"})
+      continue
+    rows = [t.to_json() for t in turns]
+    ev = sum(t.evidence for t in turns)
+    out.add({"id": s.id, "turns": rows, "summary": {
+        "turns": len(turns), "pt": max((t.pt for t in turns), default=0),
+        "eff_live_kv": max((t.eff_live_kv for t in turns), default=0),
+        "raw_reads": sum(t.raw_reads for t in turns),
+        "eff_reads": sum(t.eff_reads for t in turns),
+        "hit_tokens": sum(t.hit_tokens for t in turns),
+        "prompt_tokens": sum(t.prompt_tokens for t in turns),
+        "future_evidence_recall": (sum(t.evidence_kept for t in turns) / ev) if ev else None,
+        "wall_s": round(sum(t.wall_s for t in turns), 3)}})
+  n = out.finish(order)
   st = runner.radix.stats if runner is not None and runner.radix is not None else None
   print("METRICS " + json.dumps({"sessions": len(todo), "malformed": len(errors),
+                                 "errors": len(errors) + failed, "records": n,
                                  "prefix_hit_rate": st.hit_rate if st else None}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, ServeConfig)

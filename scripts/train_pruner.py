@@ -1,4 +1,4 @@
-"""Trains the IntentKV Phase-2 residual head (sections 3.3, 3.5; appendix A/H).
+r"""Trains the IntentKV Phase-2 residual head (sections 3.3, 3.5; appendix A/H).
 
     python scripts/train_pruner.py --config=configs/pruner_smollm2.py \
         [--config.max_train_sessions=20 --config.max_val_sessions=8] \
@@ -25,18 +25,22 @@ import time
 from absl import app, logging
 from ml_collections import config_flags
 
+from jaxkv import cli
+from jaxkv.training import PrunerTrainConfig
+
+__doc__ = cli.with_reference(__doc__, PrunerTrainConfig)
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py", lock_config=True)
 
 
 def main(argv):
   del argv
-  from jaxkv.config import from_config_dict
-  from jaxkv.training import PrunerTrainConfig, features, train
+  from jaxkv.training import features, train
 
   if _CONFIG.value is None:
     raise app.UsageError("--config is required")
   logging.set_verbosity(logging.WARNING)      # Orbax logs every save at INFO
-  cfg = from_config_dict(PrunerTrainConfig, _CONFIG.value)
+  cfg = cli.load_config(PrunerTrainConfig, _CONFIG.value)
   # compiled frozen-model steps persist across runs (one per chunk/width bucket)
   import jax
   jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.cache_dir) / "xla"))
@@ -48,7 +52,7 @@ def main(argv):
   llm = None
   if not features.all_cached(cfg):
     import jaxkv
-    llm = jaxkv.load(cfg.model, dtype=cfg.dtype)
+    llm = jaxkv.load(cfg.model, dtype=cfg.dtype, scan_layers=True)   # training: lax.scan
   tr = features.load_or_extract(cfg, cfg.train_traces, cfg.max_train_sessions, llm=llm,
                                 progress=cfg.progress, log=log)
   va = features.load_or_extract(cfg, cfg.val_traces, cfg.max_val_sessions, llm=llm,
@@ -66,4 +70,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main, PrunerTrainConfig)

@@ -54,9 +54,10 @@ def test_serve_malformed_line_and_resume(tmp_path):
   proc = _serve(inp, out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   recs = {r["id"]: r for r in _records(out)}
-  assert set(recs) == {"a", "line:2", "b", "c", "7"}
+  assert [r["id"] for r in _records(out)] == ["a", "line:2", "b", "c", "7"]   # input order
   assert recs["line:2"]["finish_reason"] == "error" and "line 2" in recs["line:2"]["error"]
   assert "max_token" in recs["c"]["error"]
+  assert "error: line 2" in proc.stderr and "error: line 4" in proc.stderr
   for rid in ("a", "b", "7"):
     r = recs[rid]
     assert set(r) >= {"id", "text", "prompt_tokens", "completion_tokens", "ttft_s",
@@ -66,22 +67,44 @@ def test_serve_malformed_line_and_resume(tmp_path):
   assert "METRICS" in proc.stdout
   metrics = json.loads(proc.stdout.split("METRICS ", 1)[1])
   assert metrics["decode_tokens"] > 0 and metrics["peak_kv_bytes"] > 0
+  assert (metrics["errors"], metrics["line_errors"], metrics["request_errors"]) == (2, 2, 0)
+  assert "errors             2 (2 unusable lines, 0 refused requests)" in proc.stdout
 
-  # Resume: nothing finished is run again; a newly appended request is.
-  with open(inp, "a") as f:
-    f.write(json.dumps({"id": "d", "prompt": "One, two,", "max_tokens": 3}) + "\n")
+  # Resume after fixing line 2 and appending two requests, one too long for the
+  # cache: only those run; one record per line, the stale "line:2" error is gone.
+  lines[1] = json.dumps({"id": "broken", "prompt": "Hello", "max_tokens": 2})
+  lines += [json.dumps({"id": "d", "prompt": "One, two,", "max_tokens": 3}),
+            json.dumps({"id": "e", "prompt": "Tell me", "max_tokens": 5000})]
+  inp.write_text("\n".join(lines) + "\n")
+  before = {r["id"]: r for r in _records(out)}
   proc = _serve(inp, out)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  ids = [r["id"] for r in _records(out) if r["finish_reason"] != "error"]
-  assert sorted(ids) == ["7", "a", "b", "d"]
+  recs = _records(out)
+  assert [r["id"] for r in recs] == ["a", "broken", "b", "c", "7", "d", "e"]
+  by_id = {r["id"]: r for r in recs}
+  assert all(by_id[k] == before[k] for k in ("a", "b", "7"))     # not run again
+  assert by_id["broken"]["finish_reason"] in ("stop", "length")
+  assert "exceeds cache.max_seq_len" in by_id["e"]["error"]
+  assert "error: request 'e'" in proc.stderr
+  metrics = json.loads(proc.stdout.split("METRICS ", 1)[1])
+  assert (metrics["errors"], metrics["request_errors"], metrics["records"]) == (2, 1, 7)
+  # a third run retries only the refused request; with it dropped from the input,
+  # a fourth has nothing to run, loads no model, and keeps the other records
+  proc = _serve(inp, out)
+  assert proc.returncode == 0 and "6 of 7 requests already answered" in proc.stderr
+  assert [r["id"] for r in _records(out)] == [r["id"] for r in recs]
+  inp.write_text("\n".join(lines[:-1]) + "\n")
+  proc = _serve(inp, out)
+  assert proc.returncode == 0 and "nothing to run" in proc.stderr and "loaded" not in proc.stderr
+  assert _records(out) == recs[:-1]
 
 
 def test_serve_rejects_unknown_config_field(tmp_path):
   inp = tmp_path / "in.jsonl"
   inp.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
   proc = _serve(inp, tmp_path / "out.jsonl", "--config.cache.bogus=3")
-  assert proc.returncode != 0
-  assert "bogus" in proc.stderr
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert "--config.cache.bogus: unknown config field" in proc.stderr
 
 
 def _react(name, args):
@@ -122,6 +145,7 @@ def test_serve_sessions_with_pruning_and_resume(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert sorted(r["id"] for r in _records(out) if "turns" in r) == ["s1", "s2"]
   assert "loaded" not in proc.stderr.lower() and "2 already in" in proc.stderr
+  assert [r["id"] for r in _records(out)] == ["bad", "s1", "s2"]   # one record each
 
 
 def test_serve_sessions_with_a_trained_head(tmp_path):

@@ -14,15 +14,21 @@ A line that cannot be used (bad JSON, missing id, bad field, duplicate id,
 prompt longer than the cache) yields {"id", "error", "finish_reason": "error",
 "line"} naming the 1-based line number, and the run goes on.
 
-Resume: ids that already have a non-error record in the output are skipped, so
-rerunning the same command finishes an interrupted run; error records are
-retried (e.g. after enlarging the cache).
+Resume (`ResultFile`): ids that already have a non-error record in the output
+are skipped, so rerunning the same command finishes an interrupted run; error
+records are retried (e.g. after enlarging the cache). Records are appended and
+flushed as they come (an interrupted run keeps them); at the end of a run the
+file is rewritten atomically (temp file + rename) to exactly one record per
+input line, in input order: its answer, or this run's error. Error records that
+no longer match an input line (a line since fixed) are dropped; answers for ids
+no longer in the input are kept, after the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 from typing import Iterator
 
@@ -101,44 +107,90 @@ def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
   return ParsedLine(rid, line, prompt, tools, sampling)
 
 
-def finished_ids(output: pathlib.Path) -> set[str]:
-  """Ids with a non-error record in an existing output file (for resume).
-
-  A truncated last line (a run killed mid-write) is ignored.
-  """
-  done: set[str] = set()
-  if not output.exists():
-    return done
-  with open(output) as f:
+def _records(path: pathlib.Path) -> Iterator[dict]:
+  """The JSON object records of a JSONL file; a truncated or foreign line is skipped."""
+  with open(path) as f:
     for text in f:
       try:
         rec = json.loads(text)
       except json.JSONDecodeError:
         continue
-      if isinstance(rec, dict) and rec.get("finish_reason") != "error" and "id" in rec:
-        done.add(str(rec["id"]))
-  return done
+      if isinstance(rec, dict) and "id" in rec:
+        yield rec
+
+
+def is_error(rec: dict) -> bool:
+  return rec.get("finish_reason") == "error"
+
+
+class ResultFile:
+  """An output JSONL file that a rerun resumes and leaves with one record per input.
+
+  `add` appends a record and flushes it (crash-safe); `finish(order)` rewrites the
+  file atomically with, for each key of `order` (the input's ids, or the error keys
+  of its unusable lines, in line order), the latest record, then the answers of
+  ids that are not in `order`. Stale error records are dropped.
+  """
+
+  def __init__(self, path: pathlib.Path, overwrite: bool = False):
+    self.path = pathlib.Path(path)
+    self.latest: dict[str, dict] = {}
+    if self.path.exists() and not overwrite:
+      for rec in _records(self.path):
+        key = str(rec["id"])
+        if not is_error(rec) or key not in self.latest or is_error(self.latest[key]):
+          self.latest[key] = rec
+    self.done = {k for k, r in self.latest.items() if not is_error(r)}
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self._f = open(self.path, "w" if overwrite else "a")
+
+  def add(self, rec: dict) -> None:
+    self.latest[str(rec["id"])] = rec
+    self._f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    self._f.flush()
+
+  def finish(self, order: list[str]) -> int:
+    """Rewrites the file (temp + rename); returns the number of records."""
+    self._f.close()
+    keys = list(dict.fromkeys(order))
+    listed = set(keys)
+    keys += [k for k, r in self.latest.items() if k not in listed and not is_error(r)]
+    tmp = self.path.with_name(self.path.name + ".tmp")
+    with open(tmp, "w") as f:
+      for k in keys:
+        if k in self.latest:
+          f.write(json.dumps(self.latest[k], ensure_ascii=False) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, self.path)
+    return sum(k in self.latest for k in keys)
 
 
 def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: set[str],
-                  on_error) -> Iterator[Request]:
+                  on_error, order: list[str] | None = None) -> Iterator[Request]:
   """Lazily yields engine Requests from a JSONL file.
 
   Args:
     encode: (prompt, tools) -> token ids.
     skip: ids already finished (resume); they are not run again.
     on_error: called with a RequestError for every unusable line.
+    order: if given, each non-blank line's record key is appended to it, in
+      line order (the id, or the error key of an unusable line).
   """
   seen: set[str] = set()
   with open(path) as f:
     for line, text in enumerate(f, start=1):
       if not text.strip():
         continue
+      listed = False
       try:
         p = parse_line(text, line, defaults)
         if p.id in seen:
           raise RequestError(line, f"duplicate id {p.id!r}", f"{p.id}@line:{line}")
         seen.add(p.id)
+        listed = True
+        if order is not None:
+          order.append(p.id)
         if p.id in skip:
           continue
         try:
@@ -146,6 +198,12 @@ def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: se
         except ValueError as e:   # e.g. a bad chat message
           raise RequestError(line, str(e), p.id) from None
       except RequestError as e:
+        if not listed:                  # the id of a refused line is taken too
+          if e.rid in seen and not e.rid.endswith(f"@line:{line}"):
+            e.rid = f"{e.rid}@line:{line}"
+          seen.add(e.rid)
+          if order is not None:
+            order.append(e.rid)
         on_error(e)
         continue
       yield Request(id=p.id, prompt=tokens, sampling=p.sampling)

@@ -83,5 +83,7 @@ def resolve(model: str) -> pathlib.Path:
   p = pathlib.Path(model).expanduser()
   if p.exists():
     return p
+  if os.sep in model or p.suffix in (".gguf", ".json", ".safetensors"):
+    raise FileNotFoundError(f"model file or directory {p} does not exist")
   raise ValueError(f"unknown model {model!r}: expected a preset {PRESETS}, "
                    f"a .gguf file or an HF checkpoint directory")

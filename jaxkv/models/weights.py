@@ -192,7 +192,16 @@ def load_hf_dir(directory: str | pathlib.Path) -> tuple[ModelConfig, dict[str, n
   cfg_path = directory / "config.json"
   if not cfg_path.exists():
     raise FileNotFoundError(f"{cfg_path} not found: not an HF checkpoint directory")
-  cfg = hf_config(json.loads(cfg_path.read_text()))
+  try:
+    raw_cfg = json.loads(cfg_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+  if not isinstance(raw_cfg, dict):
+    raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw_cfg).__name__}")
+  try:
+    cfg = hf_config(raw_cfg)
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{cfg_path}: {e}") from None
   files = sorted(directory.glob("*.safetensors"))
   if not files:
     raise FileNotFoundError(f"no *.safetensors files in {directory}")

@@ -1,0 +1,222 @@
+"""Command-line plumbing of the `scripts/`: config fields you can find and check.
+
+    from jaxkv import cli
+    _CONFIG = config_flags.DEFINE_config_file("config", ...)
+    __doc__ = cli.with_reference(__doc__, ServeConfig)   # --help / --helpfull list fields
+    ...
+    cfg = cli.load_config(ServeConfig, _CONFIG.value)   # one-line error, exit 2
+    ...
+    cli.run(main, ServeConfig)                           # app.run with checked flags
+
+Every `--config.<path>=<value>` override is checked against the dataclass
+before the config file is even read: an unknown field, a value of the wrong
+type or one out of range gives one line naming the field and what it takes,
+and exit status 2, with no traceback. The same holds for a config file that
+sets a field the dataclass lacks or a value its checks refuse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import re
+import sys
+import typing
+from collections.abc import Callable, Iterator
+
+from jaxkv.config import _dataclass_type
+
+_FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^=#]*=[^#]*#\s*(.+)$")
+
+
+def _comments(cls: type) -> dict[str, str]:
+  """Field name -> its trailing `# comment` in the class source (if any)."""
+  try:
+    src = inspect.getsource(cls)
+  except (OSError, TypeError):
+    return {}
+  return {m.group(1): m.group(2).strip() for m in map(_FIELD_COMMENT.match, src.splitlines())
+          if m}
+
+
+def _type_name(hint) -> str:
+  if isinstance(hint, type):
+    return hint.__name__
+  return str(hint).replace("typing.", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  path: str          # e.g. "config.cache.num_pages"
+  hint: object       # the annotation
+  default: object
+  doc: str
+
+  @property
+  def type_name(self) -> str:
+    return _type_name(self.hint)
+
+
+def fields(cls: type, prefix: str = "config") -> Iterator[Field]:
+  """Every leaf field of a (nested) config dataclass, depth first."""
+  hints = typing.get_type_hints(cls)
+  docs = _comments(cls)
+  inst = cls()
+  for f in dataclasses.fields(cls):
+    sub = _dataclass_type(hints[f.name])
+    if sub is not None:
+      yield from fields(sub, f"{prefix}.{f.name}")
+    else:
+      yield Field(f"{prefix}.{f.name}", hints[f.name], getattr(inst, f.name),
+                  docs.get(f.name, ""))
+
+
+def reference(cls: type, prefix: str = "config") -> str:
+  """A text table of every `--config.*` field: path, type, default, comment."""
+  rows = [(f"--{f.path}", f.type_name, repr(f.default), f.doc) for f in fields(cls, prefix)]
+  w = [max(len(r[i]) for r in rows) for i in range(3)]
+  lines = [f"  {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}".rstrip() for a, b, c, d in rows]
+  return f"Config fields ({cls.__name__}; override any with --{prefix}.<field>=<value>):\n" + \
+      "\n".join(lines)
+
+
+def with_reference(doc: str | None, cls: type) -> str:
+  """A script docstring with the field reference appended ('%' escaped: absl
+  formats the main module's docstring into its --help output)."""
+  return (doc or "") + "\n" + reference(cls).replace("%", "%%") + "\n"
+
+
+class ConfigError(ValueError):
+  """A config override or file that the config dataclass refuses."""
+
+
+def _leaf_map(cls: type) -> dict[str, Field]:
+  return {f.path: f for f in fields(cls)}
+
+
+def _groups(cls: type, prefix: str = "config") -> dict[str, type]:
+  """Dotted path -> dataclass for the root and every nested config."""
+  out = {prefix: cls}
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    sub = _dataclass_type(hints[f.name])
+    if sub is not None:
+      out.update(_groups(sub, f"{prefix}.{f.name}"))
+  return out
+
+
+def _parse_value(text: str, hint) -> object:
+  """An override's text as the field's type (raises ValueError naming the type)."""
+  args = typing.get_args(hint)
+  if args and type(None) in args:
+    if text in ("None", "none", ""):
+      return None
+    hint = next(a for a in args if a is not type(None))
+  if hint is bool:
+    if text.lower() in ("true", "1", "yes"):
+      return True
+    if text.lower() in ("false", "0", "no"):
+      return False
+    raise ValueError("expects a bool (true / false)")
+  if hint is int:
+    try:
+      return int(text)
+    except ValueError:
+      raise ValueError("expects an int") from None
+  if hint is float:
+    try:
+      return float(text)
+    except ValueError:
+      raise ValueError("expects a float") from None
+  return text
+
+
+def check_overrides(argv: list[str], cls: type, flag: str = "config") -> None:
+  """Checks every `--config.<path>=<value>` in argv against `cls`.
+
+  Raises ConfigError naming the field and what it takes: unknown fields (with
+  the known ones of that group), values not of the field's type, and values the
+  group's own checks refuse (e.g. out of range).
+  """
+  leaves, groups = _leaf_map(cls), _groups(cls)
+  for k, arg in enumerate(argv):
+    m = re.match(rf"^--{flag}\.([\w.]+)(?:=(.*))?$", arg)
+    if not m:
+      continue
+    path, text = f"{flag}.{m.group(1)}", m.group(2)
+    f = leaves.get(path)
+    if f is None:
+      parent, _, name = path.rpartition(".")
+      known = [x.name for x in dataclasses.fields(groups[parent])] if parent in groups else []
+      where = f"{parent} has: {', '.join(known)}" if known else \
+          f"config groups: {', '.join(sorted(groups))}"
+      raise ConfigError(f"--{path}: unknown config field ({where})")
+    if text is None:                    # "--config.x value", or a bare bool flag
+      nxt = argv[k + 1] if k + 1 < len(argv) else None
+      if f.hint is bool:
+        text = "true"
+      elif nxt is not None and not nxt.startswith("--"):
+        text = nxt
+      else:
+        raise ConfigError(f"--{path} needs a value: --{path}=<{f.type_name}>")
+    try:
+      value = _parse_value(text, f.hint)
+    except ValueError as e:
+      raise ConfigError(f"--{path}={text}: {e}") from None
+    # the group's own checks (ranges, choices), on the defaults plus this value
+    parent, _, name = path.rpartition(".")
+    try:
+      dataclasses.replace(groups[parent](), **{name: value})
+    except (TypeError, ValueError) as e:
+      raise ConfigError(f"--{path}={text}: {e}") from None
+
+
+def load_config(cls: type, cd) -> object:
+  """`config.from_config_dict`, with a refusal turned into a one-line exit(2)."""
+  from jaxkv.config import from_config_dict
+  try:
+    return from_config_dict(cls, cd)
+  except (TypeError, ValueError, OSError) as e:
+    fail(str(e))
+
+
+def one_line(msg: str) -> str:
+  """An error message as one line: a quoted traceback is cut to its last line."""
+  if "Traceback (most recent call last)" in msg:
+    head = msg.split(":", 1)[0]
+    last = [x for x in msg.splitlines() if x.strip()][-1]
+    msg = f"{head}: {last}"
+  return " ".join(msg.split())
+
+
+def fail(msg: str, code: int = 2) -> typing.NoReturn:
+  """One line on stderr, prefixed with the script's name; exit `code`."""
+  prog = sys.argv[0].rsplit("/", 1)[-1] if sys.argv else "jaxkv"
+  print(f"{prog}: error: {one_line(msg)}", file=sys.stderr)
+  sys.exit(code)
+
+
+def run(main: Callable, cls: type | None = None, flag: str = "config") -> None:
+  """`absl.app.run(main)` whose flag parsing checks `--config.*` overrides first
+  and reports any flag or config-file error as one line (exit 2)."""
+  from absl import app, flags
+
+  def parse(argv):
+    try:
+      for arg in argv[1:]:
+        if arg.startswith(f"--{flag}="):
+          path = arg.split("=", 1)[1].split(":", 1)[0]   # "file.py:arg" passes an argument
+          if path and not os.path.isfile(path):
+            raise ConfigError(f"--{flag}={path}: no such config file")
+      if cls is not None:
+        check_overrides(argv[1:], cls, flag)
+      return flags.FLAGS(argv)
+    except ConfigError as e:
+      fail(str(e))
+    except flags.Error as e:
+      fail(f"{one_line(str(e))} (--helpfull lists every flag and config field)")
+    except Exception as e:  # noqa: BLE001: a config file's own error, shown as one line
+      fail(f"--{flag}: {type(e).__name__}: {e}")
+
+  app.run(main, flags_parser=parse)

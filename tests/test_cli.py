@@ -1,0 +1,158 @@
+"""What a user meets on the command line: config fields that can be listed and
+checked, one-line errors, and an output file with one record per input line."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from jaxkv import cli
+from jaxkv.config import ServeConfig, from_config_dict, to_config_dict
+from jaxkv.engine import batch
+from jaxkv.training import PrunerTrainConfig
+from jaxkv.training.lora_train import LoraTrainConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_reference_lists_every_leaf_field_with_type_and_default():
+  text = cli.reference(ServeConfig)
+  leaves = list(cli.fields(ServeConfig))
+  assert len(leaves) > 25
+  for f in leaves:
+    line = next(x for x in text.splitlines() if x.split()[:1] == [f"--{f.path}"])
+    assert f.type_name in line and repr(f.default) in line
+  assert "--config.cache.num_pages" in text and "pages in the pool" in text
+  for cls in (PrunerTrainConfig, LoraTrainConfig):     # the training scripts' configs
+    assert len(list(cli.fields(cls))) > 3
+
+
+@pytest.mark.parametrize("arg, expect", [
+    ("--config.cache.nope=1", "--config.cache.nope: unknown config field (config.cache has: "
+                              "num_pages, page_size, max_seq_len, dtype)"),
+    ("--config.nope=1", "--config.nope: unknown config field (config has: model,"),
+    ("--config.cache.num_pages=abc", "--config.cache.num_pages=abc: expects an int"),
+    ("--config.sampling.top_p=1.5", "--config.sampling.top_p=1.5: top_p must be in (0, 1]"),
+    ("--config.pruning.method=magic", "pruning.method must be one of"),
+    ("--config.scan_layers=maybe", "expects a bool"),
+    ("--config.engine.decode_steps", "needs a value"),
+])
+def test_bad_overrides_name_the_field(arg, expect):
+  with pytest.raises(cli.ConfigError) as e:
+    cli.check_overrides(["--input=x", arg], ServeConfig)
+  assert expect in str(e.value)
+
+
+def test_good_overrides_pass():
+  cli.check_overrides(["--config.cache.num_pages=64", "--config.sampling.temperature=0.7",
+                       "--config.scan_layers=true", "--config.model=/some/dir",
+                       "--config=configs/smollm2.py", "--config.engine.max_batch", "4",
+                       "--config.pruning.ablate_xattn"], ServeConfig)
+  with pytest.raises(cli.ConfigError, match="expects an int"):
+    cli.check_overrides(["--config.engine.max_batch", "four"], ServeConfig)
+
+
+def test_config_files_are_type_and_range_checked():
+  cd = to_config_dict(ServeConfig())
+  d = cd.to_dict()
+  d["cache"]["num_pages"] = "many"
+  with pytest.raises(ValueError, match=r"config.cache.num_pages expects int, got str 'many'"):
+    from_config_dict(ServeConfig, d)
+  d["cache"]["num_pages"] = 1
+  with pytest.raises(ValueError, match=r"^config.cache: need page_size >= 1"):
+    from_config_dict(ServeConfig, d)
+  d["cache"]["num_pages"], d["cache"]["bogus"] = 8, 1
+  with pytest.raises(ValueError, match=r"unknown field\(s\) \['bogus'\] in config.cache"):
+    from_config_dict(ServeConfig, d)
+  ok = from_config_dict(ServeConfig, ml_collections.ConfigDict({"sampling": {"top_p": 1}}))
+  assert ok.sampling.top_p == 1
+
+
+def test_one_line_cuts_a_quoted_traceback():
+  msg = ("flag --config=x.py: Error whilst parsing config file:\n\nTraceback (most recent "
+         "call last):\n  File \"x.py\", line 3\nTypeError: bad keyword 'y'\n")
+  assert cli.one_line(msg) == "flag --config=x.py: TypeError: bad keyword 'y'"
+
+
+def _serve(*args, cwd=ROOT):
+  return subprocess.run([sys.executable, str(ROOT / "scripts/serve.py"), *args],
+                        capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_serve_probes_fail_in_one_line_before_loading(tmp_path):
+  cfg = f"--config={ROOT}/configs/smollm2.py"
+  inp = ROOT / "examples/requests.jsonl"
+  (tmp_path / "afile").write_text("")
+  (tmp_path / "empty.jsonl").write_text("\n")
+  (tmp_path / "bad.py").write_text(
+      "from jaxkv.config import CacheConfig, ServeConfig, to_config_dict\n"
+      "def get_config():\n  return to_config_dict(ServeConfig(cache=CacheConfig(pagez=3)))\n")
+  cases = [
+      ([cfg, f"--input={inp}", f"--output={tmp_path}"], "is a directory"),
+      ([cfg, f"--input={inp}", f"--output={tmp_path}/afile/out.jsonl"], "afile is a file"),
+      ([cfg, f"--input={inp}", f"--output={tmp_path}/o.jsonl", "--config.cache.nope=1"],
+       "unknown config field"),
+      ([f"--config={tmp_path}/bad.py", f"--input={inp}", f"--output={tmp_path}/o.jsonl"],
+       "unexpected keyword argument 'pagez'"),
+      (["--config=nope.py", f"--input={inp}", f"--output={tmp_path}/o.jsonl"],
+       "no such config file"),
+      ([cfg, f"--input={inp}", f"--output={tmp_path}/o.jsonl",
+        "--config.model=/no/such/model.gguf"], "/no/such/model.gguf does not exist"),
+  ]
+  for args, expect in cases:
+    p = _serve(*args)
+    err = [x for x in p.stderr.splitlines() if "error" in x.lower()]
+    assert p.returncode == 2 and len(err) == 1 and expect in err[0], (args, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+  p = _serve(cfg, f"--input={tmp_path}/empty.jsonl", f"--output={tmp_path}/o.jsonl")
+  assert p.returncode == 0 and "nothing to do" in p.stderr and "loaded" not in p.stderr
+  p = _serve("--helpfull")
+  assert "--config.pruning.budget" in p.stdout and "--config.engine.decode_steps" in p.stdout
+
+
+def test_broken_hf_config_names_the_file(tmp_path):
+  from jaxkv.models import weights
+  (tmp_path / "config.json").write_text("{not json")
+  with pytest.raises(ValueError, match=f"{tmp_path}/config.json is not valid JSON"):
+    weights.load_hf_dir(tmp_path)
+
+
+def test_result_file_keeps_one_record_per_input_line(tmp_path):
+  out = tmp_path / "out.jsonl"
+  first = [{"id": "a", "text": "x", "finish_reason": "stop"},
+           {"id": "line:2", "error": "line 2: invalid JSON", "finish_reason": "error"},
+           {"id": "b", "error": "too long", "finish_reason": "error"},
+           {"id": "gone", "text": "kept", "finish_reason": "stop"},
+           {"id": "old-error", "error": "e", "finish_reason": "error"}]
+  out.write_text("".join(json.dumps(r) + "\n" for r in first) + '{"id": "trunc')
+  f = batch.ResultFile(out)
+  assert f.done == {"a", "gone"}
+  f.add({"id": "fixed", "text": "y", "finish_reason": "stop"})     # line 2, now valid
+  f.add({"id": "b", "text": "z", "finish_reason": "length"})       # retried, now fits
+  assert f.finish(["a", "fixed", "b"]) == 4
+  recs = [json.loads(x) for x in out.read_text().splitlines()]
+  assert [r["id"] for r in recs] == ["a", "fixed", "b", "gone"]
+  assert recs[2]["text"] == "z" and not (tmp_path / "out.jsonl.tmp").exists()
+  # an interrupted run: its records were appended and flushed before the rewrite
+  g = batch.ResultFile(out)
+  g.add({"id": "c", "text": "w", "finish_reason": "stop"})
+  assert json.loads(out.read_text().splitlines()[-1])["id"] == "c"
+  assert batch.ResultFile(out).done == {"a", "fixed", "b", "gone", "c"}
+
+
+def test_read_requests_lists_every_line_once(tmp_path):
+  src = tmp_path / "in.jsonl"
+  src.write_text("\n".join([
+      json.dumps({"id": "a", "prompt": "p"}), "{broken",
+      json.dumps({"id": "a", "prompt": "dup"}),
+      json.dumps({"id": "c", "prompt": "p", "max_token": 3}),
+      json.dumps({"id": "c", "prompt": "p"}), ""]))
+  order, errors = [], []
+  reqs = list(batch.read_requests(src, lambda p, t: [1, 2], ServeConfig().sampling, set(),
+                                  errors.append, order))
+  assert [r.id for r in reqs] == ["a"]
+  assert order == ["a", "line:2", "a@line:3", "c", "c@line:5"]
+  assert [e.rid for e in errors] == ["line:2", "a@line:3", "c", "c@line:5"]
