@@ -14,6 +14,9 @@ alternate between the systems and the median of `--reps` is reported.
 - HF prefill tokens/s: prompt tokens / time of one forward over the padded batch;
   HF decode tokens/s: B x (N - 1) / (time of generate(N) - time of generate(1)).
 - jaxkv: the engine's own split (prefill steps vs decode `lax.scan` calls).
+- A prefill is one short step (~0.1 s at batch 1), so each timed run also takes
+  4 prefill-only samples per system (the engine with max_tokens=1; HF forwards)
+  and reports their median.
 - Decode floor: a step must read every weight once plus the live KV of every
   row; bytes / measured memory bandwidth (the faster of a large elementwise copy
   and a large fp32 mat-vec read) bounds tokens/s from above.
@@ -24,6 +27,7 @@ alternate between the systems and the median of `--reps` is reported.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -67,12 +71,20 @@ def jaxkv_runner(llm, prompts, batch, new_tokens):
   list(eng.run(reqs))                   # warm-up: compiles every shape used below
   warmup_s = time.perf_counter() - t0
 
+  one = [dataclasses.replace(r, sampling=SamplingConfig(max_tokens=1)) for r in reqs]
+
   def once():
+    pre = []
+    for _ in range(PREFILL_REPS):       # a prefill is one short step: sample it more
+      eng.metrics = type(eng.metrics)(bytes_per_slot=eng.metrics.bytes_per_slot)
+      list(eng.run(one))
+      pre.append(eng.metrics.summary()["prefill_tok_s"])
     eng.metrics = type(eng.metrics)(bytes_per_slot=eng.metrics.bytes_per_slot)
     out = list(eng.run(reqs))
     assert all(len(r.tokens) == new_tokens for r in out)
     m = eng.metrics.summary()
-    return m["prefill_tok_s"], m["decode_tok_s"], {r.id: r.tokens for r in out}
+    return float(np.median(pre + [m["prefill_tok_s"]])), m["decode_tok_s"], \
+        {r.id: r.tokens for r in out}
   once.warmup_s = warmup_s
   return once
 
@@ -97,16 +109,23 @@ def hf_runner(hf, prompts, batch, new_tokens, pad_id):
   gen(2)                                # warm-up
 
   def once():
+    t_prefill = []
     with torch.no_grad():
-      t0 = time.perf_counter()
-      hf(input_ids=ids, attention_mask=mask)
-      t_prefill = time.perf_counter() - t0
+      for _ in range(PREFILL_REPS + 1):
+        t0 = time.perf_counter()
+        hf(input_ids=ids, attention_mask=mask)
+        t_prefill.append(time.perf_counter() - t0)
     t1, _ = gen(1)
     tn, out = gen(new_tokens)
     prompt_tokens = sum(len(p) for p in prompts)
     toks = {str(i): out[i, width:].tolist() for i in range(batch)}
-    return prompt_tokens / t_prefill, batch * (new_tokens - 1) / (tn - t1), toks
+    return prompt_tokens / float(np.median(t_prefill)), batch * (new_tokens - 1) / (tn - t1), toks
   return once
+
+
+PREFILL_REPS = 4  # extra prefill-only samples per timed run (each system)
+SETTLE_S = 1.0   # pause between systems: torch's OpenMP workers spin after a run and
+                # would otherwise slow the next system's first (prefill) step
 
 
 def _median_runs(runners, reps):
@@ -115,6 +134,7 @@ def _median_runs(runners, reps):
   runs = [[] for _ in runners]
   for _ in range(reps):
     for r, once in zip(runs, runners):
+      time.sleep(SETTLE_S)
       r.append(once())
   return [(float(np.median([x[0] for x in r])), float(np.median([x[1] for x in r])), r[-1][2])
           for r in runs]

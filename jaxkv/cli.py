@@ -199,7 +199,8 @@ def fail(msg: str, code: int = 2) -> typing.NoReturn:
 
 def run(main: Callable, cls: type | None = None, flag: str = "config") -> None:
   """`absl.app.run(main)` whose flag parsing checks `--config.*` overrides first
-  and reports any flag or config-file error as one line (exit 2)."""
+  and reports any flag or config-file error, and a missing input file raised by
+  `main` (FileNotFoundError), as one line (exit 2)."""
   from absl import app, flags
 
   def parse(argv):
@@ -219,4 +220,10 @@ def run(main: Callable, cls: type | None = None, flag: str = "config") -> None:
     except Exception as e:  # noqa: BLE001: a config file's own error, shown as one line
       fail(f"--{flag}: {type(e).__name__}: {e}")
 
-  app.run(main, flags_parser=parse)
+  def guarded(argv):
+    try:
+      return main(argv)
+    except FileNotFoundError as e:    # a missing input names itself (and its maker)
+      fail(str(e).strip('"'))
+
+  app.run(guarded, flags_parser=parse)

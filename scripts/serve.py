@@ -41,10 +41,12 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "start a fresh output instead
 _PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
 
 
-def _check_paths(src: pathlib.Path, dst: pathlib.Path) -> None:
+def _check_paths(src: pathlib.Path, dst: pathlib.Path, mode: str) -> None:
   """Refuses unusable --input / --output before anything loads."""
   if not src.exists():
-    cli.fail(f"--input {src} does not exist")
+    from jaxkv.data.traces import MAKE_TRACES_HINT
+    cli.fail(f"--input {src} does not exist" +
+             (f"; {MAKE_TRACES_HINT}" if mode == "sessions" else ""))
   if src.is_dir():
     cli.fail(f"--input {src} is a directory, not a JSONL file")
   if dst.is_dir():
@@ -100,7 +102,7 @@ def main(argv):
     raise app.UsageError("--config, --input and --output are required")
   cfg = cli.load_config(ServeConfig, _CONFIG.value)
   src, dst = pathlib.Path(_INPUT.value), pathlib.Path(_OUTPUT.value)
-  _check_paths(src, dst)
+  _check_paths(src, dst, cfg.mode)
   out = batch.ResultFile(dst, overwrite=_OVERWRITE.value)
   if cfg.mode == "sessions":
     return serve_sessions(cfg, src, out)

@@ -101,6 +101,8 @@ def test_serve_probes_fail_in_one_line_before_loading(tmp_path):
        "no such config file"),
       ([cfg, f"--input={inp}", f"--output={tmp_path}/o.jsonl",
         "--config.model=/no/such/model.gguf"], "/no/such/model.gguf does not exist"),
+      ([f"--config={ROOT}/configs/smollm2_sessions.py", f"--input={tmp_path}/tau2.json",
+        f"--output={tmp_path}/o.jsonl"], "scripts/make_traces.py --source=tau2"),
   ]
   for args, expect in cases:
     p = _serve(*args)
@@ -156,3 +158,16 @@ def test_read_requests_lists_every_line_once(tmp_path):
   assert [r.id for r in reqs] == ["a"]
   assert order == ["a", "line:2", "a@line:3", "c", "c@line:5"]
   assert [e.rid for e in errors] == ["line:2", "a@line:3", "c", "c@line:5"]
+
+
+def test_missing_traces_name_the_command_that_makes_them(tmp_path):
+  from jaxkv.data import traces
+  with pytest.raises(FileNotFoundError, match="scripts/make_traces.py --source=tau2"):
+    traces.load_toolbench(tmp_path / "tau2_train.json")
+  p = subprocess.run([sys.executable, str(ROOT / "scripts/train_pruner.py"),
+                      f"--config={ROOT}/configs/pruner_smollm2.py",
+                      f"--config.train_traces={tmp_path}/tau2_train.json",
+                      f"--config.cache_dir={tmp_path}/cache", f"--config.out_dir={tmp_path}/run"],
+                     capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+  assert "scripts/make_traces.py" in p.stderr.splitlines()[-1]

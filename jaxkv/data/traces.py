@@ -245,6 +245,12 @@ def parse_entry(entry: Any, index: int = 0) -> Session:
   return Session(sid, task, tuple(turns), tools)
 
 
+# The command that makes the trace files the configs and README commands read.
+MAKE_TRACES_HINT = ("make the tau2 traces with: python scripts/make_traces.py --source=tau2 "
+                    "--domains=airline,retail --out=data_local/tau2_train.json "
+                    "--held_out=data_local/tau2_heldout.json")
+
+
 def load_toolbench(path: str | os.PathLike, strict: bool = True,
                    errors: list | None = None) -> list[Session]:
   """Reads a ToolBench JSON list (or JSONL, one conversation per line).
@@ -258,6 +264,8 @@ def load_toolbench(path: str | os.PathLike, strict: bool = True,
     TraceFormatError: a malformed entry (with `strict`), or a malformed file (index -1).
   """
   path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"trace file {path} not found; {MAKE_TRACES_HINT}")
   text = path.read_text(encoding="utf-8")
   stripped = text.lstrip()
   entries: list = []
