@@ -27,10 +27,10 @@ not a speed one): only the reference rows are timed and the table says so.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
+from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
@@ -94,14 +94,22 @@ def floor_s(cost, bw_gbs, tflops):
   return max(cost["bytes"] / (bw_gbs * 1e9), cost["flops"] / (tflops * 1e12))
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--contexts", default=None, help="decode contexts (default by backend)")
-  ap.add_argument("--lora_contexts", default=None)
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--dtype", default=None, help="default bfloat16 on GPU, float32 on CPU")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args()
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a script, so importing this
+  module next to other absl scripts never clashes)."""
+  flags.DEFINE_string("contexts", None, "decode contexts (default by backend)")
+  flags.DEFINE_string("lora_contexts", None, "Flash-LoRA contexts (default by backend)")
+  flags.DEFINE_integer("batch", 8, "decode batch")
+  flags.DEFINE_string("dtype", None, "default bfloat16 on GPU, float32 on CPU")
+  flags.DEFINE_string("out", None, "write JSON rows here")
+
+
+def main(argv):
+  del argv
+  args = FLAGS
 
   gpu = jax.default_backend() == "gpu"
   dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
@@ -174,4 +182,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -23,12 +23,12 @@ recomputed_tokens, targets. --tables_from=FILE reprints the tables.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 
 import jax
+from absl import app, flags
 import numpy as np
 from tqdm import tqdm
 
@@ -95,31 +95,40 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out):
   bar.close()
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--traces")
-  ap.add_argument("--adapters", default="data_local/runs/lora_smollm2/adapters")
-  ap.add_argument("--qkvo_adapters", default=None, help="LoRA-on-QKVO ablation adapters")
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--tables_from", default=None)
-  ap.add_argument("--model", default="smollm2-135m")
-  ap.add_argument("--schemes", default=",".join(lragent.SCHEMES))
-  ap.add_argument("--max_sessions", type=int, default=4)
-  ap.add_argument("--emulate", default="1024,2048,4096,8192")
-  ap.add_argument("--qkvo_emulate", default="1024,4096",
-                  help="emulated lengths of the QKVO ablation (a subset, to bound its cost)")
-  ap.add_argument("--qkvo_max_sessions", type=int, default=2)
-  ap.add_argument("--n_critical", type=int, default=0, help="DroidSpeak layers (0: L / 4)")
-  ap.add_argument("--chunk", type=int, default=512)
-  ap.add_argument("--xla_cache", default="data_local/xla_cache",
-                  help="persistent compilation cache: reruns skip the warm-up compiles")
-  args = ap.parse_args()
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a script, so importing this
+  module next to other absl scripts never clashes)."""
+  flags.DEFINE_string("traces", None, "ToolBench-format trace file (scripts/make_traces.py)")
+  flags.DEFINE_string("adapters", "data_local/runs/lora_smollm2/adapters",
+                      "trained role adapters (PEFT; scripts/train_lora.py)")
+  flags.DEFINE_string("qkvo_adapters", None, "LoRA-on-QKVO ablation adapters")
+  flags.DEFINE_string("out", None, "write JSON rows here")
+  flags.DEFINE_string("tables_from", None, "print the tables of an earlier --out JSON and exit")
+  flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
+  flags.DEFINE_string("schemes", ",".join(lragent.SCHEMES), "sharing schemes to run")
+  flags.DEFINE_integer("max_sessions", 4, "real trajectories to replay")
+  flags.DEFINE_string("emulate", "1024,2048,4096,8192", "emulated trajectory lengths (tokens)")
+  flags.DEFINE_string("qkvo_emulate", "1024,4096",
+                      "emulated lengths of the QKVO ablation (a subset, to bound its cost)")
+  flags.DEFINE_integer("qkvo_max_sessions", 2, "real trajectories for the QKVO ablation")
+  flags.DEFINE_integer("n_critical", 0, "DroidSpeak layers (0: L / 4)")
+  flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
+  flags.DEFINE_string("xla_cache", "data_local/xla_cache",
+                      "persistent compilation cache: reruns skip the warm-up compiles")
+
+
+def main(argv):
+  del argv
+  args = FLAGS
   if args.tables_from:
     with open(args.tables_from) as f:
       print_tables(json.load(f))
     return
   if not args.traces:
-    ap.error("--traces is required")
+    raise app.UsageError("--traces is required")
   schemes = args.schemes.split(",")
   for s in schemes:
     lragent.check_scheme(s)
@@ -191,4 +200,5 @@ def print_tables(rows):
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

@@ -23,7 +23,6 @@ finding can be traced back to the jaxpr.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import os
@@ -32,6 +31,7 @@ import tempfile
 import time
 
 import jax
+from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
@@ -95,21 +95,29 @@ def decode_inputs(llm, batch: int, context: int, num_steps: int):
               stop_ids=jnp.asarray([-1], jnp.int32), sampling=sampling)
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--preset", default="smollm2-135m")
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--context", type=int, default=256,
-                  help="tokens already cached per row (the slot map is bucketed as the engine does)")
-  ap.add_argument("--steps", type=int, default=16, help="decode steps per call")
-  ap.add_argument("--reps", type=int, default=3, help="traced calls")
-  ap.add_argument("--top", type=int, default=12, help="ops listed individually")
-  ap.add_argument("--attn_impl", default="auto")
-  ap.add_argument("--scan_layers", type=int, default=0,
-                  help="1: stacked weights under lax.scan; 0: unrolled layers (the serving default)")
-  args = ap.parse_args()
+FLAGS = flags.FLAGS
 
-  llm = load(args.preset, scan_layers=bool(args.scan_layers))
+
+def define_flags():
+  """Command-line flags (defined only when run as a script, so importing this
+  module next to other absl scripts never clashes)."""
+  flags.DEFINE_string("preset", "smollm2-135m", "model preset")
+  flags.DEFINE_integer("batch", 8, "decode batch")
+  flags.DEFINE_integer("context", 256,
+                       "tokens already cached per row (slot map bucketed as the engine does)")
+  flags.DEFINE_integer("steps", 16, "decode steps per call")
+  flags.DEFINE_integer("reps", 3, "traced calls")
+  flags.DEFINE_integer("top", 12, "ops listed individually")
+  flags.DEFINE_string("attn_impl", "auto", "jaxkv.ops implementation")
+  flags.DEFINE_bool("scan_layers", False,
+                    "stacked weights under lax.scan (default: unrolled layers, as serving)")
+
+
+def main(argv):
+  del argv
+  args = FLAGS
+
+  llm = load(args.preset, scan_layers=args.scan_layers)
   graphdef, weights = llm.graphdef, llm.weights
   a = decode_inputs(llm, args.batch, args.context, args.steps)
   kw = dict(num_steps=args.steps, attn_impl=args.attn_impl, greedy_only=True)
@@ -156,4 +164,5 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

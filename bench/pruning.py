@@ -26,12 +26,12 @@ Columns (IntentKV section 4.1; means over sessions unless stated):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 
 import numpy as np
+from absl import app, flags
 from tqdm import tqdm
 
 import common
@@ -98,34 +98,41 @@ def summarize(turns_by_session, full_by_session) -> dict:
   }
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--traces", help="ToolBench-format JSON")
-  ap.add_argument("--tables_from", default=None,
-                  help="print the tables of an earlier --out JSON and exit")
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--model", default="smollm2-135m")
-  ap.add_argument("--methods", default=None,
-                  help=f"default: {','.join(METHODS)} (+ {','.join(LEARNABLE)} with --head)")
-  ap.add_argument("--head", default=None,
-                  help="trained residual head (scripts/train_pruner.py) for IntentKV learnable")
-  ap.add_argument("--layouts", default="dead_slot,compact")
-  ap.add_argument("--compact_budgets", default=None,
-                  help="budgets at which the compact layout also runs (default: all)")
-  ap.add_argument("--budgets", default="3584,4096",
-                  help="C; the forced set includes the tool-schema system prompt "
-                       "(~1.2-4.3k tokens in tau2/agentdojo), so C* = C - |F| is the history kept")
-  ap.add_argument("--max_sessions", type=int, default=8)
-  ap.add_argument("--max_tokens", type=int, default=7000,
-                  help="skip sessions whose final prompt exceeds this many tokens")
-  ap.add_argument("--num_pages", type=int, default=2048)
-  args = ap.parse_args()
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a script, so importing this
+  module next to other absl scripts never clashes)."""
+  flags.DEFINE_string("traces", None, "ToolBench-format JSON")
+  flags.DEFINE_string("tables_from", None, "print the tables of an earlier --out JSON and exit")
+  flags.DEFINE_string("out", None, "write JSON rows here")
+  flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
+  flags.DEFINE_string("methods", None,
+                      f"default: {','.join(METHODS)} (+ {','.join(LEARNABLE)} with --head)")
+  flags.DEFINE_string("head", None,
+                      "trained residual head (scripts/train_pruner.py) for IntentKV learnable")
+  flags.DEFINE_string("layouts", "dead_slot,compact", "dead_slot and/or compact")
+  flags.DEFINE_string("compact_budgets", None,
+                      "budgets at which the compact layout also runs (default: all)")
+  flags.DEFINE_string("budgets", "3584,4096",
+                      "C; the forced set includes the tool-schema system prompt (~1.2-4.3k "
+                      "tokens in tau2/agentdojo), so C* = C - |F| is the history kept")
+  flags.DEFINE_integer("max_sessions", 8, "sessions to replay")
+  flags.DEFINE_integer("max_tokens", 7000,
+                       "skip sessions whose final prompt exceeds this many tokens")
+  flags.DEFINE_integer("num_pages", 2048, "KV pool pages")
+
+
+def main(argv):
+  del argv
+  args = FLAGS
   if args.tables_from:
     with open(args.tables_from) as f:
       print_tables(json.load(f))
     return
   if not args.traces:
-    ap.error("--traces is required")
+    raise app.UsageError("--traces is required")
 
   llm = jaxkv.load(args.model)
   head = None
@@ -137,7 +144,8 @@ def main():
   names = args.methods.split(",") if args.methods else list(methods)
   unknown = sorted(set(names) - set(methods))
   if unknown:
-    ap.error(f"unknown methods {unknown} (learnable ones need --head); known: {sorted(methods)}")
+    raise app.UsageError(f"unknown methods {unknown} (learnable ones need --head); "
+                         f"known: {sorted(methods)}")
   sessions = []
   for s in traces.load_toolbench(args.traces):
     msgs, tools = traces.session_chat(s, llm.tokenizer)
@@ -230,4 +238,5 @@ def _t4_cells(label, r):
 
 
 if __name__ == "__main__":
-  main()
+  define_flags()
+  app.run(main)

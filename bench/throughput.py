@@ -41,12 +41,20 @@ from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.llm import LLM, load
 from jaxkv.models import presets
 
-_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
-_NEW = flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
-_THREADS = flags.DEFINE_integer("threads", 0, "torch threads (0: torch default)")
-_REPS = flags.DEFINE_integer("reps", 3, "timed runs per system, alternating; the median is reported")
-_LAYOUTS = flags.DEFINE_list("layouts", ["unrolled", "scan"], "jaxkv layer layouts to run")
-_OUT = flags.DEFINE_string("out", None, "write JSON rows here")
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a script, so importing this
+  module next to other absl scripts never clashes)."""
+  flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
+  flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
+  flags.DEFINE_integer("threads", 0, "torch threads (0: torch default)")
+  flags.DEFINE_integer("reps", 3,
+                       "timed runs per system, alternating; the median is reported")
+  flags.DEFINE_list("layouts", ["unrolled", "scan"], "jaxkv layer layouts to run")
+  flags.DEFINE_string("out", None, "write JSON rows here")
+
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -151,11 +159,11 @@ def main(argv):
   del argv
   import torch
   import transformers
-  if _THREADS.value:
-    torch.set_num_threads(_THREADS.value)
+  if FLAGS.threads:
+    torch.set_num_threads(FLAGS.threads)
   base = load(presets.SMOLLM2)
   llms = {}
-  for name in _LAYOUTS.value:
+  for name in FLAGS.layouts:
     if name not in ("unrolled", "scan"):
       raise app.UsageError(f"--layouts takes unrolled and/or scan, got {name!r}")
     model = base.model.relayout(scan_layers=name == "scan")
@@ -174,14 +182,14 @@ def main(argv):
   bw = max(bw_copy, bw_gemv)
   peak = common.matmul_gflops()
   rows, table = [], []
-  for batch in [int(b) for b in _BATCHES.value]:
+  for batch in [int(b) for b in FLAGS.batches]:
     prompts = [chats[i % len(chats)] for i in range(batch)]
-    runners = {f"jaxkv {n}": jaxkv_runner(m, prompts, batch, _NEW.value)
+    runners = {f"jaxkv {n}": jaxkv_runner(m, prompts, batch, FLAGS.new_tokens)
                for n, m in llms.items()}
-    runners["hf"] = hf_runner(hf, prompts, batch, _NEW.value, tok.pad_id or 0)
-    results = dict(zip(runners, _median_runs(list(runners.values()), _REPS.value)))
+    runners["hf"] = hf_runner(hf, prompts, batch, FLAGS.new_tokens, tok.pad_id or 0)
+    results = dict(zip(runners, _median_runs(list(runners.values()), FLAGS.reps)))
     h_pre, h_dec, h_tok = results["hf"]
-    mean_ctx = np.mean([len(p) for p in prompts]) + _NEW.value / 2
+    mean_ctx = np.mean([len(p) for p in prompts]) + FLAGS.new_tokens / 2
     step_bytes = weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token(4)
     dec_roof = batch / (step_bytes / (bw * 1e9))
     lengths = [len(p) for p in prompts]
@@ -197,7 +205,7 @@ def main(argv):
                    "decode_roof_tok_s": round(dec_roof, 1), "greedy_agree16": agree,
                    "warmup_s": None if warm is None else round(warm, 1)})
 
-  print(f"\nSmolLM2-135M fp32, greedy, {_NEW.value} new tokens, median of {_REPS.value} "
+  print(f"\nSmolLM2-135M fp32, greedy, {FLAGS.new_tokens} new tokens, median of {FLAGS.reps} "
         f"alternating runs, jax {jax.__version__} on {jax.devices()[0].platform}, torch "
         f"{torch.__version__} ({torch.get_num_threads()} threads); measured bandwidth "
         f"{bw:.1f} GB/s (copy {bw_copy:.1f}, mat-vec read {bw_gemv:.1f}), fp32 matmul peak "
@@ -213,8 +221,9 @@ def main(argv):
       for r in rows])
   print(f"floors: decode = (weights + live KV) / bandwidth; prefill = max(weights / bandwidth, "
         f"FLOPs / matmul peak)")
-  common.write_rows(_OUT.value, rows)
+  common.write_rows(FLAGS.out, rows)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

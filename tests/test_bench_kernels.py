@@ -32,11 +32,17 @@ def test_materialize_then_attend_matches_flash_lora_reference():
   np.testing.assert_allclose(got, want, atol=2e-5)
 
 
-def test_bench_runs_and_writes_rows(tmp_path, monkeypatch):
+def test_bench_runs_and_writes_rows(tmp_path):
+  from absl import flags
   out = tmp_path / "rows.json"
-  monkeypatch.setattr(sys, "argv", ["kernels.py", "--contexts=128", "--lora_contexts=128",
-                                    "--batch=2", f"--out={out}"])
-  bench.main()
+  if "lora_contexts" not in flags.FLAGS:
+    bench.define_flags()
+  flags.FLAGS(["kernels.py", "--contexts=128", "--lora_contexts=128", "--batch=2",
+               f"--out={out}"])
+  try:
+    bench.main([])
+  finally:
+    flags.FLAGS.unparse_flags()
   import json
   rows = json.loads(out.read_text())
   assert {r["bench"] for r in rows} == {"decode", "prefill", "flash_lora"}
