@@ -164,12 +164,18 @@ class SamplingConfig:
 ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret")  # == jaxkv.ops.IMPLS
 
 # XLA compiler options of every jaxkv jit (pass them to your own `jax.jit` when
-# you call jaxkv functions inside it). On XLA:CPU, jax 0.10 hands dots and
-# reductions to YNNPACK library fusions, which run this engine's shapes slower
-# than XLA's own emitters and Eigen: decode batch 8 1.20x, prefill 1.09-1.22x
-# faster without them (SmolLM2, A/B in one process, bench/profile_decode.py
-# shows where the time goes). GPU and TPU compilers ignore the option.
-COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# you call jaxkv functions inside it, or use `jaxkv.functional.jit`). Empty
+# today: XLA's defaults. History: on 2026-11-23 jax 0.10's YNNPACK library
+# fusions on XLA:CPU ran this engine's steps slower (decode b8 1.20x, prefill
+# 1.09-1.22x faster without them), so this turned them off with
+# {"xla_cpu_experimental_ynn_fusion_type": ""}. After the attention rewrite and
+# the unrolled layer layout the same A/B (one process, alternating, SmolLM2 fp32,
+# 2026-11-24) went the other way: with YNNPACK, unrolled decode b1 / b8 1.01x /
+# 1.09x (b8 at 1k context 1.08x), prefill b1 / b8 x 48 tokens 1.13x / 1.06x,
+# 512 tokens 1.01x; scan layout 1.25x / 1.01x decode, 1.18x / 1.03x prefill.
+# The mechanism stays so a later measurement can set options again; GPU and TPU
+# compilers ignore CPU options.
+COMPILER_OPTIONS: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)

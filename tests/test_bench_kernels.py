@@ -35,14 +35,16 @@ def test_materialize_then_attend_matches_flash_lora_reference():
 def test_bench_runs_and_writes_rows(tmp_path):
   from absl import flags
   out = tmp_path / "rows.json"
-  if "lora_contexts" not in flags.FLAGS:
-    bench.define_flags()
-  flags.FLAGS(["kernels.py", "--contexts=128", "--lora_contexts=128", "--batch=2",
-               f"--out={out}"])
-  try:
+  before = set(flags.FLAGS)
+  bench.define_flags()
+  added = set(flags.FLAGS) - before
+  try:                          # the script's flags exist only for this call
+    flags.FLAGS(["kernels.py", "--contexts=128", "--lora_contexts=128", "--batch=2",
+                 f"--out={out}"])
     bench.main([])
   finally:
-    flags.FLAGS.unparse_flags()
+    for name in added:
+      delattr(flags.FLAGS, name)
   import json
   rows = json.loads(out.read_text())
   assert {r["bench"] for r in rows} == {"decode", "prefill", "flash_lora"}
