@@ -59,17 +59,14 @@ class Field:
 
 
 def fields(cls: type, prefix: str = "config") -> Iterator[Field]:
-  """Every leaf field of a (nested) config dataclass, depth first."""
-  hints = typing.get_type_hints(cls)
-  docs = _comments(cls)
-  inst = cls()
-  for f in dataclasses.fields(cls):
-    sub = _dataclass_type(hints[f.name])
-    if sub is not None:
-      yield from fields(sub, f"{prefix}.{f.name}")
-    else:
-      yield Field(f"{prefix}.{f.name}", hints[f.name], getattr(inst, f.name),
-                  docs.get(f.name, ""))
+  """Every leaf field of a (nested) config dataclass: each group's own fields, the
+  root group first."""
+  for path, group in _groups(cls, prefix).items():
+    hints, docs, inst = typing.get_type_hints(group), _comments(group), group()
+    for f in dataclasses.fields(group):
+      if _dataclass_type(hints[f.name]) is None:
+        yield Field(f"{path}.{f.name}", hints[f.name], getattr(inst, f.name),
+                    docs.get(f.name, ""))
 
 
 def reference(cls: type, prefix: str = "config") -> str:

@@ -74,21 +74,15 @@ def _check_paths(src: pathlib.Path, dst: pathlib.Path, mode: str) -> None:
       break
 
 
-def _pending(src: pathlib.Path, cfg, done: set[str]) -> tuple[int, int]:
-  """(non-blank lines, usable lines still to run): a cheap pass without the model
-  (an unusable line gets its error record again without it)."""
+def _scan(src: pathlib.Path, cfg, done: set[str]) -> tuple[list[str], list, int]:
+  """One pass over the input without the model: the record key of every line in
+  order, the unusable lines' errors, and how many usable lines are still to run."""
   from jaxkv.engine import batch
-  total = todo = 0
-  with open(src) as f:
-    for line, text in enumerate(f, start=1):
-      if not text.strip():
-        continue
-      total += 1
-      try:
-        todo += batch.parse_line(text, line, cfg.sampling).id not in done
-      except batch.RequestError:
-        pass
-  return total, todo
+  order: list[str] = []
+  errors: list = []
+  todo = sum(1 for _ in batch.read_requests(src, lambda prompt, tools: [], cfg.sampling, done,
+                                            errors.append, order))
+  return order, errors, todo
 
 
 def _load(cfg):
@@ -123,13 +117,17 @@ def main(argv):
   _compilation_cache()
   if cfg.mode == "sessions":
     return serve_sessions(cfg, src, out)
-  total, todo = _pending(src, cfg, out.done)
+  order, errors, todo = _scan(src, cfg, out.done)
+  total = len(order)
   if total == 0:
     out.finish([])
     print(f"nothing to do: {src} holds no requests", file=sys.stderr)
     return
-  if todo == 0:
-    n = out.finish(_order(src, cfg, out))
+  if todo == 0:                 # only unusable lines left: their errors, no model
+    for e in errors:
+      print(f"error: {e}", file=sys.stderr)
+      out.add(e.record())
+    n = out.finish(order)
     print(f"nothing to run: every usable request of {src} is answered in {dst} "
           f"({n} records, one per input line)", file=sys.stderr)
     return
@@ -184,21 +182,6 @@ def main(argv):
             ("peak KV bytes", f"{m['peak_kv_bytes']:,} ({m['peak_live_slots']} live slots)"),
             ("wall s", f"{m['wall_s']:.1f}"),
             ("output", f"{dst} ({n} records, one per input line)")], m)
-
-
-def _order(src: pathlib.Path, cfg, out) -> list[str]:
-  """Record keys of every input line, in order, when nothing is left to run;
-  unusable lines get their error records (printed to stderr)."""
-  from jaxkv.engine import batch
-
-  def on_error(e: batch.RequestError) -> None:
-    print(f"error: {e}", file=sys.stderr)
-    out.add(e.record())
-
-  order: list[str] = []
-  for _ in batch.read_requests(src, lambda p, t: [], cfg.sampling, out.done, on_error, order):
-    raise AssertionError("no request is left to run")
-  return order
 
 
 def serve_sessions(cfg, src: pathlib.Path, out) -> None:

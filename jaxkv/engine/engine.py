@@ -5,9 +5,9 @@ admit queued requests into empty rows (allocating their prompt slots), prefill
 the admitted rows chunk by chunk (ragged: each row advances through its own
 prompt), then run up to `EngineConfig.decode_steps` tokens for every decoding row
 in one `lax.scan` call (fewer when no row needs that many: the step count is the
-largest remaining budget rounded up to a power of two), and retire rows that hit a stop token or their token limit,
-returning their slots to the allocator. Results are handed to `on_result` the
-moment a request finishes.
+largest remaining budget rounded up to a power of two), and retire rows that hit
+a stop token or their token limit, returning their slots to the allocator.
+Results are handed to `on_result` the moment a request finishes.
 
 Prefill and decode go through the one driver (`jaxkv.engine.driver`); shapes
 are bucketed by `jaxkv.kv.plan`, so a run compiles a handful of step

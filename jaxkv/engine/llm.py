@@ -119,8 +119,9 @@ def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
 
   scan_layers: the weights' layer layout (`jaxkv.models.llama`). False (default,
   inference): one set of weights per layer, unrolled: faster steps (SmolLM2 fp32
-  on a 2-core CPU: decode 1.15x, prefill 1.1x), each step shape compiles in ~2-5 s
-  instead of ~1-2 s. True: stacked and run with `lax.scan` (training, and runs
+  on a 2-core CPU, five bench/throughput.py runs: decode 1.07-1.16x at batch 1,
+  0.98-1.13x at batch 8; prefill within run-to-run noise), each step shape compiles
+  in ~2-5 s instead of ~1-2 s. True: stacked and run with `lax.scan` (training, and runs
   that compile many shapes). `LLM.model.relayout` converts.
   """
   path = presets.resolve(model)

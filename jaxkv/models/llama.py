@@ -12,8 +12,8 @@ Layer weights have two layouts (`Transformer(..., scan_layers=...)`):
   `scan_layers=False`): each layer's weights are their own jit arguments, so no
   per-layer dynamic-slice copies them out of the stack (on XLA:CPU those copies
   took 44% of a decode step), at the price of a compile that grows with depth.
-`Transformer.relayout` converts between them; both compute the same function. The model reads and
-writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
+`Transformer.relayout` converts between them; both compute the same function.
+The model reads and writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
 keys are written post-RoPE. Weights layout is [in, out] (x @ w).
 
 Everything besides tokens, positions and the pool travels as the small pytrees
@@ -112,6 +112,11 @@ def _layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
           if name.startswith("layers.")}
 
 
+def _param_values(module: nnx.Module) -> dict[str, jax.Array]:
+  """{attribute name: value} of a module's own `nnx.Param`s."""
+  return {name: p[...] for name, p in vars(module).items() if isinstance(p, nnx.Param)}
+
+
 class Layer(nnx.Module):
   """One decoder layer's weights (the unrolled layout)."""
 
@@ -120,7 +125,7 @@ class Layer(nnx.Module):
       setattr(self, name, _init_param(name, shape[1:], dtype, rngs))
 
   def weights(self) -> dict[str, jax.Array]:
-    return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+    return _param_values(self)
 
 
 class Layers(nnx.Module):
@@ -140,7 +145,7 @@ class Layers(nnx.Module):
     """{name: [L, ...]} (stacked layout only: the unrolled one would copy)."""
     if not self.is_stacked:
       raise ValueError("these layers are unrolled; use layer(i) or Transformer.relayout")
-    return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+    return _param_values(self)
 
   def layer(self, i: int) -> dict[str, jax.Array]:
     """Layer i's weights (unrolled layout)."""
@@ -168,7 +173,6 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                scan_layers: bool = True):
     self.cfg = cfg
-    self.scan_layers = scan_layers
     init = nnx.initializers.normal(0.02)
     shapes = param_shapes(cfg)
     self.embed = nnx.Param(init(rngs.params(), shapes["embed"], dtype))
