@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 
+import einops
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -92,14 +93,14 @@ def attend_reference(q, k, v, slot_map, q_positions, scale):
   Decode-sized queries (Hkv * Hq * Tq <= REF_PER_ROW_MAX) take `_attend_per_row`.
   """
   b, tq, hq, d = q.shape
-  t, hkv = k.shape[1], k.shape[2]
+  hkv = k.shape[2]
   if hq % hkv:
     raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
   scale = d ** -0.5 if scale is None else scale
   if hkv * hq * tq <= REF_PER_ROW_MAX:
     return _attend_per_row(q, k, v, slot_map, q_positions, scale)
-  kf = k.transpose(0, 2, 1, 3).reshape(b * hkv, t, d)              # [B*Hkv, T, D]
-  vf = v.transpose(0, 2, 1, 3).reshape(b * hkv, t, v.shape[-1])
+  kf = einops.rearrange(k, "b t h d -> (b h) t d")
+  vf = einops.rearrange(v, "b t h d -> (b h) t d")
   if tq > REF_QUERY_BLOCK and tq % REF_QUERY_BLOCK == 0:
     # Long prefill chunks: one query block at a time keeps the [rows, T] score
     # block in cache (~1.3x on XLA:CPU at Tq 512-1024, T 4096); rows are independent,
@@ -143,10 +144,10 @@ def _attend_per_row(q, k, v, slot_map, q_positions, scale):
 
 def _attend_rows(q, kf, vf, slot_map, q_positions, scale):
   """attend_reference on folded keys/values kf, vf [B*Hkv, T, D]."""
-  b, tq, hq, d = q.shape
+  b, tq, hq, _ = q.shape
   t, hkv = kf.shape[1], kf.shape[0] // b
   g = hq // hkv
-  qf = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b * hkv, g * tq, d)
+  qf = einops.rearrange(q, "b t (h g) d -> (b h) (g t) d", h=hkv)
   batched = (((2,), (2,)), ((0,), (0,)))
   scores = jax.lax.dot_general(qf, kf, batched, preferred_element_type=jnp.float32) * scale
   mask = attention_mask(slot_map, q_positions)                  # [B, Tq, T]
@@ -154,8 +155,7 @@ def _attend_rows(q, kf, vf, slot_map, q_positions, scale):
   w = masked_softmax_weights(scores, mask)
   out = jax.lax.dot_general(w.astype(vf.dtype), vf, (((2,), (1,)), ((0,), (0,))),
                             preferred_element_type=jnp.float32)   # [B*Hkv, g*Tq, Dv]
-  out = out.reshape(b, hkv, g, tq, -1).transpose(0, 3, 1, 2, 4)
-  return out.reshape(b, tq, hq, -1).astype(q.dtype)
+  return einops.rearrange(out, "(b h) (g t) d -> b t (h g) d", b=b, g=g).astype(q.dtype)
 
 
 def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
@@ -216,9 +216,9 @@ def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=Non
 
 def fold_rows(q: jax.Array, q_positions: jax.Array, hkv: int, rows_p: int):
   """q [B, Tq, Hq, D] -> rows [B, Hkv, R_p, D] and row positions [B, R_p] (pad -1)."""
-  b, tq, hq, d = q.shape
+  tq, hq = q.shape[1:3]
   g = hq // hkv
-  rows = q.reshape(b, tq, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tq * g, d)
+  rows = einops.rearrange(q, "b t (h g) d -> b h (t g) d", h=hkv)
   pos = jnp.repeat(q_positions.astype(jnp.int32), g, axis=1)
   pad = rows_p - tq * g
   rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
@@ -228,10 +228,8 @@ def fold_rows(q: jax.Array, q_positions: jax.Array, hkv: int, rows_p: int):
 
 def unfold_rows(o: jax.Array, tq: int, hq: int) -> jax.Array:
   """rows [B, Hkv, R_p, D] -> [B, Tq, Hq, D]."""
-  b, hkv, _, d = o.shape
-  g = hq // hkv
-  o = o[:, :, :tq * g].reshape(b, hkv, tq, g, d).transpose(0, 2, 1, 3, 4)
-  return o.reshape(b, tq, hq, d)
+  g = hq // o.shape[1]
+  return einops.rearrange(o[:, :, :tq * g], "b h (t g) d -> b t (h g) d", t=tq)
 
 
 def pad_slot_map(slot_map: jax.Array, t_p: int) -> jax.Array:

@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 
+import einops
 import numpy as np
 
 from jaxkv.config import ModelConfig, RopeConfig
@@ -53,9 +54,7 @@ _HF_LAYER = {
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
   """Undo llama.cpp's interleaved-RoPE row permutation. w: [out, in] (or [out])."""
-  out = w.shape[0]
-  rest = w.shape[1:]
-  return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(out, *rest)
+  return einops.rearrange(w, "(h half two) ... -> (h two half) ...", h=n_head, two=2)
 
 
 def _stack(per_layer: dict[str, list], num_layers: int, what: str) -> dict[str, np.ndarray]:

@@ -27,6 +27,7 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 
+import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,9 +79,8 @@ def rule_scores(memory: jax.Array, k: jax.Array, candidates: jax.Array) -> jax.A
   memory [L, B, Hq, D]; k [L, B, T, Hkv, D] post-RoPE keys; candidates [B, T]
   bool (the set H the softmax runs over). Returns [B, T] float32, 0 outside H.
   """
-  num_layers, b, hq, d = memory.shape
-  hkv = k.shape[3]
-  mg = memory.reshape(num_layers, b, hkv, hq // hkv, d)
+  d = memory.shape[-1]
+  mg = einops.rearrange(memory, "l b (h g) d -> l b h g d", h=k.shape[3])
 
   def layer(acc, mk):
     m, kk = mk

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import einops
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -62,11 +63,9 @@ def last_live(live: jax.Array, n: jax.Array | int) -> jax.Array:
 
 def _logits(q: jax.Array, k: jax.Array) -> jax.Array:
   """q [B, W, Hq, D], k [B, T, Hkv, D] -> [B, Hq, W, T] float32 scaled logits."""
-  b, w, hq, d = q.shape
-  hkv = k.shape[2]
-  qg = q.reshape(b, w, hkv, hq // hkv, d)
+  qg = einops.rearrange(q, "b w (h g) d -> b w h g d", h=k.shape[2])
   s = jnp.einsum("bwhgd,bthd->bhgwt", qg, k, preferred_element_type=jnp.float32)
-  return s.reshape(b, hq, w, -1) * d ** -0.5
+  return einops.rearrange(s, "b h g w t -> b (h g) w t") * q.shape[-1] ** -0.5
 
 
 def causal_weights(q: jax.Array, q_pos: jax.Array, k: jax.Array, live: jax.Array) -> jax.Array:
