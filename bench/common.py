@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +41,26 @@ def matvec_bandwidth_gbs(nbytes: int = 1 << 29, reps: int = 5) -> float:
   return nbytes / timeit(jax.jit(lambda a, b: a @ b), x, v, reps=reps) / 1e9
 
 
+class Table(NamedTuple):
+  """A results table: what scripts print and `scripts/report.py` writes into the README."""
+  title: str
+  header: Sequence[str]
+  lines: Sequence[Sequence[str]]
+
+  def markdown(self) -> str:
+    out = ["| " + " | ".join(self.header) + " |", "|" + "---|" * len(self.header)]
+    return "\n".join(out + ["| " + " | ".join(cells) + " |" for cells in self.lines])
+
+
 def print_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> None:
   """A markdown table (pasteable into the README)."""
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header))
-  for cells in lines:
-    print("| " + " | ".join(cells) + " |")
+  print(Table("", header, lines).markdown())
+
+
+def print_tables(tables: Sequence[Table]) -> None:
+  for t in tables:
+    print(f"\n{t.title}" if t.title else "")
+    print(t.markdown())
 
 
 def write_rows(path: str | None, rows: list[dict]) -> None:

@@ -1,7 +1,7 @@
 """LRAgent: five KV-sharing schemes for multi-LoRA agents, side by side (TTFT, throughput tables).
 
-    python bench/lragent.py --traces=data_local/tau2_heldout.json \\
-        --adapters=data_local/runs/lora_smollm2/adapters --out=bench/results_lragent.json \\
+    python bench/lragent.py --traces=data_local/tau2_heldout.json --out=bench/results_lragent.json \\
+        [--adapters=artifacts/smollm2-135m/role_adapters: the shipped ones, the default] \\
         [--emulate=1024,2048,4096,8192] [--max_sessions=4] [--schemes=...] \\
         [--qkvo_adapters=data_local/runs/lora_qkvo/adapters] [--qkvo_emulate=1024,4096]
 
@@ -35,11 +35,11 @@ from tqdm import tqdm
 import common
 
 import jaxkv
+from jaxkv import artifacts
 from jaxkv.data import agents, traces
 from jaxkv.data.traces import Session, Turn
 from jaxkv.engine.agents import AgentRunner, fidelity, profile_window
 from jaxkv.kv import plan
-from jaxkv.models import lora as lora_lib
 from jaxkv.policies.sharing import lragent
 
 
@@ -102,8 +102,9 @@ def define_flags():
   """Command-line flags (defined only when run as a script, so importing this
   module next to other absl scripts never clashes)."""
   flags.DEFINE_string("traces", None, "ToolBench-format trace file (scripts/make_traces.py)")
-  flags.DEFINE_string("adapters", "data_local/runs/lora_smollm2/adapters",
-                      "trained role adapters (PEFT; scripts/train_lora.py)")
+  flags.DEFINE_string("adapters", artifacts.ROLE_ADAPTERS,
+                      "role adapters, one PEFT folder per role (default: the shipped ones; "
+                      "scripts/train_lora.py makes others)")
   flags.DEFINE_string("qkvo_adapters", None, "LoRA-on-QKVO ablation adapters")
   flags.DEFINE_string("out", None, "write JSON rows here")
   flags.DEFINE_string("tables_from", None, "print the tables of an earlier --out JSON and exit")
@@ -154,7 +155,7 @@ def main(argv):
   for name, path in (("qv", args.adapters), ("qkvo", args.qkvo_adapters)):
     if not path:
       continue
-    _, w = lora_lib.load_peft([os.path.join(path, r) for r in agents.ROLES], llm.config)
+    _, w = artifacts.load_role_adapters(llm.config, path, model_name=args.model)
     n_crit = args.n_critical or max(1, llm.config.num_layers // 4)
     window, dev = profile_window(llm, w, real[0].ids[:512], n_crit)
     print(f"{name}: DroidSpeak window {window} (per-layer deviation "
@@ -164,16 +165,21 @@ def main(argv):
   print_tables(rows)
 
 
-def print_tables(rows):
+METRICS = (("ttft_s", "TTFT (s, mean per agent call)", "{:.3f}"),
+           ("tokens_per_s", "throughput (generated tokens/s)", "{:.1f}"),
+           ("kv_bytes", "KV MB", None))
+
+
+def tables(rows) -> list[common.Table]:
+  """Per kind of trajectory (real / emulated, per adapter set): TTFT, throughput and KV
+  bytes by length (emulated), then fidelity vs non_shared."""
+  out = []
   for kind in sorted({r["kind"] for r in rows}):
     sub = [r for r in rows if r["kind"] == kind]
     schemes = [s for s in lragent.SCHEMES if any(r["scheme"] == s for r in sub)]
     if kind.startswith("emulated"):
       lens = sorted({r["context_tokens"] for r in sub})
-      for metric, title, fmt in (("ttft_s", "TTFT (s, mean per agent call)", "{:.3f}"),
-                                 ("tokens_per_s", "throughput (generated tokens/s)", "{:.1f}"),
-                                 ("kv_bytes", "KV MB", None)):
-        print(f"\n{kind}: {title} by trajectory length (tokens)")
+      for metric, title, fmt in METRICS:
         lines = []
         for s in schemes:
           cells = [s]
@@ -185,9 +191,8 @@ def print_tables(rows):
             else:
               cells.append(fmt.format(r[metric]) + f" ({r[metric] / ref[metric]:.2f}x)")
           lines.append(cells)
-        common.print_table(["scheme"] + [str(n) for n in lens], lines)
-    print(f"\n{kind}: fidelity vs non_shared (means over {len({r['trace'] for r in sub})} "
-          "trajectories)")
+        out.append(common.Table(f"{kind}: {title} by trajectory length (tokens)",
+                                ["scheme"] + [str(n) for n in lens], lines))
     lines = []
     for s in schemes:
       rs = [r for r in sub if r["scheme"] == s]
@@ -195,8 +200,15 @@ def print_tables(rows):
                     f"{np.mean([r['greedy_agreement'] for r in rs]):.3f}",
                     f"{np.mean([r['computed_tokens'] for r in rs]):.0f}",
                     f"{np.mean([r['recomputed_tokens'] for r in rs]):.0f}"])
-    common.print_table(["scheme", "dNLL", "greedy agree", "computed tok", "recomputed tok"],
-                       lines)
+    out.append(common.Table(f"{kind}: fidelity vs non_shared (means over "
+                            f"{len({r['trace'] for r in sub})} trajectories)",
+                            ["scheme", "dNLL", "greedy agree", "computed tok", "recomputed tok"],
+                            lines))
+  return out
+
+
+def print_tables(rows):
+  common.print_tables(tables(rows))
 
 
 if __name__ == "__main__":

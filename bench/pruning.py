@@ -37,6 +37,7 @@ from tqdm import tqdm
 import common
 
 import jaxkv
+from jaxkv import artifacts
 from jaxkv.config import CacheConfig, PruningConfig
 from jaxkv.data import traces
 from jaxkv.engine.sessions import SessionRunner
@@ -109,9 +110,10 @@ def define_flags():
   flags.DEFINE_string("out", None, "write JSON rows here")
   flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
   flags.DEFINE_string("methods", None,
-                      f"default: {','.join(METHODS)} (+ {','.join(LEARNABLE)} with --head)")
-  flags.DEFINE_string("head", None,
-                      "trained residual head (scripts/train_pruner.py) for IntentKV learnable")
+                      f"default: {','.join(METHODS)}; also {','.join(LEARNABLE)} (--head)")
+  flags.DEFINE_string("head", artifacts.PRUNER_HEAD,
+                      "trained residual head for IntentKV learnable (default: the shipped "
+                      "one; scripts/train_pruner.py makes others)")
   flags.DEFINE_string("layouts", "dead_slot,compact", "dead_slot and/or compact")
   flags.DEFINE_string("compact_budgets", None,
                       "budgets at which the compact layout also runs (default: all)")
@@ -137,11 +139,10 @@ def main(argv):
   llm = jaxkv.load(args.model)
   head = None
   methods = dict(METHODS)
-  if args.head:
-    from jaxkv.training import load_head
-    head = load_head(args.head)
-    methods.update(LEARNABLE)
   names = args.methods.split(",") if args.methods else list(methods)
+  if args.head and set(names) & set(LEARNABLE):
+    head = artifacts.load_pruner_head(args.head, model_name=args.model)
+    methods.update(LEARNABLE)
   unknown = sorted(set(names) - set(methods))
   if unknown:
     raise app.UsageError(f"unknown methods {unknown} (learnable ones need --head); "
@@ -199,9 +200,11 @@ def _cells(r):
           f"{r.get('candidate_evidence_recall', math.nan):.3f}", f"{100 * r['pruned_share']:.0f}")
 
 
-def print_tables(rows: list[dict]) -> None:
+def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
   """Table 2 shape (published layouts: baselines compact, IntentKV dead-slot, per budget
-  where both exist), Table 7 shape (layout ablation), then every row."""
+  where both exist), Table 7 shape (layout ablation), Table 4 shape (with the learnable
+  methods), then (everything) every row."""
+  out = []
   budgets = sorted({r["budget"] for r in rows if r["budget"]})
   full = [r for r in rows if r["method"] == "full"]
   for b in budgets:
@@ -209,20 +212,25 @@ def print_tables(rows: list[dict]) -> None:
         (r["method"].startswith("intentkv") and r["layout"] == "dead_slot")
         or (not r["method"].startswith("intentkv") and r["layout"] == "compact"))]
     if any(r["layout"] == "compact" for r in pub):
-      print(f"\nTable 2 shape, C={b}: baselines in their published compact layout, "
-            "IntentKV dead-slot")
-      common.print_table(HEADER, [_cells(r) for r in full + pub])
+      out.append(common.Table(f"Table 2 shape, C={b}: baselines in their published compact "
+                              "layout, IntentKV dead-slot", HEADER,
+                              [_cells(r) for r in full + pub]))
     abl = [r for r in rows if r["budget"] == b]
     if {r["layout"] for r in abl} >= {"dead_slot", "compact"}:
-      print(f"\nTable 7 shape, C={b}: the same scorers under both layouts")
-      common.print_table(HEADER, [_cells(r) for r in sorted(abl, key=lambda r: r["method"])])
+      out.append(common.Table(f"Table 7 shape, C={b}: the same scorers under both layouts",
+                              HEADER, [_cells(r) for r in sorted(abl, key=lambda r: r["method"])]))
     t4 = {r["method"]: r for r in rows if r["budget"] == b and r["layout"] == "dead_slot"}
     if "intentkv_learnable" in t4:
-      print(f"\nTable 4 shape, C={b} (dead-slot): Phase-1, Phase-2 and its ablations")
-      common.print_table(T4_HEADER, [_t4_cells(label, t4[m]) for m, label in T4_ROWS
-                                     if m in t4])
-  print("\nAll rows")
-  common.print_table(HEADER, [_cells(r) for r in rows])
+      out.append(common.Table(f"Table 4 shape, C={b} (dead-slot): Phase-1, Phase-2 and its "
+                              "ablations", T4_HEADER,
+                              [_t4_cells(label, t4[m]) for m, label in T4_ROWS if m in t4]))
+  if everything:
+    out.append(common.Table("All rows", HEADER, [_cells(r) for r in rows]))
+  return out
+
+
+def print_tables(rows: list[dict]) -> None:
+  common.print_tables(tables(rows))
 
 
 T4_HEADER = ("variant", "cand. recall", "recall", "dNLL", "evidence tokens (cand.)", "turns")

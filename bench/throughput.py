@@ -155,6 +155,20 @@ def prefill_flops(cfg, n_params: int, lengths) -> float:
   return 2.0 * n_params * sum(lengths) + attn
 
 
+def table(rows: list[dict]) -> common.Table:
+  """Prefill / decode tok/s, ratio to HF and % of the roofline, per batch and system."""
+  hdr = ("batch", "system", "prefill tok/s", "vs HF", "% of roof", "decode tok/s", "vs HF",
+         "% of roof", "warm-up s (compile)", "greedy agree@16")
+  return common.Table("throughput", hdr, [
+      (str(r["batch"]), r["system"], f"{r['prefill_tok_s']:.0f}", f"{r['prefill_ratio']:.2f}x",
+       f"{100 * r['prefill_tok_s'] / r['prefill_roof_tok_s']:.0f}%",
+       f"{r['decode_tok_s']:.1f}", f"{r['decode_ratio']:.2f}x",
+       f"{100 * r['decode_tok_s'] / r['decode_roof_tok_s']:.0f}%",
+       "" if r["warmup_s"] is None else f"{r['warmup_s']:.1f}",
+       "" if r["greedy_agree16"] is None else f"{r['greedy_agree16']:.2f}")
+      for r in rows])
+
+
 def main(argv):
   del argv
   import torch
@@ -210,16 +224,7 @@ def main(argv):
         f"{torch.__version__} ({torch.get_num_threads()} threads); measured bandwidth "
         f"{bw:.1f} GB/s (copy {bw_copy:.1f}, mat-vec read {bw_gemv:.1f}), fp32 matmul peak "
         f"{peak:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB")
-  hdr = ("batch", "system", "prefill tok/s", "vs HF", "% of roof", "decode tok/s", "vs HF",
-         "% of roof", "warm-up s (compile)", "greedy agree@16")
-  common.print_table(hdr, [
-      (str(r["batch"]), r["system"], f"{r['prefill_tok_s']:.0f}", f"{r['prefill_ratio']:.2f}x",
-       f"{100 * r['prefill_tok_s'] / r['prefill_roof_tok_s']:.0f}%",
-       f"{r['decode_tok_s']:.1f}", f"{r['decode_ratio']:.2f}x",
-       f"{100 * r['decode_tok_s'] / r['decode_roof_tok_s']:.0f}%",
-       "" if r["warmup_s"] is None else f"{r['warmup_s']:.1f}",
-       "" if r["greedy_agree16"] is None else f"{r['greedy_agree16']:.2f}")
-      for r in rows])
+  print(table(rows).markdown())
   print(f"floors: decode = (weights + live KV) / bandwidth; prefill = max(weights / bandwidth, "
         f"FLOPs / matmul peak)")
   common.write_rows(FLAGS.out, rows)

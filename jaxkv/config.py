@@ -218,7 +218,7 @@ class PruningConfig:
   snap_kernel: int = 7          # SnapKV max-pool kernel
   h2o_recent_ratio: float = 0.5  # H2O ratio mode: recent floor = ratio * C* (C - |F|)
   intent_mode: str = "memory"   # IntentKV scorer: query | memory | learnable (Phase-2 head)
-  head_path: str = ""           # learnable: trained residual head (scripts/train_pruner.py)
+  head_path: str = "artifacts/smollm2-135m/pruner_head"  # learnable: residual head (shipped)
   ablate_memory: bool = False   # learnable ablation "-memory": M_t replaced by Enc(q_t)
   ablate_xattn: bool = False    # learnable ablation "-x-attn": c_j = 0
   ablate_residual: bool = False  # learnable ablation "-residual": alpha = 0 (= Phase-1)

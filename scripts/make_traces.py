@@ -176,6 +176,26 @@ def replay_tau2(domains: Sequence[str] = ("airline", "retail"), max_tasks: int |
   return sessions, skipped
 
 
+def replay_tau2_ids(ids: Sequence[str], include_policy: bool = False) -> list[Session]:
+  """The sessions with these ids ("tau2/<domain>/<task id>", as replay_tau2 names them),
+  replayed in the given order (a check that names its sessions rebuilds exactly them)."""
+  from loguru import logger  # pylint: disable=import-outside-toplevel
+  logger.remove()
+  logger.add(sys.stderr, level="ERROR")
+  out = []
+  for sid in ids:
+    source, domain, task_id = sid.split("/", 2)
+    if source != "tau2" or domain not in TAU2_DOMAINS:
+      raise ValueError(f"{sid!r} is not a tau2 session id (tau2/<domain>/<task id>)")
+    module = importlib.import_module(f"tau2.domains.{domain}.environment")
+    task = next((t for t in _tau2_tasks(module, domain) if str(t.id) == task_id), None)
+    session = None if task is None else replay_tau2_task(module, domain, task, include_policy)
+    if session is None:
+      raise ValueError(f"{sid}: no such tau2 task with ground-truth actions")
+    out.append(session)
+  return out
+
+
 # --- agentdojo ---------------------------------------------------------------------
 
 

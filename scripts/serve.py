@@ -201,9 +201,12 @@ def serve_sessions(cfg, src: pathlib.Path, out) -> None:
   if cfg.pruning.method == "intentkv" and cfg.pruning.intent_mode == "learnable":
     if not cfg.pruning.head_path:
       cli.fail("pruning.intent_mode=learnable needs --config.pruning.head_path="
-               "<head saved by scripts/train_pruner.py>")
-    from jaxkv.training import load_head
-    head = load_head(cfg.pruning.head_path)
+               "<head saved by scripts/train_pruner.py> (default: the shipped one)")
+    from jaxkv import artifacts
+    try:
+      head = artifacts.load_pruner_head(cfg.pruning.head_path, model_name=cfg.model)
+    except (OSError, ValueError) as e:
+      cli.fail(f"--config.pruning.head_path: {e}")
   runner = None
   if todo:  # a finished run resumes without loading the model
     t0 = time.perf_counter()

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import artifacts
 from jaxkv.config import PAGE_SIZE, CacheConfig
 from jaxkv.data.agents import Trajectory
 from jaxkv.engine.driver import Driver
@@ -83,17 +84,20 @@ class AgentRunner:
 
   Args:
     llm: the base model (`jaxkv.load`).
-    lora: shared-A multi-LoRA weights, adapter i = role i (`load_peft`).
+    lora: shared-A multi-LoRA weights, adapter i = role i (`load_peft`); None: the
+      shipped SmolLM2-135M role adapters (`jaxkv.artifacts.load_role_adapters`).
     scheme: one of `lragent.SCHEMES`.
     max_tokens: longest trajectory this runner takes.
     window: DroidSpeak's critical layers (l0, l1) (`profile_window`).
     chunk: prefill chunk length.
   """
 
-  def __init__(self, llm, lora: LoraWeights, scheme: str, *, max_tokens: int,
+  def __init__(self, llm, lora: LoraWeights | None, scheme: str, *, max_tokens: int,
                window: tuple[int, int] | None = None, chunk: int = 256,
                attn_impl: str = "auto"):
     self.scheme = lragent.check_scheme(scheme)
+    if lora is None:
+      lora = artifacts.load_role_adapters(llm.config)[1]   # shapes checked against llm
     if scheme == "droidspeak" and window is None:
       raise ValueError("droidspeak needs its critical-layer window (profile_window)")
     if scheme in lragent.DECOUPLED and "v" not in lora.targets:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import artifacts
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, PruningConfig
 from jaxkv.data import labels
 from jaxkv.engine.driver import Driver
@@ -103,9 +104,11 @@ class SessionRunner:
         `nnx.split` (graphdef, state).
     """
     if pruning.method == "intentkv" and pruning.intent_mode == "learnable":
-      if head is None:
-        raise ValueError("IntentKV learnable mode needs a trained residual head "
-                         "(pruning.head_path / SessionRunner(head=...))")
+      if head is None:   # pruning.head_path: the shipped head unless set
+        if not pruning.head_path:
+          raise ValueError("IntentKV learnable mode needs a trained residual head "
+                           "(pruning.head_path / SessionRunner(head=...))")
+        head = artifacts.load_pruner_head(pruning.head_path)
       self.head = nnx.split(head) if isinstance(head, nnx.Module) else tuple(head)
       head_dim = nnx.merge(*self.head).head_dim
       if head_dim != llm.config.head_dim:

@@ -1,0 +1,242 @@
+r"""Regenerates the README's results tables and the plots in docs/plots/ from result files.
+
+    python scripts/report.py [--readme=README.md] [--plots=docs/plots] [--check]
+
+Sources (nothing is measured here; rerun a benchmark to change a figure):
+  bench/results_cpu.json           bench/throughput.py      throughput table, throughput vs batch
+  bench/results_pruning_tau2.json  bench/pruning.py         Table 2 / 7 shapes, recall and
+                                                            dNLL vs budget
+  bench/results_table4_tau2.json   bench/pruning.py --head  Table 4 shape
+  bench/results_lragent.json       bench/lragent.py         TTFT / throughput / KV / fidelity
+                                                            tables, TTFT and throughput vs context
+  artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
+   (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
+
+Each generated README block sits between `<!-- report:NAME -->` and
+`<!-- /report:NAME -->`; text outside the markers (the prose, the commands) is
+left alone. A block whose source file is missing is left as it is, with a
+warning. --check exits 1 when the README is not what this would write (the tests
+use it to keep the README in step with the files).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+
+from absl import app, flags
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
+
+import common          # noqa: E402  (bench/)
+import lragent as lragent_bench   # noqa: E402
+import plot_training   # noqa: E402  (scripts/)
+import pruning         # noqa: E402
+import throughput      # noqa: E402
+
+from jaxkv import artifacts   # noqa: E402
+from jaxkv.data import agents   # noqa: E402
+
+FLAGS = flags.FLAGS
+BLOCK = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.S)
+SOURCES = {
+    "throughput": "bench/results_cpu.json",
+    "pruning": "bench/results_pruning_tau2.json",
+    "table4": "bench/results_table4_tau2.json",
+    "lragent": "bench/results_lragent.json",
+    "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
+    "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
+}
+
+
+def define_flags():
+  flags.DEFINE_string("readme", str(ROOT / "README.md"), "README to update in place")
+  flags.DEFINE_string("plots", str(ROOT / "docs" / "plots"), "folder for the PNG plots")
+  flags.DEFINE_bool("check", False, "only check that the README's blocks are up to date")
+
+
+def _rows(root: pathlib.Path, name: str):
+  path = root / SOURCES[name]
+  if not path.is_file():
+    return None
+  if path.suffix == ".jsonl":
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+  return json.loads(path.read_text())
+
+
+def _render(tables: list[common.Table], titles: bool = True) -> str:
+  parts = []
+  for t in tables:
+    parts.append((f"{t.title}:\n\n" if titles and t.title else "") + t.markdown())
+  return "\n\n".join(parts) + "\n"
+
+
+def role_adapter_table(metrics: list[dict]) -> common.Table:
+  """Held-out NLL matrix of the last evaluation: rows = weights, columns = role scored."""
+  nll = metrics[-1]["nll"]
+  lines = []
+  for w in ("base", *agents.ROLES):
+    row = nll[w]
+    best = {r: min(nll[x][r] for x in nll) for r in agents.ROLES}
+    cells = [f"**{row[r]:.3f}**" if row[r] == best[r] else f"{row[r]:.3f}" for r in agents.ROLES]
+    lines.append(["base model" if w == "base" else f"{w} adapter", *cells])
+  return common.Table(f"held-out token NLL after step {metrics[-1]['step']} (rows: weights, "
+                      "columns: the role scored)", ["weights", *agents.ROLES], lines)
+
+
+def pruner_epoch_table(metrics: list[dict]) -> common.Table:
+  """Validation per epoch: recall@C* of the rule and of Phase-2, loss, alpha."""
+  ms = [m for m in metrics if "recall_phase1" in m]
+  b = ms[0]["recall_budget"]
+  rows = [(f"Phase-1 rule (eq. 3), recall@{b}", "recall_phase1", "{:.3f}"),
+          (f"Phase-2 (rule + alpha MLP), recall@{b}", "recall_phase2", "{:.3f}"),
+          (f"Phase-1 rule, recall@{ms[0]['half_budget']}", "half_recall_phase1", "{:.3f}"),
+          (f"Phase-2, recall@{ms[0]['half_budget']}", "half_recall_phase2", "{:.3f}"),
+          ("val loss (eq. 8)", "val_loss", "{:.2f}"), ("alpha", "alpha", "{:.3f}")]
+  return common.Table(f"validation ({ms[0]['val_rows']} held-out rows with evidence)",
+                      ["", *(f"epoch {m['epoch']}" for m in ms)],
+                      [[label, *(fmt.format(m[key]) for m in ms)] for label, key, fmt in rows])
+
+
+def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
+  """{block name: markdown} (None where the source file is missing)."""
+  out: dict[str, str | None] = {}
+  rows = {name: _rows(root, name) for name in SOURCES}
+  out["throughput"] = rows["throughput"] and _render([throughput.table(rows["throughput"])],
+                                                     titles=False)
+  out["pruning"] = rows["pruning"] and _render(pruning.tables(rows["pruning"], everything=False))
+  out["table4"] = rows["table4"] and _render(pruning.tables(rows["table4"], everything=False),
+                                             titles=False)
+  out["lragent"] = rows["lragent"] and _render(lragent_bench.tables(rows["lragent"]))
+  out["role-adapters"] = rows["role-adapters"] and _render(
+      [role_adapter_table(rows["role-adapters"])])
+  out["pruner-epochs"] = rows["pruner-epochs"] and _render(
+      [pruner_epoch_table(rows["pruner-epochs"])])
+  return out
+
+
+def update(text: str, new: dict[str, str | None], log=print) -> str:
+  """README text with every known block replaced (unknown or missing ones kept)."""
+  def repl(m):
+    name = m.group(2)
+    if name not in new:
+      log(f"warning: README block {name!r} has no generator; kept")
+      return m.group(0)
+    if new[name] is None:
+      log(f"warning: {SOURCES[name]} missing; README block {name!r} kept")
+      return m.group(0)
+    return m.group(1) + new[name] + m.group(4)
+  return BLOCK.sub(repl, text)
+
+
+# ----------------------------------------------------------------------------- plots
+def _plt():
+  import matplotlib   # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def plot_throughput(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
+  plt = _plt()
+  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+  for i, (key, roof, title) in enumerate((("prefill_tok_s", "prefill_roof_tok_s", "prefill"),
+                                           ("decode_tok_s", "decode_roof_tok_s", "decode"))):
+    for system in dict.fromkeys(r["system"] for r in rows):
+      rs = sorted((r for r in rows if r["system"] == system), key=lambda r: r["batch"])
+      ax[i].plot([r["batch"] for r in rs], [r[key] for r in rs], "o-", label=system)
+    rs = sorted({r["batch"]: r for r in rows}.values(), key=lambda r: r["batch"])
+    ax[i].plot([r["batch"] for r in rs], [r[roof] for r in rs], "k--", lw=1, label="roofline")
+    ax[i].set(xlabel="batch", ylabel="tokens/s", title=f"{title} (SmolLM2-135M fp32, CPU)")
+    ax[i].set_xscale("log", base=2)
+    ax[i].minorticks_off()
+    ax[i].set_xticks([r["batch"] for r in rs], [str(r["batch"]) for r in rs])
+    ax[i].legend(fontsize=8)
+  return plot_training.save(fig, plt, "", out)
+
+
+def plot_pruning(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
+  plt = _plt()
+  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+  pruned = [r for r in rows if r["method"] != "full" and r["layout"] == "dead_slot"]
+  for m in dict.fromkeys(r["method"] for r in pruned):
+    rs = sorted((r for r in pruned if r["method"] == m), key=lambda r: r["budget"])
+    b = [r["budget"] for r in rs]
+    ax[0].plot(b, [r["future_evidence_recall"] for r in rs], "o-", label=m)
+    ax[1].plot(b, [r["delta_nll"] for r in rs], "o-", label=m)
+  n = max((r["n_sessions"] for r in rows), default=0)
+  ax[0].set(xlabel="budget C (tokens)", ylabel="future-evidence recall",
+            title=f"recall vs budget (dead-slot, {n} sessions)")
+  ax[1].set(xlabel="budget C (tokens)", ylabel="dNLL vs full cache (nats/token)",
+            title="dNLL vs budget (lower is better)")
+  ax[1].axhline(0, color="k", lw=0.8)
+  for a in ax:
+    a.legend(fontsize=8)
+  return plot_training.save(fig, plt, "", out)
+
+
+def plot_lragent(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
+  plt = _plt()
+  kinds = sorted({r["kind"] for r in rows if r["kind"].startswith("emulated")})
+  kind = "emulated-qv" if "emulated-qv" in kinds else kinds[0]
+  sub = [r for r in rows if r["kind"] == kind]
+  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+  for s in [s for s in lragent_bench.lragent.SCHEMES if any(r["scheme"] == s for r in sub)]:
+    rs = sorted((r for r in sub if r["scheme"] == s), key=lambda r: r["context_tokens"])
+    n = [r["context_tokens"] for r in rs]
+    ax[0].plot(n, [r["ttft_s"] for r in rs], "o-", label=s)
+    ax[1].plot(n, [r["tokens_per_s"] for r in rs], "o-", label=s)
+  ax[0].set(xlabel="trajectory length (tokens)", ylabel="TTFT (s, mean per call)",
+            title=f"LRAgent TTFT vs context ({kind})")
+  ax[1].set(xlabel="trajectory length (tokens)", ylabel="generated tokens/s",
+            title="end-to-end throughput vs context")
+  for a in ax:
+    a.legend(fontsize=8)
+  return plot_training.save(fig, plt, "", out)
+
+
+def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.Path]:
+  """Every plot whose source exists; returns the files written."""
+  made = []
+  jobs = (("throughput", "throughput_vs_batch.png", plot_throughput),
+          ("pruning", "pruning_vs_budget.png", plot_pruning),
+          ("lragent", "lragent_vs_context.png", plot_lragent))
+  for name, file, fn in jobs:
+    rows = _rows(root, name)
+    if rows is None:
+      log(f"warning: {SOURCES[name]} missing; no {file}")
+    else:
+      made.append(fn(rows, folder / file))
+  for run, file in ((root / artifacts.ROLE_ADAPTERS, "training_role_adapters.png"),
+                    (root / artifacts.PRUNER_HEAD, "training_pruner_head.png")):
+    if (run / "log.csv").is_file():
+      made.append(plot_training.plot(run, folder / file))
+    else:
+      log(f"warning: {run}/log.csv missing; no {file}")
+  return made
+
+
+def main(argv):
+  del argv
+  readme = pathlib.Path(FLAGS.readme)
+  text = readme.read_text()
+  new = update(text, blocks(ROOT), log=lambda m: print(m, file=sys.stderr))
+  if FLAGS.check:
+    if new != text:
+      print(f"{readme} is out of date: run python scripts/report.py", file=sys.stderr)
+      sys.exit(1)
+    print(f"{readme} is up to date")
+    return
+  if new != text:
+    readme.write_text(new)
+  print(f"{'updated' if new != text else 'unchanged'}: {readme}")
+  for p in plots(ROOT, pathlib.Path(FLAGS.plots), log=lambda m: print(m, file=sys.stderr)):
+    print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
