@@ -26,6 +26,7 @@ Columns (IntentKV section 4.1; means over sessions unless stated):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -43,6 +44,7 @@ from jaxkv.data import traces
 from jaxkv.engine.sessions import SessionRunner
 
 METHODS = {
+    "random": dict(method="random"),          # chance control: same forced set and budget
     "streaming_llm": dict(method="streaming_llm"),
     "snapkv": dict(method="snapkv"),
     "h2o": dict(method="h2o"),
@@ -162,9 +164,13 @@ def main(argv):
   if args.out and os.path.exists(args.out):
     with open(args.out) as f:
       rows = json.load(f)
-  have = {(r["method"], r["layout"], r["budget"]) for r in rows}
+  # learnable rows name their head (digest of its files): another head runs again
+  head_id = (hashlib.sha256(json.dumps(artifacts.file_digests(artifacts.resolve(args.head)),
+                                       sort_keys=True).encode()).hexdigest()[:12]
+             if head is not None else None)
+  have = {(r["method"], r["layout"], r["budget"], r.get("head")) for r in rows}
   full = run_config(llm, sessions, PruningConfig(method="none"), cache, "full cache")
-  if ("full", "-", 0) not in have:
+  if ("full", "-", 0, None) not in have:
     rows.insert(0, dict(method="full", layout="-", budget=0, **summarize(full, full)))
   for budget in [int(b) for b in args.budgets.split(",")]:
     for name in names:
@@ -172,11 +178,13 @@ def main(argv):
         if (layout == "compact" and args.compact_budgets is not None
             and str(budget) not in args.compact_budgets.split(",")):
           continue
-        if (name, layout, budget) in have:
+        row_head = head_id if name in LEARNABLE else None
+        if (name, layout, budget, row_head) in have:
           continue
         cfg = PruningConfig(layout=layout, budget=budget, **methods[name])
         turns = run_config(llm, sessions, cfg, cache, f"{name}/{layout}/C={budget}", head)
-        rows.append(dict(method=name, layout=layout, budget=budget, **summarize(turns, full)))
+        rows.append(dict(method=name, layout=layout, budget=budget, **summarize(turns, full),
+                         **({"head": row_head} if row_head else {})))
         r = rows[-1]
         print(f"{name:16s} {layout:9s} C={budget:5d}  eff_reads={r['eff_reads']:.0f} "
               f"hit={100 * r['prefix_hit_rate']:.0f}% dNLL={r['delta_nll']:+.3f} "

@@ -196,7 +196,7 @@ class EngineConfig:
                        f"got {self.attention_impl!r}")
 
 
-PRUNING_METHODS = ("none", "streaming_llm", "snapkv", "h2o", "intentkv")
+PRUNING_METHODS = ("none", "random", "streaming_llm", "snapkv", "h2o", "intentkv")
 PRUNING_LAYOUTS = ("dead_slot", "compact")
 
 
@@ -209,7 +209,7 @@ class PruningConfig:
   forced set F (protected system prefix + actionable query span + the method's
   own always-kept tokens) is kept and the best C* = max(0, C - |F|) others.
   """
-  method: str = "none"          # none | streaming_llm | snapkv | h2o | intentkv
+  method: str = "none"          # none | random (chance control) | streaming_llm | snapkv | h2o | intentkv
   layout: str = "dead_slot"     # dead_slot (IntentKV) | compact (published baselines)
   budget: int = 1024            # C
   protect_system: bool = True   # force the chat template's system span
@@ -225,6 +225,7 @@ class PruningConfig:
   intent_decay: float = 0.5     # lambda of eq. 2
   session_prefix: int = 256     # P of the session-key fallback (appendix A)
   memory_capacity: int = 1024   # LRU sessions of QueryMemory
+  random_seed: int = 0          # random: seed of the retention draws (one per event)
 
   def __post_init__(self):
     if self.method not in PRUNING_METHODS:

@@ -271,7 +271,7 @@ def test_dead_slot_eviction_never_frees_a_referenced_slot(data):
     alloc.check()
 
 
-@pytest.mark.parametrize("method", ["streaming_llm", "snapkv", "h2o", "intentkv"])
+@pytest.mark.parametrize("method", ["random", "streaming_llm", "snapkv", "h2o", "intentkv"])
 def test_every_method_keeps_budget_many_tokens(method):
   """select_kept keeps exactly max(C, |F|) live tokens for every method (H2O's recent
   floor is a share of C* = C - |F|, SnapKV's window and StreamingLLM's sinks are
@@ -297,3 +297,31 @@ def test_every_method_keeps_budget_many_tokens(method):
     assert not (keep & ~live).any() and (keep | ~(forced & live)).all()
     compiled = compiled or policy._select_kept._cache_size()
   assert policy._select_kept._cache_size() == compiled
+
+
+def test_random_retention_is_a_seeded_uniform_draw():
+  """The chance control keeps the forced set plus C* candidates drawn uniformly: the
+  same (seed, event) gives the same set, another seed or event another one, and
+  over many events every candidate is kept with probability C* / |candidates|."""
+  from jaxkv.config import PruningConfig
+  from jaxkv.policies.pruning import policy
+  live = np.ones((1, 64), bool)
+  live[0, 60:] = False                       # 60 live tokens
+  forced = np.zeros((1, 64), bool)
+  forced[0, :4] = True                       # C* = 20 - 4 = 16 of 56 candidates
+  k = np.zeros((1, 1, 64, 1, 4), np.float32)
+
+  def kept(seed, live_=live):
+    cfg = PruningConfig(method="random", budget=20, random_seed=seed)
+    return np.asarray(policy.select_kept(cfg, k, live_, forced)[0])[0]
+
+  a, b = kept(0), kept(0)
+  np.testing.assert_array_equal(a, b)
+  assert a[:4].all() and a.sum() == 20 and not a[60:].any()
+  assert not np.array_equal(a, kept(1))
+  other = live.copy()
+  other[0, 59] = False                       # another event (live count) draws anew
+  assert not np.array_equal(a[:59], kept(0, other)[:59])
+  freq = np.mean([kept(s)[4:60] for s in range(200)], axis=0)
+  np.testing.assert_allclose(freq.mean(), 16 / 56, atol=1e-6)   # exactly C* per draw
+  assert np.abs(freq - 16 / 56).max() < 0.13                   # ~4 sigma at n = 200

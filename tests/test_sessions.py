@@ -150,8 +150,8 @@ def test_learnable_mode_with_fresh_head_equals_phase1(llm):
   changed = [not np.array_equal(a.kept, b.kept)
              for a, b in zip(phase1, runner.run_session("s", MESSAGES))]
   assert any(changed)                                     # ... and is used when not ablated
-  with pytest.raises(ValueError, match="residual head"):
-    SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE)
+  with pytest.raises(ValueError, match="residual head"):    # no head, no head_path
+    SessionRunner(llm, PruningConfig(intent_mode="learnable", head_path="", **cfg), cache=CACHE)
   with pytest.raises(ValueError, match=f"head_dim {2 * llm.config.head_dim}"):
     SessionRunner(llm, PruningConfig(intent_mode="learnable", **cfg), cache=CACHE,
                   head=ResidualHead(2 * llm.config.head_dim, rngs=nnx.Rngs(0)))
@@ -198,3 +198,36 @@ def test_session_steps_compile_once_per_bucket(llm):
     assert runner.run_turn(f"s{w}", chat(w), None, 2).pruned
   assert sizes() == before, lengths
   assert llm._engine is None          # runners bring their own pools; no engine pool was made
+
+
+def test_query_slice_rows():
+  from jaxkv.engine.sessions import query_slice
+  cfg = PruningConfig(method="h2o", snap_window=4)
+  # request computed tokens [hit=100, n=180); query span from 170; session saw 120
+  assert query_slice("all", cfg, 100, 180, 170, 120) == (20, 60)
+  assert query_slice("all", cfg, 10, 180, 170, 120) == (110, 60)    # compact: recomputed
+  assert query_slice("all", cfg, 100, 180, 170, 0) == (0, 80)       # first turn
+  assert query_slice("all", cfg, 100, 180, 170, 500) == (79, 1)     # never empty
+  assert query_slice("window", cfg, 100, 180, 170, 120) == (76, 4)
+  assert query_slice("span", cfg, 100, 180, 170, 120) == (70, 10)
+
+
+def test_h2o_votes_with_the_same_tokens_in_both_layouts(llm, monkeypatch):
+  """Compact recomputes the history its radix insert skipped; those queries must not
+  vote: H2O's voters are the session's new tokens under either layout."""
+  from jaxkv.policies.pruning import policy
+  voters = {}
+  real = policy.select_kept_at
+
+  def spy(cfg, pool_k, slot_map, live, forced, q_rows=None, q_start=0, q_lo=0, q_count=0,
+          *args, **kwargs):
+    voters.setdefault(cfg.layout, []).append((q_start + q_lo, q_count))
+    return real(cfg, pool_k, slot_map, live, forced, q_rows, q_start, q_lo, q_count, *args,
+                **kwargs)
+
+  monkeypatch.setattr(policy, "select_kept_at", spy)
+  for layout in ("dead_slot", "compact"):
+    _, turns = _run(llm, method="h2o", layout=layout, budget=60)
+    assert sum(t.pruned for t in turns) >= 2
+  assert voters["dead_slot"] == voters["compact"]
+  assert len(voters["compact"]) >= 2 and voters["compact"][1][0] > 0   # later turns: new only

@@ -26,6 +26,7 @@ tool-call arguments that survive).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -127,6 +128,8 @@ class SessionRunner:
     # dead-slot pruning keeps holes in the cached token stream (IntentKV section 3.4)
     self.radix = RadixCache(self.alloc, cache_dead=True) if radix else None
     self.memories = intentkv.QueryMemoryStore(pruning.memory_capacity)
+    # tokens of each session already processed (its previous prompt + reply), LRU
+    self.seen: collections.OrderedDict[str, int] = collections.OrderedDict()
     if pruning.layout == "compact":      # survivors are re-rotated: needs an exact delta
       self.inv_freq = delta_frequencies(self.cfg.rope, self.cfg.head_dim)
 
@@ -212,6 +215,10 @@ class SessionRunner:
       else:
         lp_gold, _, _ = self._run_chunks(seq, toks, n, n + g, p0, False, width)
         nll = -float(lp_prompt[-1] + lp_gold[:-1].sum()) / max(g, 1)
+      self.seen[session_id] = n + g
+      self.seen.move_to_end(session_id)
+      if len(self.seen) > cfg.memory_capacity:
+        self.seen.popitem(last=False)
       if self.radix is not None and not (pruned and cfg.layout == "compact"):
         # the last reply token has no KV yet in free mode; a gold turn is fully written
         cached = n + g - (1 if generate else 0)
@@ -273,10 +280,7 @@ class SessionRunner:
     memory = key = None
     q_lo = q_count = 0
     if rows is not None:
-      total = n - hit                          # rows of q: prompt tokens [hit, n)
-      q_lo = {"window": max(0, total - cfg.snap_window), "all": 0,
-              "span": max(0, p["qs"] - hit)}[rows]
-      q_count = total - q_lo
+      q_lo, q_count = query_slice(rows, cfg, hit, n, p["qs"], self.seen.get(session_id, 0))
     if cfg.method == "intentkv":
       key = intentkv.session_key(session_id=session_id)
       shape = (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim)
@@ -312,6 +316,25 @@ class SessionRunner:
         out.append(self.run_turn(session_id, messages, tools, i, generate=generate,
                                  max_tokens=max_tokens))
     return out
+
+
+def query_slice(rows: str, cfg: PruningConfig, hit: int, n: int, qs: int,
+                seen: int) -> tuple[int, int]:
+  """(first, count) of the captured query rows a method reads; row j is prompt token
+  hit + j (the request computed tokens [hit, n)).
+
+    window (SnapKV): the last snap_window prompt tokens;
+    span (IntentKV): the actionable query span [qs, n);
+    all (H2O): the tokens new to the session since its previous turn, [seen, n).
+
+  H2O's voters are pinned to the new tokens so both layouts see the same set: under
+  dead-slot the radix hit ends near `seen`, while compact (not reinserted after a
+  pruned turn) recomputes the whole history, which must not vote again.
+  """
+  total = n - hit
+  lo = {"window": max(0, total - cfg.snap_window), "all": max(0, min(seen, n - 1) - hit),
+        "span": max(0, qs - hit)}[rows]
+  return lo, total - lo
 
 
 _compact_jit = jax.jit(select.compact_layout, donate_argnums=(0,),

@@ -5,9 +5,10 @@ post-RoPE keys gathered at the slot map, the live mask, the base forced set
 (protected system prefix + actionable query span), and the queries the method
 reads, already sliced to the rows it needs:
 
-  streaming_llm: none;
+  random, streaming_llm: none;
   snapkv:        the observation window (last W prompt tokens);
-  h2o:           every prompt query computed in this request;
+  h2o:           the prompt tokens new since the session's previous turn
+                 (`sessions.query_slice`: the same voters in both layouts);
   intentkv:      the actionable query span (Enc(q_t) of eq. 2).
 
 Queries come with their logical positions (-1 = padding row).
@@ -28,7 +29,7 @@ from jaxkv.policies.pruning.select import keep_mask
 
 def query_rows(cfg: PruningConfig) -> str | None:
   """Which captured query rows the method reads: None | 'window' | 'all' | 'span'."""
-  return {"none": None, "streaming_llm": None, "snapkv": "window", "h2o": "all",
+  return {"none": None, "random": None, "streaming_llm": None, "snapkv": "window", "h2o": "all",
           "intentkv": "span"}[cfg.method]
 
 
@@ -44,8 +45,9 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
                 head_graphdef=None, head_state=None) -> tuple[jax.Array, jax.Array | None]:
   """The kept set of one pruning event.
 
-  The budget C travels as a traced scalar (the static config carries a fixed
-  placeholder), so sweeping budgets compiles once per method and shape.
+  The budget C and the random control's seed travel as traced scalars (the static
+  config carries fixed placeholders), so sweeping budgets or seeds compiles once
+  per method and shape.
 
   Args:
     cfg: pruning config (static).
@@ -59,8 +61,9 @@ def select_kept(cfg: PruningConfig, k: jax.Array, live: jax.Array, forced: jax.A
   Returns:
     (keep [B, T] bool, updated IntentKV memory or None).
   """
-  return _select_kept(dataclasses.replace(cfg, budget=1), k, live, forced, q, q_pos, memory,
-                      span, jnp.asarray(cfg.budget, jnp.int32), head_graphdef=head_graphdef,
+  return _select_kept(_static(cfg), k, live, forced, q, q_pos, memory, span,
+                      jnp.asarray(cfg.budget, jnp.int32),
+                      jnp.asarray(cfg.random_seed, jnp.int32), head_graphdef=head_graphdef,
                       head_state=head_state)
 
 
@@ -82,14 +85,16 @@ def select_kept_at(cfg: PruningConfig, pool_k: jax.Array, slot_map: jax.Array,
   """
   rows = plan.chunk_len(max(int(q_count), 1)) if q_rows is not None else 0
   i32 = lambda x: jnp.asarray(x, jnp.int32)
-  return _select_kept_at(dataclasses.replace(cfg, budget=1), pool_k, slot_map, live, forced,
+  return _select_kept_at(_static(cfg), pool_k, slot_map, live, forced,
                          q_rows, i32(q_start), i32(q_lo), i32(q_count), memory, span,
-                         i32(cfg.budget), head_graphdef=head_graphdef, head_state=head_state,
+                         i32(cfg.budget), i32(cfg.random_seed), head_graphdef=head_graphdef,
+                         head_state=head_state,
                          rows=rows)
 
 
 def _select_kept_at_impl(cfg, pool_k, slot_map, live, forced, q_rows, q_start, q_lo, q_count,
-                         memory, span, budget, head_graphdef=None, head_state=None, *, rows):
+                         memory, span, budget, seed, head_graphdef=None, head_state=None, *,
+                         rows):
   k = scores.gather_keys(pool_k, slot_map)                 # [L, B, W, Hkv, D], inside the jit
   q = q_pos = None
   if q_rows is not None:
@@ -98,16 +103,25 @@ def _select_kept_at_impl(cfg, pool_k, slot_map, live, forced, q_rows, q_start, q
     q = jnp.take(q_rows, idx, axis=2)
     q_pos = jnp.broadcast_to(jnp.where(j < q_count, q_start + q_lo + j, -1),
                              (live.shape[0], rows))
-  return _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, head_graphdef, head_state)
+  return _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, seed, head_graphdef,
+               head_state)
 
 
-def _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, head_graphdef=None,
+def _static(cfg: PruningConfig) -> PruningConfig:
+  """The config with its traced fields (budget, random_seed) set to placeholders."""
+  return dataclasses.replace(cfg, budget=1, random_seed=0)
+
+
+def _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, seed, head_graphdef=None,
           head_state=None):
   """The pruning event itself (pure; the two jitted entry points wrap it)."""
   new_memory = None
   if cfg.method == "none":
     return live, None
-  if cfg.method == "streaming_llm":
+  if cfg.method == "random":
+    s = scores.random_retention(live, seed, jnp.sum(live, dtype=jnp.int32))
+    f = jnp.zeros_like(live)
+  elif cfg.method == "streaming_llm":
     s, f = scores.streaming_llm(live, scores.StreamingLLMConfig(sink=cfg.sink))
   elif cfg.method == "snapkv":
     s, f = scores.snapkv(q, q_pos, k, live, scores.SnapKVConfig(cfg.snap_window, cfg.snap_kernel))

@@ -43,6 +43,15 @@ class H2OConfig:
       raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
 
 
+def random_retention(live: jax.Array, seed: jax.Array | int, event: jax.Array | int) -> jax.Array:
+  """Chance control: i.i.d. uniform scores on live positions, so the budgeted top-k
+  keeps a uniformly random C* of the candidates (the forced set is kept as for
+  every method). One draw per (seed, event); pass something that differs between
+  events (the live count does) so a session's events draw independently."""
+  key = jax.random.fold_in(jax.random.key(seed), event)
+  return jnp.where(live, jax.random.uniform(key, live.shape), -jnp.inf)
+
+
 def gather_keys(pool_k: jax.Array, slot_map: jax.Array) -> jax.Array:
   """[L, S, Hkv, D] pool gathered at slot_map [B, T] -> [L, B, T, Hkv, D]."""
   return pool_k[:, slot_map]
