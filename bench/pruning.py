@@ -96,9 +96,17 @@ def summarize(turns_by_session, full_by_session) -> dict:
       "evidence_tokens": ev,
       "candidate_evidence_tokens": evc,
       "pruned_share": float(np.mean([t.pruned for t in flat])) if flat else 0.0,
+      # IntentKV: median cos(M_t, Enc(q_t)) over turns after each session's first
+      # (near 1: the memory is the current turn alone, and memory mode = query mode)
+      "memory_cos": _median([t.memory_cos for ts in turns_by_session for t in ts[1:]]),
       "n_sessions": len(per),
       "n_turns": len(flat),
   }
+
+
+def _median(xs) -> float:
+  xs = [x for x in xs if not math.isnan(x)]
+  return float(np.median(xs)) if xs else math.nan
 
 
 FLAGS = flags.FLAGS
@@ -241,8 +249,10 @@ def print_tables(rows: list[dict]) -> None:
   common.print_tables(tables(rows))
 
 
-T4_HEADER = ("variant", "cand. recall", "recall", "dNLL", "evidence tokens (cand.)", "turns")
-T4_ROWS = (("intentkv_query", "Phase-1 query"), ("intentkv_memory", "Phase-1 memory"),
+T4_HEADER = ("variant", "cand. recall", "recall", "dNLL", "cos(M, Enc)",
+             "evidence tokens (cand.)", "turns")
+T4_ROWS = (("random", "random (chance)"), ("intentkv_query", "Phase-1 query"),
+           ("intentkv_memory", "Phase-1 memory"),
            ("intentkv_learnable", "Phase-2 (learnable)"), ("learnable-memory", "  - memory"),
            ("learnable-xattn", "  - x-attn"), ("learnable-residual", "  - residual"))
 
@@ -250,7 +260,14 @@ T4_ROWS = (("intentkv_query", "Phase-1 query"), ("intentkv_memory", "Phase-1 mem
 def _t4_cells(label, r):
   return (label, f"{r.get('candidate_evidence_recall', math.nan):.3f}",
           f"{r['future_evidence_recall']:.3f}", f"{r['delta_nll']:+.3f}",
+          # query mode and "-memory" score with Enc(q_t) itself (their M_t is kept, unread)
+          "1 (Enc)" if r["method"] in ("intentkv_query", "learnable-memory")
+          else _fmt_cos(r.get("memory_cos", math.nan)),
           f"{r['evidence_tokens']} ({r.get('candidate_evidence_tokens', 0)})", str(r["n_turns"]))
+
+
+def _fmt_cos(x: float) -> str:
+  return "-" if math.isnan(x) else f"{x:.4f}"
 
 
 if __name__ == "__main__":

@@ -223,6 +223,7 @@ class PruningConfig:
   ablate_xattn: bool = False    # learnable ablation "-x-attn": c_j = 0
   ablate_residual: bool = False  # learnable ablation "-residual": alpha = 0 (= Phase-1)
   intent_decay: float = 0.5     # lambda of eq. 2
+  intent_normalize_query: bool = True  # unit-norm Enc(q_t) before eq. 2 (see intentkv.py)
   session_prefix: int = 256     # P of the session-key fallback (appendix A)
   memory_capacity: int = 1024   # LRU sessions of QueryMemory
   random_seed: int = 0          # random: seed of the retention draws (one per event)

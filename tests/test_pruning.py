@@ -141,14 +141,26 @@ def test_query_memory_recurrence_and_norm():
   e2 = np.asarray(intentkv.encode_query(q2, valid2))
   np.testing.assert_allclose(e2[:, 1], q2[:, 1, 0], rtol=1e-5, atol=1e-6)
   m2 = np.asarray(intentkv.update_memory(m1, e2, 0.5))
-  raw = np.exp(-0.5) * np.asarray(m1) + e2
-  np.testing.assert_allclose(m2, raw / np.linalg.norm(raw, axis=-1, keepdims=True),
-                             rtol=1e-5, atol=1e-6, err_msg=f"seed={seed}")
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  raw = np.exp(-0.5) * np.asarray(m1) + unit(e2)           # Enc(q_t) normalised first
+  np.testing.assert_allclose(m2, unit(raw), rtol=1e-5, atol=1e-6, err_msg=f"seed={seed}")
   np.testing.assert_allclose(np.linalg.norm(m2, axis=-1), 1.0, rtol=1e-5)
-  cfg = intentkv.IntentKVConfig(mode="query")
-  _, mq = intentkv.intentkv_scores(q2, valid2, np.zeros((L, B, T, HKV, D), np.float32),
-                                   np.ones((B, T), bool), m1, cfg)
-  np.testing.assert_allclose(mq, intentkv.unit_norm(e2), rtol=1e-6)  # query mode: no memory
+  literal = np.asarray(intentkv.update_memory(m1, 10 * e2, 0.5, normalize_query=False))
+  np.testing.assert_allclose(literal, unit(np.exp(-0.5) * np.asarray(m1) + 10 * e2),
+                             rtol=1e-5, atol=1e-6)
+  # the normalised memory keeps the previous turn: cos(M_2, Enc_2) < 1 measurably, and
+  # unchanged by Enc's scale; the literal form is dominated by a large Enc
+  cos = np.asarray(intentkv.memory_cosine(jnp.asarray(m2), e2))
+  assert (cos < 0.95).all(), cos
+  np.testing.assert_allclose(intentkv.update_memory(m1, 10 * e2, 0.5), m2, rtol=1e-5, atol=1e-6)
+  assert (np.asarray(intentkv.memory_cosine(jnp.asarray(literal), e2)) > cos).all()
+  k = rng.standard_normal((L, B, T, HKV, D)).astype(np.float32)
+  cand = np.ones((B, T), bool)
+  for mode, scorer in (("query", intentkv.unit_norm(e2)), ("memory", m2)):
+    s, m_new = intentkv.intentkv_scores(q2, valid2, k, cand, m1,
+                                        intentkv.IntentKVConfig(mode=mode))
+    np.testing.assert_allclose(s, intentkv.rule_scores(scorer, k, cand), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m_new, m2, rtol=1e-5, atol=1e-6)   # stored in every mode
 
 
 def test_query_memory_store_is_lru():

@@ -229,17 +229,79 @@ def test_cache_dead_keeps_holes_in_the_token_stream():
   a.evict(s, [2, 4])
   m = a.slot_map(s)
   assert c.insert([1, 2, 3, 4, 5, 6], m) == 6
-  match = c.match_prefix([1, 2, 3, 4, 5, 6, 7])
+  holes = m == SENTINEL
+  assert c.match_prefix([1, 2, 3, 4, 5, 6, 7]).n_matched == 2   # no holes named: live only
+  match = c.match_prefix([1, 2, 3, 4, 5, 6, 7], holes=holes)
   assert match.n_matched == 6
   np.testing.assert_array_equal(match.slots, m)
   assert a.holds(int(x[2])) == 0 and a.holds(int(x[0])) == 1
   t = a.new_sequence()
-  assert c.adopt_prefix(t, [1, 2, 3, 4, 5, 6]) == 6
+  assert c.adopt_prefix(t, [1, 2, 3, 4, 5, 6], holes=holes) == 6
   np.testing.assert_array_equal(a.slot_map(t), m)          # the holes stay holes
   c.check()
   a.free_sequence(s)
   a.free_sequence(t)
   assert c.evict(100) == 6
+  assert a.num_live_slots == 0
+  c.check()
+  a.check()
+
+
+def test_holes_inside_an_adopted_prefix_persist_and_free_their_slots():
+  """A session prunes inside the prefix it adopted: its reinsertion branches off the
+  live path at the first new hole (aliasing the live slots, no copy), supersedes its
+  old path, and the pruned slot is freed once no sequence maps it; a request that
+  names no holes still gets the live prefix up to the branch point, exactly."""
+  a = PagedAllocator(16, 4)
+  s, x = _seq(a, 8)
+  c = RadixCache(a, cache_dead=True)
+  toks = [1, 2, 3, 4, 5, 6, 7, 8]
+  assert c.insert(toks, x) == 8                            # turn 1: all live
+  t = a.new_sequence()                                     # turn 2 adopts it ...
+  assert c.adopt_prefix(t, toks) == 8
+  a.free_sequence(s)
+  y = a.extend(t, 2)
+  a.evict(t, [3, 5])                                       # ... and prunes inside it
+  m2 = a.slot_map(t)
+  c.insert(toks + [9, 10], m2, replaces=(toks, np.zeros(8, bool)))
+  c.check()
+  a.check()
+  holes = m2 == SENTINEL
+  assert c.match_prefix(toks + [9, 10], holes=holes).slots.tolist() == m2.tolist()
+  assert c.match_prefix(toks + [9, 10]).n_matched == 3     # the live path now ends at 3
+  assert a.holds(int(x[3])) == 0 and a.holds(int(x[5])) == 0   # superseded: no hold
+  a.free_sequence(t)
+  assert a.refcount(int(x[3])) == 0 and a.refcount(int(x[5])) == 0   # freed
+  assert all(a.holds(int(v)) == 1 for v in [*x[:3], x[4], *x[6:], *y])
+  u = a.new_sequence()                                     # turn 3: holes stay holes
+  assert c.adopt_prefix(u, toks + [9, 10, 11], holes=holes) == 10
+  np.testing.assert_array_equal(a.slot_map(u), m2)
+  c.check()
+  a.check()
+
+
+def test_a_shared_live_path_is_not_punched():
+  """Another request extended the live path past the session's old end: the branch
+  does not evict it, and that request keeps matching its live slots."""
+  a = PagedAllocator(16, 4)
+  s, x = _seq(a, 6)
+  c = RadixCache(a, cache_dead=True)
+  c.insert([1, 2, 3, 4, 5, 6], x)
+  o, z = _seq(a, 2)
+  c.insert([1, 2, 3, 4, 5, 6, 7, 7], [*x, *z])             # another request's longer path
+  t = a.new_sequence()
+  c.adopt_prefix(t, [1, 2, 3, 4, 5, 6])
+  a.evict(t, [2])
+  c.insert([1, 2, 3, 4, 5, 6], a.slot_map(t), replaces=([1, 2, 3, 4, 5, 6], None))
+  assert c.match_prefix([1, 2, 3, 4, 5, 6, 7, 7]).slots.tolist() == [*x, *z]
+  assert a.holds(int(x[2])) == 1                            # still cached on the live path
+  with pytest.raises(ValueError, match="another prefix"):  # an alias must agree
+    c.insert([1, 9, 3], [x[0], SENTINEL, x[1]])
+  c.check()
+  a.check()
+  for seq in (s, t, o):
+    a.free_sequence(seq)
+  assert c.evict(100) == 12                                # live path 8 + branch 4
   assert a.num_live_slots == 0
   c.check()
   a.check()

@@ -92,19 +92,74 @@ def test_budget_forced_set_and_persistent_holes(llm):
   forced = p["sys_len"] + (second.prompt_tokens - p["qs"])
   assert first.live_after == first.live_before or first.live_after <= max(budget, forced)
   assert second.pruned and second.live_after == max(budget, forced)
-  # SGLang semantics: the part of turn 2's prompt that was already cached keeps its
-  # cached (live) slots; positions pruned in the newly inserted part come back from
-  # the radix cache as SENTINEL holes, so they stay pruned in the next turn.
+  # Every position pruned in turn 2 -- in its new part and inside the prefix it adopted
+  # from turn 1 -- comes back from the radix cache as a SENTINEL hole when the session
+  # names its holes, so it stays pruned in the next turn; a request naming no holes
+  # matches only the live path.
   ids = np.asarray(p["ids"] + p["gold"])
-  match = runner.radix.match_prefix(ids)
+  tokens, path_holes = runner.paths["s"]
+  np.testing.assert_array_equal(tokens, ids)
+  match = runner.radix.match_prefix(ids, holes=path_holes)
   assert match.n_matched == ids.size
   holes = np.asarray(match.slots) == SENTINEL
-  new_part = slice(second.hit_tokens, second.prompt_tokens)
-  np.testing.assert_array_equal(holes[new_part], ~second.kept[new_part])
-  assert holes[new_part].any()
-  assert not holes[:second.hit_tokens].any() and not holes[second.prompt_tokens:].any()
+  np.testing.assert_array_equal(holes[:second.prompt_tokens], ~second.kept)
+  assert holes[second.hit_tokens:second.prompt_tokens].any()
+  assert not holes[second.prompt_tokens:].any()
+  assert runner.radix.match_prefix(ids).n_matched <= int(np.argmax(holes))
   runner.alloc.check()
   runner.radix.check()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_holes_persist_across_turns_with_random_budgets(llm, seed):
+  """Two interleaved sessions, a random budget per turn: a position pruned in any turn
+  stays pruned in every later turn of its session (also inside adopted prefixes), the
+  allocator and radix audits pass after every turn, and the pool ends with only the
+  cache's slots live."""
+  rng = np.random.default_rng(seed)
+  other = [dict(m) for m in MESSAGES]
+  other[1] = {"role": "user", "content": "I am omar_rossi_1241; cancel my Boston trip."}
+  runner = SessionRunner(llm, PruningConfig(method="intentkv", budget=60), cache=CACHE,
+                         prefill_chunk=64)
+  pruned = {"a": None, "b": None}
+  turns = [i for i, m in enumerate(MESSAGES) if m["role"] == "assistant"]
+  for i in turns:
+    for sid, msgs in (("a", MESSAGES), ("b", other)):
+      runner.pruning = PruningConfig(method="intentkv", budget=int(rng.integers(40, 140)))
+      t = runner.run_turn(sid, msgs, None, i)
+      before = pruned[sid]
+      if before is not None:               # earlier holes are still holes
+        assert not t.kept[:before.size][before].any(), (sid, i)
+      now = ~t.kept
+      if before is not None:
+        now[:before.size] |= before
+      pruned[sid] = now
+      runner.alloc.check()
+      runner.radix.check()
+  assert pruned["a"].any() and pruned["b"].any()
+  # no pruned slot lingers: the live slots are exactly those the tree still caches
+  cached = {int(s) for _, slots in runner.radix.paths() for s in slots if s != SENTINEL}
+  assert runner.alloc.num_live_slots == len(cached)
+  for sid, msgs in (("a", MESSAGES), ("b", other)):   # and the tree has no stale path
+    tokens, holes = runner.paths[sid]
+    assert runner.radix.match_prefix(tokens, holes=holes).n_matched == tokens.size
+
+
+def test_memory_and_query_modes_keep_different_sets(llm):
+  """The QueryMemory advances on every request and carries earlier turns: with query
+  spans that differ from turn to turn, memory mode keeps a measurably different set
+  than query mode once a session has history, and M_t is not just the current turn."""
+  _, query = _run(llm, method="intentkv", intent_mode="query", budget=80)
+  _, memory = _run(llm, method="intentkv", intent_mode="memory", budget=80)
+  assert all(a.pruned for a in memory[1:])
+  assert memory[0].memory_cos == pytest.approx(1.0, abs=1e-5)   # first turn: M_1 = Enc(q_1)
+  assert all(t.memory_cos < 0.95 for t in memory[1:]), [t.memory_cos for t in memory]
+  differ = [int((a.kept != b.kept).sum()) for a, b in zip(query[1:], memory[1:])]
+  assert sum(differ) >= 4, differ
+  # the literal eq. 2 (raw Enc(q_t); its scale effect: test_pruning) reaches serving
+  _, literal = _run(llm, method="intentkv", intent_mode="memory", budget=80,
+                    intent_normalize_query=False)
+  assert not np.allclose([t.memory_cos for t in literal[1:]], [t.memory_cos for t in memory[1:]])
 
 
 def test_turn_longer_than_the_cache_is_a_clear_error(llm):

@@ -137,6 +137,45 @@ def test_features_match_a_dense_replay(llm):
   np.testing.assert_allclose(feat["kbar"], np.asarray(residual.mean_keys(k))[0], atol=1e-5)
 
 
+def test_training_rows_equal_what_the_pruning_event_receives(llm, monkeypatch):
+  """The row the extractor stores for a turn is what `select_kept` feeds the head when
+  that turn prunes in serving: same rule scores, k_bar, m_bar (the memory advanced
+  on every earlier, unpruned request) and K_bar^q."""
+  from jaxkv.config import PruningConfig
+  from jaxkv.policies.pruning import policy
+  s = traces.parse_entry(_entry())
+  rows = features.Extractor(llm, CFG).session(s)
+  messages, tools = traces.session_chat(s, llm.tokenizer)
+  (row,) = features.unpack_rows(s.id, features.pack_session(rows), CFG.n_q)[-1:]
+  last = next(r for r in rows["rows"] if r["turn"] == row.turn)   # the last row with evidence
+  seen = []
+  real = residual.phase2_scores
+
+  def spy(head, inputs, candidates, **kw):
+    jax.debug.callback(lambda *a: seen.append([np.asarray(x) for x in a]), *inputs, candidates)
+    return real(head, inputs, candidates, **kw)
+
+  monkeypatch.setattr(residual, "phase2_scores", spy)
+  # turns before it stay under the budget; memory_capacity=777 makes a fresh trace
+  cfg = PruningConfig(method="intentkv", intent_mode="learnable", budget=last["n"] - 1,
+                      memory_capacity=777)
+  runner = SessionRunner(llm, cfg, cache=CacheConfig(num_pages=512, page_size=4,
+                                                     max_seq_len=2048),
+                         prefill_chunk=64, head=residual.ResidualHead(llm.config.head_dim,
+                                                                     rngs=nnx.Rngs(0)))
+  turns = runner.run_session(s.id, messages, tools)
+  first = [t.pruned for t in turns].index(True)
+  assert turns[first].turn == row.turn and first >= 2     # earlier requests advanced M only
+  rule, kbar, mbar, kq, kq_valid, cand = seen[0]
+  n, qs, sl = last["n"], last["qs"], last["sys_len"]
+  assert np.nonzero(cand[0])[0].tolist() == list(range(sl, qs))
+  np.testing.assert_allclose(rule[0, sl:qs], last["rule"], atol=2e-4)
+  np.testing.assert_allclose(kbar[0, :n], rows["kbar"][:n], atol=1e-4)
+  np.testing.assert_allclose(mbar[0], last["mbar"], atol=1e-5)
+  np.testing.assert_allclose(kq[0][kq_valid[0]], row.kq, atol=1e-4)
+  assert len(rows["rows"]) >= 3 and all(t.memory_cos < 0.99 for t in turns[1:])
+
+
 def test_cache_roundtrip_and_drop_rows_without_positives(llm, tmp_path):
   path = tmp_path / "tr.json"
   path.write_text(json.dumps([_entry("a"), _entry("b")]))

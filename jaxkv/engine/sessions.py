@@ -6,16 +6,21 @@ turn's prompt extends the previous one and the radix cache serves the shared
 prefix. Per request (IntentKV section 3 / appendix H):
 
 1. match the longest cached prefix (radix) and adopt its slots -- under the
-   dead-slot layout those include SENTINEL holes left by earlier pruning, so
-   pruned tokens stay pruned and are not recomputed;
+   dead-slot layout the session names its holes, so the match goes through them
+   and adopts them as SENTINEL: a position pruned in any earlier turn stays
+   pruned (and is not recomputed), also when it lay inside an adopted prefix;
 2. prefill the rest in chunks, capturing post-RoPE queries for the scorers;
-3. once, if the live prompt exceeds the budget C: score, keep F + top-C*, and
+3. IntentKV: advance the session's QueryMemory (eq. 2) from this request's
+   query span, on every request whether or not it prunes;
+4. once, if the live prompt exceeds the budget C: score, keep F + top-C*, and
    apply the layout (`dead_slot`: slot-map holes + alias-aware free;
    `compact`: copy + re-rotate survivors, and the request is not inserted into
    the radix cache afterwards, as in the published baselines);
-4. teacher-forced replay: score the gold assistant turn from the trace (its
+5. teacher-forced replay: score the gold assistant turn from the trace (its
    NLL under the pruned cache); free mode (`generate=True`) decodes greedily;
-5. insert prompt + reply into the radix cache and release the sequence.
+6. insert prompt + reply into the radix cache (holes as dead keys; the insert
+   supersedes the session's previous path, so slots pruned there are freed once
+   no sequence maps them) and release the sequence.
 
 Metrics follow IntentKV section 4.1 with decode steps = reply tokens after
 the first: PT = max |R_t|, Eff. Live KV = max |K_t|, Raw / Eff. KV reads =
@@ -73,6 +78,7 @@ class TurnMetrics:
   text: str = ""          # generated reply (free mode)
   evidence_candidates: int = 0        # evidence outside the forced system prefix
   evidence_candidates_kept: int = 0   # ... that the policy kept
+  memory_cos: float = float("nan")    # IntentKV: cos(M_t, Enc(q_t)), mean over layers / heads
   kept: np.ndarray | None = dataclasses.field(default=None, repr=False)  # [N] kept prompt mask
 
   def to_json(self) -> dict:
@@ -130,6 +136,9 @@ class SessionRunner:
     self.memories = intentkv.QueryMemoryStore(pruning.memory_capacity)
     # tokens of each session already processed (its previous prompt + reply), LRU
     self.seen: collections.OrderedDict[str, int] = collections.OrderedDict()
+    # each session's last radix path (tokens, holes): the next turn names its holes
+    # to match through them, and its insert supersedes this path (radix "Holes")
+    self.paths: collections.OrderedDict[str, tuple] = collections.OrderedDict()
     if pruning.layout == "compact":      # survivors are re-rotated: needs an exact delta
       self.inv_freq = delta_frequencies(self.cfg.rope, self.cfg.head_dim)
 
@@ -187,7 +196,9 @@ class SessionRunner:
     before = set(self.alloc.sequences())
     try:
       seq = self.alloc.new_sequence()
-      hit = self.radix.adopt_prefix(seq, prompt[:n - 1]) if self.radix is not None else 0
+      prev = self.paths.get(session_id)
+      hit = (self.radix.adopt_prefix(seq, prompt[:n - 1], holes=None if prev is None else prev[1])
+             if self.radix is not None else 0)
       self._reserve(seq, n + g - hit)
       width = plan.width(n + g)
       cfg = self.pruning
@@ -200,9 +211,12 @@ class SessionRunner:
       live_before = int(live.sum())
       keep = live
       pruned = cfg.method != "none" and live_before > cfg.budget
+      memory, new_memory, memory_cos = None, None, float("nan")
+      if cfg.method == "intentkv":        # M_t advances on every request (eq. 2)
+        memory, new_memory, memory_cos = self._advance_memory(session_id, p, q, hit, n)
       p0 = n
       if pruned:
-        keep = self._select(session_id, smap, live, p, q, hit, n, width)
+        keep = self._select(session_id, smap, live, p, q, hit, n, width, memory)
         if cfg.layout == "dead_slot":
           select.evict_dropped(self.alloc, seq, keep | (t >= n))   # reply slots stay
         else:
@@ -215,14 +229,15 @@ class SessionRunner:
       else:
         lp_gold, _, _ = self._run_chunks(seq, toks, n, n + g, p0, False, width)
         nll = -float(lp_prompt[-1] + lp_gold[:-1].sum()) / max(g, 1)
-      self.seen[session_id] = n + g
-      self.seen.move_to_end(session_id)
-      if len(self.seen) > cfg.memory_capacity:
-        self.seen.popitem(last=False)
+      if new_memory is not None:          # stored once the turn has succeeded
+        self.memories.scatter([intentkv.session_key(session_id=session_id)], new_memory)
+      _remember(self.seen, session_id, n + g, cfg.memory_capacity)
       if self.radix is not None and not (pruned and cfg.layout == "compact"):
         # the last reply token has no KV yet in free mode; a gold turn is fully written
         cached = n + g - (1 if generate else 0)
-        self.radix.insert(toks[:cached], self.alloc.slot_map(seq)[:cached])
+        path = (toks[:cached].copy(), self.alloc.slot_map(seq)[:cached] == SENTINEL)
+        self.radix.insert(path[0], self.alloc.slot_map(seq)[:cached], replaces=prev)
+        _remember(self.paths, session_id, path, cfg.memory_capacity)
       self.alloc.free_sequence(seq)
     except BaseException:
       for leaked in set(self.alloc.sequences()) - before:   # free this turn's sequences
@@ -240,7 +255,7 @@ class SessionRunner:
         evidence_kept=int((ev & keep[:n]).sum()),
         evidence_candidates=int(ev[p["sys_len"]:].sum()),
         evidence_candidates_kept=int((ev & keep[:n])[p["sys_len"]:].sum()),
-        wall_s=time.perf_counter() - t0, text=text,
+        wall_s=time.perf_counter() - t0, text=text, memory_cos=memory_cos,
         kept=np.asarray(keep[:n]))
 
   def _generate(self, seq, toks, n, p0, first, width, steps_per_call: int = 16) -> int:
@@ -269,7 +284,19 @@ class SessionRunner:
       self.radix.evict(max(n, self.radix.num_cached_tokens // 4))
       self.alloc.extend(seq, n)
 
-  def _select(self, session_id, smap, live, p, q, hit, n, width):
+  def _advance_memory(self, session_id, p, q, hit, n):
+    """(the session's QueryMemory before this request -- zeros for a new session --,
+    M_t after it, cos(M_t, Enc(q_t)))."""
+    key = intentkv.session_key(session_id=session_id)
+    shape = (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim)
+    prev, _ = self.memories.gather([key], shape)
+    q_lo, q_count = query_slice("span", self.pruning, hit, n, p["qs"], 0)
+    new, cos = policy.advance_memory_at(self.pruning, q, hit, q_lo, q_count, prev)
+    return prev, new, float(cos[0])
+
+  def _select(self, session_id, smap, live, p, q, hit, n, width, memory=None):
+    """The pruning event; `memory` is IntentKV's memory before this request (the
+    event advances it itself, as `_advance_memory` did)."""
     cfg = self.pruning
     span = np.zeros(n, bool)
     span[p["qs"]:] = True
@@ -277,21 +304,14 @@ class SessionRunner:
     if cfg.protect_system:
       forced[:p["sys_len"]] = True
     rows = policy.query_rows(cfg)
-    memory = key = None
     q_lo = q_count = 0
     if rows is not None:
       q_lo, q_count = query_slice(rows, cfg, hit, n, p["qs"], self.seen.get(session_id, 0))
-    if cfg.method == "intentkv":
-      key = intentkv.session_key(session_id=session_id)
-      shape = (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim)
-      memory, _ = self.memories.gather([key], shape)
-    keep, new_mem = policy.select_kept_at(
+    keep, _ = policy.select_kept_at(
         cfg, self.driver.kv.k, _row(smap, width), _row(live, width, bool),
         _row(forced, width, bool),
         q if rows is not None else None, hit, q_lo, q_count, memory, _row(span, width, bool),
         head_graphdef=self.head[0], head_state=self.head[1])
-    if cfg.method == "intentkv" and cfg.intent_mode != "query":
-      self.memories.scatter([key], new_mem)
     return np.asarray(keep[0, :smap.size])
 
   def _compact(self, seq, smap, keep, g, width) -> int:
@@ -316,6 +336,13 @@ class SessionRunner:
         out.append(self.run_turn(session_id, messages, tools, i, generate=generate,
                                  max_tokens=max_tokens))
     return out
+
+
+def _remember(lru: collections.OrderedDict, key, value, capacity: int) -> None:
+  lru[key] = value
+  lru.move_to_end(key)
+  if len(lru) > capacity:
+    lru.popitem(last=False)
 
 
 def query_slice(rows: str, cfg: PruningConfig, hit: int, n: int, qs: int,

@@ -26,6 +26,21 @@ sequences pruned with the `compact` layout (positions no longer match token
 indices), layer-wise (`[L, T]`) slot maps, or slots whose KV is not written yet
 (pre-allocated decode slots, the last sampled token).
 
+Holes (`cache_dead=True`, IntentKV dead-slot pruning). A pruned position is
+cached under a dead key, -1 - token (`dead_keys`), with a SENTINEL slot and no
+hold, so holes are part of the tree's keys: a request matches through a hole
+only when it names that hole (`match_prefix(tokens, holes=...)`), and a request
+without holes never adopts another request's holes -- the live path stays
+exact for everyone else. When a session prunes positions inside the prefix it
+adopted, its reinsertion diverges from the live path at the first new hole and
+continues on its own branch; the branch after the divergence aliases the live
+path's slots (same token at the same position, one hold per node, checked), so
+nothing is copied. `insert(..., replaces=(tokens, holes))` then evicts the
+session's superseded path below the divergence (when unlocked and not extended
+by another request): the pruned slots lose the cache's hold and are freed as
+soon as no sequence maps them either. Eviction only ever costs hits, never
+exactness.
+
 Writes into shared slots. Matching is token-granular (no page alignment): the
 kernels address tokens through slot maps, so a hit may end inside a page. This
 is safe under the allocator's semantics: `extend` only hands out refcount-0
@@ -87,6 +102,17 @@ def _as_1d_int(values, what: str) -> np.ndarray:
   return arr.astype(np.int64)
 
 
+def dead_keys(tokens, holes) -> np.ndarray:
+  """Tree keys of a token stream: token ids, with -1 - token at the `holes` (bool mask,
+  at most as long as tokens; missing entries are live)."""
+  keys = _as_1d_int(tokens, "tokens").copy()
+  h = np.zeros(len(keys), bool)
+  hm = np.asarray(holes, bool).reshape(-1)[:len(keys)]
+  h[:len(hm)] = hm
+  keys[h] = -1 - keys[h]
+  return keys
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
   """Length of the longest common prefix of two 1-D arrays."""
   n = min(len(a), len(b))
@@ -101,8 +127,9 @@ class _Node:
   def __init__(self, node_id: int, tokens: np.ndarray, slots: np.ndarray,
                parent: _Node | None, last_access: int):
     self.id = node_id
-    self.tokens = tokens          # [k] int64 token ids (k >= 1 except the root)
-    self.slots = slots            # [k] int32 KV slots, never SENTINEL
+    self.tokens = tokens          # [k] int64 keys: token ids, -1 - id at holes (k >= 1
+                                  # except the root)
+    self.slots = slots            # [k] int32 KV slots, SENTINEL exactly at holes
     self.children: dict[int, _Node] = {}   # first token -> child
     self.parent = parent
     self.lock_ref = 0             # locks on this node or a descendant
@@ -159,13 +186,15 @@ class RadixCache:
       capacity_tokens: if set (>= 0), `insert` evicts LRU leaves, then trims the
         newly cached tail, so that at most this many tokens stay cached.
       cache_dead: IntentKV / SGLang dead-slot semantics: `insert` caches the
-        whole token stream, SENTINEL (pruned) positions included, so a later
-        turn matches the full prefix "exactly as if no pruning had happened"
+        whole token stream, SENTINEL (pruned) positions included as dead keys
+        (module docstring, "Holes"), so the session's next turn, naming its
+        holes, matches the full prefix "exactly as if no pruning had happened"
         (IntentKV section 3.4) and adopts the holes as holes -- pruned tokens
         stay pruned instead of being recomputed. Dead entries hold no slot.
-        Tokens after a hole were computed attending to a pruned cache, so a
-        hit is then no longer bit-exact w.r.t. an unpruned run; that is the
-        method's trade. Default False: exact caching up to the first SENTINEL.
+        Tokens after a hole were computed attending to a pruned cache, so such
+        a hit is no longer bit-exact w.r.t. an unpruned run; that is the
+        method's trade, and only the pruning session takes it. Default False:
+        exact caching up to the first SENTINEL.
     """
     if capacity_tokens is not None:
       if isinstance(capacity_tokens, bool) or int(capacity_tokens) != capacity_tokens:
@@ -179,7 +208,11 @@ class RadixCache:
     self._ids = itertools.count()
     self._root = _Node(next(self._ids), _NO_TOKENS, _NO_SLOTS, None, 0)
     self._clock = 0
-    self._cached = np.zeros((allocator.num_slots,), bool)   # [S] slot is in a node
+    # [S] nodes caching each slot (> 1 only for hole branches aliasing a live path),
+    # and the (position, token) it was first cached at: aliases must agree
+    self._cached = np.zeros((allocator.num_slots,), np.int32)
+    self._slot_pos = np.full((allocator.num_slots,), -1, np.int64)
+    self._slot_tok = np.full((allocator.num_slots,), -1, np.int64)
     self._num_tokens = 0
     self._num_nodes = 0
     self._locked_tokens = 0
@@ -228,7 +261,7 @@ class RadixCache:
     self._stats = RadixStats()
 
   # ---------------------------------------------------------------- queries
-  def match_prefix(self, tokens, *, lock: bool = False) -> PrefixMatch:
+  def match_prefix(self, tokens, *, lock: bool = False, holes=None) -> PrefixMatch:
     """Longest cached prefix of `tokens`; refreshes the LRU time of its path.
 
     Counts one query in `stats`. Does not change the tree's shape: a match that
@@ -238,11 +271,14 @@ class RadixCache:
       tokens: [n] int token ids.
       lock: also lock the matched path against eviction until
         `release_lock(match.handle)`.
+      holes: optional bool mask of the positions this request has pruned (its
+        session's holes); the match goes through those positions' dead keys
+        and returns SENTINEL there.
     Returns:
       PrefixMatch(n_matched, slots [n_matched] int32, handle); unpacks as
       `n_matched, slots`.
     """
-    toks = _as_1d_int(tokens, "tokens")
+    toks = _as_1d_int(tokens, "tokens") if holes is None else dead_keys(tokens, holes)
     node, n, parts = self._walk(toks)
     self._clock += 1
     self._touch(node)
@@ -272,44 +308,53 @@ class RadixCache:
     return out
 
   # -------------------------------------------------------------- mutations
-  def insert(self, tokens, slots) -> int:
-    """Caches `(tokens[i], slots[i])` up to the first SENTINEL slot.
+  def insert(self, tokens, slots, *, replaces=None) -> int:
+    """Caches `(tokens[i], slots[i])` up to the first SENTINEL slot (all of it, holes
+    as dead keys, with `cache_dead`).
 
     `slots[i]` must hold the written KV of `tokens[i]` at logical position i
     (e.g. a sequence's slot map, sliced to its tokens with written KV). The
     part already cached keeps its cached slots (the caller's are not held);
-    each newly cached slot gets one hold of the cache (`allocator.retain`).
-    Caching stops at the first SENTINEL: a pruned position breaks the cacheable
-    prefix (see the module docstring). With `capacity_tokens`, LRU leaves are
-    then evicted and, if that is not enough, the newly cached tail is trimmed.
-    All-or-nothing on error.
+    each newly cached slot gets one hold of the cache (`allocator.retain`). A
+    new slot may already be cached only at the same position and token (a hole
+    branch aliasing the live path). Without `cache_dead`, caching stops at the
+    first SENTINEL: a pruned position breaks the cacheable prefix (see the
+    module docstring). With `capacity_tokens`, LRU leaves are then evicted and,
+    if that is not enough, the newly cached tail is trimmed. All-or-nothing on
+    error.
 
     Args:
       tokens: [n] int token ids.
-      slots: [n] int slots (SENTINEL allowed: it ends the cached prefix).
+      slots: [n] int slots (SENTINEL: a hole, or the end of the cached prefix).
+      replaces: optional (tokens, holes) of the path this insert supersedes (the
+        session's previous insert): its nodes below the point where the two
+        paths part are evicted if unlocked and not extended by other requests.
     Returns:
       Number of newly cached tokens.
     Raises:
-      ValueError: length mismatch; a new slot is already cached elsewhere in
-        the tree, repeated, out of range or not live.
+      ValueError: length mismatch; a new slot is already cached at another
+        position or token, repeated, out of range or not live.
     """
     toks = _as_1d_int(tokens, "tokens")
     sl = _as_1d_int(slots, "slots")
     if len(toks) != len(sl):
       raise ValueError(f"insert: {len(toks)} tokens but {len(sl)} slots")
-    dead = np.flatnonzero(sl == SENTINEL)
-    end = int(dead[0]) if dead.size and not self._cache_dead else len(sl)
-    toks, sl = toks[:end], sl[:end]
+    dead = sl == SENTINEL
+    end = int(np.argmax(dead)) if dead.any() and not self._cache_dead else len(sl)
+    toks, sl = dead_keys(toks[:end], dead[:end]), sl[:end]
     node, n, _ = self._walk(toks)
     self._clock += 1
     new = sl[n:]
     if new.size:
-      held = new[new != SENTINEL]     # dead entries (cache_dead) hold nothing
+      live = new != SENTINEL
+      held, pos = new[live], np.arange(n, len(sl))[live]
       if np.any((new < 0) | (new >= self._alloc.num_slots)):
         raise ValueError(f"insert: slot out of range [0, {self._alloc.num_slots})")
-      if np.any(self._cached[held]):
-        raise ValueError(f"insert: slot {int(held[self._cached[held]][0])} is already "
-                         f"cached for another prefix")
+      alias = self._cached[held] > 0
+      bad = alias & ((self._slot_pos[held] != pos) | (self._slot_tok[held] != toks[pos]))
+      if np.any(bad):
+        raise ValueError(f"insert: slot {int(held[bad][0])} is already cached for another "
+                         f"prefix (another position or token)")
       if len(np.unique(held)) != len(held):
         raise ValueError("insert: a slot appears twice in the new part")
       self._alloc.retain(held)        # validates liveness before any change
@@ -318,11 +363,14 @@ class RadixCache:
         node = self._split(node, len(node.tokens) - (depth - n))
       leaf = _Node(next(self._ids), toks[n:].copy(), new.astype(np.int32), node, self._clock)
       node.children[int(toks[n])] = leaf
-      self._cached[held] = True
+      self._cached[held] += 1
+      self._slot_pos[held], self._slot_tok[held] = pos, toks[pos]
       self._num_tokens += len(new)
       self._num_nodes += 1
       node = leaf
     self._touch(node)
+    if replaces is not None:
+      self._drop_superseded(dead_keys(*replaces), toks, keep=node)
     added = len(new)
     if added and self._capacity is not None and self._num_tokens > self._capacity:
       self._evict(self._num_tokens - self._capacity, protect=node)
@@ -333,7 +381,25 @@ class RadixCache:
     self._stats = dataclasses.replace(s, inserted_tokens=s.inserted_tokens + added)
     return added
 
-  def adopt_prefix(self, seq: int, tokens) -> int:
+  def _drop_superseded(self, old: np.ndarray, new: np.ndarray, keep: _Node) -> int:
+    """Evicts the nodes of path `old` that lie wholly past its common prefix with
+    `new`, from its end upwards, while they are unlocked leaves; returns tokens."""
+    node, n, _ = self._walk(old)
+    if n != len(old) or n != self._depth(node):
+      return 0                        # the old path ends inside an edge: shared, keep
+    split = _common_prefix(old, new)
+    evicted = 0
+    while (node is not self._root and node is not keep and not node.children
+           and node.lock_ref == 0 and self._depth(node) - len(node.tokens) >= split):
+      parent = node.parent
+      evicted += len(node.slots)
+      self._remove_leaf(node)
+      node = parent
+    s = self._stats
+    self._stats = dataclasses.replace(s, evicted_tokens=s.evicted_tokens + evicted)
+    return evicted
+
+  def adopt_prefix(self, seq: int, tokens, *, holes=None) -> int:
     """Matches `tokens` and adopts the hit into the empty sequence `seq`.
 
     `allocator.adopt` appends the matched slots to seq's slot map and adds one
@@ -347,6 +413,7 @@ class RadixCache:
     Args:
       seq: a live, empty sequence id of the cache's allocator.
       tokens: [n] int token ids of the request.
+      holes: the request's own holes (`match_prefix`); they are adopted as SENTINEL.
     Returns:
       n_matched, the number of positions adopted.
     Raises:
@@ -355,7 +422,7 @@ class RadixCache:
     if self._alloc.length(seq) != 0:
       raise ValueError(f"adopt_prefix: sequence {seq} has {self._alloc.length(seq)} "
                        f"positions; a prefix can only be adopted by an empty sequence")
-    n, slots = self.match_prefix(tokens)
+    n, slots = self.match_prefix(tokens, holes=holes)
     if n:
       self._alloc.adopt(seq, slots)
     return n
@@ -447,10 +514,14 @@ class RadixCache:
     self._num_nodes += 1
     return parent
 
-  def _remove_leaf(self, node: _Node) -> None:
-    held = node.slots[node.slots != SENTINEL]
+  def _uncache(self, held: np.ndarray) -> None:
     self._alloc.release(held)
-    self._cached[held] = False
+    self._cached[held] -= 1
+    gone = held[self._cached[held] == 0]
+    self._slot_pos[gone] = self._slot_tok[gone] = -1
+
+  def _remove_leaf(self, node: _Node) -> None:
+    self._uncache(node.slots[node.slots != SENTINEL])
     del node.parent.children[int(node.tokens[0])]
     self._num_tokens -= len(node.slots)
     self._num_nodes -= 1
@@ -462,9 +533,7 @@ class RadixCache:
       self._remove_leaf(leaf)
       return k
     drop = leaf.slots[-k:]
-    drop = drop[drop != SENTINEL]
-    self._alloc.release(drop)
-    self._cached[drop] = False
+    self._uncache(drop[drop != SENTINEL])
     leaf.tokens, leaf.slots = leaf.tokens[:-k].copy(), leaf.slots[:-k].copy()
     self._num_tokens -= k
     return k
@@ -525,6 +594,7 @@ class RadixCache:
         node = node.parent
     seen = np.zeros_like(self._cached)
     tokens = nodes = locked = 0
+    depth = {root.id: 0}
     for node in self._nodes():
       nodes += 1
       if len(node.tokens) == 0 or len(node.tokens) != len(node.slots):
@@ -540,15 +610,23 @@ class RadixCache:
       sl = node.slots
       if sl.dtype != np.int32 or (np.any(sl == SENTINEL) and not self._cache_dead):
         fail(f"node {node.id} caches SENTINEL or has slots of dtype {sl.dtype}")
-      sl = sl[sl != SENTINEL]
+      if np.any((sl == SENTINEL) != (node.tokens < 0)):
+        fail(f"node {node.id}: SENTINEL slots and dead keys disagree")
+      d0 = depth[parent.id]
+      depth[node.id] = d0 + len(sl)
+      live = sl != SENTINEL
+      pos, sl = d0 + np.flatnonzero(live), sl[live]
       if np.any((sl < 0) | (sl >= len(seen))):
         fail(f"node {node.id} has out-of-range slots")
-      if np.any(seen[sl]) or len(np.unique(sl)) != len(sl):
-        fail(f"node {node.id} caches a slot that is cached elsewhere too")
-      seen[sl] = True
+      if len(np.unique(sl)) != len(sl):
+        fail(f"node {node.id} caches a slot twice")
+      if np.any((self._slot_pos[sl] != pos) | (self._slot_tok[sl] != node.tokens[live])):
+        fail(f"node {node.id} caches a slot at another position or token than its aliases")
+      seen[sl] += 1
       for slot in sl.tolist():
-        if self._alloc.holds(slot) < 1:
-          fail(f"cached slot {slot} (node {node.id}) has no external hold")
+        if self._alloc.holds(slot) < seen[slot]:
+          fail(f"cached slot {slot} (node {node.id}) has no external hold for each node "
+               f"caching it")
       tokens += len(node.slots)
       locked += len(node.slots) if node.lock_ref else 0
     if np.any(seen != self._cached):

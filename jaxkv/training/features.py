@@ -7,10 +7,12 @@ tokens after the longest common prefix are prefilled, in chunks of at most
 `chunk_tokens` (<= 4,096) with KV caching, and the chunk boundaries are chosen
 so that the actionable query span [qs, N) is always ONE chunk (`plan_chunks`).
 That chunk captures the post-RoPE Q rows of the span; Enc(q_t) is their mean,
-the session's QueryMemory is updated by eq. 2 (lambda = 0.5, unit norm) and
-the rule score of eq. 3 is computed over the candidates H = [sys_len, qs)
-(live history outside the forced set: system prefix + query span; nothing is
-pruned while extracting).
+the session's QueryMemory is advanced by eq. 2 on every turn (lambda = 0.5,
+normalised Enc, unit norm: `intentkv.advance`, as serving does on every request)
+and the head's inputs -- the rule score of eq. 3 over the candidates H =
+[sys_len, qs) (live history outside the forced set: system prefix + query span;
+nothing is pruned while extracting), k_bar and m_bar -- come from
+`residual.phase2_inputs`, the function the pruning event calls.
 
 Stored per session (one .npz under the cache directory):
 
@@ -22,6 +24,7 @@ Stored per session (one .npz under the cache directory):
   labels  [qs - sys_len] int8 1 evidence, 0 other history, -100 template tokens
   mbar    [D]                 mean of M_t over layers and query heads
   mnorm   [L, Hq]             ||M_t[l, h]||_2 of the memory the scorer used
+  mcos                        cos(M_t, Enc(q_t)), mean over layers and heads
   n, qs, sys_len, turn
 
 K_bar^q is kbar[qs:n] (its last n_q rows) and positions in [0, sys_len) and
@@ -99,8 +102,10 @@ class PrunerTrainConfig:
   max_train_sessions: int = 0          # 0 = all sessions of train_traces
   max_val_sessions: int = 0            # 0 = all sessions of val_traces
   decay: float = 0.5                   # lambda of eq. 2
+  normalize_query: bool = True         # unit-norm Enc(q_t) before eq. 2 (as serving)
   lookahead: int = 5                   # future tool calls scanned for labels
-  n_q: int = 512                       # cap on K_bar^q rows (last n_q span positions)
+  n_q: int = 4096                      # cap on K_bar^q rows (last n_q span positions);
+                                       # = max_chunk, so all of Enc(q_t)'s rows, as serving
   attn_impl: str = "auto"
   # --- optimisation
   epochs: int = 2
@@ -135,8 +140,8 @@ class PrunerTrainConfig:
 
 # Fields that change the extracted features (and so the cache key).
 FEATURE_FIELDS = ("model", "dtype", "chunk_tokens", "max_chunk", "max_prompt_tokens", "decay",
-                  "lookahead", "attn_impl")
-FEATURE_VERSION = 1
+                  "normalize_query", "lookahead", "attn_impl")
+FEATURE_VERSION = 2      # 2: normalised Enc(q_t), features through residual.phase2_inputs
 
 
 def feature_key(cfg: PrunerTrainConfig, trace_path: str, trace_digest: str) -> str:
@@ -197,15 +202,18 @@ def plan_chunks(start: int, qs: int, n: int, chunk: int, max_chunk: int = 4096):
 
 
 # ----------------------------------------------------------------------------- device steps
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-def _row_features(pool_k, slot_map, enc, prev, candidates, decay):
-  """M_t (eq. 2), rule (eq. 3) over candidates, k_bar, m_bar and ||M_t|| per head."""
-  mem = intentkv.update_memory(prev, enc, decay)
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS,
+                   static_argnames=("decay", "normalize_query"))
+def _row_features(pool_k, slot_map, enc, prev, candidates, span, *, decay, normalize_query):
+  """M_t (eq. 2) and the head's inputs, through the functions serving uses
+  (`intentkv.advance`, `residual.phase2_inputs`); plus ||M_t|| per head and
+  cos(M_t, Enc(q_t))."""
+  m, mem = intentkv.advance(prev, enc, mode="memory", decay=decay,
+                            normalize_query=normalize_query)
   k = scores.gather_keys(pool_k, slot_map)                 # [L, 1, W, Hkv, D]
-  rule = intentkv.rule_scores(mem, k, candidates)[0]
-  kbar = residual.mean_keys(k)[0]
-  mbar = jnp.mean(mem, axis=(0, 2))[0]
-  return mem, rule, kbar, mbar, jnp.linalg.norm(mem[:, 0], axis=-1)
+  inputs = residual.phase2_inputs(k, m, candidates, span, n_q=1)   # K_bar^q: from kbar
+  return (mem, inputs.rule[0], inputs.kbar[0], inputs.mbar[0],
+          jnp.linalg.norm(mem[:, 0], axis=-1), intentkv.memory_cosine(mem, enc)[0])
 
 
 class Extractor:
@@ -269,15 +277,19 @@ class Extractor:
       smap = self._slot_map(plan.width(n))
       cand = np.zeros(smap.shape, bool)
       cand[0, sys_len:qs] = True
+      span = np.zeros(smap.shape, bool)
+      span[0, qs:n] = True
       prev = jnp.zeros_like(enc) if memory is None else memory
-      memory, rule, kb, mbar, mnorm = _row_features(self.driver.kv.k, jnp.asarray(smap), enc, prev,
-                                                    jnp.asarray(cand), cfg.decay)
+      memory, rule, kb, mbar, mnorm, mcos = _row_features(
+          self.driver.kv.k, jnp.asarray(smap), enc, prev, jnp.asarray(cand), jnp.asarray(span),
+          decay=cfg.decay, normalize_query=cfg.normalize_query)
       kbar = np.asarray(kb[:n], np.float32)     # positions never shift: one array per session
       lab = p["labels"][sys_len:qs]
       rows.append(dict(turn=i, n=n, qs=qs, sys_len=sys_len,
                        rule=np.asarray(rule)[sys_len:qs].astype(np.float32),
                        labels=lab.astype(np.int8), mbar=np.asarray(mbar, np.float32),
-                       mnorm=np.asarray(mnorm, np.float32), positives=int((lab == 1).sum())))
+                       mnorm=np.asarray(mnorm, np.float32), mcos=float(mcos),
+                       positives=int((lab == 1).sum())))
     return dict(kbar=kbar, rows=rows, chunks=chunks_log)
 
 
@@ -289,6 +301,7 @@ def pack_session(feat: dict) -> dict:
   out = dict(kbar=feat["kbar"], offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
   for k in ("turn", "n", "qs", "sys_len", "positives"):
     out[k] = np.asarray([r[k] for r in rows], np.int64)
+  out["mcos"] = np.asarray([r["mcos"] for r in rows], np.float32)
   out["rule"] = np.concatenate([r["rule"] for r in rows]) if rows else np.zeros(0, np.float32)
   out["labels"] = np.concatenate([r["labels"] for r in rows]) if rows else np.zeros(0, np.int8)
   d = feat["kbar"].shape[1]

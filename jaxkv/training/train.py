@@ -52,6 +52,7 @@ from flax import nnx
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.kv import plan
 
+from jaxkv.policies.pruning import residual
 from jaxkv.policies.pruning.residual import ResidualHead
 from jaxkv.training import loss as loss_lib
 from jaxkv.training.features import IGNORE, PrunerTrainConfig, Row
@@ -86,11 +87,9 @@ def make_batch(rows: list[Row], t: int | None = None, n_q: int | None = None) ->
 
 
 def features_from_batch(batch) -> jax.Array:
-  """Eq. 5 from stored features: phi [B, T, 3D+1], zero outside the candidates."""
-  kbar = batch["kbar"]
-  mbar = jnp.broadcast_to(batch["mbar"][:, None, :], kbar.shape)
-  phi = jnp.concatenate([kbar, mbar, kbar * mbar, batch["rule"][..., None]], axis=-1)
-  return jnp.where(batch["cand"][..., None], phi, 0.)
+  """Eq. 5 from stored features (`residual.phi`, serving's copy): phi [B, T, 3D+1],
+  zero outside the candidates."""
+  return residual.phi(batch["kbar"], batch["mbar"], batch["rule"], batch["cand"])
 
 
 def head_scores(graphdef, params, batch, clip_alpha: bool = False) -> jax.Array:

@@ -6,9 +6,26 @@ row) follows eq. 2,
     M_t = exp(-lambda) M_{t-1} + Enc(q_t),      lambda = 0.5,
 
 where Enc(q_t) averages the post-RoPE Q rows of the actionable query span, and
-after each update M_t is projected to unit norm along the head dimension. The
-rule score of candidate position j (eq. 3) is the softmax of M_t[l, h] . K[l, h, j]
-/ sqrt(D) over the candidate set, summed over layers and GQA-expanded heads.
+after each update M_t is projected to unit norm along the head dimension. M is
+updated on EVERY request of a session (pruned or not), by serving and by the
+Phase-2 feature extractor alike (`advance`), so the head is trained on the
+memories serving produces.
+
+Normalised encoding (`normalize_query`, on by default; a decision where the
+paper is silent). Read literally, eq. 2 adds a raw Enc(q_t) to a unit-norm
+M_{t-1}. Post-RoPE query means are far from unit norm (median ~13 over layers
+and heads of SmolLM2 on a 221-token tau2 prompt), so the new turn outweighs the
+decayed memory ~20:1 and cos(M_t, Enc(q_t)) has median 0.9998: memory mode
+collapses to query mode. Normalising Enc(q_t) first gives every turn weight 1
+and the previous memory weight exp(-lambda) = 0.61, which is what the decay is
+for: a turn's intent fades over a few turns instead of at once. The rule score
+(eq. 3) is a softmax over keys of M . K / sqrt(D), so the memory's scale would
+otherwise also act as a per-turn temperature; with both unit-normed, query and
+memory modes share one scale. `normalize_query=False` restores the literal form.
+
+The rule score of candidate position j (eq. 3) is the softmax of
+M_t[l, h] . K[l, h, j] / sqrt(D) over the candidate set, summed over layers and
+GQA-expanded heads.
 
 Modes: `query` scores with the unit-normed Enc(q_t) alone (no memory; the
 normalisation keeps the two modes on one scale), `memory` with M_t.
@@ -39,6 +56,7 @@ MODES = ("query", "memory")
 class IntentKVConfig:
   mode: str = "memory"         # "query" | "memory" ("learnable": issue 5)
   decay: float = 0.5           # lambda of eq. 2
+  normalize_query: bool = True  # unit-norm Enc(q_t) before eq. 2 (module docstring)
   session_prefix: int = 256    # P: tokens hashed into the fallback session key
   store_capacity: int = 1024   # LRU of session memories
 
@@ -67,10 +85,32 @@ def unit_norm(m: jax.Array, eps: float = 1e-6) -> jax.Array:
   return m / jnp.maximum(jnp.linalg.norm(m, axis=-1, keepdims=True), eps)
 
 
-def update_memory(memory: jax.Array | None, enc: jax.Array, decay: float = 0.5) -> jax.Array:
-  """Eq. 2 then the unit-norm projection. memory None (a new session) = zeros."""
+def update_memory(memory: jax.Array | None, enc: jax.Array, decay: float = 0.5,
+                  normalize_query: bool = True) -> jax.Array:
+  """Eq. 2 then the unit-norm projection. memory None (a new session) = zeros;
+  `normalize_query` unit-norms Enc(q_t) first (module docstring)."""
   prev = jnp.zeros_like(enc) if memory is None else memory
-  return unit_norm(jnp.exp(-decay) * prev + enc)
+  return unit_norm(jnp.exp(-decay) * prev + (unit_norm(enc) if normalize_query else enc))
+
+
+def advance(memory: jax.Array | None, enc: jax.Array, *, mode: str, decay: float = 0.5,
+            normalize_query: bool = True) -> tuple[jax.Array, jax.Array]:
+  """One request's QueryMemory step, shared by serving and the Phase-2 extractor.
+
+  Returns (m, new_memory): m is what scores this request -- M_t in `memory` mode,
+  unit_norm(Enc(q_t)) in `query` mode (and for the learnable "-memory" ablation) --
+  and new_memory = M_t is stored back in every mode, so a session's memory is the
+  same whichever scorer reads it.
+  """
+  new = update_memory(memory, enc, decay, normalize_query)
+  return (unit_norm(enc) if mode == "query" else new), new
+
+
+def memory_cosine(memory: jax.Array, enc: jax.Array) -> jax.Array:
+  """Mean over layers and heads of cos(M_t, Enc(q_t)): [L, B, Hq, D] x2 -> [B].
+  Near 1 means the memory carries nothing but the current turn."""
+  c = jnp.sum(unit_norm(memory.astype(jnp.float32)) * unit_norm(enc.astype(jnp.float32)), -1)
+  return jnp.mean(c, axis=(0, 2))
 
 
 def rule_scores(memory: jax.Array, k: jax.Array, candidates: jax.Array) -> jax.Array:
@@ -98,12 +138,13 @@ def rule_scores(memory: jax.Array, k: jax.Array, candidates: jax.Array) -> jax.A
 def intentkv_scores(q_span, span_valid, k, candidates, memory, cfg: IntentKVConfig):
   """Phase-1 scores and the memory to store back.
 
-  Returns (scores [B, T], new memory [L, B, Hq, D]); in `query` mode the
-  memory argument is ignored and the returned state is the normed encoding.
+  Returns (scores [B, T], new memory M_t [L, B, Hq, D]); in `query` mode the
+  scores read unit_norm(Enc(q_t)) and the memory is still advanced (`advance`).
   """
   enc = encode_query(q_span, span_valid)
-  m = unit_norm(enc) if cfg.mode == "query" else update_memory(memory, enc, cfg.decay)
-  return rule_scores(m, k, candidates), m
+  m, new = advance(memory, enc, mode=cfg.mode, decay=cfg.decay,
+                   normalize_query=cfg.normalize_query)
+  return rule_scores(m, k, candidates), new
 
 
 _request_counter = itertools.count()

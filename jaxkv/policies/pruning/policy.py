@@ -35,6 +35,7 @@ def query_rows(cfg: PruningConfig) -> str | None:
 
 def intentkv_config(cfg: PruningConfig) -> intentkv.IntentKVConfig:
   return intentkv.IntentKVConfig(mode=cfg.intent_mode, decay=cfg.intent_decay,
+                                 normalize_query=cfg.intent_normalize_query,
                                  session_prefix=cfg.session_prefix,
                                  store_capacity=cfg.memory_capacity)
 
@@ -98,11 +99,7 @@ def _select_kept_at_impl(cfg, pool_k, slot_map, live, forced, q_rows, q_start, q
   k = scores.gather_keys(pool_k, slot_map)                 # [L, B, W, Hkv, D], inside the jit
   q = q_pos = None
   if q_rows is not None:
-    j = jnp.arange(rows, dtype=jnp.int32)
-    idx = jnp.clip(q_lo + j, 0, q_rows.shape[2] - 1)
-    q = jnp.take(q_rows, idx, axis=2)
-    q_pos = jnp.broadcast_to(jnp.where(j < q_count, q_start + q_lo + j, -1),
-                             (live.shape[0], rows))
+    q, q_pos = _slice_rows(q_rows, q_start, q_lo, q_count, live.shape[0], rows)
   return _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, seed, head_graphdef,
                head_state)
 
@@ -132,15 +129,14 @@ def _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, seed, head_graph
     s, f = scores.h2o(q, q_pos, k, live, c_star, scores.H2OConfig(cfg.h2o_recent_ratio))
   elif cfg.method == "intentkv" and cfg.intent_mode == "learnable":
     candidates = live & ~forced
-    enc = intentkv.encode_query(q, q_pos >= 0)
-    new_memory = intentkv.update_memory(memory, enc, cfg.intent_decay)
-    m = intentkv.unit_norm(enc) if cfg.ablate_memory else new_memory
+    m, new_memory = _advance(cfg, q, q_pos, memory)
     if cfg.ablate_residual:       # alpha = 0 is exactly the rule scorer (Phase-1)
       s = intentkv.rule_scores(m, k, candidates)
-    else:
-      s = residual.learnable_scores((head_graphdef, head_state), k, m, candidates,
-                                    span & live, n_q=q.shape[2],   # span rows (static)
-                                    ablate_xattn=cfg.ablate_xattn)
+    else:                         # the extractor builds its rows with the same function
+      inputs = residual.phase2_inputs(k, m, candidates, span & live,
+                                      n_q=q.shape[2])      # all span rows (static)
+      s = residual.phase2_scores((head_graphdef, head_state), inputs, candidates,
+                                 ablate_xattn=cfg.ablate_xattn)
     f = jnp.zeros_like(live)
   elif cfg.method == "intentkv":
     candidates = live & ~forced
@@ -152,6 +148,44 @@ def _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, seed, head_graph
   return keep_mask(s, live, forced | f, budget), new_memory
 
 
+def _advance(cfg: PruningConfig, q, q_pos, memory):
+  """(scoring memory, M_t) of this request (`intentkv.advance` on the span rows)."""
+  mode = "query" if cfg.intent_mode == "query" or cfg.ablate_memory else "memory"
+  return intentkv.advance(memory, intentkv.encode_query(q, q_pos >= 0), mode=mode,
+                          decay=cfg.intent_decay, normalize_query=cfg.intent_normalize_query)
+
+
+def advance_memory_at(cfg: PruningConfig, q_rows: jax.Array, q_start: int, q_lo: int,
+                      q_count: int, memory: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """IntentKV's per-request memory step for a serving loop (every request, pruned or
+  not): reads the captured query rows [q_lo, q_lo + q_count) as `select_kept_at` does.
+
+  Returns (M_t [L, B, Hq, D], cos(M_t, Enc(q_t)) [B] averaged over layers and heads).
+  The pruning event, when there is one, recomputes the same M_t from the same
+  previous memory (a mean over the span rows: cheap).
+  """
+  rows = plan.chunk_len(max(int(q_count), 1))
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  return _advance_at(_static(cfg), q_rows, i32(q_start), i32(q_lo), i32(q_count), memory,
+                     rows=rows)
+
+
+def _slice_rows(q_rows, q_start, q_lo, q_count, b, rows):
+  j = jnp.arange(rows, dtype=jnp.int32)
+  idx = jnp.clip(q_lo + j, 0, q_rows.shape[2] - 1)
+  q_pos = jnp.broadcast_to(jnp.where(j < q_count, q_start + q_lo + j, -1), (b, rows))
+  return jnp.take(q_rows, idx, axis=2), q_pos
+
+
+def _advance_at_impl(cfg, q_rows, q_start, q_lo, q_count, memory, *, rows):
+  q, q_pos = _slice_rows(q_rows, q_start, q_lo, q_count, memory.shape[1], rows)
+  enc = intentkv.encode_query(q, q_pos >= 0)
+  _, new = _advance(cfg, q, q_pos, memory)
+  return new, intentkv.memory_cosine(new, enc)
+
+
+_advance_at = jax.jit(_advance_at_impl, compiler_options=COMPILER_OPTIONS,
+                      static_argnames=("cfg", "rows"))
 _select_kept = jax.jit(_kept, compiler_options=COMPILER_OPTIONS,
                        static_argnames=("cfg", "head_graphdef"))
 _select_kept_at = jax.jit(_select_kept_at_impl, compiler_options=COMPILER_OPTIONS,

@@ -67,6 +67,8 @@ Decisions where the paper is silent or ambiguous:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -89,9 +91,22 @@ def mean_keys(k: jax.Array) -> jax.Array:
   return jnp.mean(k.astype(jnp.float32), axis=(0, 3))
 
 
+def phi(kbar: jax.Array, mbar: jax.Array, rule: jax.Array, candidates: jax.Array) -> jax.Array:
+  """Eq. 5 from its parts, the one copy serving and training share:
+  phi_j = [k_bar_j || m_bar || k_bar_j * m_bar || rule_j].
+
+  kbar [B, T, D], mbar [B, D], rule [B, T], candidates [B, T] bool -> phi
+  [B, T, 3D + 1] float32, zero outside the candidates.
+  """
+  kbar = kbar.astype(jnp.float32)
+  m = jnp.broadcast_to(mbar.astype(jnp.float32)[:, None, :], kbar.shape)
+  out = jnp.concatenate([kbar, m, kbar * m, rule.astype(jnp.float32)[..., None]], axis=-1)
+  return jnp.where(candidates[..., None], out, 0.)
+
+
 def token_features(k: jax.Array, memory: jax.Array, rule: jax.Array,
                    candidates: jax.Array) -> jax.Array:
-  """Eq. 5: phi_j = [k_bar_j || m_bar || k_bar_j * m_bar || rule_j].
+  """Eq. 5 from keys and memory: `phi(mean_keys(k), mean of M_t, rule, candidates)`.
 
   Args:
     k: [L, B, T, Hkv, D] post-RoPE keys at the slot map.
@@ -102,17 +117,21 @@ def token_features(k: jax.Array, memory: jax.Array, rule: jax.Array,
   Returns:
     phi [B, T, 3D + 1] float32.
   """
-  num_layers, b, t, hkv, d = k.shape
+  _check_memory(k, memory)
+  return phi(mean_keys(k), mean_memory(memory), rule, candidates)
+
+
+def mean_memory(memory: jax.Array) -> jax.Array:
+  """m_bar: the mean of M_t over layers and query heads, [L, B, Hq, D] -> [B, D]."""
+  return jnp.mean(memory.astype(jnp.float32), axis=(0, 2))
+
+
+def _check_memory(k, memory):
+  num_layers, b, _, hkv, d = k.shape
   if memory.shape[0] != num_layers or memory.shape[1] != b or memory.shape[3] != d:
     raise ValueError(f"memory {memory.shape} does not match keys {k.shape}")
   if memory.shape[2] % hkv:
     raise ValueError(f"query heads {memory.shape[2]} not a multiple of KV heads {hkv}")
-  k_bar = mean_keys(k)                                              # [B, T, D]
-  m_bar = jnp.mean(memory.astype(jnp.float32), axis=(0, 2))         # [B, D]
-  m_bar = jnp.broadcast_to(m_bar[:, None, :], (b, t, d))
-  phi = jnp.concatenate(
-      [k_bar, m_bar, k_bar * m_bar, rule.astype(jnp.float32)[..., None]], axis=-1)
-  return jnp.where(candidates[..., None], phi, 0.)
 
 
 def query_key_summary(k: jax.Array, span_mask: jax.Array, n_q: int | None = None,
@@ -236,11 +255,51 @@ def num_params(head: ResidualHead) -> int:
   return sum(int(x.size) for x in jax.tree_util.tree_leaves(nnx.state(head, nnx.Param)))
 
 
+class Phase2Inputs(NamedTuple):
+  """What the residual head reads for one pruning event (a pytree).
+
+  The Phase-2 extractor (`jaxkv.training.features`) stores exactly these per row
+  and serving computes them in the pruning event, both through `phase2_inputs`.
+  """
+  rule: jax.Array       # [B, T] eq. 3 over the candidates (0 elsewhere)
+  kbar: jax.Array       # [B, T, D] per-position key means
+  mbar: jax.Array       # [B, D] mean of the memory the scorer used
+  kq: jax.Array         # [B, n_q, D] K_bar^q (valid rows first)
+  kq_valid: jax.Array   # [B, n_q] bool
+
+
+def phase2_inputs(k: jax.Array, memory: jax.Array, candidates: jax.Array,
+                  span_mask: jax.Array, *, n_q: int | None = None,
+                  live: jax.Array | None = None) -> Phase2Inputs:
+  """The head's inputs from the keys at the slot map and the scoring memory.
+
+  k [L, B, T, Hkv, D]; memory [L, B, Hq, D] (M_t, or unit_norm(Enc(q_t)) for the
+  -memory ablation); candidates, span_mask [B, T] bool; n_q, live: see
+  `query_key_summary`.
+  """
+  _check_memory(k, memory)
+  kq, kq_valid = query_key_summary(k, span_mask, n_q, live)
+  return Phase2Inputs(rule=rule_scores(memory, k, candidates), kbar=mean_keys(k),
+                      mbar=mean_memory(memory), kq=kq, kq_valid=kq_valid)
+
+
+def phase2_scores(head, inputs: Phase2Inputs, candidates: jax.Array, *,
+                  ablate_xattn: bool = False, clip_alpha: bool = True) -> jax.Array:
+  """Eq. 4 from `Phase2Inputs` (serving) or the same arrays from stored rows
+  (training): [B, T] float32, 0 outside the candidates."""
+  module = head if isinstance(head, nnx.Module) else nnx.merge(*head)
+  features = phi(inputs.kbar, inputs.mbar, inputs.rule, candidates)
+  s = module(features, inputs.kq, inputs.kq_valid, inputs.rule, ablate_xattn=ablate_xattn,
+             clip_alpha=clip_alpha)
+  return jnp.where(candidates, s, 0.)
+
+
 def learnable_scores(head, k: jax.Array, memory: jax.Array, candidates: jax.Array,
                      span_mask: jax.Array, *, live: jax.Array | None = None,
                      n_q: int | None = None, ablate_xattn: bool = False,
                      clip_alpha: bool = True) -> jax.Array:
-  """Phase-2 scores: rule (eq. 3) + residual (eq. 4) over the candidate set.
+  """Phase-2 scores: rule (eq. 3) + residual (eq. 4) over the candidate set,
+  `phase2_scores(head, phase2_inputs(...))`.
 
   Pure and jit-compatible: pass the head in split form, `nnx.split(head)`, so
   its weights are traced arguments (mark n_q, ablate_xattn, clip_alpha
@@ -260,9 +319,6 @@ def learnable_scores(head, k: jax.Array, memory: jax.Array, candidates: jax.Arra
   Returns:
     [B, T] float32 scores, 0 outside the candidate set.
   """
-  module = head if isinstance(head, nnx.Module) else nnx.merge(*head)
-  rule = rule_scores(memory, k, candidates)
-  phi = token_features(k, memory, rule, candidates)
-  kq, kq_valid = query_key_summary(k, span_mask, n_q, live)
-  s = module(phi, kq, kq_valid, rule, ablate_xattn=ablate_xattn, clip_alpha=clip_alpha)
-  return jnp.where(candidates, s, 0.)
+  inputs = phase2_inputs(k, memory, candidates, span_mask, n_q=n_q, live=live)
+  return phase2_scores(head, inputs, candidates, ablate_xattn=ablate_xattn,
+                       clip_alpha=clip_alpha)
