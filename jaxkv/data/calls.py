@@ -1,0 +1,83 @@
+"""Tool calls a model generated: parsing, matching against a trace, and rate intervals.
+
+What next-call accuracy (IntentKV's task-level quality, `bench/agent_eval.py`) needs:
+
+- `parse_calls(text)`: the calls in a generated assistant turn, in either form the
+  shipped models write -- Hermes / Qwen2.5 `<tool_call>{"name": ..., "arguments":
+  ...}</tool_call>` blocks, or the ReAct text `Action: NAME` / `Action Input: {...}`
+  (SmolLM2's template, `traces.format_react`). Text that is neither gives no call.
+- `match(pred, gold)`: (exact, name-only) for the first call of a turn. Arguments
+  compare as parsed JSON values, so key order and whitespace do not count (and
+  1 == 1.0, as JSON numbers); an argument text that is not a JSON object compares
+  as its stripped text.
+- `wilson(k, n)`: the Wilson score 95% interval of a rate (sound at small n and at
+  rates near 0 or 1, where the normal approximation is not).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+
+from jaxkv.data.traces import ToolCall, parse_react
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def _hermes(block: str) -> ToolCall | None:
+  try:
+    obj = json.loads(block)
+  except json.JSONDecodeError:
+    return None
+  if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    return None
+  args = obj.get("arguments", obj.get("parameters", {}))
+  if isinstance(args, str):          # some models write the arguments as a JSON string
+    try:
+      args = json.loads(args)
+    except json.JSONDecodeError:
+      args = {"_raw": args}
+  return ToolCall(obj["name"].strip(), args if isinstance(args, dict) else {"_raw": args})
+
+
+def parse_calls(text: str) -> tuple[ToolCall, ...]:
+  """Tool calls in a generated assistant turn (see the module docstring)."""
+  blocks = _TOOL_CALL.findall(text)
+  if blocks:
+    return tuple(c for c in map(_hermes, blocks) if c is not None)
+  try:
+    return parse_react(text)[1]
+  except ValueError:                 # "Action Input:" without "Action:" and the like
+    return ()
+
+
+def _canonical(arguments: dict):
+  if set(arguments) == {"_raw"} and isinstance(arguments["_raw"], str):
+    return arguments["_raw"].strip()
+  return arguments
+
+
+def match(pred: Sequence[ToolCall], gold: Sequence[ToolCall]) -> tuple[bool, bool]:
+  """(exact, name-only) match of the first predicted call against the first gold one."""
+  if not gold:
+    raise ValueError("match: the gold turn makes no tool call")
+  if not pred:
+    return False, False
+  p, g = pred[0], gold[0]
+  name = p.name == g.name
+  return name and _canonical(p.arguments) == _canonical(g.arguments), name
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+  """Wilson score interval of k successes in n trials (95% by default); (nan, nan) at n = 0."""
+  if n <= 0:
+    return math.nan, math.nan
+  if not 0 <= k <= n:
+    raise ValueError(f"wilson: need 0 <= k <= n, got k={k}, n={n}")
+  p = k / n
+  den = 1 + z * z / n
+  mid = (p + z * z / (2 * n)) / den
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+  return max(0.0, mid - half), min(1.0, mid + half)

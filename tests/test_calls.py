@@ -1,0 +1,46 @@
+"""Generated tool calls: parsing both templates' forms, JSON-normalised matching, Wilson."""
+
+import math
+
+import pytest
+
+from jaxkv.data import calls
+from jaxkv.data.traces import ToolCall
+
+GOLD = (ToolCall("get_reservation_details", {"reservation_id": "NO6JO3", "n": 2}),)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "get_reservation_details", "arguments": {"n": 2.0, '
+    '"reservation_id": "NO6JO3"}}\n</tool_call><|im_end|>',
+    'Thought: look it up.\nAction: get_reservation_details\n'
+    'Action Input: {"n": 2,   "reservation_id": "NO6JO3"}',
+    '<tool_call>{"name": "get_reservation_details", "arguments": '
+    '"{\\"reservation_id\\": \\"NO6JO3\\", \\"n\\": 2}"}',          # unterminated, string args
+])
+def test_both_forms_parse_and_match_regardless_of_order_and_spacing(text):
+  assert calls.match(calls.parse_calls(text), GOLD) == (True, True)
+
+
+def test_name_only_and_misses():
+  wrong_arg = '<tool_call>{"name": "get_reservation_details", "arguments": {"reservation_id": "NO6JO4", "n": 2}}</tool_call>'
+  assert calls.match(calls.parse_calls(wrong_arg), GOLD) == (False, True)
+  assert calls.match(calls.parse_calls("Action: cancel\nAction Input: {}"), GOLD) == (False, False)
+  for junk in ("I cannot help with that.", "<tool_call>{not json</tool_call>",
+               "Action Input: {\"a\": 1}"):
+    assert calls.parse_calls(junk) == ()
+    assert calls.match(calls.parse_calls(junk), GOLD) == (False, False)
+  raw = (ToolCall("t", {"_raw": "abc"}),)
+  assert calls.match(calls.parse_calls("Action: t\nAction Input:  abc \n"), raw) == (True, True)
+  with pytest.raises(ValueError, match="no tool call"):
+    calls.match(GOLD, ())
+
+
+def test_wilson_interval():
+  lo, hi = calls.wilson(8, 10)
+  assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)
+  assert calls.wilson(0, 20)[0] == 0.0 and 0.15 < calls.wilson(0, 20)[1] < 0.17
+  assert calls.wilson(20, 20)[1] == 1.0
+  assert all(math.isnan(x) for x in calls.wilson(0, 0))
+  with pytest.raises(ValueError):
+    calls.wilson(3, 2)
