@@ -1,0 +1,71 @@
+"""bench/agent_eval.py: every tool-call turn is one sample, scored against its own gold
+call, with the efficiency columns over the real decode steps."""
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import pytest
+
+import hf_util
+from jaxkv.config import CacheConfig, PruningConfig
+from jaxkv.data import traces
+from jaxkv.engine.sessions import SessionRunner
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import agent_eval  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+  return hf_util.tiny_chat_llm(tmp_path_factory.mktemp("tiny_agent_eval"))
+
+
+def _session():
+  def call(name, **a):
+    return {"from": "assistant", "value": f"Thought: call {name}.\nAction: {name}\n"
+                                          f"Action Input: {json.dumps(a)}"}
+  return traces.parse_entry({"id": "s1", "conversations": [
+      {"from": "system", "value": "You are a travel agent. Use the tools."},
+      {"from": "user", "value": "I am mia_li_3668; cancel my Boston trip."},
+      call("get_user_details", user_id="mia_li_3668"),
+      {"from": "function", "value": "reservations: NO6JO3 (BOS), AIXC01 (LAX). " * 3},
+      call("get_reservation_details", reservation_id="NO6JO3"),
+      {"from": "function", "value": "NO6JO3: JFK to BOS, flight HAT136. " * 3},
+      call("cancel_reservation", reservation_id="NO6JO3"),
+      {"from": "function", "value": "status: cancelled"},
+      {"from": "assistant", "value": "Done: NO6JO3 is cancelled."}]})
+
+
+def test_each_call_turn_is_scored_against_its_own_gold(llm, monkeypatch):
+  s = _session()
+  assert agent_eval.call_turns(s) == [2, 4, 6]
+  real = SessionRunner.run_turn
+
+  def run_turn(self, sid, messages, tools, i, **kw):
+    t = real(self, sid, messages, tools, i, **kw)
+    assert kw["generate"] and t.reply_tokens >= 1
+    # the model under test writes the gold call at turn 2, the right tool with a wrong
+    # argument at turn 4, and whatever it generated at turn 6
+    gold = s.turns[i]
+    if i == 2:
+      return dataclasses.replace(t, text=traces.format_react(gold))
+    if i == 4:
+      return dataclasses.replace(t, text='Action: get_reservation_details\n'
+                                        'Action Input: {"reservation_id": "AIXC01"}')
+    return t
+
+  monkeypatch.setattr(SessionRunner, "run_turn", run_turn)
+  cache = CacheConfig(num_pages=512, page_size=4, max_seq_len=2048)
+  for cfg in (PruningConfig(method="none"), PruningConfig(method="intentkv", budget=60)):
+    r = agent_eval.evaluate(llm, [s], cfg, cache, max_tokens=8)
+    assert r["n_calls"] == 3 and r["n_sessions"] == 1 and r["n_turns"] == 4
+    # turn 6 from a tiny random model is no call: 1 exact of 3, 2 names of 3
+    assert r["next_call_exact"] == pytest.approx(1 / 3)
+    assert r["next_call_name"] == pytest.approx(2 / 3)
+    lo, hi = r["next_call_exact_ci"]
+    assert 0 < lo < 1 / 3 < hi < 1
+    assert r["raw_reads"] >= r["eff_reads"] > 0
+  assert r["pruned_share"] > 0
+  assert agent_eval.table([dict(method="intentkv_memory", layout="dead_slot", budget=60, **r)])
