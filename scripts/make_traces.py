@@ -41,21 +41,28 @@ TAU2_DOMAINS = ("airline", "retail", "telecom")
 AGENTDOJO_SUITES = ("workspace", "travel", "banking", "slack")
 AGENTDOJO_VERSION = "v1.2.1"
 
-_SOURCE = flags.DEFINE_enum("source", None, ["tau2", "agentdojo"], "benchmark to replay")
-_OUT = flags.DEFINE_string("out", None, "ToolBench JSON for the training sessions")
-_HELD_OUT = flags.DEFINE_string("held_out", None, "ToolBench JSON for held-out tasks "
-                                "(default: <out stem>_heldout.json)")
-_DOMAINS = flags.DEFINE_list("domains", None, "tau2 domains (default airline,retail) or "
-                             "agentdojo suites (default all four)")
-_MAX_TASKS = flags.DEFINE_integer("max_tasks", None, "at most this many sessions (tasks "
-                                  "with ground-truth actions) per domain/suite")
-_SEED = flags.DEFINE_integer("seed", 0, "seed of the task split")
-_FRACTION = flags.DEFINE_float("held_out_fraction", 0.2, "fraction of tasks held out")
-_POLICY = flags.DEFINE_bool("include_policy", False, "tau2: put the domain policy in the system "
-                            "prompt (about 2k tokens more per session)")
-_TOKENS = flags.DEFINE_string("tokens_model", "", "preset or GGUF/HF path whose tokenizer measures "
-                              "tokens per session (empty: skip)")
-_PROGRESS = flags.DEFINE_bool("progress", True, "show a progress bar")
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Command-line flags (defined only when run as a script, so importing this module
+  -- the tests and shipping replay sessions through it -- never clashes)."""
+  flags.DEFINE_enum("source", None, ["tau2", "agentdojo"], "benchmark to replay")
+  flags.DEFINE_string("out", None, "ToolBench JSON for the training sessions")
+  flags.DEFINE_string("held_out", None, "ToolBench JSON for held-out tasks "
+                    "(default: <out stem>_heldout.json)")
+  flags.DEFINE_list("domains", None, "tau2 domains (default airline,retail) or "
+                    "agentdojo suites (default all four)")
+  flags.DEFINE_integer("max_tasks", None, "at most this many sessions (tasks "
+                    "with ground-truth actions) per domain/suite")
+  flags.DEFINE_integer("seed", 0, "seed of the task split")
+  flags.DEFINE_float("held_out_fraction", 0.2, "fraction of tasks held out")
+  flags.DEFINE_bool("include_policy", False, "tau2: put the domain policy in the system "
+                    "prompt (about 2k tokens more per session)")
+  flags.DEFINE_string("tokens_model", "", "preset or GGUF/HF path whose tokenizer measures "
+                    "tokens per session (empty: skip)")
+  flags.DEFINE_bool("progress", True, "show a progress bar")
+
 
 Skip = tuple[str, str]  # (task key, reason)
 
@@ -319,25 +326,25 @@ def held_out_path(out: str | pathlib.Path) -> pathlib.Path:
 
 def main(argv):
   del argv
-  if _SOURCE.value is None or _OUT.value is None:
+  if FLAGS.source is None or FLAGS.out is None:
     raise app.UsageError("--source and --out are required")
   log = lambda msg: print(msg, file=sys.stderr)  # pylint: disable=unnecessary-lambda-assignment
-  if _SOURCE.value == "tau2":
-    sessions, skipped = replay_tau2(_DOMAINS.value or ("airline", "retail"), _MAX_TASKS.value,
-                                    _POLICY.value, _PROGRESS.value, log)
+  if FLAGS.source == "tau2":
+    sessions, skipped = replay_tau2(FLAGS.domains or ("airline", "retail"), FLAGS.max_tasks,
+                                    FLAGS.include_policy, FLAGS.progress, log)
   else:
-    sessions, skipped = replay_agentdojo(_DOMAINS.value or AGENTDOJO_SUITES, _MAX_TASKS.value,
-                                         _PROGRESS.value, log=log)
-  train, held = traces.split_by_task(sessions, _FRACTION.value, _SEED.value)
-  out = pathlib.Path(_OUT.value)
-  held_path = pathlib.Path(_HELD_OUT.value) if _HELD_OUT.value else held_out_path(out)
+    sessions, skipped = replay_agentdojo(FLAGS.domains or AGENTDOJO_SUITES, FLAGS.max_tasks,
+                                         FLAGS.progress, log=log)
+  train, held = traces.split_by_task(sessions, FLAGS.held_out_fraction, FLAGS.seed)
+  out = pathlib.Path(FLAGS.out)
+  held_path = pathlib.Path(FLAGS.held_out) if FLAGS.held_out else held_out_path(out)
   traces.dump_toolbench(train, out)
   traces.dump_toolbench(held, held_path)
   tokenizer = None
-  if _TOKENS.value:
+  if FLAGS.tokens_model:
     from jaxkv.models import presets  # pylint: disable=import-outside-toplevel
     from jaxkv.tokens import Tokenizer  # pylint: disable=import-outside-toplevel
-    tokenizer = Tokenizer.load(presets.resolve(_TOKENS.value))
+    tokenizer = Tokenizer.load(presets.resolve(FLAGS.tokens_model))
   stats = summarize(train, held, skipped, tokenizer)
   if any(r != "no ground-truth actions" for _, r in skipped):
     print(f"warning: {stats['skipped_errors']} task(s) skipped because their replay raised",
@@ -347,4 +354,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -7,9 +7,9 @@ r"""Copies a finished training run into artifacts/ with its manifest (jaxkv.arti
 
 Give the same --config and overrides as the training command: the run is read
 from config.out_dir, and the manifest records that command, the trace files'
-sha256, the commit, the run's final held-out evaluation and a check metric on the
-first held-out sessions (recomputed from the copied files; tests/test_artifacts.py
-recomputes it again).
+sha256, the commit (from out_dir/run.json, which the training scripts write when they
+start), the run's final held-out evaluation and a check metric on the first held-out
+sessions (recomputed from the copied files; tests/test_artifacts.py recomputes it).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from jaxkv import cli
 
 _KIND = flags.DEFINE_enum("kind", None, ["role_adapters", "pruner_head"], "what to ship")
 _DEST = flags.DEFINE_string("dest", None, "artifact folder (default: jaxkv.artifacts' path)")
+_COMMIT = flags.DEFINE_string("commit", None, "commit the run trained with (default: the "
+                              "run's run.json, written when training starts, else HEAD)")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "the training run's configs/<name>.py",
                                           lock_config=True)
 SCRIPTS = {"role_adapters": "scripts/train_lora.py", "pruner_head": "scripts/train_pruner.py"}
@@ -40,7 +42,7 @@ def main(argv):
   cfg = cli.load_config(cls, _CONFIG.value)
   train_args = [a for a in sys.argv[1:] if a.startswith("--config")]
   command = " ".join(["python", SCRIPTS[_KIND.value], *train_args])
-  shipping.ship(_KIND.value, cfg, command, dest=_DEST.value,
+  shipping.ship(_KIND.value, cfg, command, dest=_DEST.value, commit=_COMMIT.value,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
 
 

@@ -48,6 +48,9 @@ def main(argv):
   def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
+  from jaxkv.training import shipping
+  shipping.write_run_info(cfg.out_dir, sys.argv)   # commit + command, for the manifest
+
   t0 = time.perf_counter()
   # Compiled steps persist across reruns and resumes (one shape per length bucket).
   jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(cfg.out_dir) / "xla"))

@@ -33,8 +33,10 @@ import numpy as np
 from jaxkv import artifacts
 from jaxkv.data import agents, traces
 
-CHECK_SESSIONS = 2
+CHECK_SESSIONS = 2            # role adapters: the first two held-out sessions
 CHECK_CALLS_PER_ROLE = 4
+CHECK_HEAD_ROWS = 8            # head: the first held-out sessions giving this many rows
+CHECK_HEAD_SESSIONS = 6        # ... but at most this many sessions
 KINDS = {"role_adapters": artifacts.ROLE_ADAPTERS, "pruner_head": artifacts.PRUNER_HEAD}
 # |recomputed - manifest| allowed by the test: float reassociation across CPUs
 # moves an NLL by ~1e-6 and can reorder near-tied scores at the recall cut.
@@ -60,16 +62,21 @@ def lora_check(llm, lcfg, lora_w, sessions, cfg) -> dict:
   return out
 
 
-def head_check(llm, head, sessions, cfg) -> dict:
-  """Held-out recall / loss of a Phase-2 head (`cfg`: PrunerTrainConfig) on the
-  features of `sessions`, extracted fresh (not from the feature cache)."""
+def session_rows(extractor, session, n_q: int) -> list:
+  """Phase-2 rows of one session, extracted fresh (not from the feature cache)."""
+  from jaxkv.training import features   # pylint: disable=import-outside-toplevel
+  return features.unpack_rows(session.id, features.pack_session(extractor.session(session)), n_q)
+
+
+def head_check(llm, head, sessions, cfg, rows=None) -> dict:
+  """Held-out recall / loss of a Phase-2 head (`cfg`: PrunerTrainConfig) on the rows
+  of `sessions` (extracted in order by one `Extractor`, unless given)."""
   from jaxkv.training import features, train   # pylint: disable=import-outside-toplevel
   from flax import nnx   # pylint: disable=import-outside-toplevel
 
-  ex = features.Extractor(llm, cfg)
-  rows = []
-  for s in sessions:
-    rows += features.unpack_rows(s.id, features.pack_session(ex.session(s)), cfg.n_q)
+  if rows is None:
+    ex = features.Extractor(llm, cfg)
+    rows = [r for s in sessions for r in session_rows(ex, s, cfg.n_q)]
   graphdef, state = head
   m = train.evaluate(graphdef, nnx.to_pure_dict(state), rows, cfg)
   keep = ("val_rows", "val_loss", "recall_budget", "recall_phase1", "recall_phase2", "alpha")
@@ -111,8 +118,11 @@ def _train_seconds(run: pathlib.Path, column: str) -> float | None:
 
 
 def ship(kind: str, cfg, command: str, *, dest: str | None = None, llm=None,
-         log=print) -> pathlib.Path:
-  """Copies run `cfg.out_dir` into the artifact folder and writes its manifest."""
+         commit: str | None = None, log=print) -> pathlib.Path:
+  """Copies run `cfg.out_dir` into the artifact folder and writes its manifest.
+
+  The manifest's commit is, in order: `commit`, the run's run.json (written by the
+  training scripts when they start), the repository's HEAD."""
   import jaxkv   # pylint: disable=import-outside-toplevel
 
   if kind not in KINDS:
@@ -129,17 +139,25 @@ def ship(kind: str, cfg, command: str, *, dest: str | None = None, llm=None,
   for name in ("log.csv", "metrics.jsonl"):
     shutil.copy2(run / name, out / name)
   llm = llm or jaxkv.load(cfg.model, dtype=cfg.dtype, scan_layers=True)
-  sessions = traces.load_toolbench(cfg.val_traces, strict=False)[:CHECK_SESSIONS]
-  log(f"check on {[s.id for s in sessions]}")
+  held = traces.load_toolbench(cfg.val_traces, strict=False)
   if kind == "role_adapters":
+    sessions = held[:CHECK_SESSIONS]
     lcfg, w = artifacts.load_role_adapters(llm.config, out)
     metric = lora_check(llm, lcfg, w, sessions, cfg)
     secs = _train_seconds(run, "sec")
   else:
-    metric = head_check(llm, artifacts.load_pruner_head(out), sessions, cfg)
+    from jaxkv.training import features   # pylint: disable=import-outside-toplevel
+    ex, sessions, rows = features.Extractor(llm, cfg), [], []
+    for s in held[:CHECK_HEAD_SESSIONS]:
+      sessions.append(s)
+      rows += session_rows(ex, s, cfg.n_q)
+      if len(rows) >= CHECK_HEAD_ROWS:
+        break
+    metric = head_check(llm, artifacts.load_pruner_head(out), sessions, cfg, rows=rows)
     secs = _last_metrics(run).get("train_s")
+  log(f"check on {[s.id for s in sessions]}: {json.dumps(_plain(metric))}")
   manifest = dict(
-      kind=kind, model=cfg.model, command=command, commit=artifacts.git_commit(),
+      kind=kind, model=cfg.model, command=command, commit=commit or _run_commit(run),
       config=dataclasses.asdict(cfg),
       data=dict(train=_data(cfg.train_traces), held_out=_data(cfg.val_traces)),
       held_out=_last_metrics(run),
@@ -151,6 +169,21 @@ def ship(kind: str, cfg, command: str, *, dest: str | None = None, llm=None,
   path = artifacts.write_manifest(out, manifest)
   log(f"wrote {path}")
   return out
+
+
+def write_run_info(out_dir: str | pathlib.Path, argv) -> None:
+  """out_dir/run.json: the commit and command a training run started with (the first
+  start; a resumed run keeps it), for the manifest."""
+  path = pathlib.Path(out_dir) / "run.json"
+  if not path.exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(commit=artifacts.git_commit(), argv=list(argv),
+                                    started=datetime.datetime.now().isoformat(timespec="seconds"))))
+
+
+def _run_commit(run: pathlib.Path) -> str:
+  info = run / "run.json"
+  return json.loads(info.read_text())["commit"] if info.is_file() else artifacts.git_commit()
 
 
 def _cores() -> int:
