@@ -130,6 +130,8 @@ def main(argv):
     return
   if not args.traces:
     raise app.UsageError("--traces is required")
+  if not args.max_sessions and not args.emulate:
+    raise app.UsageError("nothing to run: --max_sessions=0 and --emulate is empty")
   schemes = args.schemes.split(",")
   for s in schemes:
     lragent.check_scheme(s)
@@ -157,7 +159,8 @@ def main(argv):
       continue
     _, w = artifacts.load_role_adapters(llm.config, path, model_name=args.model)
     n_crit = args.n_critical or max(1, llm.config.num_layers // 4)
-    window, dev = profile_window(llm, w, real[0].ids[:512], n_crit)
+    probe = (real or list(emu.values()))[0]     # --max_sessions=0: an emulated one
+    window, dev = profile_window(llm, w, probe.ids[:512], n_crit)
     print(f"{name}: DroidSpeak window {window} (per-layer deviation "
           f"{np.round(dev, 3).tolist()})", flush=True)
     for kind, trajs in sets[name].items():
