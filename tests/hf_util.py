@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
+
 import numpy as np
 
 from jaxkv.config import CacheConfig
@@ -77,3 +80,20 @@ def tiny_chat_llm(directory):
   mcfg, params = weights.load_hf_dir(directory)
   tok = Tokenizer.load(presets.smollm2_gguf())
   return LLM(build(mcfg, params), tok, CacheConfig(num_pages=4, page_size=4))
+
+
+def tool_session_entry(sid="s1"):
+  """A ToolBench conversation whose later calls copy ids printed by earlier tools."""
+  def call(name, **a):
+    return {"from": "assistant", "value": f"Thought: call {name}.\nAction: {name}\n"
+                                          f"Action Input: {json.dumps(a)}"}
+  return {"id": sid, "conversations": [
+      {"from": "system", "value": "You are a travel agent. Use the tools."},
+      {"from": "user", "value": "I am mia_li_3668; cancel my Boston trip."},
+      call("get_user_details", user_id="mia_li_3668"),
+      {"from": "function", "value": "reservations: NO6JO3 (BOS), AIXC01 (LAX). " * 3},
+      call("get_reservation_details", reservation_id="NO6JO3"),
+      {"from": "function", "value": "NO6JO3: JFK to BOS, flight HAT136, 2 passengers. " * 2},
+      call("cancel_reservation", reservation_id="NO6JO3", user_id="mia_li_3668"),
+      {"from": "function", "value": "status: cancelled"},
+      {"from": "assistant", "value": "Done: NO6JO3 is cancelled."}]}

@@ -2,7 +2,6 @@
 call, with the efficiency columns over the real decode steps."""
 
 import dataclasses
-import json
 import pathlib
 import sys
 
@@ -23,19 +22,7 @@ def llm(tmp_path_factory):
 
 
 def _session():
-  def call(name, **a):
-    return {"from": "assistant", "value": f"Thought: call {name}.\nAction: {name}\n"
-                                          f"Action Input: {json.dumps(a)}"}
-  return traces.parse_entry({"id": "s1", "conversations": [
-      {"from": "system", "value": "You are a travel agent. Use the tools."},
-      {"from": "user", "value": "I am mia_li_3668; cancel my Boston trip."},
-      call("get_user_details", user_id="mia_li_3668"),
-      {"from": "function", "value": "reservations: NO6JO3 (BOS), AIXC01 (LAX). " * 3},
-      call("get_reservation_details", reservation_id="NO6JO3"),
-      {"from": "function", "value": "NO6JO3: JFK to BOS, flight HAT136. " * 3},
-      call("cancel_reservation", reservation_id="NO6JO3"),
-      {"from": "function", "value": "status: cancelled"},
-      {"from": "assistant", "value": "Done: NO6JO3 is cancelled."}]})
+  return traces.parse_entry(hf_util.tool_session_entry())
 
 
 def test_each_call_turn_is_scored_against_its_own_gold(llm, monkeypatch):

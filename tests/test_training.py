@@ -32,21 +32,7 @@ def llm(tmp_path_factory):
   return hf_util.tiny_chat_llm(tmp_path_factory.mktemp("tiny_training"))
 
 
-def _entry(sid="s1"):
-  """A ToolBench conversation whose later calls copy ids printed by earlier tools."""
-  def call(name, **a):
-    return {"from": "assistant", "value": f"Thought: call {name}.\nAction: {name}\n"
-                                          f"Action Input: {json.dumps(a)}"}
-  return {"id": sid, "conversations": [
-      {"from": "system", "value": "You are a travel agent. Use the tools."},
-      {"from": "user", "value": "I am mia_li_3668; cancel my Boston trip."},
-      call("get_user_details", user_id="mia_li_3668"),
-      {"from": "function", "value": "reservations: NO6JO3 (BOS), AIXC01 (LAX). " * 3},
-      call("get_reservation_details", reservation_id="NO6JO3"),
-      {"from": "function", "value": "NO6JO3: JFK to BOS, flight HAT136, 2 passengers. " * 2},
-      call("cancel_reservation", reservation_id="NO6JO3", user_id="mia_li_3668"),
-      {"from": "function", "value": "status: cancelled"},
-      {"from": "assistant", "value": "Done: NO6JO3 is cancelled."}]}
+_entry = hf_util.tool_session_entry
 
 
 CFG = PrunerTrainConfig(chunk_tokens=16, max_chunk=4096, max_prompt_tokens=1024, n_q=64,

@@ -235,9 +235,10 @@ class SessionRunner:
       if self.radix is not None and not (pruned and cfg.layout == "compact"):
         # the last reply token has no KV yet in free mode; a gold turn is fully written
         cached = n + g - (1 if generate else 0)
-        path = (toks[:cached].copy(), self.alloc.slot_map(seq)[:cached] == SENTINEL)
-        self.radix.insert(path[0], self.alloc.slot_map(seq)[:cached], replaces=prev)
-        _remember(self.paths, session_id, path, cfg.memory_capacity)
+        slots = self.alloc.slot_map(seq)[:cached]
+        self.radix.insert(toks[:cached], slots, replaces=prev)
+        _remember(self.paths, session_id, (toks[:cached].copy(), slots == SENTINEL),
+                  cfg.memory_capacity)
       self.alloc.free_sequence(seq)
     except BaseException:
       for leaked in set(self.alloc.sequences()) - before:   # free this turn's sequences
