@@ -1,9 +1,11 @@
-"""Next-call accuracy under KV pruning (IntentKV's task-level quality), side by side.
+"""Task accuracy under KV pruning (IntentKV's quality measure), side by side.
+
+Next-call accuracy over replayed sessions:
 
     python bench/agent_eval.py --traces=data_local/tau2_heldout.json --out=results.json \\
         [--methods=full,random,streaming_llm,snapkv,h2o,intentkv_query,intentkv_memory,
-                   intentkv_learnable] [--budgets=2048,3072] [--layouts=dead_slot,compact] \\
-        [--max_sessions=8] [--model=smollm2-135m]
+                   intentkv_learnable] [--budgets=3584,4096] [--layouts=dead_slot,compact] \\
+        [--max_sessions=8] [--min_calls=1] [--model=smollm2-135m]
 
 Any ToolBench-format file works. For every assistant turn of a session that makes
 a tool call, the real history up to that turn (tool outputs included) goes through
@@ -15,12 +17,25 @@ and JSON-normalised arguments, and name only. Later turns still see the trace's
 history, so every turn is one sample, and a miss is what IntentKV claims to
 prevent: an argument needed now was evicted earlier.
 
+Closed loop in a tool environment (`jaxkv.engine.agent_loop`, `jaxkv.data.envs`):
+
+    python bench/agent_eval.py --env=tau2|agentdojo|my.module:MyEnv \\
+        [--traces=data_local/tau2_heldout.json] [--max_tasks=N] [--max_turns=32] ...
+
+The model acts: its calls run in the environment until it answers (or hits the
+turn cap / the cache), and the benchmark's own offline check grades the episode.
+With --traces only the tasks its session ids name run (the held-out split); tasks
+that an agent doing nothing passes are skipped and counted.
+
 Rows (JSON, written as each configuration finishes; a rerun with the same --out
-resumes): method, layout, budget, next_call_exact / next_call_name (rates) with
-their Wilson 95% intervals (`*_ci`), n_calls, n_sessions, pruned_share, and the
-efficiency columns of `bench/pruning.py` over the real decode steps: pt,
-eff_live_kv, raw_reads, eff_reads, prefix_hit_rate, wall_s. `full` (no pruning) is
-the headroom; `random` the chance baseline.
+resumes): method, layout, budget; next-call mode: next_call_exact / next_call_name
+(rates) with their Wilson 95% intervals (`*_ci`), n_calls, n_sessions; closed loop:
+compl, raw_acc, true_acc with intervals, n_tasks, the outcome counts and each
+episode (`episodes`); both: pruned_share and the efficiency columns of
+`bench/pruning.py` over the real decode steps: pt, eff_live_kv, raw_reads,
+eff_reads, prefix_hit_rate, wall_s. `full` (no pruning) is the headroom; `random`
+the chance baseline. All configurations run on one `SessionRunner`; between them
+only the system prompts every session shares stay cached (`set_policy`).
 """
 
 from __future__ import annotations
@@ -36,7 +51,8 @@ import pruning
 import jaxkv
 from jaxkv import artifacts
 from jaxkv.config import CacheConfig, PruningConfig
-from jaxkv.data import calls, traces
+from jaxkv.data import calls, envs, traces
+from jaxkv.engine import agent_loop
 from jaxkv.engine.sessions import SessionRunner
 
 METHODS = {"full": dict(method="none"), **pruning.METHODS, **pruning.LEARNABLE}
@@ -52,15 +68,18 @@ def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
                 max_tokens: int) -> list[dict]:
   """One sample per tool-call turn: {turn, exact, name, text} plus the turn's metrics.
 
-  Every assistant turn runs (so pruning and the memory advance as in serving);
-  turns without a gold call are generated too but not scored."""
+  Every assistant turn up to the last scored one runs (so pruning and the memory
+  advance as in serving); a turn without a gold call (a text reply in between) is
+  teacher-forced, not generated, and turns after the last call (the final answer)
+  cannot change a score and are skipped."""
   messages, tools = traces.session_chat(session, tokenizer)
   scored = set(call_turns(session))
   out = []
   for i, m in enumerate(messages):
-    if m.get("role") != "assistant" or i == 0:
+    if m.get("role") != "assistant" or i == 0 or i > max(scored, default=-1):
       continue
-    t = runner.run_turn(session.id, messages, tools, i, generate=True, max_tokens=max_tokens)
+    t = runner.run_turn(session.id, messages, tools, i, generate=i in scored,
+                        max_tokens=max_tokens)
     rec = dict(turn=i, metrics=t)
     if i in scored:
       exact, name = calls.match(calls.parse_calls(t.text), session.turns[i].tool_calls)
@@ -86,20 +105,38 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
 
 
 def evaluate(llm, sessions, cfg: PruningConfig, cache: CacheConfig, *, head=None,
-             max_tokens: int = 96, desc: str = "") -> dict:
-  """One configuration over `sessions` (a fresh runner: pool, radix cache, memories)."""
-  runner = SessionRunner(llm, cfg, cache=cache,
-                         head=head if cfg.intent_mode == "learnable" else None)
+             max_tokens: int = 96, desc: str = "", runner: SessionRunner | None = None,
+             keep_prefixes=()) -> dict:
+  """One configuration over `sessions`: on a fresh runner, or on `runner` switched to
+  `cfg` (`SessionRunner.set_policy`: sessions start afresh; of the radix cache only
+  `keep_prefixes`, the shared system prompts, stay)."""
+  head = head if cfg.method == "intentkv" and cfg.intent_mode == "learnable" else None
+  if runner is None:
+    runner = SessionRunner(llm, cfg, cache=cache, head=head)
+  else:
+    runner.set_policy(cfg, head=head, keep_prefixes=keep_prefixes)
   samples = [run_session(runner, s, llm.tokenizer, max_tokens)
              for s in tqdm(sessions, desc=desc, leave=False)]
   return summarize(samples)
+
+
+def system_prefixes(runner: SessionRunner, sessions) -> list:
+  """The distinct system-prompt token prefixes of `sessions` (what every session of a
+  domain shares, so a server prefills it once)."""
+  out = {}
+  for s in sessions:
+    messages, tools = traces.session_chat(s, runner.tok)
+    p = runner.prepare(messages, tools, call_turns(s)[0])
+    out[tuple(p["ids"][:p["sys_len"]])] = None
+  return [list(k) for k in out]
 
 
 FLAGS = flags.FLAGS
 
 
 def define_flags():
-  flags.DEFINE_string("traces", None, "ToolBench-format JSON (scripts/make_traces.py)")
+  flags.DEFINE_string("traces", None, "ToolBench-format JSON (scripts/make_traces.py): "
+                      "next-call accuracy over its sessions")
   flags.DEFINE_string("out", None, "write JSON rows here (a rerun resumes)")
   flags.DEFINE_string("tables_from", None, "print the table of an earlier --out JSON and exit")
   flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
@@ -109,9 +146,19 @@ def define_flags():
   flags.DEFINE_string("layouts", "dead_slot,compact", "dead_slot and/or compact")
   flags.DEFINE_string("budgets", "2048,3072", "C, with the tool-schema system prompt forced")
   flags.DEFINE_integer("max_sessions", 8, "sessions to replay")
-  flags.DEFINE_integer("max_prompt", 7000, "skip sessions whose final prompt exceeds this")
+  flags.DEFINE_integer("max_prompt", 7000, "skip sessions whose final prompt exceeds this; "
+                       "--env: an episode whose prompt + reply would exceed it overflows")
+  flags.DEFINE_integer("min_calls", 1, "skip sessions with fewer tool-call turns (a session's "
+                       "first call has no history to prune, so short sessions add little)")
   flags.DEFINE_integer("max_tokens", 96, "generated tokens per turn")
   flags.DEFINE_integer("num_pages", 2048, "KV pool pages")
+  flags.DEFINE_string("env", None, "closed loop instead of --traces replay: tau2, agentdojo or "
+                      "module:Class (jaxkv.data.envs.Environment); with --traces, only the "
+                      "tasks its session ids name (e.g. the held-out split)")
+  flags.DEFINE_list("domains", None, "--env=tau2 domains (default airline,retail) or "
+                    "--env=agentdojo suites (default all four)")
+  flags.DEFINE_integer("max_tasks", 0, "--env: at most this many non-trivial tasks (0: all)")
+  flags.DEFINE_integer("max_turns", agent_loop.MAX_TURNS, "--env: assistant turns per episode")
 
 
 HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "95% CI", "n", "pruned %",
@@ -129,36 +176,131 @@ def table(rows: list[dict]) -> common.Table:
                 f"{100 * r['prefix_hit_rate']:.0f}") for r in rows])
 
 
+def select_tasks(env, ids=None, max_tasks: int = 0) -> tuple[list[str], list[str]]:
+  """(tasks to run, tasks skipped as trivial): a task that an agent doing nothing
+  (no call, answer "Done.") already passes cannot tell methods apart, so it is left
+  out. `ids` restricts to those task ids (a held-out traces file), in env order."""
+  keep, trivial = [], []
+  wanted = None if ids is None else set(ids)
+  for t in env.tasks():
+    if wanted is not None and t not in wanted:
+      continue
+    messages, _ = env.reset(t)
+    (trivial if env.score(list(messages) + [{"role": "assistant", "content": "Done."}])
+     else keep).append(t)
+    if max_tasks and len(keep) == max_tasks:
+      break
+  return keep, trivial
+
+
+def evaluate_env(runner: SessionRunner, env, tasks, cfg: PruningConfig, *, head=None,
+                 keep_prefixes=(), max_turns: int = agent_loop.MAX_TURNS,
+                 max_tokens: int = 96, desc: str = "") -> dict:
+  """Closed loop: every task once under `cfg`; Compl / Raw / True Acc, efficiency."""
+  head = head if cfg.method == "intentkv" and cfg.intent_mode == "learnable" else None
+  runner.set_policy(cfg, head=head, keep_prefixes=keep_prefixes)
+  episodes = [agent_loop.run_episode(runner, env, t, max_turns=max_turns, max_tokens=max_tokens)
+              for t in tqdm(tasks, desc=desc, leave=False)]
+  turns = [e.turns for e in episodes]
+  eff = pruning.summarize(turns, turns)
+  keep = ("pt", "eff_live_kv", "raw_reads", "eff_reads", "prefix_hit_rate", "wall_s",
+          "pruned_share", "n_turns")
+  return dict(**agent_loop.summarize(episodes), **{k: eff[k] for k in keep},
+              episodes=[e.to_json() for e in episodes])
+
+
+ENV_HEADER = ("method", "layout", "C", "Compl", "Raw", "True Acc", "95% CI", "n", "turns",
+              "pruned %", "PT", "Eff. live", "Eff. reads", "hit %", "wall s")
+
+
+def env_table(rows: list[dict]) -> common.Table:
+  ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
+  f = lambda x: "-" if x != x else f"{x:.3f}"     # nan: no completed episode
+  return common.Table(
+      "closed loop (Compl = completed / tasks, Raw = correct / completed, True = correct / "
+      "tasks; Wilson 95% interval of True)",
+      ENV_HEADER, [(r["method"], r["layout"], str(r["budget"]), f(r["compl"]), f(r["raw_acc"]),
+                    f(r["true_acc"]), ci(r["true_acc_ci"]), str(r["n_tasks"]),
+                    f"{r['mean_turns']:.1f}", f"{100 * r['pruned_share']:.0f}",
+                    f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}", f"{r['eff_reads']:.0f}",
+                    f"{100 * r['prefix_hit_rate']:.0f}", f"{r['wall_s']:.1f}") for r in rows])
+
+
+def tables(rows: list[dict]) -> list[common.Table]:
+  out = []
+  calls_rows = [r for r in rows if "next_call_exact" in r]
+  env_rows = [r for r in rows if "true_acc" in r]
+  if calls_rows:
+    out.append(table(calls_rows))
+  if env_rows:
+    out.append(env_table(env_rows))
+  return out
+
+
+def _sessions(llm) -> list:
+  if not os.path.exists(FLAGS.traces):
+    raise app.UsageError(f"{FLAGS.traces} does not exist; make it with scripts/make_traces.py "
+                         "--source=tau2 --domains=airline,retail --out=data_local/tau2_train.json "
+                         "--held_out=data_local/tau2_heldout.json")
+  sessions = []
+  for s in traces.load_toolbench(FLAGS.traces):
+    msgs, tools = traces.session_chat(s, llm.tokenizer)
+    n = len(llm.tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=False))
+    if n + FLAGS.max_tokens <= FLAGS.max_prompt and len(call_turns(s)) >= max(FLAGS.min_calls, 1):
+      sessions.append(s)
+    if len(sessions) == FLAGS.max_sessions:
+      break
+  return sessions
+
+
 def main(argv):
   del argv
   import json
   if FLAGS.tables_from:
     with open(FLAGS.tables_from) as f:
-      common.print_tables([table(json.load(f))])
+      common.print_tables(tables(json.load(f)))
     return
-  if not FLAGS.traces:
-    raise app.UsageError("--traces is required (make one with scripts/make_traces.py)")
-  if not os.path.exists(FLAGS.traces):
-    raise app.UsageError(f"{FLAGS.traces} does not exist; make it with scripts/make_traces.py "
-                         "--source=tau2 --domains=airline,retail --out=data_local/tau2_train.json "
-                         "--held_out=data_local/tau2_heldout.json")
+  if not FLAGS.traces and not FLAGS.env:
+    raise app.UsageError("give --traces (next-call accuracy; make one with "
+                         "scripts/make_traces.py) or --env (closed loop)")
   names = FLAGS.methods.split(",")
   unknown = sorted(set(names) - set(METHODS))
   if unknown:
     raise app.UsageError(f"unknown methods {unknown}; known: {sorted(METHODS)}")
+  env = None
+  if FLAGS.env:
+    kwargs = {}
+    if FLAGS.domains and FLAGS.env in ("tau2", "agentdojo"):
+      kwargs = {"domains" if FLAGS.env == "tau2" else "suites": tuple(FLAGS.domains)}
+    try:
+      env = envs.load_env(FLAGS.env, **kwargs)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
   llm = jaxkv.load(FLAGS.model)
   head = (artifacts.load_pruner_head(FLAGS.head, model_name=FLAGS.model)
           if set(names) & set(pruning.LEARNABLE) else None)
-  sessions = []
-  for s in traces.load_toolbench(FLAGS.traces):
-    msgs, tools = traces.session_chat(s, llm.tokenizer)
-    n = len(llm.tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=False))
-    if n + FLAGS.max_tokens <= FLAGS.max_prompt and call_turns(s):
-      sessions.append(s)
-    if len(sessions) == FLAGS.max_sessions:
-      break
-  cache = CacheConfig(num_pages=FLAGS.num_pages, page_size=16,
-                      max_seq_len=FLAGS.max_prompt + 1024)
+  # one runner for every configuration; between them only the system prompts every
+  # session shares stay cached (SessionRunner.set_policy), as on a server
+  if env is None:
+    sessions = _sessions(llm)
+    cache = CacheConfig(num_pages=FLAGS.num_pages, page_size=16,
+                        max_seq_len=FLAGS.max_prompt + 1024)
+    runner = SessionRunner(llm, PruningConfig(method="none"), cache=cache)
+    shared = system_prefixes(runner, sessions)
+    what = f"{len(sessions)} sessions from {FLAGS.traces}"
+  else:
+    ids = ([s.id for s in traces.load_toolbench(FLAGS.traces)] if FLAGS.traces else None)
+    tasks, trivial = select_tasks(env, ids, FLAGS.max_tasks)
+    if not tasks:
+      raise app.UsageError(f"no task of --env={FLAGS.env} to run ({len(trivial)} trivial)")
+    cache = CacheConfig(num_pages=FLAGS.num_pages, page_size=16, max_seq_len=FLAGS.max_prompt)
+    runner = SessionRunner(llm, PruningConfig(method="none"), cache=cache)
+    shared = list({tuple(agent_loop.system_prefix(llm.tokenizer, *env.reset(t))): None
+                   for t in tasks})
+    what = (f"{len(tasks)} tasks of --env={FLAGS.env} ({len(trivial)} trivial ones skipped: "
+            f"doing nothing passes them), at most {FLAGS.max_turns} turns, "
+            f"prompt + reply <= {FLAGS.max_prompt} tokens")
+  print(what, flush=True)
   rows = []
   if FLAGS.out and os.path.exists(FLAGS.out):
     with open(FLAGS.out) as f:
@@ -172,14 +314,21 @@ def main(argv):
       continue
     cfg = (PruningConfig(method="none") if name == "full" else
            PruningConfig(layout=layout, budget=budget, **METHODS[name]))
-    r = evaluate(llm, sessions, cfg, cache, head=head, max_tokens=FLAGS.max_tokens,
-                 desc=f"{name}/{layout}/C={budget}")
+    desc = f"{name}/{layout}/C={budget}"
+    if env is None:
+      r = evaluate(llm, sessions, cfg, cache, head=head, max_tokens=FLAGS.max_tokens,
+                   desc=desc, runner=runner, keep_prefixes=shared)
+      line = f"exact={r['next_call_exact']:.3f} name={r['next_call_name']:.3f} n={r['n_calls']}"
+    else:
+      r = evaluate_env(runner, env, tasks, cfg, head=head, keep_prefixes=shared,
+                       max_turns=FLAGS.max_turns, max_tokens=FLAGS.max_tokens, desc=desc)
+      line = (f"compl={r['compl']:.3f} raw={r['raw_acc']:.3f} true={r['true_acc']:.3f} "
+              f"n={r['n_tasks']}")
     rows.append(dict(method=name, layout=layout, budget=budget, **r))
-    print(f"{name:18s} {layout:9s} C={budget:5d} exact={r['next_call_exact']:.3f} "
-          f"name={r['next_call_name']:.3f} n={r['n_calls']}", flush=True)
+    print(f"{name:18s} {layout:9s} C={budget:5d} {line}", flush=True)
     common.write_rows(FLAGS.out, rows)
-  print(f"\n{FLAGS.model}, {len(sessions)} sessions from {FLAGS.traces}")
-  common.print_tables([table(rows)])
+  print(f"\n{FLAGS.model}, {what}")
+  common.print_tables(tables(rows))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ counted. Nothing is fetched: the benchmarks ship their data in their wheels
 
 from __future__ import annotations
 
-import importlib
-import importlib.resources
 import json
 import pathlib
 import re
@@ -34,12 +32,11 @@ from collections.abc import Callable, Sequence
 
 from absl import app, flags
 
-from jaxkv.data import traces
+from jaxkv.data import envs, traces
 from jaxkv.data.traces import Session, ToolCall, Turn
 
-TAU2_DOMAINS = ("airline", "retail", "telecom")
-AGENTDOJO_SUITES = ("workspace", "travel", "banking", "slack")
-AGENTDOJO_VERSION = "v1.2.1"
+TAU2_DOMAINS, AGENTDOJO_SUITES, AGENTDOJO_VERSION = (
+    envs.TAU2_DOMAINS, envs.AGENTDOJO_SUITES, envs.AGENTDOJO_VERSION)
 
 FLAGS = flags.FLAGS
 
@@ -99,22 +96,6 @@ def _warn(key: str, reason: str, skipped: list[Skip], log: Callable[[str], None]
 # --- tau2-bench --------------------------------------------------------------------
 
 
-def _tau2_user_text(task) -> str:
-  instructions = task.user_scenario.instructions
-  if isinstance(instructions, str):
-    return instructions
-  parts = [instructions.reason_for_call, instructions.known_info, instructions.unknown_info,
-           instructions.task_instructions]
-  return "\n\n".join(p.strip() for p in parts if p and p.strip())
-
-
-def _tau2_tasks(module, domain: str):
-  try:
-    return module.get_tasks(None)
-  except TypeError:  # a domain whose get_tasks takes no split
-    return module.get_tasks()
-
-
 def replay_tau2_task(module, domain: str, task, include_policy: bool = False) -> Session | None:
   """Replays one tau2 task's golden actions in a fresh environment; None if it has none."""
   from tau2.data_model.message import ToolCall as TauCall  # pylint: disable=import-outside-toplevel
@@ -122,19 +103,11 @@ def replay_tau2_task(module, domain: str, task, include_policy: bool = False) ->
   actions = (task.evaluation_criteria.actions if task.evaluation_criteria else None) or []
   if not actions:
     return None
-  env = module.get_environment()
-  init = task.initial_state
-  env.set_state(init.initialization_data if init else None,
-                init.initialization_actions if init else None,
-                (init.message_history or []) if init else [])
+  env = envs.tau2_fresh_env(module, task)
   tools = [t.openai_schema["function"] for t in env.get_tools()]
   desc = {t["name"]: t.get("description") for t in tools}
-  system = (f"You are a customer service agent for the {domain} domain. Help the user by calling "
-            f"the tools listed below, one per step, in the ReAct format (Thought / Action / "
-            f"Action Input), then give a final answer.")
-  if include_policy:
-    system += "\n\n<policy>\n" + env.get_policy().strip() + "\n</policy>"
-  turns = [Turn("system", system), Turn("user", _tau2_user_text(task))]
+  system = envs.tau2_system(domain, env.get_policy() if include_policy else None)
+  turns = [Turn("system", system), Turn("user", envs.tau2_user_text(task))]
   step = 0
   for k, action in enumerate(actions):
     args = _jsonable(action.arguments)
@@ -157,15 +130,10 @@ def replay_tau2(domains: Sequence[str] = ("airline", "retail"), max_tasks: int |
                 include_policy: bool = False, progress: bool = True,
                 log: Callable[[str], None] | None = None) -> tuple[list[Session], list[Skip]]:
   """tau2 tasks -> sessions (the first `max_tasks` with actions per domain), skipped tasks."""
-  from loguru import logger  # pylint: disable=import-outside-toplevel
-  logger.remove()  # tau2 logs every tool response at DEBUG level
-  logger.add(sys.stderr, level="ERROR")
   sessions, skipped = [], []
   for domain in domains:
-    if domain not in TAU2_DOMAINS:
-      raise ValueError(f"unknown tau2 domain {domain!r}; expected one of {TAU2_DOMAINS}")
-    module = importlib.import_module(f"tau2.domains.{domain}.environment")
-    tasks, made = _tau2_tasks(module, domain), 0
+    module = envs.tau2_module(domain)   # checks the name, silences tau2's DEBUG log
+    tasks, made = envs.tau2_tasks(module), 0
     for task in _progress(tasks, f"tau2/{domain}", progress):
       if max_tasks is not None and made >= max_tasks:
         break
@@ -186,16 +154,13 @@ def replay_tau2(domains: Sequence[str] = ("airline", "retail"), max_tasks: int |
 def replay_tau2_ids(ids: Sequence[str], include_policy: bool = False) -> list[Session]:
   """The sessions with these ids ("tau2/<domain>/<task id>", as replay_tau2 names them),
   replayed in the given order (a check that names its sessions rebuilds exactly them)."""
-  from loguru import logger  # pylint: disable=import-outside-toplevel
-  logger.remove()
-  logger.add(sys.stderr, level="ERROR")
   out = []
   for sid in ids:
     source, domain, task_id = sid.split("/", 2)
     if source != "tau2" or domain not in TAU2_DOMAINS:
       raise ValueError(f"{sid!r} is not a tau2 session id (tau2/<domain>/<task id>)")
-    module = importlib.import_module(f"tau2.domains.{domain}.environment")
-    task = next((t for t in _tau2_tasks(module, domain) if str(t.id) == task_id), None)
+    module = envs.tau2_module(domain)
+    task = next((t for t in envs.tau2_tasks(module) if str(t.id) == task_id), None)
     session = None if task is None else replay_tau2_task(module, domain, task, include_policy)
     if session is None:
       raise ValueError(f"{sid}: no such tau2 task with ground-truth actions")
@@ -206,18 +171,6 @@ def replay_tau2_ids(ids: Sequence[str], include_policy: bool = False) -> list[Se
 # --- agentdojo ---------------------------------------------------------------------
 
 
-def _agentdojo_system() -> str:
-  import yaml  # pylint: disable=import-outside-toplevel
-  path = importlib.resources.files("agentdojo") / "data" / "system_messages.yaml"
-  text = yaml.safe_load(path.read_text())["default"].strip()
-  return text.replace(" \\\n", " ")  # a YAML line continuation kept literally in the file
-
-
-def _task_number(name: str) -> int:
-  m = re.search(r"(\d+)$", name)
-  return int(m.group(1)) if m else 0
-
-
 def replay_agentdojo_task(suite, task_id: str, user_task, system: str) -> Session:
   """Runs one user task's ground truth in a fresh default (injection-free) environment."""
   from agentdojo.agent_pipeline.tool_execution import tool_result_to_str  # pylint: disable=import-outside-toplevel
@@ -226,8 +179,7 @@ def replay_agentdojo_task(suite, task_id: str, user_task, system: str) -> Sessio
   runtime = FunctionsRuntime(suite.tools)
   env = user_task.init_environment(suite.load_and_inject_default_environment({}))
   calls = user_task.ground_truth(env.model_copy(deep=True))
-  tools = [{"name": f.name, "description": f.description,
-            "parameters": f.parameters.model_json_schema()} for f in suite.tools]
+  tools = envs.agentdojo_tools(suite)
   desc = {t["name"]: t["description"] for t in tools}
   turns = [Turn("system", system), Turn("user", user_task.PROMPT)]
   for step, call in enumerate(calls):
@@ -250,13 +202,13 @@ def replay_agentdojo(suites: Sequence[str] = AGENTDOJO_SUITES, max_tasks: int | 
   from agentdojo.task_suite.load_suites import get_suites  # pylint: disable=import-outside-toplevel
 
   available = get_suites(version)
-  system = _agentdojo_system()
+  system = envs.agentdojo_system()
   sessions, skipped = [], []
   for name in suites:
     if name not in available:
       raise ValueError(f"unknown agentdojo suite {name!r}; expected one of {sorted(available)}")
     suite = available[name]
-    items = sorted(suite.user_tasks.items(), key=lambda kv: _task_number(kv[0]))[:max_tasks]
+    items = sorted(suite.user_tasks.items(), key=lambda kv: envs.task_number(kv[0]))[:max_tasks]
     for task_id, user_task in _progress(items, f"agentdojo/{name}", progress):
       try:
         sessions.append(replay_agentdojo_task(suite, task_id, user_task, system))

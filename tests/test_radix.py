@@ -606,3 +606,33 @@ class RadixMachine(RuleBasedStateMachine):
 RadixMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None)
 TestRadixMachine = RadixMachine.TestCase
+
+
+def test_retain_keeps_exactly_the_named_prefixes():
+  """retain() evicts every path but the named prefixes, splitting a node that runs
+  past one, and the kept slots still serve a match."""
+  alloc = PagedAllocator(64, 4)
+  cache = RadixCache(alloc)
+  shared = np.arange(10, 22)
+  paths = [np.concatenate([shared, np.arange(100, 108) + 10 * k]) for k in range(2)]
+  for k, toks in enumerate(paths):
+    seq = alloc.new_sequence()
+    alloc.extend(seq, len(toks))
+    cache.insert(toks, alloc.slot_map(seq))
+    alloc.free_sequence(seq)
+  other = np.arange(200, 230)
+  seq = alloc.new_sequence()
+  alloc.extend(seq, len(other))
+  cache.insert(other, alloc.slot_map(seq))
+  alloc.free_sequence(seq)
+  before, _ = cache.match_prefix(paths[0])
+  assert before == len(paths[0])
+  evicted = cache.retain([shared[:9]])       # ends inside the shared edge: split there
+  assert evicted == 2 * 8 + len(other) + 3
+  assert cache.num_cached_tokens == 9
+  n, slots = cache.match_prefix(paths[1])
+  assert n == 9 and (slots != 0).all()
+  assert cache.match_prefix(other).n_matched == 0
+  cache.check()
+  assert cache.retain() == 9 and cache.num_cached_tokens == 0
+  cache.check()

@@ -286,3 +286,24 @@ def test_h2o_votes_with_the_same_tokens_in_both_layouts(llm, monkeypatch):
     assert sum(t.pruned for t in turns) >= 2
   assert voters["dead_slot"] == voters["compact"]
   assert len(voters["compact"]) >= 2 and voters["compact"][1][0] > 0   # later turns: new only
+
+
+def test_set_policy_starts_sessions_afresh_and_keeps_the_shared_prefix(llm):
+  """One runner switched between policies gives what a fresh runner with that policy
+  gives (kept sets, NLLs), and between them keeps only the named prefix cached."""
+  cfg = dict(method="intentkv", intent_mode="memory", budget=80)
+  runner, first = _run(llm, method="h2o", budget=80)
+  assert runner.paths and runner.radix.num_cached_tokens > 100
+  sys_ids = runner.prepare(MESSAGES, None, 2)
+  sys_ids = sys_ids["ids"][:sys_ids["sys_len"]]
+  runner.set_policy(PruningConfig(**cfg), keep_prefixes=[sys_ids])
+  assert not runner.paths and not runner.seen
+  assert runner.radix.num_cached_tokens == len(sys_ids)
+  runner.radix.check()
+  switched = runner.run_session("s", MESSAGES)
+  _, fresh = _run(llm, **cfg)
+  assert switched[0].hit_tokens == len(sys_ids) and fresh[0].hit_tokens == 0
+  assert any(t.pruned for t in fresh)
+  for a, b in zip(switched, fresh):
+    assert np.array_equal(a.kept, b.kept) and a.live_after == b.live_after
+    assert a.nll == pytest.approx(b.nll, abs=1e-4)

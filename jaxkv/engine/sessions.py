@@ -110,22 +110,8 @@ class SessionRunner:
       head: IntentKV `learnable` mode: a trained `ResidualHead`, or its
         `nnx.split` (graphdef, state).
     """
-    if pruning.method == "intentkv" and pruning.intent_mode == "learnable":
-      if head is None:   # pruning.head_path: the shipped head unless set
-        if not pruning.head_path:
-          raise ValueError("IntentKV learnable mode needs a trained residual head "
-                           "(pruning.head_path / SessionRunner(head=...))")
-        head = artifacts.load_pruner_head(pruning.head_path)
-      self.head = nnx.split(head) if isinstance(head, nnx.Module) else tuple(head)
-      head_dim = nnx.merge(*self.head).head_dim
-      if head_dim != llm.config.head_dim:
-        raise ValueError(f"the residual head was trained for head_dim {head_dim}, but the "
-                         f"model has head_dim {llm.config.head_dim}: train it on this model")
-    else:
-      self.head = (None, None)
     self.tok = llm.tokenizer
     self.cfg = llm.config
-    self.pruning = pruning
     self.chunk = prefill_chunk
     self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.cfg, cache),
                          attn_impl=attn_impl)
@@ -133,6 +119,34 @@ class SessionRunner:
     self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
     # dead-slot pruning keeps holes in the cached token stream (IntentKV section 3.4)
     self.radix = RadixCache(self.alloc, cache_dead=True) if radix else None
+    self.set_policy(pruning, head=head)
+
+  def set_policy(self, pruning: PruningConfig, *, head=None, keep_prefixes=()) -> None:
+    """Switches the pruning policy and forgets every session: QueryMemory, radix paths
+    and holes, and the radix cache itself except `keep_prefixes` (token arrays).
+
+    A side-by-side evaluation runs its methods on one runner this way, keeping what
+    a server shares across sessions (the system prompt with its tool schemas) and
+    nothing a session made, so each method's own hits and re-prefills are what
+    its metrics show. `head` as in __init__.
+    """
+    if pruning.method == "intentkv" and pruning.intent_mode == "learnable":
+      if head is None:   # pruning.head_path: the shipped head unless set
+        if not pruning.head_path:
+          raise ValueError("IntentKV learnable mode needs a trained residual head "
+                           "(pruning.head_path / SessionRunner(head=...))")
+        head = artifacts.load_pruner_head(pruning.head_path)
+      head = nnx.split(head) if isinstance(head, nnx.Module) else tuple(head)
+      head_dim = nnx.merge(*head).head_dim
+      if head_dim != self.cfg.head_dim:
+        raise ValueError(f"the residual head was trained for head_dim {head_dim}, but the "
+                         f"model has head_dim {self.cfg.head_dim}: train it on this model")
+      self.head = head
+    else:
+      self.head = (None, None)
+    if self.radix is not None:
+      self.radix.retain(keep_prefixes)
+    self.pruning = pruning
     self.memories = intentkv.QueryMemoryStore(pruning.memory_capacity)
     # tokens of each session already processed (its previous prompt + reply), LRU
     self.seen: collections.OrderedDict[str, int] = collections.OrderedDict()

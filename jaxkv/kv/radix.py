@@ -464,6 +464,32 @@ class RadixCache:
       raise RuntimeError(f"clear: {len(self._locks)} lock(s) are outstanding")
     return self._evict(self._num_tokens)
 
+  def retain(self, prefixes=()) -> int:
+    """Evicts everything but the cached part of each of `prefixes` (token arrays);
+    returns the tokens evicted. A node that runs past a prefix is split at its end,
+    so exactly the prefix stays (e.g. a system prompt every session shares).
+
+    Raises:
+      RuntimeError: locks are outstanding.
+    """
+    if self._locks:
+      raise RuntimeError(f"retain: {len(self._locks)} lock(s) are outstanding")
+    kept = []
+    for p in prefixes:
+      toks = _as_1d_int(p, "prefixes")
+      node, n, _ = self._walk(toks)
+      if n == 0:
+        continue
+      if self._depth(node) > n:                 # the match ends inside node's edge
+        node = self._split(node, len(node.tokens) - (self._depth(node) - n))
+      self._add_lock(node, 1)
+      kept.append(node)
+    try:
+      return self._evict(self._num_tokens)
+    finally:
+      for node in kept:
+        self._add_lock(node, -1)
+
   # -------------------------------------------------------------- internals
   def _walk(self, toks: np.ndarray) -> tuple[_Node, int, list[np.ndarray]]:
     """Deepest node touched by the match, matched length, slot arrays on the way."""
