@@ -29,7 +29,9 @@ that an agent doing nothing passes are skipped and counted.
 
 Rows (JSON, written as each configuration finishes; a rerun with the same --out
 resumes): method, layout, budget; next-call mode: next_call_exact / next_call_name
-(rates) with their Wilson 95% intervals (`*_ci`), n_calls, n_sessions; closed loop:
+(rates) with their Wilson 95% intervals (`*_ci`), n_calls, n_sessions,
+next_call_args (gold argument values the generated call carries under the same key,
+`calls.argument_hits`, pooled over n_args arguments) and the generated `texts`; closed loop:
 compl, raw_acc, true_acc with intervals, n_tasks, the outcome counts and each
 episode (`episodes`); both: pruned_share and the efficiency columns of
 `bench/pruning.py` over the real decode steps: pt, eff_live_kv, raw_reads,
@@ -82,8 +84,10 @@ def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
                         max_tokens=max_tokens)
     rec = dict(turn=i, metrics=t)
     if i in scored:
-      exact, name = calls.match(calls.parse_calls(t.text), session.turns[i].tool_calls)
-      rec.update(exact=exact, name=name, text=t.text)
+      pred, gold = calls.parse_calls(t.text), session.turns[i].tool_calls
+      exact, name = calls.match(pred, gold)
+      hits, n_args = calls.argument_hits(pred, gold)
+      rec.update(exact=exact, name=name, arg_hits=hits, n_args=n_args, text=t.text)
     out.append(rec)
   return out
 
@@ -93,6 +97,7 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
   flat = [s for ss in samples_by_session for s in ss if "exact" in s]
   n = len(flat)
   k_exact, k_name = sum(s["exact"] for s in flat), sum(s["name"] for s in flat)
+  k_args, n_args = sum(s["arg_hits"] for s in flat), sum(s["n_args"] for s in flat)
   turns = [[s["metrics"] for s in ss] for ss in samples_by_session]
   eff = pruning.summarize(turns, turns)
   keep = ("pt", "eff_live_kv", "raw_reads", "eff_reads", "prefix_hit_rate", "wall_s",
@@ -101,6 +106,10 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
               next_call_exact_ci=list(calls.wilson(k_exact, n)),
               next_call_name=k_name / n if n else float("nan"),
               next_call_name_ci=list(calls.wilson(k_name, n)), n_calls=n,
+              # gold argument values the call carries (pooled over arguments)
+              next_call_args=k_args / n_args if n_args else float("nan"),
+              next_call_args_ci=list(calls.wilson(k_args, n_args)), n_args=n_args,
+              texts=[s["text"] for s in flat],
               **{k: eff[k] for k in keep})
 
 
@@ -161,17 +170,20 @@ def define_flags():
   flags.DEFINE_integer("max_turns", agent_loop.MAX_TURNS, "--env: assistant turns per episode")
 
 
-HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "95% CI", "n", "pruned %",
-          "Eff. live", "Eff. reads", "hit %")
+HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "95% CI", "args", "95% CI", "n",
+          "pruned %", "Eff. live", "Eff. reads", "hit %")
 
 
 def table(rows: list[dict]) -> common.Table:
   ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
   return common.Table(
-      "next-call accuracy (free generation over the pruned cache; Wilson 95% intervals)",
+      "next-call accuracy (free generation over the pruned cache; args = gold argument values "
+      "the call carries, pooled over arguments; Wilson 95% intervals)",
       HEADER, [(r["method"], r["layout"], str(r["budget"]), f"{r['next_call_exact']:.3f}",
                 ci(r["next_call_exact_ci"]), f"{r['next_call_name']:.3f}",
-                ci(r["next_call_name_ci"]), str(r["n_calls"]), f"{100 * r['pruned_share']:.0f}",
+                ci(r["next_call_name_ci"]), f"{r.get('next_call_args', float('nan')):.3f}",
+                ci(r.get("next_call_args_ci", [float("nan")] * 2)), str(r["n_calls"]),
+                f"{100 * r['pruned_share']:.0f}",
                 f"{r['eff_live_kv']:.0f}", f"{r['eff_reads']:.0f}",
                 f"{100 * r['prefix_hit_rate']:.0f}") for r in rows])
 

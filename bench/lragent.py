@@ -18,7 +18,10 @@ compiles, the second is timed. non_shared is the fidelity reference.
 JSON rows: scheme, trace, context_tokens, kv_bytes, ttft_s (mean per agent
 call), tokens_per_s (generated tokens / wall of all calls), delta_nll (gold
 agent outputs, vs non_shared), greedy_agreement, computed_tokens,
-recomputed_tokens, targets. --tables_from=FILE reprints the tables.
+recomputed_tokens, targets, and LRAgent's accuracy: action_exact / action_n
+(tool-call arguments that greedy generation over the scheme's shared cache writes
+exactly; `jaxkv.engine.agents.call_accuracy`) and reflect_exact / reflect_n
+(verdicts), pooled per scheme with Wilson 95% intervals in the tables. --tables_from=FILE reprints the tables.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ import jaxkv
 from jaxkv import artifacts
 from jaxkv.data import agents, traces
 from jaxkv.data.traces import Session, Turn
-from jaxkv.engine.agents import AgentRunner, fidelity, profile_window
+from jaxkv.data import calls as calls_lib
+from jaxkv.engine.agents import AgentRunner, call_accuracy, fidelity, profile_window
 from jaxkv.kv import plan
 from jaxkv.policies.sharing import lragent
 
@@ -88,6 +92,7 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out):
       rows.append(dict(scheme=s, trace=tr.session, context_tokens=len(tr), kv_bytes=r.kv_bytes,
                        ttft_s=float(np.mean([c.ttft_s for c in r.calls])),
                        tokens_per_s=r.generated / r.wall_s, **fidelity(r, ref),
+                       **call_accuracy(r, tr),
                        computed_tokens=sum(c.computed for c in r.calls),
                        recomputed_tokens=sum(c.recomputed for c in r.calls),
                        targets=targets, window=list(window), kind=label))
@@ -207,7 +212,27 @@ def tables(rows) -> list[common.Table]:
                             f"{len({r['trace'] for r in sub})} trajectories)",
                             ["scheme", "dNLL", "greedy agree", "computed tok", "recomputed tok"],
                             lines))
+    if kind.startswith("real") and all("action_n" in r for r in sub):
+      out.append(accuracy_table(kind, sub, schemes))
   return out
+
+
+def accuracy_table(kind: str, sub: list[dict], schemes) -> common.Table:
+  """Per scheme: calls whose gold tokens greedy generation reproduces exactly
+  (`call_accuracy`), pooled over trajectories, with Wilson 95% intervals."""
+  lines = []
+  for s in schemes:
+    rs = [r for r in sub if r["scheme"] == s]
+    cells = [s]
+    for role in ("action", "reflect"):
+      k, n = sum(r[f"{role}_exact"] for r in rs), sum(r[f"{role}_n"] for r in rs)
+      lo, hi = calls_lib.wilson(k, n)
+      cells += [f"{k / n:.3f}" if n else "-", f"[{lo:.2f}, {hi:.2f}]" if n else "-", str(n)]
+    lines.append(cells)
+  return common.Table(f"{kind}: call accuracy (greedy reproduces the gold call exactly; "
+                      f"{len({r['trace'] for r in sub})} trajectories, Wilson 95%)",
+                      ["scheme", "action exact", "95% CI", "n", "reflect exact", "95% CI", "n"],
+                      lines)
 
 
 def print_tables(rows):

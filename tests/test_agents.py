@@ -175,3 +175,21 @@ def test_agent_steps_compile_once_per_shape(llm, traj):
   res = _run(llm, w, "droidspeak", other, window=(0, 1))
   assert sum(c.recomputed for c in res.calls) > 0
   assert (driver.chunk_step._cache_size(), driver.decode_scan._cache_size()) == sizes
+
+
+def test_call_accuracy_counts_calls_greedy_reproduces(llm, traj, distinct):
+  """Per role, a call counts when the greedy token equals the gold one at every step
+  (free greedy generation then writes exactly the gold call)."""
+  from jaxkv.engine.agents import call_accuracy
+  _, ref = distinct
+  n_action = sum(c.role == 1 for c in traj.calls)
+  n_reflect = sum(c.role == 2 for c in traj.calls)
+  assert n_action >= 2 and n_reflect == 1
+  acc = call_accuracy(ref, traj)
+  assert acc["action_n"] == n_action and acc["reflect_n"] == n_reflect
+  assert acc["action_exact"] == 0            # a tiny random model writes no gold call
+  calls = [dataclasses.replace(c, argmax=traj.ids[c.start:c.end].copy()) for c in ref.calls]
+  calls[next(i for i, c in enumerate(calls) if c.role == 1)].argmax[-1] += 1   # one miss
+  acc = call_accuracy(dataclasses.replace(ref, calls=calls), traj)
+  assert acc == dict(action_exact=n_action - 1, action_n=n_action, reflect_exact=1,
+                     reflect_n=1)

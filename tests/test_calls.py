@@ -17,6 +17,10 @@ GOLD = (ToolCall("get_reservation_details", {"reservation_id": "NO6JO3", "n": 2}
     'Action Input: {"n": 2,   "reservation_id": "NO6JO3"}',
     '<tool_call>{"name": "get_reservation_details", "arguments": '
     '"{\\"reservation_id\\": \\"NO6JO3\\", \\"n\\": 2}"}',          # unterminated, string args
+    '```json\n{"name": "get_reservation_details", "arguments": {"reservation_id": "NO6JO3", '
+    '"n": 2}}\n```',                                                  # bare JSON in a fence
+    'Next I will call it {sic}.\n{"name": "get_reservation_details", "arguments": '
+    '{"n": 2, "reservation_id": "NO6JO3"}}',                            # bare JSON after text
 ])
 def test_both_forms_parse_and_match_regardless_of_order_and_spacing(text):
   assert calls.match(calls.parse_calls(text), GOLD) == (True, True)
@@ -27,13 +31,24 @@ def test_name_only_and_misses():
   assert calls.match(calls.parse_calls(wrong_arg), GOLD) == (False, True)
   assert calls.match(calls.parse_calls("Action: cancel\nAction Input: {}"), GOLD) == (False, False)
   for junk in ("I cannot help with that.", "<tool_call>{not json</tool_call>",
-               "Action Input: {\"a\": 1}"):
+               "Action Input: {\"a\": 1}", '{"name": "x", "note": 1}',
+               '{"name": "get_reservation_details", "arguments": {"reservation_id": "NO'):
     assert calls.parse_calls(junk) == ()
     assert calls.match(calls.parse_calls(junk), GOLD) == (False, False)
   raw = (ToolCall("t", {"_raw": "abc"}),)
   assert calls.match(calls.parse_calls("Action: t\nAction Input:  abc \n"), raw) == (True, True)
   with pytest.raises(ValueError, match="no tool call"):
     calls.match(GOLD, ())
+
+
+def test_argument_hits_count_values_under_the_same_key():
+  two = '{"name": "update", "arguments": {"reservation_id": "NO6JO3", "n": 3}}'
+  assert calls.argument_hits(calls.parse_calls(two), GOLD) == (1, 2)    # wrong tool, one ID
+  assert calls.argument_hits(calls.parse_calls("no call"), GOLD) == (0, 2)
+  assert calls.argument_hits(GOLD, GOLD) == (2, 2)
+  raw = (ToolCall("t", {"_raw": "abc"}),)
+  assert calls.argument_hits(raw, raw) == (1, 1) and calls.argument_hits(GOLD, raw) == (0, 1)
+  assert calls.argument_hits(GOLD, (ToolCall("t", {}),)) == (0, 0)
 
 
 def test_wilson_interval():

@@ -2,14 +2,21 @@
 
 What next-call accuracy (IntentKV's task-level quality, `bench/agent_eval.py`) needs:
 
-- `parse_calls(text)`: the calls in a generated assistant turn, in either form the
+- `parse_calls(text)`: the calls in a generated assistant turn, in the forms the
   shipped models write -- Hermes / Qwen2.5 `<tool_call>{"name": ..., "arguments":
-  ...}</tool_call>` blocks, or the ReAct text `Action: NAME` / `Action Input: {...}`
-  (SmolLM2's template, `traces.format_react`). Text that is neither gives no call.
+  ...}</tool_call>` blocks, the ReAct text `Action: NAME` / `Action Input: {...}`
+  (SmolLM2's template, `traces.format_react`), or, failing both, bare JSON objects
+  `{"name": ..., "arguments": ...}` (Qwen2.5-Coder-0.5B often drops the tags or
+  writes a ```json fence; tool-call parsers of serving stacks accept it too). Text
+  with none of these gives no call; a call cut off mid-JSON is no call.
 - `match(pred, gold)`: (exact, name-only) for the first call of a turn. Arguments
   compare as parsed JSON values, so key order and whitespace do not count (and
   1 == 1.0, as JSON numbers); an argument text that is not a JSON object compares
   as its stripped text.
+- `argument_hits(pred, gold)`: (gold argument values the first predicted call
+  carries under the same key, gold arguments): the finer signal behind exact
+  match -- an ID the call needs that was evicted cannot be copied, whatever tool
+  the model picks.
 - `wilson(k, n)`: the Wilson score 95% interval of a rate (sound at small n and at
   rates near 0 or 1, where the normal approximation is not).
 """
@@ -42,15 +49,33 @@ def _hermes(block: str) -> ToolCall | None:
   return ToolCall(obj["name"].strip(), args if isinstance(args, dict) else {"_raw": args})
 
 
+def _bare_json(text: str) -> tuple[ToolCall, ...]:
+  """Top-level JSON objects in `text` that name a call, in order."""
+  dec, out, i = json.JSONDecoder(), [], text.find("{")
+  while i >= 0:
+    try:
+      obj, end = dec.raw_decode(text, i)
+    except json.JSONDecodeError:
+      i = text.find("{", i + 1)
+      continue
+    call = _hermes(json.dumps(obj)) if isinstance(obj, dict) and (
+        "arguments" in obj or "parameters" in obj) else None
+    if call is not None:
+      out.append(call)
+    i = text.find("{", end)
+  return tuple(out)
+
+
 def parse_calls(text: str) -> tuple[ToolCall, ...]:
   """Tool calls in a generated assistant turn (see the module docstring)."""
   blocks = _TOOL_CALL.findall(text)
   if blocks:
     return tuple(c for c in map(_hermes, blocks) if c is not None)
   try:
-    return parse_react(text)[1]
+    react = parse_react(text)[1]
   except ValueError:                 # "Action Input:" without "Action:" and the like
-    return ()
+    react = ()
+  return react or _bare_json(text)
 
 
 def _canonical(arguments: dict):
@@ -68,6 +93,19 @@ def match(pred: Sequence[ToolCall], gold: Sequence[ToolCall]) -> tuple[bool, boo
   p, g = pred[0], gold[0]
   name = p.name == g.name
   return name and _canonical(p.arguments) == _canonical(g.arguments), name
+
+
+def argument_hits(pred: Sequence[ToolCall], gold: Sequence[ToolCall]) -> tuple[int, int]:
+  """(gold top-level arguments whose value the first predicted call has under the same
+  key, JSON-normalised; gold top-level arguments) for the first gold call."""
+  if not gold:
+    raise ValueError("argument_hits: the gold turn makes no tool call")
+  g = _canonical(gold[0].arguments)
+  if not isinstance(g, dict):              # a raw-text argument: all or nothing
+    return int(bool(pred) and _canonical(pred[0].arguments) == g), 1
+  p = _canonical(pred[0].arguments) if pred else {}
+  p = p if isinstance(p, dict) else {}
+  return sum(k in p and p[k] == v for k, v in g.items()), len(g)
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:

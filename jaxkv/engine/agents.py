@@ -269,6 +269,29 @@ def fidelity(result: RunResult, reference: RunResult) -> dict:
               greedy_agreement=float(np.mean(am == am_ref)))
 
 
+def call_accuracy(result: RunResult, traj: Trajectory) -> dict:
+  """LRAgent's accuracy in the form these models allow: per role, how many of its calls
+  greedy generation over the scheme's shared cache reproduces exactly.
+
+  Free greedy generation writes a call's gold tokens exactly iff the greedy token
+  equals the gold one at every step with the gold prefix fed (by induction over the
+  steps), so the teacher-forced pass's argmax decides it with no second run. The
+  action agent's calls are the tool-call arguments (an exact call: right values,
+  nothing evicted or corrupted by sharing); the reflect agent's is its verdict
+  "Reflect[right]" / "Reflect[wrong]". Token-exact is at most as lenient as
+  JSON-normalised matching (a whitespace variant counts as a miss).
+
+  Returns {"<role>_exact": calls reproduced, "<role>_n": calls} for action and reflect.
+  """
+  out = {}
+  for role, name in ((1, "action"), (2, "reflect")):
+    calls = [c for c in result.calls if c.role == role]
+    out[f"{name}_exact"] = sum(bool(np.array_equal(c.argmax, traj.ids[c.start:c.end]))
+                               for c in calls)
+    out[f"{name}_n"] = len(calls)
+  return out
+
+
 def profile_window(llm, lora: LoraWeights, ids: np.ndarray, n_critical: int, *,
                    attn_impl: str = "auto") -> tuple[tuple[int, int], np.ndarray]:
   """DroidSpeak's critical layers: each agent prefills `ids` into its own cache
