@@ -66,25 +66,47 @@ def call_turns(session: traces.Session) -> list[int]:
           and t.tool_calls]
 
 
+ARG_MARKERS = ('"arguments": ', '"arguments":', "Action Input: ", "Action Input:")
+
+
+def argument_prefix(tokenizer, gold) -> int:
+  """Tokens of a gold call turn up to where its arguments begin (the thought, the tool
+  name and the template's markup before them); 0 if no marker is found."""
+  text = tokenizer.decode(list(gold))
+  pos = next((text.index(m) + len(m) for m in ARG_MARKERS if m in text), None)
+  if pos is None:
+    return 0
+  k = 0
+  while k < len(gold) and len(tokenizer.decode(list(gold[:k + 1]))) <= pos:
+    k += 1
+  return k
+
+
 def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
-                max_tokens: int) -> list[dict]:
+                max_tokens: int, given: str = "none") -> list[dict]:
   """One sample per tool-call turn: {turn, exact, name, text} plus the turn's metrics.
 
   Every assistant turn up to the last scored one runs (so pruning and the memory
   advance as in serving); a turn without a gold call (a text reply in between) is
   teacher-forced, not generated, and turns after the last call (the final answer)
-  cannot change a score and are skipped."""
+  cannot change a score and are skipped. `given="name"`: the gold turn up to its
+  arguments (thought, tool name) is forced and the model writes the arguments."""
   messages, tools = traces.session_chat(session, tokenizer)
   scored = set(call_turns(session))
   out = []
   for i, m in enumerate(messages):
     if m.get("role") != "assistant" or i == 0 or i > max(scored, default=-1):
       continue
+    k = 0
+    if given == "name" and i in scored:
+      k = argument_prefix(tokenizer, runner.prepare(messages, tools, i)["gold"])
     t = runner.run_turn(session.id, messages, tools, i, generate=i in scored,
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens, forced_reply=k)
     rec = dict(turn=i, metrics=t)
     if i in scored:
-      pred, gold = calls.parse_calls(t.text), session.turns[i].tool_calls
+      text = (tokenizer.decode(list(runner.prepare(messages, tools, i)["gold"][:k])) if k
+              else "") + t.text
+      pred, gold = calls.parse_calls(text), session.turns[i].tool_calls
       exact, name = calls.match(pred, gold)
       hits, n_args = calls.argument_hits(pred, gold)
       rec.update(exact=exact, name=name, arg_hits=hits, n_args=n_args, text=t.text)
@@ -115,7 +137,7 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
 
 def evaluate(llm, sessions, cfg: PruningConfig, cache: CacheConfig, *, head=None,
              max_tokens: int = 96, desc: str = "", runner: SessionRunner | None = None,
-             keep_prefixes=()) -> dict:
+             keep_prefixes=(), given: str = "none") -> dict:
   """One configuration over `sessions`: on a fresh runner, or on `runner` switched to
   `cfg` (`SessionRunner.set_policy`: sessions start afresh; of the radix cache only
   `keep_prefixes`, the shared system prompts, stay)."""
@@ -124,7 +146,7 @@ def evaluate(llm, sessions, cfg: PruningConfig, cache: CacheConfig, *, head=None
     runner = SessionRunner(llm, cfg, cache=cache, head=head)
   else:
     runner.set_policy(cfg, head=head, keep_prefixes=keep_prefixes)
-  samples = [run_session(runner, s, llm.tokenizer, max_tokens)
+  samples = [run_session(runner, s, llm.tokenizer, max_tokens, given)
              for s in tqdm(sessions, desc=desc, leave=False)]
   return summarize(samples)
 
@@ -161,6 +183,10 @@ def define_flags():
                        "first call has no history to prune, so short sessions add little)")
   flags.DEFINE_integer("max_tokens", 96, "generated tokens per turn")
   flags.DEFINE_integer("num_pages", 2048, "KV pool pages")
+  flags.DEFINE_enum("given", "none", ["none", "name"], "next-call mode: none = the model writes "
+                    "the whole turn; name = the gold turn up to the arguments (thought, tool "
+                    "name) is forced and the model writes the arguments, the values it must "
+                    "copy from the history that pruning kept")
   flags.DEFINE_string("env", None, "closed loop instead of --traces replay: tau2, agentdojo or "
                       "module:Class (jaxkv.data.envs.Environment); with --traces, only the "
                       "tasks its session ids name (e.g. the held-out split)")
@@ -176,8 +202,11 @@ HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "95% CI", "args", 
 
 def table(rows: list[dict]) -> common.Table:
   ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
+  given = {r.get("given", "none") for r in rows}
+  how = ("the tool name given, the model writes the arguments" if given == {"name"} else
+         "the model writes the whole call" if given == {"none"} else f"given: {sorted(given)}")
   return common.Table(
-      "next-call accuracy (free generation over the pruned cache; args = gold argument values "
+      f"next-call accuracy ({how}, greedy over the pruned cache; args = gold argument values "
       "the call carries, pooled over arguments; Wilson 95% intervals)",
       HEADER, [(r["method"], r["layout"], str(r["budget"]), f"{r['next_call_exact']:.3f}",
                 ci(r["next_call_exact_ci"]), f"{r['next_call_name']:.3f}",
@@ -329,13 +358,15 @@ def main(argv):
     desc = f"{name}/{layout}/C={budget}"
     if env is None:
       r = evaluate(llm, sessions, cfg, cache, head=head, max_tokens=FLAGS.max_tokens,
-                   desc=desc, runner=runner, keep_prefixes=shared)
+                   desc=desc, runner=runner, keep_prefixes=shared, given=FLAGS.given)
       line = f"exact={r['next_call_exact']:.3f} name={r['next_call_name']:.3f} n={r['n_calls']}"
     else:
       r = evaluate_env(runner, env, tasks, cfg, head=head, keep_prefixes=shared,
                        max_turns=FLAGS.max_turns, max_tokens=FLAGS.max_tokens, desc=desc)
       line = (f"compl={r['compl']:.3f} raw={r['raw_acc']:.3f} true={r['true_acc']:.3f} "
               f"n={r['n_tasks']}")
+    if env is None:
+      r["given"] = FLAGS.given
     rows.append(dict(method=name, layout=layout, budget=budget, **r))
     print(f"{name:18s} {layout:9s} C={budget:5d} {line}", flush=True)
     common.write_rows(FLAGS.out, rows)

@@ -7,8 +7,12 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_pruning_tau2.json  bench/pruning.py         Table 2 / 7 shapes, recall and
                                                             dNLL vs budget
   bench/results_table4_tau2.json   bench/pruning.py --head  Table 4 shape
-  bench/results_lragent.json       bench/lragent.py         TTFT / throughput / KV / fidelity
-                                                            tables, TTFT and throughput vs context
+  bench/results_lragent.json       bench/lragent.py         TTFT / throughput / KV / fidelity /
+                                                            call accuracy tables, TTFT and
+                                                            throughput vs context
+  bench/results_agent_eval_*.json  bench/agent_eval.py      next-call accuracy (qwen, smollm2)
+                                                            and closed-loop (tau2, agentdojo)
+                                                            tables
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -31,7 +35,8 @@ from absl import app, flags
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 
-import common          # noqa: E402  (bench/)
+import agent_eval      # noqa: E402  (bench/)
+import common          # noqa: E402
 import lragent as lragent_bench   # noqa: E402
 import plot_training   # noqa: E402  (scripts/)
 import pruning         # noqa: E402
@@ -47,6 +52,10 @@ SOURCES = {
     "pruning": "bench/results_pruning_tau2.json",
     "table4": "bench/results_table4_tau2.json",
     "lragent": "bench/results_lragent.json",
+    "agent-eval-qwen": "bench/results_agent_eval_qwen.json",
+    "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
+    "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
+    "closed-loop-agentdojo": "bench/results_closed_loop_agentdojo.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -111,6 +120,9 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["table4"] = rows["table4"] and _render(pruning.tables(rows["table4"], everything=False),
                                              titles=False)
   out["lragent"] = rows["lragent"] and _render(lragent_bench.tables(rows["lragent"]))
+  for name in ("agent-eval-qwen", "agent-eval-smollm2", "closed-loop-tau2",
+               "closed-loop-agentdojo"):
+    out[name] = rows[name] and _render(agent_eval.tables(rows[name]))
   out["role-adapters"] = rows["role-adapters"] and _render(
       [role_adapter_table(rows["role-adapters"])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(

@@ -2,6 +2,7 @@
 call, with the efficiency columns over the real decode steps."""
 
 import dataclasses
+import json
 import pathlib
 import sys
 
@@ -57,3 +58,35 @@ def test_each_call_turn_is_scored_against_its_own_gold(llm, monkeypatch):
     assert r["raw_reads"] >= r["eff_reads"] > 0
   assert r["pruned_share"] > 0
   assert agent_eval.table([dict(method="intentkv_memory", layout="dead_slot", budget=60, **r)])
+
+
+def test_given_name_forces_the_turn_up_to_the_arguments(llm, monkeypatch):
+  """--given=name: the gold turn up to its arguments is forced; the model's text is
+  the arguments, scored with the forced prefix (the tool name) in front."""
+  s = _session()
+  messages, tools = traces.session_chat(s, llm.tokenizer)
+  real = SessionRunner.run_turn
+  seen = {}
+
+  def run_turn(self, sid, msgs, tls, i, **kw):
+    t = real(self, sid, msgs, tls, i, **kw)
+    seen[i] = kw["forced_reply"]
+    if not kw["generate"]:
+      return t
+    gold = self.prepare(msgs, tls, i)["gold"]
+    head = llm.tokenizer.decode(list(gold[:kw["forced_reply"]]))
+    assert head.rstrip().endswith("Action Input:") and "Action: " in head
+    # the model under test gets turn 2's arguments right and turn 4's wrong
+    args = json.dumps(dict(s.turns[i].tool_calls[0].arguments)) if i == 2 else '{"x": 1}'
+    return dataclasses.replace(t, text=("" if head.endswith(" ") else " ") + args)
+
+  monkeypatch.setattr(SessionRunner, "run_turn", run_turn)
+  runner = SessionRunner(llm, PruningConfig(method="none"),
+                         cache=CacheConfig(num_pages=512, page_size=4, max_seq_len=2048))
+  out = agent_eval.run_session(runner, s, llm.tokenizer, 8, given="name")
+  scored = {r["turn"]: r for r in out if "exact" in r}
+  assert all(seen[i] > 0 for i in scored) and sorted(scored) == [2, 4, 6]
+  assert scored[2]["exact"] and scored[2]["name"]
+  assert not scored[4]["exact"] and scored[4]["name"]   # the name was given
+  no_marker = llm.tokenizer.encode("Done, nothing to call.", add_bos=False)
+  assert agent_eval.argument_prefix(llm.tokenizer, no_marker) == 0

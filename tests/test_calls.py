@@ -21,6 +21,8 @@ GOLD = (ToolCall("get_reservation_details", {"reservation_id": "NO6JO3", "n": 2}
     '"n": 2}}\n```',                                                  # bare JSON in a fence
     'Next I will call it {sic}.\n{"name": "get_reservation_details", "arguments": '
     '{"n": 2, "reservation_id": "NO6JO3"}}',                            # bare JSON after text
+    '<tool_call>\n{"name": "get_reservation_details", "arguments": {"reservation_id": '
+    '"NO6JO3", "n": 2}}\n{"name": "get_reservation_details", "arguments": {',  # runs on
 ])
 def test_both_forms_parse_and_match_regardless_of_order_and_spacing(text):
   assert calls.match(calls.parse_calls(text), GOLD) == (True, True)

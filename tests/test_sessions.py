@@ -307,3 +307,31 @@ def test_set_policy_starts_sessions_afresh_and_keeps_the_shared_prefix(llm):
   for a, b in zip(switched, fresh):
     assert np.array_equal(a.kept, b.kept) and a.live_after == b.live_after
     assert a.nll == pytest.approx(b.nll, abs=1e-4)
+
+
+def test_forced_reply_continues_the_gold_turn(llm):
+  """forced_reply=k: the gold reply's first k tokens join the prompt and generation
+  continues from them, as the engine's greedy continuation of that token stream."""
+  from jaxkv.config import SamplingConfig
+  from jaxkv.engine.engine import Request
+  from jaxkv.engine.llm import LLM
+  runner = SessionRunner(llm, PruningConfig(method="h2o", budget=60), cache=CACHE,
+                         prefill_chunk=64)
+  p = runner.prepare(MESSAGES, None, 4)
+  k = 9
+  turn = runner.run_turn("s", MESSAGES, None, 4, generate=True, max_tokens=12, forced_reply=k)
+  assert turn.prompt_tokens == len(p["ids"]) + k and turn.kept.size == turn.prompt_tokens
+  assert turn.pruned and turn.kept[-k:].all()        # the forced tokens are the query's
+  plain = SessionRunner(llm, PruningConfig(), cache=CACHE, prefill_chunk=64)
+  turn = plain.run_turn("s", MESSAGES, None, 4, generate=True, max_tokens=12, forced_reply=k)
+  ids = [int(x) for x in p["ids"]] + [int(x) for x in p["gold"][:k]]
+  engine_llm = LLM(llm.model, llm.tokenizer, CACHE)
+  want = list(engine_llm.stream([Request(id="0", prompt=ids,
+                                         sampling=SamplingConfig(max_tokens=12))]))[0]
+  assert turn.text == want.text
+  for bad in (-1, len(p["gold"])):
+    with pytest.raises(ValueError, match="forced_reply"):
+      runner.run_turn("t", MESSAGES, None, 4, generate=True, forced_reply=bad)
+  with pytest.raises(ValueError, match="forced_reply"):
+    runner.run_turn("t", MESSAGES, None, 4, forced_reply=3)
+  runner.alloc.check()

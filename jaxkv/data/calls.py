@@ -34,8 +34,8 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
 def _hermes(block: str) -> ToolCall | None:
-  try:
-    obj = json.loads(block)
+  try:   # the first JSON value of the block (an unterminated block may run on)
+    obj, _ = json.JSONDecoder().raw_decode(block.strip())
   except json.JSONDecodeError:
     return None
   if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

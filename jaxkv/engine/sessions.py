@@ -194,12 +194,23 @@ class SessionRunner:
 
   # ---------------------------------------------------------------- one request
   def run_turn(self, session_id: str, messages: Sequence[dict], tools, i: int, *,
-               generate: bool = False, max_tokens: int = 128) -> TurnMetrics:
+               generate: bool = False, max_tokens: int = 128,
+               forced_reply: int = 0) -> TurnMetrics:
     """One request: the prompt messages[:i], reply = gold messages[i] (teacher-forced)
-    or, with `generate`, up to `max_tokens` greedy tokens (nll is then nan)."""
+    or, with `generate`, up to `max_tokens` greedy tokens (nll is then nan).
+
+    `forced_reply` (with `generate`): the first that many tokens of the gold reply
+    join the prompt (e.g. the call up to its arguments, so the model writes only
+    the arguments); `text` is then the generated continuation alone."""
     t0 = time.perf_counter()
     p = self.prepare(messages, tools, i)
     prompt, gold = np.asarray(p["ids"], np.int32), np.asarray(p["gold"], np.int32)
+    if forced_reply:
+      if not generate or not 0 < forced_reply < gold.size:
+        raise ValueError(f"forced_reply needs generate and 0 < forced_reply < {gold.size} "
+                         f"(the gold reply's tokens), got {forced_reply}")
+      prompt = np.concatenate([prompt, gold[:forced_reply]])
+      p = dict(p, evidence=np.concatenate([p["evidence"], np.zeros(forced_reply, bool)]))
     if generate:
       gold = np.zeros(max_tokens, np.int32)     # slots reserved for the reply
     n, g = prompt.size, gold.size
