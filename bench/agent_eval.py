@@ -42,6 +42,7 @@ only the system prompts every session shares stay cached (`set_policy`).
 
 from __future__ import annotations
 
+import json
 import os
 
 from absl import app, flags
@@ -82,6 +83,16 @@ def argument_prefix(tokenizer, gold) -> int:
   return k
 
 
+def json_complete(text: str) -> bool:
+  """Whether `text` starts with a whole JSON value (the arguments are written: what
+  follows cannot change the score, so generation may stop)."""
+  try:
+    json.JSONDecoder().raw_decode(text.strip())
+  except json.JSONDecodeError:
+    return False
+  return True
+
+
 def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
                 max_tokens: int, given: str = "none") -> list[dict]:
   """One sample per tool-call turn: {turn, exact, name, text} plus the turn's metrics.
@@ -90,7 +101,10 @@ def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
   advance as in serving); a turn without a gold call (a text reply in between) is
   teacher-forced, not generated, and turns after the last call (the final answer)
   cannot change a score and are skipped. `given="name"`: the gold turn up to its
-  arguments (thought, tool name) is forced and the model writes the arguments."""
+  arguments (thought, tool name) is forced, the model writes the arguments and
+  generation stops once they are a whole JSON value; the call scored is the gold
+  name with those arguments (`calls.completed_call`), so `name` is then the rate
+  of well-formed argument objects."""
   messages, tools = traces.session_chat(session, tokenizer)
   scored = set(call_turns(session))
   out = []
@@ -101,12 +115,14 @@ def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
     if given == "name" and i in scored:
       k = argument_prefix(tokenizer, runner.prepare(messages, tools, i)["gold"])
     t = runner.run_turn(session.id, messages, tools, i, generate=i in scored,
-                        max_tokens=max_tokens, forced_reply=k)
+                        max_tokens=max_tokens, forced_reply=k,
+                        until=(lambda ids: json_complete(tokenizer.decode(list(ids))))
+                        if k else None)
     rec = dict(turn=i, metrics=t)
     if i in scored:
-      text = (tokenizer.decode(list(runner.prepare(messages, tools, i)["gold"][:k])) if k
-              else "") + t.text
-      pred, gold = calls.parse_calls(text), session.turns[i].tool_calls
+      gold = session.turns[i].tool_calls
+      # with the head forced, the call is the gold name and the arguments written
+      pred = calls.completed_call(gold[0].name, t.text) if k else calls.parse_calls(t.text)
       exact, name = calls.match(pred, gold)
       hits, n_args = calls.argument_hits(pred, gold)
       rec.update(exact=exact, name=name, arg_hits=hits, n_args=n_args, text=t.text)

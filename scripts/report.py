@@ -52,6 +52,7 @@ SOURCES = {
     "pruning": "bench/results_pruning_tau2.json",
     "table4": "bench/results_table4_tau2.json",
     "lragent": "bench/results_lragent.json",
+    "agent-eval-qwen-free": "bench/results_agent_eval_qwen_free.json",
     "agent-eval-qwen": "bench/results_agent_eval_qwen.json",
     "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
     "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
@@ -120,7 +121,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["table4"] = rows["table4"] and _render(pruning.tables(rows["table4"], everything=False),
                                              titles=False)
   out["lragent"] = rows["lragent"] and _render(lragent_bench.tables(rows["lragent"]))
-  for name in ("agent-eval-qwen", "agent-eval-smollm2", "closed-loop-tau2",
+  for name in ("agent-eval-qwen-free", "agent-eval-qwen", "agent-eval-smollm2", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name]))
   out["role-adapters"] = rows["role-adapters"] and _render(

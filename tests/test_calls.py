@@ -53,6 +53,19 @@ def test_argument_hits_count_values_under_the_same_key():
   assert calls.argument_hits(GOLD, (ToolCall("t", {}),)) == (0, 0)
 
 
+def test_completed_call_takes_the_first_json_value_after_a_forced_head():
+  # a Hermes turn forced up to `"arguments": ` stops once the object is whole: the
+  # outer object is still open, so parsing head + text would find no call
+  head = '<tool_call>\n{"name": "get_reservation_details", "arguments": '
+  text = '{"n": 2, "reservation_id": "NO6JO3"}}\n</tool_call>'
+  assert calls.parse_calls(head + '{"n": 2, "reservation_id": "NO6JO3"}') == ()
+  assert calls.match(calls.completed_call(GOLD[0].name, text), GOLD) == (True, True)
+  assert calls.match(calls.completed_call(GOLD[0].name, ' {"n": 3}'), GOLD) == (False, True)
+  assert calls.completed_call("t", ' "abc" trailing') == (ToolCall("t", {"_raw": "abc"}),)
+  for junk in ("", '{"n": 2, "reserv', "I will look it up."):
+    assert calls.completed_call("t", junk) == ()
+
+
 def test_wilson_interval():
   lo, hi = calls.wilson(8, 10)
   assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)

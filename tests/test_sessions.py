@@ -329,6 +329,9 @@ def test_forced_reply_continues_the_gold_turn(llm):
   want = list(engine_llm.stream([Request(id="0", prompt=ids,
                                          sampling=SamplingConfig(max_tokens=12))]))[0]
   assert turn.text == want.text
+  short = plain.run_turn("u", MESSAGES, None, 4, generate=True, max_tokens=12, forced_reply=k,
+                         until=lambda ids: len(ids) >= 1)
+  assert short.reply_tokens == 1 and want.text.startswith(short.text)
   for bad in (-1, len(p["gold"])):
     with pytest.raises(ValueError, match="forced_reply"):
       runner.run_turn("t", MESSAGES, None, 4, generate=True, forced_reply=bad)

@@ -17,6 +17,11 @@ What next-call accuracy (IntentKV's task-level quality, `bench/agent_eval.py`) n
   carries under the same key, gold arguments): the finer signal behind exact
   match -- an ID the call needs that was evicted cannot be copied, whatever tool
   the model picks.
+- `completed_call(name, text)`: the call a model completed when its turn was forced
+  up to the arguments (next-call accuracy with the tool name given): the forced name
+  with the first JSON value it wrote as arguments. Parsing the forced head plus the
+  text would fail for Hermes blocks, whose outer object the model has not closed
+  when generation stops at the end of the arguments.
 - `wilson(k, n)`: the Wilson score 95% interval of a rate (sound at small n and at
   rates near 0 or 1, where the normal approximation is not).
 """
@@ -76,6 +81,17 @@ def parse_calls(text: str) -> tuple[ToolCall, ...]:
   except ValueError:                 # "Action Input:" without "Action:" and the like
     react = ()
   return react or _bare_json(text)
+
+
+def completed_call(name: str, text: str) -> tuple[ToolCall, ...]:
+  """(ToolCall(name, first JSON value of `text`),), or () when `text` does not start
+  with a whole JSON value (a cut-off or malformed argument object is no call). A
+  value that is not an object becomes `{"_raw": value}`, as in `_hermes`."""
+  try:
+    args, _ = json.JSONDecoder().raw_decode(text.strip())
+  except json.JSONDecodeError:
+    return ()
+  return (ToolCall(name, args if isinstance(args, dict) else {"_raw": args}),)
 
 
 def _canonical(arguments: dict):

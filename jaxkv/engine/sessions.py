@@ -195,13 +195,15 @@ class SessionRunner:
   # ---------------------------------------------------------------- one request
   def run_turn(self, session_id: str, messages: Sequence[dict], tools, i: int, *,
                generate: bool = False, max_tokens: int = 128,
-               forced_reply: int = 0) -> TurnMetrics:
+               forced_reply: int = 0, until=None) -> TurnMetrics:
     """One request: the prompt messages[:i], reply = gold messages[i] (teacher-forced)
     or, with `generate`, up to `max_tokens` greedy tokens (nll is then nan).
 
     `forced_reply` (with `generate`): the first that many tokens of the gold reply
     join the prompt (e.g. the call up to its arguments, so the model writes only
-    the arguments); `text` is then the generated continuation alone."""
+    the arguments); `text` is then the generated continuation alone. `until(ids)`
+    (with `generate`): a host-side check of the reply so far, every 16 tokens;
+    True ends the reply there (e.g. once the call it writes is complete)."""
     t0 = time.perf_counter()
     p = self.prepare(messages, tools, i)
     prompt, gold = np.asarray(p["ids"], np.int32), np.asarray(p["gold"], np.int32)
@@ -248,7 +250,7 @@ class SessionRunner:
           seq, p0 = self._compact(seq, smap, keep, g, width), int(keep.sum())
       text = ""
       if generate:
-        g = self._generate(seq, toks, n, p0, int(nxt[-1]), width)
+        g = self._generate(seq, toks, n, p0, int(nxt[-1]), width, until=until)
         text = self.tok.decode(toks[n:n + g])
         nll = float("nan")
       else:
@@ -284,15 +286,17 @@ class SessionRunner:
         wall_s=time.perf_counter() - t0, text=text, memory_cos=memory_cos,
         kept=np.asarray(keep[:n]))
 
-  def _generate(self, seq, toks, n, p0, first, width, steps_per_call: int = 16) -> int:
+  def _generate(self, seq, toks, n, p0, first, width, steps_per_call: int = 16,
+                until=None) -> int:
     """Greedy decode into toks[n:] with the engine's `lax.scan` decode step, until a
-    stop token or the reserved length; returns the number of reply tokens."""
+    stop token, the reserved length or `until(reply ids)`; returns the number of
+    reply tokens."""
     stop = self.tok.stop_ids
     stop_ids = jnp.asarray(list(stop) or [-1], jnp.int32)
     smap = plan.slot_rows([self.alloc.slot_map(seq)], width)
     toks[n] = first
     g, cap = 1, toks.size - n
-    while toks[n + g - 1] not in stop and g < cap:
+    while toks[n + g - 1] not in stop and g < cap and not (until and until(toks[n:n + g])):
       out = self.driver.decode([toks[n + g - 1]], [p0 + g - 1], smap, [cap - g],
                                num_steps=steps_per_call, stop_ids=stop_ids)
       new = np.asarray(out.tokens)[np.asarray(out.emitted)[:, 0], 0]
