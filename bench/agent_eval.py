@@ -283,12 +283,52 @@ def env_table(rows: list[dict]) -> common.Table:
                     f"{100 * r['prefix_hit_rate']:.0f}", f"{r['wall_s']:.1f}") for r in rows])
 
 
-def tables(rows: list[dict]) -> list[common.Table]:
+PAPER_HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "args", "95% CI", "n", "recall",
+                "pruned %", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %")
+
+
+def _paper_cells(r: dict) -> tuple[str, ...]:
+  ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
+  return (r["method"], r["layout"], str(r["budget"]), f"{r['next_call_exact']:.3f}",
+          ci(r["next_call_exact_ci"]), f"{r['next_call_name']:.3f}", f"{r['next_call_args']:.3f}",
+          ci(r["next_call_args_ci"]),
+          str(r["n_calls"]), f"{r['future_evidence_recall']:.3f}",
+          f"{100 * r['pruned_share']:.0f}", f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}",
+          f"{r['raw_reads']:.0f}", f"{r['eff_reads']:.0f}", f"{100 * r['prefix_hit_rate']:.0f}")
+
+
+def paper_tables(rows: list[dict]) -> list[common.Table]:
+  """IntentKV's Table 2 (published layouts: baselines compact, IntentKV dead-slot) and
+  Table 7 (every scorer under both layouts) per budget, over next-call rows: accuracy
+  with the efficiency columns of the same free-running decode (which therefore
+  differ by method, unlike a teacher-forced replay's). `full` heads both."""
+  out, full = [], [r for r in rows if r["method"] == "full"]
+  for b in sorted({r["budget"] for r in rows if r["budget"]}):
+    at = [r for r in rows if r["budget"] == b]
+    pub = [r for r in at if (r["layout"] == "dead_slot") == r["method"].startswith("intentkv")]
+    if pub:
+      out.append(common.Table(
+          f"Table 2 shape, C={b}: baselines in their published compact layout, IntentKV "
+          "dead-slot (exact / name / args: next-call accuracy, Wilson 95%; recall: "
+          "future-evidence tokens kept)", PAPER_HEADER, [_paper_cells(r) for r in full + pub]))
+    if {r["layout"] for r in at} >= {"dead_slot", "compact"}:
+      out.append(common.Table(
+          f"Table 7 shape, C={b}: the same scorers under both layouts", PAPER_HEADER,
+          [_paper_cells(r) for r in full + sorted(at, key=lambda r: (r["method"], r["layout"]))]))
+  return out
+
+
+def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
+  """Next-call rows: Tables 2 and 7 shapes per budget, then (everything, or when no
+  budget has both layouts) the flat table; closed-loop rows: their table."""
   out = []
   calls_rows = [r for r in rows if "next_call_exact" in r]
   env_rows = [r for r in rows if "true_acc" in r]
   if calls_rows:
-    out.append(table(calls_rows))
+    shapes = paper_tables(calls_rows)
+    out += shapes
+    if everything or not shapes:
+      out.append(table(calls_rows))
   if env_rows:
     out.append(env_table(env_rows))
   return out

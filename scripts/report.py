@@ -121,9 +121,12 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["table4"] = rows["table4"] and _render(pruning.tables(rows["table4"], everything=False),
                                              titles=False)
   out["lragent"] = rows["lragent"] and _render(lragent_bench.tables(rows["lragent"]))
-  for name in ("agent-eval-qwen-free", "agent-eval-qwen", "agent-eval-smollm2", "closed-loop-tau2",
+  # the stopped free-generation grid: one flat table (every row is 0-5%)
+  out["agent-eval-qwen-free"] = rows["agent-eval-qwen-free"] and _render(
+      [agent_eval.table(rows["agent-eval-qwen-free"])])
+  for name in ("agent-eval-qwen", "agent-eval-smollm2", "closed-loop-tau2",
                "closed-loop-agentdojo"):
-    out[name] = rows[name] and _render(agent_eval.tables(rows[name]))
+    out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
   out["role-adapters"] = rows["role-adapters"] and _render(
       [role_adapter_table(rows["role-adapters"])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(

@@ -90,3 +90,28 @@ def test_given_name_forces_the_turn_up_to_the_arguments(llm, monkeypatch):
   assert not scored[4]["exact"] and scored[4]["name"]   # the name was given
   no_marker = llm.tokenizer.encode("Done, nothing to call.", add_bos=False)
   assert agent_eval.argument_prefix(llm.tokenizer, no_marker) == 0
+
+
+def test_paper_tables_pick_the_published_layouts_and_both_layouts():
+  def row(method, layout, budget, exact):
+    return dict(method=method, layout=layout, budget=budget, next_call_exact=exact,
+                next_call_exact_ci=[0.0, 1.0], next_call_name=1.0, next_call_name_ci=[0.0, 1.0],
+                next_call_args=exact, next_call_args_ci=[0.0, 1.0], n_calls=20,
+                future_evidence_recall=0.5, pruned_share=0.75, pt=5000.0, eff_live_kv=3800.0,
+                raw_reads=9e5, eff_reads=8e5, prefix_hit_rate=0.9)
+  rows = [row("full", "-", 0, 0.45)] + [
+      row(m, lay, b, 0.1) for b in (3584, 4096) for m in ("random", "h2o", "intentkv_query")
+      for lay in ("dead_slot", "compact")]
+  t2a, t7a, t2b, t7b, flat = agent_eval.tables(rows)
+  assert "Table 2" in t2a.title and "C=3584" in t2a.title and "C=4096" in t2b.title
+  assert [c[:3] for c in t2a.lines] == [("full", "-", "0"), ("random", "compact", "3584"),
+                                        ("h2o", "compact", "3584"),
+                                        ("intentkv_query", "dead_slot", "3584")]
+  assert "Table 7" in t7b.title and len(t7b.lines) == 1 + 3 * 2
+  assert {c[1] for c in t7b.lines[1:]} == {"dead_slot", "compact"}
+  assert len(flat.lines) == len(rows)
+  # README blocks: the shapes only; a grid with one layout still gets a table
+  assert len(agent_eval.tables(rows, everything=False)) == 4
+  one = [r for r in rows if r["layout"] != "compact"]
+  assert [t.title.split(",")[0] for t in agent_eval.tables(one, everything=False)] == [
+      "Table 2 shape", "Table 2 shape"]

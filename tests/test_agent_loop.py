@@ -83,6 +83,17 @@ def test_turn_cap_empty_and_overflow_are_not_completed(llm, monkeypatch):
                         cache=CacheConfig(num_pages=64, page_size=4, max_seq_len=16))
   over = agent_loop.run_episode(small, CountingEnv(), "count/0", max_tokens=8)
   assert over.outcome == "overflow" and over.turns == []
+  # a call truncated by the token cap is no answer; a long plain answer still is
+  real = SessionRunner.run_turn
+  for text, want in (('<tool_call>\n{"name": "add", "argu', "cut_off"),
+                     ("I counted to one and then", "answer")):
+    def capped_turn(self, sid, messages, tools, i, _text=text, **kw):
+      return dataclasses.replace(real(self, sid, messages, tools, i, **kw), text=_text,
+                                 reply_tokens=kw["max_tokens"])
+    monkeypatch.setattr(SessionRunner, "run_turn", capped_turn)
+    ep = agent_loop.run_episode(runner, CountingEnv(), "count/0", max_tokens=8,
+                                session_id=f"cut-{want}")
+    assert ep.outcome == want and ep.completed == (want == "answer")
   # a wrong answer is completed but not correct
   _script(monkeypatch, [_react("add", {}), "Stopped at 1."])
   wrong = agent_loop.run_episode(runner, CountingEnv(), "count/0", max_tokens=8,

@@ -18,7 +18,10 @@ prompt renders what the model wrote and the radix cache serves it.
 
 Outcomes follow the paper's accounting: an episode is *completed* when it ends in a
 non-empty final answer; it is not when it hits the turn cap, overflows the cache
-(`prompt + max_tokens > cache.max_seq_len`), or writes an empty turn. Only completed
+(`prompt + max_tokens > cache.max_seq_len`), writes an empty turn, or is cut off: a
+turn that ran to `max_tokens` with no call parsed but a call begun in it (a
+`<tool_call>`, `"name"` or `Action:` opener: the call was truncated, it is no answer;
+Qwen2.5-Coder-0.5B wrote a 96-token JSON call that way on tau2/airline/16). Only completed
 episodes are scored; `summarize` gives Compl (completed / total), Raw (correct /
 completed) and True Acc (correct / total, non-completion counted as wrong), each
 with n and a Wilson 95% interval.
@@ -34,7 +37,8 @@ from jaxkv.data.envs import Environment
 from jaxkv.engine.sessions import SessionRunner, TurnMetrics
 
 MAX_TURNS = 32
-OUTCOMES = ("answer", "turn_cap", "overflow", "empty")
+OUTCOMES = ("answer", "turn_cap", "overflow", "empty", "cut_off")
+CALL_OPENERS = ("<tool_call>", '"name"', "Action:")
 
 
 @dataclasses.dataclass
@@ -113,7 +117,8 @@ def run_episode(runner: SessionRunner, env: Environment, task: str, *,
     messages.append({"role": "assistant", "content": text})
     made = calls.parse_calls(text)
     if not made:
-      outcome = "answer"
+      cut = t.reply_tokens >= max_tokens and any(o in text for o in CALL_OPENERS)
+      outcome = "cut_off" if cut else "answer"
       break
     n_calls += len(made)
     messages.extend(env.step(made))
