@@ -13,7 +13,8 @@ reflect over one token stream, from
     names and its tool results padded with real tool output text of the other
     sessions until the stream has --emulate tokens (actual lengths reported).
 Each scheme runs every trajectory twice on fresh caches; the first pass
-compiles, the second is timed. non_shared is the fidelity reference.
+compiles, the second is timed (--notiming: once, timing fields null). non_shared
+is the fidelity reference.
 
 JSON rows: scheme, trace, context_tokens, kv_bytes, ttft_s (mean per agent
 call), tokens_per_s (generated tokens / wall of all calls), delta_nll (gold
@@ -70,9 +71,11 @@ def emulate(session: Session, filler: str, target: int, tok) -> Session:
   return dataclasses.replace(base, id=f"{session.id}@{target}", turns=tuple(turns))
 
 
-def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out):
+def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True):
   """Runs every scheme on each trajectory not yet in `rows`; appends its rows and
-  writes `out` after each trajectory (a rerun resumes)."""
+  writes `out` after each trajectory (a rerun resumes). Without `timing` each scheme
+  runs once (fidelity and call accuracy do not depend on the pass) and the timing
+  fields are null."""
   targets = ",".join(w.targets)
   done = {(r["kind"], r["targets"], r["trace"]) for r in rows}
   todo = [tr for tr in trajs if (label, targets, tr.session) not in done]
@@ -84,14 +87,16 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out):
       # Pool sizes bucketed so trajectories of similar length share compiled steps.
       r = AgentRunner(llm, w, s, max_tokens=plan.bucket(len(tr) + 16, 1024, 1024),
                       window=window, chunk=chunk)
-      r.run(tr)                                     # compile
-      res[s] = r.run(tr)
+      res[s] = r.run(tr)                            # compiles
+      if timing:
+        res[s] = r.run(tr)                          # timed
       bar.update()
     ref = res["non_shared"]
     for s, r in res.items():
       rows.append(dict(scheme=s, trace=tr.session, context_tokens=len(tr), kv_bytes=r.kv_bytes,
-                       ttft_s=float(np.mean([c.ttft_s for c in r.calls])),
-                       tokens_per_s=r.generated / r.wall_s, **fidelity(r, ref),
+                       ttft_s=float(np.mean([c.ttft_s for c in r.calls])) if timing else None,
+                       tokens_per_s=r.generated / r.wall_s if timing else None,
+                       **fidelity(r, ref),
                        **call_accuracy(r, tr),
                        computed_tokens=sum(c.computed for c in r.calls),
                        recomputed_tokens=sum(c.recomputed for c in r.calls),
@@ -120,6 +125,9 @@ def define_flags():
   flags.DEFINE_string("qkvo_emulate", "1024,4096",
                       "emulated lengths of the QKVO ablation (a subset, to bound its cost)")
   flags.DEFINE_integer("qkvo_max_sessions", 2, "real trajectories for the QKVO ablation")
+  flags.DEFINE_bool("timing", True, "run each scheme twice and time the second pass; "
+                    "--notiming runs once (fidelity and call accuracy only, timing fields "
+                    "null: half the CPU time)")
   flags.DEFINE_integer("n_critical", 0, "DroidSpeak layers (0: L / 4)")
   flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
   flags.DEFINE_string("xla_cache", "data_local/xla_cache",
@@ -169,7 +177,8 @@ def main(argv):
     print(f"{name}: DroidSpeak window {window} (per-layer deviation "
           f"{np.round(dev, 3).tolist()})", flush=True)
     for kind, trajs in sets[name].items():
-      run_all(llm, w, trajs, schemes, window, args.chunk, f"{kind}-{name}", rows, args.out)
+      run_all(llm, w, trajs, schemes, window, args.chunk, f"{kind}-{name}", rows, args.out,
+              timing=args.timing)
   print_tables(rows)
 
 
@@ -196,6 +205,8 @@ def tables(rows) -> list[common.Table]:
             ref = next(x for x in sub if x["scheme"] == "non_shared" and x["context_tokens"] == n)
             if metric == "kv_bytes":
               cells.append(f"{r[metric] / 2**20:.1f}")
+            elif r[metric] is None or ref[metric] is None:     # --notiming rows
+              cells.append("-")
             else:
               cells.append(fmt.format(r[metric]) + f" ({r[metric] / ref[metric]:.2f}x)")
           lines.append(cells)

@@ -4,14 +4,17 @@ r"""Regenerates the README's results tables and the plots in docs/plots/ from re
 
 Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_cpu.json           bench/throughput.py      throughput table, throughput vs batch
-  bench/results_pruning_tau2.json  bench/pruning.py         Table 2 / 7 shapes, recall and
-                                                            dNLL vs budget
+  bench/results_pruning_tau2.json  bench/pruning.py         teacher-forced tables and recall /
+                                                            dNLL vs budget (none in the README
+                                                            now: Tables 2 / 7 come from
+                                                            next-call accuracy)
   bench/results_table4_tau2.json   bench/pruning.py --head  Table 4 shape
   bench/results_lragent.json       bench/lragent.py         TTFT / throughput / KV / fidelity /
                                                             call accuracy tables, TTFT and
                                                             throughput vs context
-  bench/results_agent_eval_*.json  bench/agent_eval.py      next-call accuracy (qwen, smollm2)
-                                                            and closed-loop (tau2, agentdojo)
+  bench/results_agent_eval_*.json  bench/agent_eval.py      next-call accuracy in Table 2 / 7
+                                                            shapes (qwen, smollm2) and
+                                                            closed-loop (tau2, agentdojo)
                                                             tables
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves

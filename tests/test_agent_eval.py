@@ -56,6 +56,12 @@ def test_each_call_turn_is_scored_against_its_own_gold(llm, monkeypatch):
     lo, hi = r["next_call_exact_ci"]
     assert 0 < lo < 1 / 3 < hi < 1
     assert r["raw_reads"] >= r["eff_reads"] > 0
+    # raw-text reading finds at least what the parsed calls carry
+    assert r["next_call_copied"] >= r["next_call_args"] > 0
+    old = lambda: {k: v for k, v in r.items() if not k.startswith("next_call_copied")}
+    again = old()
+    assert agent_eval.rescore([again], [s]) == 1 and again == r      # rows written before
+    assert agent_eval.rescore([old()], [s, s]) == 0                  # another sample: untouched
   assert r["pruned_share"] > 0
   assert agent_eval.table([dict(method="intentkv_memory", layout="dead_slot", budget=60, **r)])
 
@@ -88,6 +94,7 @@ def test_given_name_forces_the_turn_up_to_the_arguments(llm, monkeypatch):
   assert all(seen[i] > 0 for i in scored) and sorted(scored) == [2, 4, 6]
   assert scored[2]["exact"] and scored[2]["name"]
   assert not scored[4]["exact"] and scored[4]["name"]   # the name was given
+  assert scored[2]["arg_mentions"] == scored[2]["n_args"] > 0 == scored[4]["arg_mentions"]
   no_marker = llm.tokenizer.encode("Done, nothing to call.", add_bos=False)
   assert agent_eval.argument_prefix(llm.tokenizer, no_marker) == 0
 
@@ -96,7 +103,8 @@ def test_paper_tables_pick_the_published_layouts_and_both_layouts():
   def row(method, layout, budget, exact):
     return dict(method=method, layout=layout, budget=budget, next_call_exact=exact,
                 next_call_exact_ci=[0.0, 1.0], next_call_name=1.0, next_call_name_ci=[0.0, 1.0],
-                next_call_args=exact, next_call_args_ci=[0.0, 1.0], n_calls=20,
+                next_call_args=exact, next_call_args_ci=[0.0, 1.0], next_call_copied=exact,
+                next_call_copied_ci=[0.0, 1.0], n_calls=20,
                 future_evidence_recall=0.5, pruned_share=0.75, pt=5000.0, eff_live_kv=3800.0,
                 raw_reads=9e5, eff_reads=8e5, prefix_hit_rate=0.9)
   rows = [row("full", "-", 0, 0.45)] + [

@@ -53,6 +53,23 @@ def test_argument_hits_count_values_under_the_same_key():
   assert calls.argument_hits(GOLD, (ToolCall("t", {}),)) == (0, 0)
 
 
+def test_argument_mentions_read_values_after_their_key_in_raw_text():
+  cut = ' {"n": 2.0, "x": [1, 2], "reservation_id":"NO6JO3", "flights": [{"flight_nu'
+  assert calls.argument_mentions(cut, GOLD) == (2, 2)       # parse_calls finds no call here
+  assert calls.parse_calls(cut) == ()
+  assert calls.argument_mentions('{"reservation_id": "NO6JO", "n": 3}', GOLD) == (0, 2)
+  assert calls.argument_mentions('"reservation_id": "NO6JO3" and "reservation_id": 1', GOLD) \
+      == (1, 2)
+  nested = (ToolCall("t", {"p": {"a": 1, "b": [2]}}),)
+  assert calls.argument_mentions('{"p": {"b": [2], "a": 1.0}}', nested) == (1, 1)
+  assert calls.argument_mentions('{"p": {"b": [2], "a": 1', nested) == (0, 1)   # cut inside
+  raw = (ToolCall("t", {"_raw": "abc"}),)
+  assert calls.argument_mentions("xx abc", raw) == (1, 1)
+  assert calls.argument_mentions("", raw) == (0, 1)
+  with pytest.raises(ValueError, match="no tool call"):
+    calls.argument_mentions("x", ())
+
+
 def test_completed_call_takes_the_first_json_value_after_a_forced_head():
   # a Hermes turn forced up to `"arguments": ` stops once the object is whole: the
   # outer object is still open, so parsing head + text would find no call

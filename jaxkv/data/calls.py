@@ -17,6 +17,11 @@ What next-call accuracy (IntentKV's task-level quality, `bench/agent_eval.py`) n
   carries under the same key, gold arguments): the finer signal behind exact
   match -- an ID the call needs that was evicted cannot be copied, whatever tool
   the model picks.
+- `argument_mentions(text, gold)`: (gold argument values the text writes after their
+  key, gold arguments), read from the raw text: a `"key": value` anywhere in it
+  whose value decodes to the gold one counts, so a call cut off or malformed later
+  still shows whether the needed IDs were copied (SmolLM2-135M rarely closes its
+  argument object within the token cap). Nested values count whole or not at all.
 - `completed_call(name, text)`: the call a model completed when its turn was forced
   up to the arguments (next-call accuracy with the tool name given): the forced name
   with the first JSON value it wrote as arguments. Parsing the forced head plus the
@@ -122,6 +127,28 @@ def argument_hits(pred: Sequence[ToolCall], gold: Sequence[ToolCall]) -> tuple[i
   p = _canonical(pred[0].arguments) if pred else {}
   p = p if isinstance(p, dict) else {}
   return sum(k in p and p[k] == v for k, v in g.items()), len(g)
+
+
+def argument_mentions(text: str, gold: Sequence[ToolCall]) -> tuple[int, int]:
+  """(gold top-level arguments of the first gold call whose JSON value `text` writes
+  after `"key":` somewhere, gold top-level arguments); a raw-text gold argument counts
+  when its text occurs. Values compare as decoded JSON (1 == 1.0, spacing ignored)."""
+  if not gold:
+    raise ValueError("argument_mentions: the gold turn makes no tool call")
+  g = _canonical(gold[0].arguments)
+  if not isinstance(g, dict):
+    return int(bool(g) and g in text), 1
+  dec, hits = json.JSONDecoder(), 0
+  for key, value in g.items():
+    for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:\s*", text):
+      try:
+        got, _ = dec.raw_decode(text, m.end())
+      except json.JSONDecodeError:
+        continue
+      if got == value:
+        hits += 1
+        break
+  return hits, len(g)
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
