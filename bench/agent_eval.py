@@ -312,6 +312,11 @@ PAPER_HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "args", "cop
                 "pruned %", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %")
 
 
+LEGEND = ("(exact / name: next-call accuracy; args: gold argument values in the parsed call; "
+          "copied: the same read from the raw text, Wilson 95%; recall: future-evidence "
+          "tokens kept)")
+
+
 def _paper_cells(r: dict) -> tuple[str, ...]:
   ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
   return (r["method"], r["layout"], str(r["budget"]), f"{r['next_call_exact']:.3f}",
@@ -331,13 +336,17 @@ def paper_tables(rows: list[dict]) -> list[common.Table]:
   out, full = [], [r for r in rows if r["method"] == "full"]
   for b in sorted({r["budget"] for r in rows if r["budget"]}):
     at = [r for r in rows if r["budget"] == b]
+    layouts = {r["layout"] for r in at}
+    if len(layouts) == 1:          # a one-layout grid: every method in one table
+      out.append(common.Table(
+          f"C={b}, {layouts.pop()} layout, every method {LEGEND}", PAPER_HEADER,
+          [_paper_cells(r) for r in full + at]))
+      continue
     pub = [r for r in at if (r["layout"] == "dead_slot") == r["method"].startswith("intentkv")]
     if pub:
       out.append(common.Table(
           f"Table 2 shape, C={b}: baselines in their published compact layout, IntentKV "
-          "dead-slot (exact / name: next-call accuracy; args: gold argument values in the "
-          "parsed call; copied: the same read from the raw text, Wilson 95%; recall: "
-          "future-evidence tokens kept)", PAPER_HEADER, [_paper_cells(r) for r in full + pub]))
+          f"dead-slot {LEGEND}", PAPER_HEADER, [_paper_cells(r) for r in full + pub]))
     if {r["layout"] for r in at} >= {"dead_slot", "compact"}:
       out.append(common.Table(
           f"Table 7 shape, C={b}: the same scorers under both layouts", PAPER_HEADER,

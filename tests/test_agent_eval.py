@@ -121,5 +121,7 @@ def test_paper_tables_pick_the_published_layouts_and_both_layouts():
   # README blocks: the shapes only; a grid with one layout still gets a table
   assert len(agent_eval.tables(rows, everything=False)) == 4
   one = [r for r in rows if r["layout"] != "compact"]
-  assert [t.title.split(",")[0] for t in agent_eval.tables(one, everything=False)] == [
-      "Table 2 shape", "Table 2 shape"]
+  one_tables = agent_eval.tables(one, everything=False)
+  assert [t.title.split(",")[:2] for t in one_tables] == [["C=3584", " dead_slot layout"],
+                                                          ["C=4096", " dead_slot layout"]]
+  assert [c[0] for c in one_tables[0].lines] == ["full", "random", "h2o", "intentkv_query"]
