@@ -149,6 +149,30 @@ def test_bench_emulation_traces_hit_their_lengths(llm):
     assert "Tools: cancel_reservation, get_user_details" in t.text
 
 
+def test_bench_tables_take_untimed_rows():
+  """--notiming rows (timing fields null) print "-" in the timing tables, and the
+  real-trajectory call accuracy pools calls over trajectories with Wilson intervals."""
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import lragent as bench  # noqa: E402
+
+  def row(scheme, kind, trace, exact):
+    return dict(scheme=scheme, kind=kind, trace=trace, context_tokens=1000, kv_bytes=2**20,
+                ttft_s=None, tokens_per_s=None, delta_nll=0.0, greedy_agreement=1.0,
+                computed_tokens=10, recomputed_tokens=0, action_exact=exact, action_n=2,
+                reflect_exact=1, reflect_n=1)
+  rows = [row(s, k, t, int(s == "non_shared") + (t == "b")) for s in ("non_shared", "full_shared")
+          for k in ("emulated-qv", "real-qv") for t in ("a", "b")]
+  tables = {t.title: t for t in bench.tables(rows)}
+  ttft = next(t for title, t in tables.items() if title.startswith("emulated-qv: TTFT"))
+  assert all(cells[1] == "-" for cells in ttft.lines)
+  acc = next(t for title, t in tables.items() if "call accuracy" in title)
+  assert "2 trajectories" in acc.title
+  assert acc.lines[0][:2] == ["non_shared", "0.750"] and acc.lines[0][3] == "4"   # 3 of 4
+  assert acc.lines[1][:2] == ["full_shared", "0.250"]
+
+
 def test_base_shared_keeps_one_lr_cache_per_agent(llm, traj):
   """BaseShared: each agent's LR cache comes from its OWN hidden states (they differ
   between agents over the tokens both processed); base_lr_shared keeps one."""
