@@ -85,16 +85,6 @@ def argument_prefix(tokenizer, gold) -> int:
   return k
 
 
-def json_complete(text: str) -> bool:
-  """Whether `text` starts with a whole JSON value (the arguments are written: what
-  follows cannot change the score, so generation may stop)."""
-  try:
-    json.JSONDecoder().raw_decode(text.strip())
-  except json.JSONDecodeError:
-    return False
-  return True
-
-
 def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
                 max_tokens: int, given: str = "none") -> list[dict]:
   """One sample per tool-call turn: {turn, exact, name, text} plus the turn's metrics.
@@ -116,10 +106,10 @@ def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
     k = 0
     if given == "name" and i in scored:
       k = argument_prefix(tokenizer, runner.prepare(messages, tools, i)["gold"])
+    # with the head forced, the reply is done once it completes the call
+    done = lambda ids: bool(calls.completed_call("", tokenizer.decode(list(ids))))
     t = runner.run_turn(session.id, messages, tools, i, generate=i in scored,
-                        max_tokens=max_tokens, forced_reply=k,
-                        until=(lambda ids: json_complete(tokenizer.decode(list(ids))))
-                        if k else None)
+                        max_tokens=max_tokens, forced_reply=k, until=done if k else None)
     rec = dict(turn=i, metrics=t)
     if i in scored:
       gold = session.turns[i].tool_calls
@@ -308,8 +298,7 @@ def env_table(rows: list[dict]) -> common.Table:
 
 
 PAPER_HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "args", "copied", "95% CI",
-                "n", "recall",
-                "pruned %", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %")
+                "n", "recall", "pruned %", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %")
 
 
 LEGEND = ("(exact / name: next-call accuracy; args: gold argument values in the parsed call; "
@@ -347,7 +336,7 @@ def paper_tables(rows: list[dict]) -> list[common.Table]:
       out.append(common.Table(
           f"Table 2 shape, C={b}: baselines in their published compact layout, IntentKV "
           f"dead-slot {LEGEND}", PAPER_HEADER, [_paper_cells(r) for r in full + pub]))
-    if {r["layout"] for r in at} >= {"dead_slot", "compact"}:
+    if layouts >= {"dead_slot", "compact"}:
       out.append(common.Table(
           f"Table 7 shape, C={b}: the same scorers under both layouts", PAPER_HEADER,
           [_paper_cells(r) for r in full + sorted(at, key=lambda r: (r["method"], r["layout"]))]))
@@ -388,7 +377,6 @@ def _sessions(llm) -> list:
 
 def main(argv):
   del argv
-  import json
   if FLAGS.tables_from:
     with open(FLAGS.tables_from) as f:
       common.print_tables(tables(json.load(f)))
