@@ -378,8 +378,7 @@ def _sessions(llm) -> list:
 def main(argv):
   del argv
   if FLAGS.tables_from:
-    with open(FLAGS.tables_from) as f:
-      common.print_tables(tables(json.load(f)))
+    common.print_tables_from(FLAGS.tables_from, tables)
     return
   if not FLAGS.traces and not FLAGS.env:
     raise app.UsageError("give --traces (next-call accuracy; make one with "

@@ -63,6 +63,12 @@ def print_tables(tables: Sequence[Table]) -> None:
     print(t.markdown())
 
 
+def print_tables_from(path: str, tables) -> None:
+  """Prints `tables(rows)` of a results JSON written by `write_rows` (--tables_from)."""
+  with open(path) as f:
+    print_tables(tables(json.load(f)))
+
+
 def write_rows(path: str | None, rows: list[dict]) -> None:
   if path:
     with open(path, "w") as f:

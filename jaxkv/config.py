@@ -244,6 +244,77 @@ class PruningConfig:
       raise ValueError("pruning.sink >= 0, snap_window >= 1 and snap_kernel >= 1 required")
 
 
+REUSE_METHODS = ("none", "prefix", "naive", "epic", "cacheblend", "tiered")
+REUSE_TIERS = ("exact", "approx", "blend")
+REUSE_STORAGE = ("int8", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseConfig:
+  """Cross-prompt segment reuse with delta-RoPE re-indexing (seed 002).
+
+  method: none (prefill everything) | prefix (radix prefix cache only) | naive
+    (splice every matched segment, no guard) | epic (splice, recompute each
+    segment's first `epic_tokens`) | cacheblend (splice, recompute at every layer
+    after the probe the `blend_ratio` of tokens whose K deviates most at
+    `blend_layer`) | tiered (seed 002: exact, then depth-guarded approximate, then
+    blend, else reject; `tiers` picks which are on). Every method but none also
+    uses the radix prefix cache.
+  Regime A stores every layer's K/V; B stores layers below `reuse_layers` only.
+  Both store the hidden state at every `cut_every`-th layer boundary (multicut),
+  from which the approximate tier recomputes the layers its guard refuses.
+  """
+  method: str = "tiered"
+  tiers: tuple[str, ...] = REUSE_TIERS
+  window: int = 96              # discovery windows (tokens) ...
+  stride: int = 48              # ... and their stride
+  min_tokens: int = 32          # shortest segment spliced or stored
+  shingle: int = 8              # k of the canonical token shingles
+  num_perm: int = 128           # MinHash permutations
+  seg_threshold: float = 0.8    # tau_seg: LSH Jaccard threshold for candidates
+  ctx_window: int = 128         # W_ctx: left-context tokens in the signature
+  storage: str = "int8"         # int8 (per-group scales) | float16 | float32
+  group_size: int = 32          # int8 scale group along head_dim / hidden
+  byte_budget: int = 512 << 20  # host bytes of the segment store (LRU)
+  regime: str = "A"             # A: every layer's K/V | B: layers < reuse_layers
+  reuse_layers: int = 0         # B: L_reuse (0: the deepest cut)
+  cut_every: int = 4            # multicut: hidden state stored every this many layers
+  guard_base: int = 64          # W_exact(l) = guard_base * 2^((l - 1) // cut_every), W(0) = 0
+  blend_ratio: float = 0.15     # CacheBlend's recompute share
+  blend_layer: int = 1          # the probe layer (fresh K vs cached K)
+  probe_reject: float = 0.0     # > 0: blend rejects a segment whose mean relative K
+                                # deviation at the probe layer exceeds this
+  epic_tokens: int = 16         # EPIC: recompute each segment's first tokens
+
+  def __post_init__(self):
+    if self.method not in REUSE_METHODS:
+      raise ValueError(f"reuse.method must be one of {REUSE_METHODS}, got {self.method!r}")
+    bad = [t for t in self.tiers if t not in REUSE_TIERS]
+    if bad or not self.tiers:
+      raise ValueError(f"reuse.tiers must be a non-empty subset of {REUSE_TIERS}, got "
+                       f"{self.tiers!r}")
+    if self.storage not in REUSE_STORAGE:
+      raise ValueError(f"reuse.storage must be one of {REUSE_STORAGE}, got {self.storage!r}")
+    if self.regime not in ("A", "B"):
+      raise ValueError(f"reuse.regime must be 'A' or 'B', got {self.regime!r}")
+    if not 0 < self.stride <= self.window or self.min_tokens < 1 or self.shingle < 1:
+      raise ValueError("reuse needs 0 < stride <= window, min_tokens >= 1, shingle >= 1")
+    if not 0.0 < self.seg_threshold <= 1.0 or not 0.0 <= self.blend_ratio <= 1.0:
+      raise ValueError("reuse.seg_threshold must be in (0, 1], blend_ratio in [0, 1]")
+    if self.cut_every < 1 or self.guard_base < 1 or self.blend_layer < 0 or self.epic_tokens < 0:
+      raise ValueError("reuse needs cut_every >= 1, guard_base >= 1, blend_layer >= 0, "
+                       "epic_tokens >= 0")
+    if self.byte_budget < 0 or self.group_size < 1 or self.num_perm < 16:
+      raise ValueError("reuse needs byte_budget >= 0, group_size >= 1, num_perm >= 16")
+
+  def guard_window(self, layer: int) -> int:
+    """W_exact(layer): identical left-context tokens needed before a segment to
+    reuse its K/V at `layer`. Layer 0's K/V depend on token and position only,
+    so W(0) = 0; deeper layers mix in more context, so the window doubles every
+    `cut_every` layers."""
+    return 0 if layer == 0 else self.guard_base * 2 ** ((layer - 1) // self.cut_every)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
   """What `scripts/serve.py` runs."""

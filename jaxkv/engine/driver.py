@@ -45,6 +45,9 @@ class StepOutput:
   argmax: jax.Array | None     # [B, R] greedy token at the read indices
   q: jax.Array | None = None   # [L', B, C, Hq, D] post-RoPE queries (Capture.q)
   hidden_at: jax.Array | None = None  # [B, C, D] (Capture.hidden_at)
+  hidden_cuts: jax.Array | None = None  # [K, B, C, D] (Capture.hidden_cuts)
+  hidden: jax.Array | None = None     # [B, C, D] the output hidden (return_hidden)
+  logits: jax.Array | None = None     # [B, R, V] float32 at the read indices (return_logits)
 
 
 @jax.tree_util.register_dataclass
@@ -57,7 +60,7 @@ class DecodeOutput:
 
 
 def _readout(model, hidden, positions, read, targets, sampling, greedy_only):
-  """Logits at the read indices -> (token, logprob, argmax)."""
+  """Logits at the read indices -> (token, logprob, argmax, logits)."""
   h = jnp.take_along_axis(hidden, read[..., None], axis=1)               # [B, R, D]
   logits = model.logits(h)                                               # [B, R, V]
   argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -70,7 +73,7 @@ def _readout(model, hidden, positions, read, targets, sampling, greedy_only):
   else:
     pos = jnp.take_along_axis(positions, read[:, -1:], axis=1)[:, 0]
     token = sample(logits[:, -1], sampling, pos + 1, greedy_only=greedy_only)
-  return token, logprob, argmax
+  return token, logprob, argmax, logits
 
 
 def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positions,
@@ -78,7 +81,8 @@ def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positio
                write_slots=None, lora: fwd.LoraInputs | None = None,
                window: fwd.LayerWindow | None = None, capture: fwd.Capture = fwd.Capture(),
                recompute: fwd.Recompute | None = None, attn_impl: str = "auto",
-               greedy_only: bool = True) -> tuple[StepOutput, kv_state.KVPool | None]:
+               greedy_only: bool = True, return_hidden: bool = False,
+               return_logits: bool = False) -> tuple[StepOutput, kv_state.KVPool | None]:
   """One forward pass over a chunk, with a readout.
 
   Args:
@@ -90,17 +94,22 @@ def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positio
     targets: [B, R] int32 token whose log-probability to return at each read index.
     sampling: per-row sampling of `token` (None: greedy).
     write_slots, lora, window, capture, recompute: see `Transformer.__call__`.
+    return_hidden: also return the output hidden state (a layer window's output,
+      before the final norm when the window stops early).
+    return_logits: also return the float32 logits at the read indices.
   Returns:
     (StepOutput, the new pool).
   """
   model = nnx.merge(graphdef, weights)
   out = model(tokens, positions, kv, slot_map=slot_map, write_slots=write_slots, lora=lora,
               window=window, capture=capture, recompute=recompute, attn_impl=attn_impl)
-  token = logprob = argmax = None
+  token = logprob = argmax = logits = None
   if read is not None:
-    token, logprob, argmax = _readout(model, out.hidden, positions, read, targets, sampling,
-                                      greedy_only)
-  return StepOutput(token, logprob, argmax, out.q, out.hidden_at), out.kv
+    token, logprob, argmax, logits = _readout(model, out.hidden, positions, read, targets,
+                                              sampling, greedy_only)
+  return StepOutput(token, logprob, argmax, out.q, out.hidden_at, out.hidden_cuts,
+                    out.hidden if return_hidden else None,
+                    logits if return_logits else None), out.kv
 
 
 def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, remaining,
@@ -166,7 +175,8 @@ def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
 # step): JAX accepts compiler options only on the outermost jit, so wrap yours
 # with `compiler_options=jaxkv.config.COMPILER_OPTIONS`.
 chunk_step = jax.jit(forward_chunk, compiler_options=COMPILER_OPTIONS,
-                     static_argnames=("graphdef", "attn_impl", "greedy_only"),
+                     static_argnames=("graphdef", "attn_impl", "greedy_only", "return_hidden",
+                                      "return_logits"),
                      donate_argnames=("kv",))
 decode_scan = jax.jit(decode_loop, compiler_options=COMPILER_OPTIONS,
                       static_argnames=("graphdef", "num_steps", "attn_impl", "greedy_only"),

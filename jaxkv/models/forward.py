@@ -75,6 +75,9 @@ class Capture:
   """What the forward pass hands back besides its output (all static)."""
   q: bool = _static(False)              # every run layer's post-RoPE q, as attention reads it
   hidden_at: int | None = _static(None)  # the hidden state entering this layer
+  # the hidden states entering each listed layer, start <= l <= stop (l = stop: the
+  # window's output before any final norm); segment reuse's multicut boundaries
+  hidden_cuts: tuple[int, ...] = _static(())
 
 
 @jax.tree_util.register_dataclass
@@ -103,3 +106,4 @@ class ForwardOutput:
   kv: kv_state.KVPool | None         # the updated pool (None when run without a cache)
   q: jax.Array | None = None         # [L', B, C, Hq, D] post-RoPE queries (Capture.q)
   hidden_at: jax.Array | None = None  # [B, C, D] input of layer Capture.hidden_at
+  hidden_cuts: jax.Array | None = None  # [K, B, C, D] inputs of Capture.hidden_cuts

@@ -220,6 +220,9 @@ class Transformer(nnx.Module):
     cap_at = capture.hidden_at
     if cap_at is not None and not l0 <= cap_at < l1:
       raise ValueError(f"capture hidden_at={cap_at} is not among the layers run {l0}..{l1}")
+    if any(not l0 <= c <= l1 for c in capture.hidden_cuts):
+      raise ValueError(f"capture hidden_cuts={capture.hidden_cuts} outside the window "
+                       f"{l0}..{l1}")
     if recompute is not None:
       if capture.q:
         raise ValueError("capture q needs every token at every layer (no recompute)")
@@ -321,23 +324,31 @@ class Transformer(nnx.Module):
       return carry, (jnp.stack(ys) if ys and ys[0] is not None else None)
 
     carry = (x, kv.k, kv.v, kv.vlr)
-    hidden_at, q_head = None, None
-    if cap_at is not None and cap_at > l0:       # run up to the capture, keep x, go on
-      carry, q_head = run(carry, l0, cap_at)
-      l0 = cap_at
-    if cap_at is not None:
-      hidden_at = carry[0]
-    (x, pool_k, pool_v, pool_vlr), q_all = run(carry, l0, l1)
-    if capture.q and q_head is not None:
-      q_all = jnp.concatenate([q_head, q_all])
+    hidden_at, cuts, q_parts = None, {}, []
+    stops = sorted(set(capture.hidden_cuts) | ({cap_at} if cap_at is not None else set()))
+    for s in stops + [l1]:                       # run to each capture, keep x, go on
+      if s > l0:
+        carry, q_s = run(carry, l0, s)
+        q_parts.append(q_s)
+        l0 = s
+      if s == cap_at:
+        hidden_at = carry[0]
+      if s in capture.hidden_cuts:
+        cuts[s] = carry[0]
+    x, pool_k, pool_v, pool_vlr = carry
+    q_all = None
+    if capture.q:
+      q_all = q_parts[0] if len(q_parts) == 1 else jnp.concatenate(q_parts)
     if l1 == cfg.num_layers:
       x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     pool = None
     if cached:
       new_positions = kv_state.write_positions(kv.positions, write_slots, positions)
       pool = kv_state.KVPool(k=pool_k, v=pool_v, positions=new_positions, vlr=pool_vlr)
-    return fwd.ForwardOutput(hidden=x, kv=pool, q=q_all if capture.q else None,
-                             hidden_at=hidden_at)
+    hidden_cuts = (jnp.stack([cuts[c] for c in capture.hidden_cuts])
+                   if capture.hidden_cuts else None)
+    return fwd.ForwardOutput(hidden=x, kv=pool, q=q_all, hidden_at=hidden_at,
+                             hidden_cuts=hidden_cuts)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """[..., D] -> [..., V] float32."""

@@ -1,0 +1,234 @@
+r"""Cross-prompt segment reuse (seed 002) side by side: no reuse, the radix prefix
+cache, naive reuse, EPIC, CacheBlend and the tiers, on one workload built from
+any ToolBench-format trace file.
+
+    python bench/reuse.py --traces=data_local/tau2_heldout.json \
+        [--workload=tool_subset] [--requests=24] [--model=smollm2-135m] \
+        [--methods=none,prefix,naive,epic,cacheblend,exact,approx,tiered] \
+        [--storage=int8] [--out=bench/results_reuse.json]
+
+Every method serves the same requests in the same order on its own runner (its
+store starts empty and fills as it goes; `none` and `prefix` store nothing).
+Per request: TTFT (prefill through the first token's logits, on the method's
+second pass over the workload: a first pass on a throwaway runner compiles every
+shape, and the compile time left in the timed pass, measured with
+`jax.monitoring`, is reported as compile_s), the FLOPs spent and token-layers computed, and
+drift against `none` on the same prompt: KL(p_none || p_method) at the first
+generated token, the teacher-forced NLL of the session's gold first reply
+(delta, nats per token) and greedy agreement over `--gen` tokens (position-wise,
+pooled, Wilson 95% interval). Rows are written as each method finishes; a rerun
+skips the methods already in --out.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+import common
+import jaxkv
+from jaxkv.config import CacheConfig, ReuseConfig
+from jaxkv.data import calls, reuse_workloads, traces
+from jaxkv.engine.reuse import ReuseRunner, layer_flops
+from jaxkv.policies.reuse import store as store_lib
+
+METHODS = {
+    "none": dict(method="none"),
+    "prefix": dict(method="prefix"),
+    "naive": dict(method="naive"),
+    "epic": dict(method="epic"),
+    "cacheblend": dict(method="cacheblend"),
+    "exact": dict(method="tiered", tiers=("exact",)),
+    "approx": dict(method="tiered", tiers=("exact", "approx")),
+    "tiered": dict(method="tiered"),
+}
+TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  flags.DEFINE_string("traces", None, "ToolBench-format trace file the workload is built from")
+  flags.DEFINE_enum("workload", "tool_subset", ["tool_subset"], "which workload (see "
+                    "jaxkv.data.reuse_workloads)")
+  flags.DEFINE_integer("requests", 24, "requests in the workload")
+  flags.DEFINE_integer("seed", 0, "workload seed")
+  flags.DEFINE_string("model", "smollm2-135m", "preset or weights path")
+  flags.DEFINE_string("methods", ",".join(METHODS), f"comma list of {','.join(METHODS)}")
+  flags.DEFINE_enum("storage", "int8", ["int8", "float16", "float32"], "segment storage")
+  flags.DEFINE_integer("gen", 32, "greedy tokens compared with no reuse")
+  flags.DEFINE_integer("max_prompt", 4096, "drop longer requests")
+  flags.DEFINE_string("out", None, "results JSON (rows; resumable)")
+  flags.DEFINE_string("tables_from", None, "print the tables of an existing results JSON")
+
+
+class CompileClock:
+  """Seconds jax spent tracing, lowering and compiling since the last `take`."""
+
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
+
+  def __init__(self):
+    self.total = 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+
+  def _on(self, event, duration, **_):
+    if event in self.EVENTS:
+      self.total += duration
+
+  def take(self) -> float:
+    t, self.total = self.total, 0.0
+    return t
+
+
+def _kl(p_logits, q_logits) -> float:
+  lp = p_logits - np.logaddexp.reduce(p_logits)
+  lq = q_logits - np.logaddexp.reduce(q_logits)
+  return float(np.sum(np.exp(lp) * (lp - lq)))
+
+
+def serve(runner: ReuseRunner, req, gen: int, clock: CompileClock) -> dict:
+  """One request: prefill, gold-reply NLL, greedy tokens."""
+  clock.take()
+  pre = runner.prefill(req.ids, req.spans)
+  compile_s = clock.take()            # ~0 after the warm-up pass; reported, not subtracted
+  cont = req.continuation
+  _, lp = runner.decode(pre, cont.size, forced=cont)
+  runner.alloc.truncate(pre.seq, pre.ids.size)
+  toks, _ = runner.decode(pre, gen)
+  runner.release(pre.seq)
+  return dict(pre=pre, ttft=pre.ttft_s, compile_s=compile_s,
+              nll=float(-lp.mean()), greedy=toks)
+
+
+def run_method(llm, name: str, requests, ref, clock: CompileClock) -> dict:
+  cfg = ReuseConfig(storage=FLAGS.storage, **METHODS[name])
+  need = max(r.ids.size for r in requests) + max(FLAGS.gen, max(r.continuation.size
+                                                                  for r in requests)) + 16
+  cache = CacheConfig(num_pages=max(1024, 4 * need // 16), page_size=16,
+                      max_seq_len=need + 16)
+  # a warm-up pass on a throwaway runner compiles every shape the timed pass will
+  # meet (the store evolves identically, so the shapes repeat)
+  warm = ReuseRunner(llm, cfg, cache=cache)
+  for req in requests:
+    serve(warm, req, FLAGS.gen, clock)
+  del warm
+  runner = ReuseRunner(llm, cfg, cache=cache)
+  tiers = collections.Counter()
+  per = []
+  t0 = time.perf_counter()
+  for i, req in enumerate(requests):
+    out = serve(runner, req, FLAGS.gen, clock)
+    pre = out["pre"]
+    for run in pre.runs:
+      tiers[run.tier] += 1
+    base = ref[i] if ref is not None else out
+    per.append(dict(
+        ttft=out["ttft"], compile_s=out["compile_s"], tokens=pre.prefill_tokens,
+        flops=pre.flops, full_flops=base["pre"].flops, hit=pre.prefix_hit,
+        moved=pre.bytes_spliced, kl=_kl(base["pre"].logits, pre.logits),
+        dnll=out["nll"] - base["nll"], agree=int(np.sum(out["greedy"] == base["greedy"])),
+        n=int(pre.ids.size), reused=int(sum(r.n for r in pre.runs if r.tier != "reject"))))
+    if ref is None and name == "none":
+      requests[i].ref = out
+    print(f"  {name} {i + 1}/{len(requests)} ttft={out['ttft']:.2f}s "
+          f"tok={pre.prefill_tokens:.0f}/{pre.ids.size} runs="
+          f"{','.join(r.tier for r in pre.runs) or '-'}", flush=True)
+  L = llm.config.num_layers
+  be = []
+  if len(runner.store):
+    fl = layer_flops(llm.config, 1, 0)
+    gf, bw = common.matmul_gflops() * 1e9, common.copy_bandwidth_gbs() * 1e9
+    be = [store_lib.break_even(runner.store.peek(k), L, fl, flops_per_s=gf,
+                               bytes_per_s=bw).reuses for k in runner.store.keys()]
+  k = sum(p["agree"] for p in per)
+  n = FLAGS.gen * len(per)
+  lo, hi = calls.wilson(k, n)
+  mean = lambda key: float(np.mean([p[key] for p in per]))
+  return dict(
+      method=name, workload=FLAGS.workload, tier_accept={t: tiers[t] for t in TIERS if tiers[t]},
+      prefill_tokens=mean("tokens"), prompt_tokens=mean("n"), reused_tokens=mean("reused"),
+      prefill_flops=mean("flops"), flops_ratio=mean("flops") / mean("full_flops"),
+      ttft_s=mean("ttft"), compile_s=float(sum(p["compile_s"] for p in per)),
+      kl_first_token=mean("kl"), delta_nll=mean("dnll"), greedy_agreement=k / n,
+      greedy_ci=[lo, hi], bytes_stored=int(runner.store.nbytes), bytes_moved=int(
+          sum(p["moved"] for p in per)), segments=len(runner.store),
+      break_even_median=float(np.median(be)) if be else None, n_requests=len(per),
+      storage=FLAGS.storage, wall_s=time.perf_counter() - t0)
+
+
+def tables(rows: list[dict]) -> list[common.Table]:
+  out = []
+  for wl in sorted({r["workload"] for r in rows}):
+    rs = [r for r in rows if r["workload"] == wl]
+    by = {r["method"]: r for r in rs}
+    t_none = by.get("none", {}).get("ttft_s")
+    t_pre = by.get("prefix", {}).get("ttft_s")
+    lines = []
+    for r in rs:
+      ratio = lambda t: "-" if not t else f"{t / r['ttft_s']:.2f}x"
+      acc = " ".join(f"{k}:{v}" for k, v in r["tier_accept"].items()) or "-"
+      lines.append((r["method"], acc, f"{r['prefill_tokens']:.0f} / {r['prompt_tokens']:.0f}",
+                    f"{r['flops_ratio']:.3f}", f"{1000 * r['ttft_s']:.0f}", ratio(t_none),
+                    ratio(t_pre), f"{r['kl_first_token']:.4f}", f"{r['delta_nll']:+.4f}",
+                    f"{r['greedy_agreement']:.3f} [{r['greedy_ci'][0]:.2f}, "
+                    f"{r['greedy_ci'][1]:.2f}]", f"{r['bytes_stored'] / 2 ** 20:.1f}",
+                    f"{r['bytes_moved'] / 2 ** 20:.1f}",
+                    "-" if r["break_even_median"] is None else f"{r['break_even_median']:.2g}"))
+    n = rs[0]["n_requests"]
+    out.append(common.Table(
+        f"workload {wl}, {n} requests, {rs[0]['storage']} store (TTFT without compile; "
+        "faster = the ratio; drift vs no reuse):",
+        ("method", "runs by tier", "prefill tok / prompt", "FLOPs vs none", "TTFT ms",
+         "vs none", "vs prefix", "KL first", "dNLL nats/tok", "greedy agree [95% CI]",
+         "stored MiB", "moved MiB", "break-even reuses"), lines))
+  return out
+
+
+def main(argv):
+  del argv
+  if FLAGS.tables_from:
+    common.print_tables_from(FLAGS.tables_from, tables)
+    return
+  if not FLAGS.traces:
+    raise app.UsageError("give --traces (a ToolBench-format file; make one with "
+                         "scripts/make_traces.py)")
+  names = FLAGS.methods.split(",")
+  unknown = sorted(set(names) - set(METHODS))
+  if unknown:
+    raise app.UsageError(f"unknown methods {unknown}; known: {list(METHODS)}")
+  llm = jaxkv.load(FLAGS.model)
+  sessions = traces.load_toolbench(FLAGS.traces)
+  requests = reuse_workloads.tool_subset(sessions, llm.tokenizer, FLAGS.requests,
+                                         seed=FLAGS.seed, max_tokens=FLAGS.max_prompt)
+  print(f"{len(requests)} {FLAGS.workload} requests from {FLAGS.traces}: "
+        f"{np.mean([r.ids.size for r in requests]):.0f} tokens on average", flush=True)
+  rows = []
+  if FLAGS.out and os.path.exists(FLAGS.out):
+    with open(FLAGS.out) as f:
+      rows = [r for r in json.load(f) if r["workload"] != FLAGS.workload or r["method"] in names]
+  have = {(r["method"], r["workload"]) for r in rows}
+  clock = CompileClock()
+  order = ["none"] + [m for m in names if m != "none"]      # none is every drift's reference
+  ref = None
+  for name in order:
+    if (name, FLAGS.workload) in have and name != "none":
+      continue
+    row = run_method(llm, name, requests, ref, clock)
+    if name == "none":
+      ref = [r.ref for r in requests]
+    if (name, FLAGS.workload) not in have and name in names:
+      rows.append(row)
+      common.write_rows(FLAGS.out, rows)
+  common.print_tables(tables(rows))
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,167 @@
+"""Workloads for cross-prompt segment reuse (seed 002), built from ToolBench-format
+traces: the prompts prefix caches miss.
+
+(a) `tool_subset`: each request's system prompt holds a random subset of its
+    domain's tool schemas and policy sections in random order, then one
+    session's user request. The same schema recurs at a different position
+    after a different left context in almost every request. Policy sections
+    are the system message's own sections, plus the tau2 domain policy
+    (`## ...` sections) when the sessions are tau2's and tau2 is installed.
+(d) `perturbed`: one fixed segment after a left context that differs from the
+    stored one by a controlled fraction of its tokens (insert / delete /
+    replace), for drift-versus-perturbation curves.
+
+Each `Request` carries its structural spans (the token ranges of the schemas,
+sections and user text, found in the rendered prompt) and a gold continuation
+(the session's first assistant turn) for teacher-forced NLL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.data import traces
+from jaxkv.policies.reuse.index import structural_spans
+
+WORKLOADS = ("tool_subset", "perturbed")
+_SECTION = re.compile(r"\n(?=#{1,3} )")
+
+
+@dataclasses.dataclass
+class Request:
+  id: str
+  ids: np.ndarray                        # prompt token ids
+  spans: list[tuple[int, int]]           # structural spans (token ranges)
+  continuation: np.ndarray               # gold continuation ids (teacher-forced NLL)
+  meta: dict = dataclasses.field(default_factory=dict)
+
+
+def policy_sections(session: traces.Session) -> list[str]:
+  """The policy sections available to a session: its system message split at
+  markdown headers (or blank lines), plus tau2's domain policy if importable."""
+  out = []
+  system = next((t.content for t in session.turns if t.role == "system"), "")
+  parts = _SECTION.split(system) if _SECTION.search(system) else system.split("\n\n")
+  out += [p.strip() for p in parts[1:] if len(p.strip()) > 80]
+  m = re.match(r"tau2/([a-z]+)/", session.id)
+  if m:
+    try:
+      from jaxkv.data import envs  # pylint: disable=import-outside-toplevel
+      policy = envs.tau2_module(m.group(1)).get_environment().policy
+      out += [p.strip() for p in _SECTION.split(policy) if len(p.strip()) > 80]
+    except Exception:  # pylint: disable=broad-except   # tau2 absent: schemas only
+      pass
+  return out
+
+
+def _header(session: traces.Session) -> str:
+  system = next((t.content for t in session.turns if t.role == "system"), "")
+  return (_SECTION.split(system)[0] if _SECTION.search(system) else system.split("\n\n")[0]).strip()
+
+
+def _first_reply(session: traces.Session) -> tuple[str, str] | None:
+  """(first user text, first assistant turn as ReAct text), or None."""
+  user = next((t for t in session.turns if t.role == "user"), None)
+  reply = next((t for t in session.turns if t.role == "assistant"), None)
+  if user is None or reply is None:
+    return None
+  return user.content, traces.format_react(reply)
+
+
+def render_request(tokenizer, header: str, sections: Sequence[str], tools: Sequence[dict],
+                   user: str, reply: str, rid: str, meta: dict | None = None) -> Request:
+  """One prompt: header, sections, one JSON schema per line, then the user text."""
+  schemas = [json.dumps(t, ensure_ascii=False) for t in tools]
+  system = "\n\n".join([header, *sections, "Tools:\n" + "\n".join(schemas)])
+  messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+  text = tokenizer.render_chat(messages, add_generation_prompt=True)
+  ids = np.asarray(tokenizer.encode(text, add_bos=False), np.int32)
+  spans = structural_spans(tokenizer, text, [*sections, *schemas, user])
+  cont = np.asarray(tokenizer.encode(reply, add_bos=False), np.int32)
+  return Request(id=rid, ids=ids, spans=spans, continuation=cont, meta=dict(meta or {}))
+
+
+def tool_subset(sessions: Sequence[traces.Session], tokenizer, n: int, *, seed: int = 0,
+                tools: tuple[int, int] = (4, 8), sections: tuple[int, int] = (1, 3),
+                max_tokens: int | None = None) -> list[Request]:
+  """Workload (a): n requests (see the module docstring), deterministic in seed.
+
+  Args:
+    tools / sections: inclusive ranges of how many schemas / policy sections a
+      request draws (without replacement, random order).
+    max_tokens: drop requests longer than this.
+  """
+  rng = np.random.default_rng(seed)
+  usable = [s for s in sessions if s.tools and _first_reply(s) is not None]
+  if not usable:
+    raise ValueError("no session has both tools and a user turn followed by an assistant turn")
+  sec_cache: dict[str, list[str]] = {}
+  out, tries = [], 0
+  while len(out) < n and tries < 20 * n:
+    tries += 1
+    s = usable[int(rng.integers(len(usable)))]
+    dom = s.id.rsplit("/", 1)[0]
+    if dom not in sec_cache:
+      sec_cache[dom] = policy_sections(s)
+    secs = sec_cache[dom]
+    kt = int(rng.integers(min(tools[0], len(s.tools)), min(tools[1], len(s.tools)) + 1))
+    ks = int(rng.integers(min(sections[0], len(secs)), min(sections[1], len(secs)) + 1))
+    pick_t = [s.tools[i] for i in rng.permutation(len(s.tools))[:kt]]
+    pick_s = [secs[i] for i in rng.permutation(len(secs))[:ks]]
+    user, reply = _first_reply(s)
+    req = render_request(tokenizer, _header(s), pick_s, pick_t, user, reply,
+                         f"a/{len(out)}/{s.id}", dict(session=s.id, tools=kt, sections=ks))
+    if max_tokens is None or req.ids.size <= max_tokens:
+      out.append(req)
+  return out
+
+
+def perturb(ids: np.ndarray, frac: float, kind: str, rng: np.random.Generator,
+            vocab: tuple[int, int]) -> np.ndarray:
+  """ids with round(frac * len) tokens inserted, deleted or replaced at random
+  places (random ids from the vocab range)."""
+  k = int(round(frac * ids.size))
+  if k == 0:
+    return ids.copy()
+  at = np.sort(rng.choice(ids.size, size=min(k, ids.size), replace=False))
+  new = rng.integers(vocab[0], vocab[1], at.size).astype(ids.dtype)
+  if kind == "replace":
+    out = ids.copy()
+    out[at] = new
+    return out
+  if kind == "delete":
+    return np.delete(ids, at)
+  if kind == "insert":
+    return np.insert(ids, at, new)
+  raise ValueError(f"perturbation kind must be insert, delete or replace, got {kind!r}")
+
+
+def perturbed(base: Sequence[Request], fracs: Sequence[float], kinds: Sequence[str], *,
+              context: int = 256, seed: int = 0, vocab: tuple[int, int] = (100, 40000)
+              ) -> list[tuple[Request, Request]]:
+  """Workload (d): per base request, the pair (reference, probe) where the probe
+  perturbs the `context` tokens before the request's longest structural span
+  by each fraction and kind; the span and everything after it are unchanged."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for req in base:
+    if not req.spans:
+      continue
+    lo, hi = max(req.spans, key=lambda s: s[1] - s[0])
+    c0 = max(0, lo - context)
+    for kind in kinds:
+      for f in fracs:
+        ctx = perturb(req.ids[c0:lo], f, kind, rng, vocab)
+        ids = np.concatenate([req.ids[:c0], ctx, req.ids[lo:]]).astype(np.int32)
+        shift = ctx.size - (lo - c0)
+        spans = [(a + shift, b + shift) if a >= lo else (a, b) for a, b in req.spans
+                 if a >= lo or b <= c0]
+        probe = dataclasses.replace(req, id=f"{req.id}/{kind}/{f:g}", ids=ids, spans=spans,
+                                    meta=dict(req.meta, kind=kind, frac=f, span=(lo, hi)))
+        out.append((req, probe))
+  return out

@@ -1,0 +1,470 @@
+"""ReuseRunner: prompts prefilled with cross-prompt segment reuse (seed 002) on
+the substrate's splice and selective-recompute primitives.
+
+One request (`prefill`):
+1. the radix prefix cache adopts the longest cached exact prefix (every method
+   but `none`);
+2. the rest of the prompt is searched for stored segments (`SegmentIndex.find`:
+   content-defined windows and structural spans, MinHash-LSH, exact alignment);
+3. each match is checked (fingerprint, checksum) and admitted to a tier
+   (`admission.decide`), the reason recorded;
+4. admitted runs are spliced into the sequence's new slots with exact
+   delta-RoPE (`kv.splice.splice_rows`, int8 dequantised on the device);
+5. the rest runs as one chunk with a per-layer recompute set
+   (`forward.Recompute`): fresh tokens at every layer, an approx run from its
+   resume layer on (its stored boundary state injected as the token's hidden
+   input), EPIC's first tokens everywhere, and for blend runs a first pass over
+   layers <= blend_layer (the probe), then the most deviating tokens at every
+   later layer;
+6. the first token's logits are read (TTFT stops here);
+7. off the critical path: the prompt's fully computed runs (structural spans
+   whole, gaps between them) are stored with their K/V and boundary states, and
+   the exact prefix (up to the first approximately reused token) goes into the
+   radix cache. Approximate K/V never enter the radix cache, where a later hit
+   would take them for exact.
+
+`decode` continues the sequence (greedy, or teacher-forced for a gold
+continuation's NLL) and `release` frees it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.config import COMPILER_OPTIONS, CacheConfig, ReuseConfig
+from jaxkv.engine.driver import Driver, chunk_step
+from jaxkv.kv import plan, quant, splice
+from jaxkv.kv import state as kv_state
+from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.radix import RadixCache
+from jaxkv.kv.state import SENTINEL
+from jaxkv.models.forward import Capture, LayerWindow, Recompute
+from jaxkv.policies.reuse import admission
+from jaxkv.policies.reuse.index import SegmentIndex, canonical_table
+from jaxkv.policies.reuse.store import Segment, SegmentStore, digest, fingerprint
+from jaxkv.rope import delta_frequencies
+
+SEGMENT_METHODS = ("naive", "epic", "cacheblend", "tiered")
+
+
+@dataclasses.dataclass
+class RunRecord:
+  """One matched run and what admission made of it."""
+  p_lo: int
+  n: int
+  tier: str
+  reason: str
+  ctx_match: int
+  ctx_jaccard: float
+  deviation: float | None = None   # blend: mean relative K deviation at the probe layer
+
+
+@dataclasses.dataclass
+class Prefill:
+  """The outcome of one `prefill`."""
+  seq: int
+  ids: np.ndarray
+  logits: np.ndarray               # [V] float32 at the last prompt token
+  prefix_hit: int                  # tokens adopted from the radix cache
+  runs: list[RunRecord]
+  layer_tokens: np.ndarray         # [L] tokens computed at each layer
+  flops: float                     # prefill FLOPs spent (layers + attention + head)
+  ttft_s: float
+  bytes_spliced: int               # stored bytes moved to the device
+  stored: int = 0                  # segments stored after the request
+  store_s: float = 0.0
+
+  @property
+  def prefill_tokens(self) -> float:
+    """Token-layers computed, in whole-token units (a fresh token counts 1)."""
+    return float(self.layer_tokens.sum()) / max(1, self.layer_tokens.size)
+
+
+def layer_flops(cfg, n_tokens: float, ctx_sum: float) -> float:
+  """FLOPs of one layer over n tokens whose attention spans sum to ctx_sum:
+  2 x (QKV + O + MLP parameters) per token + 4 x Hq x D per attended key."""
+  d, hq, hkv, dh, ff = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.intermediate_size)
+  params = d * hq * dh + 2 * d * hkv * dh + hq * dh * d + 3 * d * ff
+  return 2.0 * params * n_tokens + 4.0 * hq * dh * ctx_sum
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), compiler_options=COMPILER_OPTIONS)
+def _embed(graphdef, weights, tokens):
+  return nnx.merge(graphdef, weights).embed[...][tokens]
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",), compiler_options=COMPILER_OPTIONS)
+def _splice_packed(pool, k: quant.Packed, v: quant.Packed, positions, dest, new_positions,
+                   inv_freq):
+  rows = splice.KVRows(k=quant.dequantize(k, pool.k.dtype), v=quant.dequantize(v, pool.v.dtype),
+                       positions=positions)
+  return splice.splice_rows(pool, rows, dest, new_positions, inv_freq)
+
+
+@functools.partial(jax.jit, static_argnames=("layer",))
+def _keys_at(pool, slots, layer: int):
+  return pool.k[layer, slots]
+
+
+@functools.partial(jax.jit, static_argnames=("storage", "group", "layers"))
+def _pack_rows(pool, slots, storage: str, group: int, layers: int):
+  return (quant.quantize(pool.k[:layers, slots], storage, group),
+          quant.quantize(pool.v[:layers, slots], storage, group))
+
+
+class ReuseRunner:
+  """A pool, a radix cache, a segment store and its index, for one model.
+
+  Args:
+    llm: a loaded `LLM`.
+    reuse: the method and its parameters (`ReuseConfig`).
+    cache: the pool of this runner.
+    attn_impl: `jaxkv.ops` implementation.
+    adapter: the adapter name in the store's fingerprint ("base": none).
+  """
+
+  def __init__(self, llm, reuse: ReuseConfig = ReuseConfig(), *,
+               cache: CacheConfig = CacheConfig(num_pages=1024, page_size=16,
+                                                max_seq_len=8192),
+               attn_impl: str = "auto", adapter: str = "base"):
+    self.cfg, self.tok, self.reuse = llm.config, llm.tokenizer, reuse
+    self.graphdef, self.weights = llm.graphdef, llm.weights
+    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.cfg, cache),
+                         attn_impl=attn_impl)
+    self.max_len = cache.max_seq_len
+    self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
+    self.radix = RadixCache(self.alloc) if reuse.method != "none" else None
+    L = self.cfg.num_layers
+    self.cuts = tuple(range(reuse.cut_every, L, reuse.cut_every))
+    if reuse.regime == "B":
+      self.kv_layers = reuse.reuse_layers or (max(self.cuts) if self.cuts else L)
+      if not 0 < self.kv_layers < L:
+        raise ValueError(f"reuse.reuse_layers must be in (0, {L}) for regime B")
+      self.cuts = tuple(sorted(set(c for c in self.cuts if c <= self.kv_layers)
+                               | {self.kv_layers}))
+    else:
+      self.kv_layers = L
+    self.segments = reuse.method in SEGMENT_METHODS
+    self.inv_freq = delta_frequencies(self.cfg.rope, self.cfg.head_dim) if self.segments else None
+    self.table = canonical_table(self.tok) if self.segments else None
+    self.index = SegmentIndex(reuse, self.table) if self.segments else None
+    self.store = SegmentStore(reuse.byte_budget, on_evict=self._forget)
+    sample = np.asarray(jax.device_get(llm.model.embed[...][:4]), np.float32)
+    vocab = self.tok.vocab_size
+    tok_key = digest(vocab, [self.tok.id_to_token(i) for i in range(0, vocab, max(1, vocab // 512))])
+    self.fingerprint = fingerprint(self.cfg, sample, tok_key, adapter)
+    self._last_out = self._cuts_out = None
+
+  # ------------------------------------------------------------------ bookkeeping
+  def _forget(self, key: int) -> None:
+    if self.index is not None:
+      self.index.remove(key)
+
+  def _reserve(self, seq: int, n: int) -> np.ndarray:
+    try:
+      return self.alloc.extend(seq, n)
+    except OutOfSlotsError:
+      if self.radix is None:
+        raise
+      self.radix.evict(max(n, self.radix.num_cached_tokens // 4))
+      return self.alloc.extend(seq, n)
+
+  def release(self, seq: int) -> None:
+    self.alloc.free_sequence(seq)
+
+  def add_segment(self, seg: Segment) -> int | None:
+    """Stores a sealed segment and indexes it; returns its key (None: too big)."""
+    key = self.store.put(seg)
+    if key is not None and self.index is not None:
+      self.index.add(key, seg.ids, whole=seg.structural)
+    return key
+
+  # ---------------------------------------------------------------------- prefill
+  def prefill(self, ids, spans: Sequence[tuple[int, int]] = (), *, store: bool = True) -> Prefill:
+    """Prefills `ids` with reuse (see the module docstring); the sequence stays
+    live for `decode` until `release`.
+
+    Args:
+      ids: the prompt's token ids.
+      spans: structural spans [(lo, hi)] (tool schemas, documents, tool outputs).
+      store: store the prompt's fully computed runs afterwards.
+    """
+    ids = np.asarray(ids, np.int32)
+    n = ids.size
+    if n < 1:
+      raise ValueError("empty prompt")
+    if n >= self.max_len:
+      raise ValueError(f"prompt of {n} tokens does not fit the cache's max_seq_len "
+                       f"{self.max_len}")
+    t0 = time.perf_counter()
+    L = self.cfg.num_layers
+    seq = self.alloc.new_sequence()
+    hit = self.radix.adopt_prefix(seq, ids[:n - 1]) if self.radix is not None else 0
+    rest = n - hit
+    self._reserve(seq, rest)
+    smap = self.alloc.slot_map(seq)
+    c_len = plan.chunk_len(rest, plan.chunk_len(n))
+    chunk_ids = ids[hit:]
+
+    # 2-3: matches and admission
+    runs, admitted = [], []
+    if self.segments and len(self.store):
+      segs = {k: self.store.peek(k) for k in self.store.keys()}
+      matches = self.index.find(ids, spans, {k: s.ids for k, s in segs.items()},
+                                {k: s.left for k, s in segs.items()}, lo=hit)
+      # the last prompt token is always computed: its logits are the readout
+      matches = [m if m.p_lo + m.n < n else dataclasses.replace(m, n=n - 1 - m.p_lo)
+                 for m in matches]
+      matches = [m for m in matches if m.n >= self.reuse.min_tokens]
+      for m in matches:
+        seg = self.store.get(m.key)
+        why = seg.problem(self.fingerprint)
+        d = (admission.Decision("reject", why) if why else
+             admission.decide(m, seg, self.reuse, L))
+        runs.append(RunRecord(m.p_lo, m.n, d.tier, d.reason, m.ctx_match, m.ctx_jaccard))
+        if d.accepted:
+          seg.hits += 1
+          admitted.append((m, seg, d, runs[-1]))
+
+    # 4: per-token plan (chunk coordinates) and the splice
+    resume = np.zeros(rest, np.int64)             # recomputed from this layer on
+    blend = np.zeros(rest, bool)
+    spliced = np.zeros(rest, bool)                # K/V of some layer came from the store
+    hidden_rows: dict[int, list] = {}             # boundary -> [(chunk idx, Packed rows)]
+    nbytes = 0
+    if admitted:
+      ks, vs, pos, dest, newpos = [], [], [], [], []
+      for m, seg, d, _ in admitted:
+        lo = m.p_lo - hit
+        part = seg.rows(m.s_lo, m.s_lo + m.n)
+        r = (np.full(m.n, d.resume, np.int64) if d.guard is None else
+             admission.guarded_resume(seg, d.guard, m.n, self.reuse, L))
+        r[:min(d.epic, m.n)] = 0
+        resume[lo:lo + m.n] = r
+        spliced[lo:lo + m.n] = True
+        blend[lo:lo + m.n] = d.blend
+        for b in np.unique(r[(r > 0) & (r < L)]):   # resumed from a stored boundary state
+          at = np.flatnonzero(r == b)
+          hidden_rows.setdefault(int(b), []).append((lo + at, part.hidden[int(b)], at))
+        ks.append(part.k)
+        vs.append(part.v)
+        pos.append(part.positions)
+        dest.append(smap[m.p_lo:m.p_lo + m.n])
+        newpos.append(np.arange(m.p_lo, m.p_lo + m.n, dtype=np.int32))
+        nbytes += part.k.nbytes + part.v.nbytes
+      self._splice(ks, vs, pos, dest, newpos)
+
+    # 5: the chunk, with the recompute plan
+    layer_tokens, flops_ctx = self._run(ids, hit, chunk_ids, c_len, smap, resume, blend,
+                                        hidden_rows, admitted, runs)
+    out = self._last_out
+    logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
+    ttft = time.perf_counter() - t0
+    flops = flops_ctx + 2.0 * self.cfg.hidden_size * self.cfg.vocab_size
+    res = Prefill(seq=seq, ids=ids, logits=logits, prefix_hit=hit, runs=runs,
+                  layer_tokens=layer_tokens, flops=flops, ttft_s=ttft, bytes_spliced=nbytes)
+    # 7: after the first token
+    t1 = time.perf_counter()
+    # exact K/V end at the first spliced token unless it came from the exact tier
+    inexact = np.zeros(rest, bool)
+    for m, _, d, _ in admitted:
+      if d.tier != "exact":
+        inexact[m.p_lo - hit:] = True
+        break
+    exact_to = hit + (int(np.argmax(inexact)) if inexact.any() else rest)
+    if self.radix is not None:
+      self.radix.insert(ids[:exact_to], smap[:exact_to])
+    if store and self.segments:
+      res.stored = self._store_runs(ids, hit, smap, ~spliced, spans, exact_to)
+    res.store_s = time.perf_counter() - t1
+    self._last_out = self._cuts_out = None
+    return res
+
+  def _splice(self, ks, vs, pos, dest, newpos) -> int:
+    """One jitted splice of every admitted run (rows padded to a bucket)."""
+    n = sum(x.size for x in pos)
+    width = plan.chunk_len(n, plan.chunk_len(n))
+    def cat(parts, axis):
+      return np.concatenate([np.asarray(p) for p in parts], axis=axis)
+    def pad(x, axis, value=0):
+      widths = [(0, 0)] * x.ndim
+      widths[axis] = (0, width - x.shape[axis])
+      return np.pad(x, widths, constant_values=value)
+    def packed(parts):
+      q = pad(cat([p.q for p in parts], 1), 1)
+      s = None if parts[0].scale is None else pad(cat([p.scale for p in parts], 1), 1)
+      return quant.Packed(jnp.asarray(q), None if s is None else jnp.asarray(s))
+    L = self.cfg.num_layers
+    k, v = packed(ks), packed(vs)
+    if k.q.shape[0] < L:                      # regime B: no K/V above L_reuse (recomputed)
+      grow = lambda a: jnp.pad(a, [(0, L - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+      k = quant.Packed(grow(k.q), None if k.scale is None else grow(k.scale))
+      v = quant.Packed(grow(v.q), None if v.scale is None else grow(v.scale))
+    self.driver.kv = _splice_packed(
+        self.driver.kv, k, v, jnp.asarray(pad(cat(pos, 0), 0)),
+        jnp.asarray(pad(cat(dest, 0), 0, SENTINEL)), jnp.asarray(pad(cat(newpos, 0), 0)),
+        self.inv_freq)
+    return n
+
+  def _index(self, sets: list[np.ndarray]) -> Recompute:
+    """[L, 1, R] recompute index from per-layer chunk-index sets (-1 padding)."""
+    r = plan.chunk_len(max(1, max(s.size for s in sets)))
+    idx = np.full((len(sets), 1, r), -1, np.int32)
+    for l, s in enumerate(sets):
+      idx[l, 0, :s.size] = s
+    return Recompute(jnp.asarray(idx))
+
+  def _run(self, ids, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted, runs):
+    """Step 5 (see the module docstring); leaves the readout in self._last_out and the
+    captured boundary states in self._cuts_out. Returns (layer_tokens, FLOPs)."""
+    L, rest = self.cfg.num_layers, chunk_ids.size
+    tokens = np.zeros((1, c_len), np.int32)
+    tokens[0, :rest] = chunk_ids
+    positions = np.full((1, c_len), -1, np.int32)
+    positions[0, :rest] = hit + np.arange(rest)
+    width = plan.width(hit + rest)
+    smap_w = jnp.asarray(plan.slot_rows([smap], width))
+    tokens_d, positions_d = jnp.asarray(tokens), jnp.asarray(positions)
+    read = jnp.asarray([[rest - 1]], np.int32)
+    cuts = self.cuts if self.segments else ()
+    every = np.arange(rest)
+    plain = not np.any(resume) and not np.any(blend)
+    hidden_in = None
+    if hidden_rows:
+      x = _embed(self.graphdef, self.weights, tokens_d)
+      for b, parts in hidden_rows.items():
+        for where, h, rows in parts:
+          x = x.at[0, where].set(quant.dequantize(h, x.dtype)[rows])
+      hidden_in = x
+    sets = [every[resume <= l] for l in range(L)]
+    bl = self.reuse.blend_layer
+    if plain:
+      out, self.driver.kv = chunk_step(
+          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
+          read=read, capture=Capture(hidden_cuts=cuts), attn_impl=self.driver.attn_impl,
+          return_logits=True)
+      self._cuts_out = out.hidden_cuts
+    elif not np.any(blend) or bl + 1 >= L:
+      out, self.driver.kv = chunk_step(
+          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
+          read=read, window=LayerWindow(hidden_in=hidden_in), capture=Capture(hidden_cuts=cuts),
+          recompute=self._index([np.union1d(s, every[blend]) if l <= bl else s
+                                 for l, s in enumerate(sets)]),
+          attn_impl=self.driver.attn_impl, return_logits=True)
+      self._cuts_out = out.hidden_cuts
+    else:                                    # blend: probe pass, then the rest
+      slots_all = smap[hit:hit + rest]
+      before = _keys_at(self.driver.kv, jnp.asarray(slots_all), bl)
+      first = [np.union1d(s, every[blend]) if l <= bl else s for l, s in enumerate(sets)]
+      cuts1 = tuple(c for c in cuts if c <= bl + 1)
+      out1, self.driver.kv = chunk_step(
+          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
+          window=LayerWindow(hidden_in=hidden_in, start=0, stop=bl + 1),
+          capture=Capture(hidden_cuts=cuts1), recompute=self._index(first),
+          attn_impl=self.driver.attn_impl, return_hidden=True)
+      after = _keys_at(self.driver.kv, jnp.asarray(slots_all), bl)
+      dev = np.asarray(jax.device_get(
+          jnp.linalg.norm((after - before).reshape(rest, -1), axis=-1)
+          / jnp.maximum(jnp.linalg.norm(before.reshape(rest, -1), axis=-1), 1e-6)))
+      chosen = np.zeros(rest, bool)
+      for m, seg, d, rec in admitted:
+        if not d.blend:
+          continue
+        lo = m.p_lo - hit
+        dv = dev[lo:lo + m.n]
+        rec.deviation = float(dv.mean())
+        if self.reuse.probe_reject and rec.deviation > self.reuse.probe_reject:
+          chosen[lo:lo + m.n] = True                   # a full recompute
+          rec.tier, rec.reason = "reject", (f"probe: mean K deviation {rec.deviation:.3f} > "
+                                            f"{self.reuse.probe_reject}")
+          continue
+        top = int(np.ceil(self.reuse.blend_ratio * m.n))
+        chosen[lo + np.argsort(-dv)[:top]] = True
+      second = [np.union1d(s, every[chosen]) if l > bl else s for l, s in enumerate(sets)]
+      cuts2 = tuple(c for c in cuts if c > bl + 1)
+      out, self.driver.kv = chunk_step(
+          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
+          read=read, window=LayerWindow(hidden_in=out1.hidden, start=bl + 1),
+          capture=Capture(hidden_cuts=cuts2), recompute=self._index(second),
+          attn_impl=self.driver.attn_impl, return_logits=True)
+      parts = [p for p in (out1.hidden_cuts, out.hidden_cuts) if p is not None]
+      self._cuts_out = jnp.concatenate(parts) if parts else None
+      sets = [first[l] if l <= bl else second[l] for l in range(L)]
+    self._last_out = out
+    if plain:
+      sets = [every] * L
+    elif not np.any(blend) or bl + 1 >= L:
+      sets = [np.union1d(s, every[blend]) if l <= bl else s for l, s in enumerate(sets)]
+    layer_tokens = np.asarray([s.size for s in sets], np.int64)
+    pos = hit + np.arange(rest, dtype=np.float64) + 1
+    flops = sum(layer_flops(self.cfg, s.size, pos[s].sum()) for s in sets)
+    return layer_tokens, flops
+
+  # ------------------------------------------------------------------------ store
+  def _store_runs(self, ids, hit, smap, fresh, spans, exact_to) -> int:
+    """Stores the fully computed runs of this prompt (structural spans whole,
+    gaps between them); returns how many were stored. Runs ending after
+    `exact_to` attended to approximate K/V: stored with exact=False."""
+    n, mt = ids.size, self.reuse.min_tokens
+    comp = np.zeros(n, bool)
+    comp[hit:] = fresh
+    regions, covered = [], np.zeros(n, bool)
+    for lo, hi in sorted(spans):
+      covered[lo:hi] = True
+      if hi - lo >= mt and comp[lo:hi].all():
+        regions.append((lo, hi, True))
+    gap = comp & ~covered
+    edges = np.flatnonzero(np.diff(np.r_[0, gap.astype(np.int8), 0]))
+    for lo, hi in zip(edges[::2], edges[1::2]):
+      if hi - lo >= mt:
+        regions.append((int(lo), int(hi), False))
+    stored = 0
+    for lo, hi, structural in regions:
+      slots = jnp.asarray(smap[lo:hi])
+      k, v = jax.device_get(_pack_rows(self.driver.kv, slots, self.reuse.storage,
+                                       self.reuse.group_size, self.kv_layers))
+      hidden = {}
+      if self._cuts_out is not None:
+        rows = self._cuts_out[:, 0, lo - hit:hi - hit]
+        for i, b in enumerate(self.cuts):
+          hidden[b] = jax.device_get(quant.quantize(rows[i], self.reuse.storage,
+                                                    self.reuse.group_size))
+      seg = Segment(ids=ids[lo:hi].copy(), left=ids[:lo].copy(),
+                    positions=np.arange(lo, hi, dtype=np.int32), k=k, v=v, hidden=hidden,
+                    fingerprint=self.fingerprint, structural=structural,
+                    exact=hi <= exact_to).seal()
+      stored += self.add_segment(seg) is not None
+    return stored
+
+  # ----------------------------------------------------------------------- decode
+  def decode(self, pre: Prefill, max_tokens: int, *, forced=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Greedy continuation of a prefilled sequence: (tokens [max_tokens],
+    log p(forced) [max_tokens] when `forced` is given: teacher forcing)."""
+    n = pre.ids.size
+    if n + max_tokens > self.max_len:
+      raise ValueError(f"{n} + {max_tokens} tokens exceed max_seq_len {self.max_len}")
+    self._reserve(pre.seq, max_tokens)
+    smap = self.alloc.slot_map(pre.seq)
+    width = plan.width(n + max_tokens)
+    first = int(np.argmax(pre.logits)) if forced is None else int(forced[0])
+    f = None
+    if forced is not None:
+      forced = np.asarray(forced, np.int32)
+      f = jnp.asarray(np.r_[forced[1:], forced[-1:]][:max_tokens, None])
+    out = self.driver.decode([first], [n], jnp.asarray(plan.slot_rows([smap], width)),
+                             [max_tokens], num_steps=max_tokens, forced=f)
+    toks = np.r_[first, np.asarray(out.tokens)[:max_tokens - 1, 0]].astype(np.int32)
+    lp = None
+    if forced is not None:
+      first_lp = float(jax.nn.log_softmax(jnp.asarray(pre.logits))[forced[0]])
+      lp = np.r_[first_lp, np.asarray(out.logprob)[:max_tokens - 1, 0]]
+    return toks, lp

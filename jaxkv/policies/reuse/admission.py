@@ -1,0 +1,142 @@
+"""Admission of a matched segment (seed 002, section 3.4): which tier reuses it,
+how deep, and why, or why not.
+
+Tiers (`ReuseConfig.method="tiered"`, tried in this order among `tiers`):
+- exact: the segment's ids and the whole left context are identical to its
+  exemplar's, so positions coincide and every stored layer is exact (up to the
+  storage rounding). A radix prefix hit is this case when the pool still holds
+  it; the store serves it once the pool has evicted it.
+- approx (depth-guarded): a token with w identical tokens right before it may
+  reuse layer l when w >= W_exact(l) (`ReuseConfig.guard_window`, W(0) = 0).
+  Runs are maximal (`index.align`), so the context identical before a run is
+  usually short (m, often 0) and grows inside it: token j has w = m + j. Each
+  token reuses up to the deepest stored boundary b with W_exact(b - 1) <= w
+  and is recomputed from there from the stored hidden state entering b
+  (multicut): the critique's validity condition (a boundary state is only as
+  good as the lower layers it came from), applied per token.
+- blend: every layer spliced, then an online probe recomputes the segment at
+  layers <= `blend_layer`, measures how far the fresh keys moved from the
+  cached ones, and recomputes the `blend_ratio` most deviating tokens at every
+  later layer (CacheBlend). Needs the full stack (regime A). `probe_reject` > 0
+  turns a segment whose mean deviation exceeds it into a full recompute.
+- reject: none applies (each tier's reason is recorded).
+
+The baselines are one-tier methods: naive (splice every stored layer, no guard),
+epic (naive plus each segment's first `epic_tokens` recomputed at every layer)
+and cacheblend (the blend tier alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxkv.config import ReuseConfig
+from jaxkv.policies.reuse.index import Match
+from jaxkv.policies.reuse.store import Segment
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """How a match is reused.
+
+  Each token of the run keeps the spliced K/V of layers < `resume` and is
+  recomputed from layer `resume` on, starting from the stored hidden state
+  entering `resume` (resume = L: never recomputed). `epic` first tokens are
+  recomputed at every layer; `blend` runs the probe.
+  """
+  tier: str                  # exact | approx | blend | naive | epic | reject
+  reason: str
+  resume: int = 0
+  epic: int = 0
+  blend: bool = False
+  guard: int | None = None   # approx: m; per-token resume = `guarded_resume`
+
+  @property
+  def accepted(self) -> bool:
+    return self.tier != "reject"
+
+
+def full_stack_resume(seg: Segment, num_layers: int) -> tuple[int, str]:
+  """(resume layer, note) for reusing everything stored: every layer (A), or the
+  layers below L_reuse and the stored boundary state there (B)."""
+  if seg.kv_layers >= num_layers:
+    return num_layers, "every layer"
+  b = seg.kv_layers
+  if b not in seg.hidden:
+    return 0, f"no boundary state at L_reuse = {b}"
+  return b, f"layers < {b}, boundary state at {b}"
+
+
+def boundaries(seg: Segment, num_layers: int) -> list[int]:
+  """Layers a reused token can resume from: stored boundary states, and L (never
+  recomputed) when every layer's K/V is stored."""
+  bounds = sorted(b for b in seg.hidden if 0 < b <= seg.kv_layers)
+  if seg.kv_layers >= num_layers:
+    bounds.append(num_layers)
+  return bounds
+
+
+def guarded_resume(seg: Segment, m: int, n: int, cfg: ReuseConfig,
+                   num_layers: int) -> np.ndarray:
+  """Per token of a run of n, the deepest boundary b whose layers < b all pass
+  the guard (0: recompute everything). Token j of a run has m + j identical
+  tokens before it (the run's own first j tokens are identical too), so
+  reuse deepens along the run: W_exact(b - 1) <= m + j."""
+  bounds = np.asarray(boundaries(seg, num_layers), np.int64)
+  if not bounds.size:
+    return np.zeros(n, np.int64)
+  need = np.asarray([cfg.guard_window(b - 1) for b in bounds], np.int64)
+  have = m + np.arange(n)
+  ok = need[None, :] <= have[:, None]                       # [n, B]
+  return np.where(ok.any(1), bounds[np.maximum(ok.shape[1] - 1 - np.argmax(ok[:, ::-1], 1), 0)],
+                  0)
+
+
+def decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Decision:
+  """The tier (and depth) for one match under `cfg.method` (see the module doc)."""
+  method = cfg.method
+  if method in ("naive", "epic"):
+    resume, note = full_stack_resume(seg, num_layers)
+    if resume == 0:
+      return Decision("reject", note)
+    return Decision(method, f"{method}: {note}", resume=resume,
+                    epic=cfg.epic_tokens if method == "epic" else 0)
+  if method == "cacheblend":
+    if seg.kv_layers < num_layers:
+      return Decision("reject", "blend needs every layer's K/V (regime A)")
+    return Decision("blend", f"blend: probe at layer {cfg.blend_layer}, recompute "
+                    f"{cfg.blend_ratio:.0%}", resume=num_layers, blend=True)
+  if method != "tiered":
+    return Decision("reject", f"method {method} splices nothing")
+  why = []
+  m = match.ctx_match
+  if "exact" in cfg.tiers:
+    whole = seg.left.size + match.s_lo
+    if not seg.exact:
+      why.append("exact: the stored K/V were computed over approximately reused ones")
+    elif m == match.p_lo and whole == match.p_lo:
+      resume, note = full_stack_resume(seg, num_layers)
+      if resume:
+        return Decision("exact", f"identical segment and left context ({m} tokens): {note}",
+                        resume=resume)
+      why.append(f"exact: {note}")
+    else:
+      why.append(f"exact: left context differs ({m} of {match.p_lo} tokens identical)")
+  if "approx" in cfg.tiers:
+    resume = guarded_resume(seg, m, match.n, cfg, num_layers)
+    if resume.any():
+      reused = int((resume > 0).sum())
+      return Decision("approx", f"{m} identical context tokens before the run: {reused} of "
+                      f"{match.n} tokens reuse layers < {int(resume.min())}..{int(resume.max())}",
+                      resume=int(resume.max()), guard=m)
+    first = min(boundaries(seg, num_layers), default=num_layers)
+    why.append(f"approx: {m} + {match.n - 1} identical context tokens < W_exact({first - 1}) "
+               f"= {cfg.guard_window(first - 1)}")
+  if "blend" in cfg.tiers:
+    if seg.kv_layers >= num_layers:
+      return Decision("blend", f"blend after {'; '.join(why) or 'no other tier'}",
+                      resume=num_layers, blend=True)
+    why.append("blend: needs every layer's K/V (regime A)")
+  return Decision("reject", "; ".join(why))

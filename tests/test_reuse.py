@@ -1,0 +1,296 @@
+"""Segment reuse (seed 002): int8 storage, the store's budget, the index, the
+tiers, and the runner against a no-reuse prefill of the same prompt.
+
+The runner tests use a random 6-layer model (cuts every 2 layers) with SmolLM2's
+real tokenizer, so the index sees real canonical tokens; drift numbers on real
+weights are `bench/reuse.py`'s job. Tolerances: exact reuse stores float32 and
+must match the no-reuse logits to 1e-5 (fp32 re-association only).
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv
+from jaxkv.config import CacheConfig, ModelConfig, ReuseConfig, RopeConfig
+from jaxkv.engine.reuse import ReuseRunner
+from jaxkv.kv import quant
+from jaxkv.models import presets
+from jaxkv.models.forward import Capture, LayerWindow
+from jaxkv.models.llama import Transformer
+from jaxkv.policies.reuse import admission, index, store
+from jaxkv.tokens import Tokenizer
+
+CACHE = CacheConfig(num_pages=128, page_size=16, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def llm():
+  tok = Tokenizer.load(presets.smollm2_gguf())
+  cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=6,
+                    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6)
+  return jaxkv.LLM(Transformer(cfg, rngs=nnx.Rngs(0)), tok)
+
+
+def _runner(llm, method, **kw):
+  kw = dict(storage="float32", cut_every=2) | kw
+  return ReuseRunner(llm, ReuseConfig(method=method, **kw), cache=CACHE, attn_impl="reference")
+
+
+def _serve(runner, prompt, **kw):
+  out = runner.prefill(prompt, **kw)
+  runner.release(out.seq)
+  return out
+
+
+def _prompts(seed=None):
+  """(P1 = a + S + q1, P2 = a + S + q2, P3 = b + S + q1): S follows the same
+  left context in P1 and P2, another one in P3."""
+  rng = np.random.default_rng(seed)
+  a, b = rng.integers(100, 40000, 50), rng.integers(100, 40000, 30)
+  s, q1, q2 = (rng.integers(100, 40000, k) for k in (120, 20, 20))
+  return (np.concatenate([a, s, q1]), np.concatenate([a, s, q2]), np.concatenate([b, s, q1]))
+
+
+def _no_reuse(llm, prompt):
+  return _serve(_runner(llm, "none"), prompt)
+
+
+# ---------------------------------------------------------------------------- storage
+@pytest.mark.parametrize("shape", [(3, 40, 2, 64), (17, 576), (5, 7, 48)])
+def test_int8_round_trip_is_bounded(shape):
+  rng = np.random.default_rng()
+  x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 30.0)
+  x.reshape(-1)[rng.integers(0, x.size, 5)] *= 40.0                  # outliers
+  p = quant.quantize(jnp.asarray(x), "int8", 32)
+  back = np.asarray(quant.dequantize(p))
+  assert p.q.dtype == jnp.int8 and p.scale.dtype == jnp.float16
+  assert np.all(np.abs(back - x) <= quant.error_bound(x, 32))
+  assert np.abs(back - x).max() > 0                                   # it does round
+  assert p.nbytes < x.nbytes / 3.5
+  f16 = quant.quantize(jnp.asarray(x), "float16")
+  assert f16.scale is None and f16.nbytes == x.nbytes // 2
+
+
+def _segment(rng, n, fp, layers=2):
+  """A host segment of random int8 K/V (numpy only: no compile per size)."""
+  k = quant.Packed(rng.integers(-127, 128, (layers, n, 2, 16)).astype(np.int8),
+                   rng.uniform(0, 1, (layers, n, 2, 1)).astype(np.float16))
+  return store.Segment(ids=rng.integers(0, 99, n).astype(np.int32), left=np.zeros(0, np.int32),
+                       positions=np.arange(n, dtype=np.int32), k=k, v=k, hidden={},
+                       fingerprint=fp).seal()
+
+
+def _rot(seg):
+  """Flips one bit of a segment's stored keys (the arrays may be read-only)."""
+  q = np.array(seg.k.q)
+  bits = q.reshape(-1).view(np.uint8)
+  bits[bits.size // 3] ^= 1
+  seg.k = quant.Packed(q, seg.k.scale)
+
+
+def test_store_byte_budget_holds_under_random_insert_and_evict():
+  rng = np.random.default_rng()
+  fp = store.Fingerprint("m", "t", "r")
+  evicted = []
+  st = store.SegmentStore(byte_budget=40_000, on_evict=evicted.append)
+  live = []
+  for _ in range(200):
+    op = rng.uniform()
+    if op < 0.6:
+      seg = _segment(rng, int(rng.integers(1, 300)), fp)
+      key = st.put(seg)
+      if seg.nbytes > st.budget:
+        assert key is None
+      else:
+        live.append(key)
+    elif op < 0.8 and len(st):
+      st.get(rng.choice(st.keys()))                  # touch: becomes most recent
+    elif len(st):
+      st.remove(rng.choice(st.keys()))
+    st.check()
+  assert st.evictions > 0 and evicted
+  assert set(st.keys()) <= set(live)
+  # LRU: touching the oldest keeps it past the next eviction
+  st2 = store.SegmentStore(byte_budget=3 * _segment(rng, 50, fp).nbytes)
+  keys = [st2.put(_segment(rng, 50, fp)) for _ in range(3)]
+  st2.get(keys[0])
+  st2.put(_segment(rng, 50, fp))
+  assert keys[0] in st2 and keys[1] not in st2
+
+
+def test_checksum_and_fingerprint_refuse_with_reasons():
+  rng = np.random.default_rng()
+  fp = store.Fingerprint("m", "t", "r")
+  seg = _segment(rng, 40, fp)
+  assert seg.problem(fp) is None
+  assert "rope differs" in seg.problem(dataclasses.replace(fp, rope="r2"))
+  assert "adapter differs" in seg.problem(dataclasses.replace(fp, adapter="plan"))
+  _rot(seg)
+  assert seg.problem(fp) == "corrupt (checksum mismatch)"
+
+
+def test_break_even_counts_reuses():
+  rng = np.random.default_rng()
+  seg = _segment(rng, 100, store.Fingerprint("m", "t", "r"))
+  be = store.break_even(seg, layers_skipped=2, flops_per_token_layer=1e6, flops_per_s=1e9,
+                        bytes_per_s=1e8)
+  assert be.saved_s == pytest.approx(100 * 2 * 1e6 / 1e9)
+  assert be.reuses == pytest.approx(be.store_s / (be.saved_s - be.hit_s))
+  slow = store.break_even(seg, 2, 1e6, flops_per_s=1e9, bytes_per_s=1e3)
+  assert slow.reuses == float("inf")
+
+
+# ------------------------------------------------------------------------------ index
+def test_windows_are_content_defined(llm):
+  table = index.canonical_table(llm.tokenizer)
+  cfg = ReuseConfig(stride=16, window=48, min_tokens=16)
+  text = np.asarray(llm.tokenizer.encode(
+      "The get_reservation_details tool returns the reservation, its flights, passengers "
+      "and payment history. Use it before any change. " * 6))
+  rng = np.random.default_rng()
+  a = np.concatenate([rng.integers(100, 40000, 37), text])
+  b = np.concatenate([rng.integers(100, 40000, 5), text])
+  wa = {(s - 37, e - 37) for s, e in index.windows(a, table, cfg) if s >= 37 + 8}
+  wb = {(s - 5, e - 5) for s, e in index.windows(b, table, cfg) if s >= 5 + 8}
+  assert wa and wa == wb                          # the same windows, shifted
+
+
+def test_align_finds_the_maximal_identical_run():
+  rng = np.random.default_rng()
+  seg = rng.integers(0, 1000, 200).astype(np.int32)
+  prompt = np.concatenate([rng.integers(1000, 2000, 33), seg[20:150],
+                           rng.integers(1000, 2000, 9)]).astype(np.int32)
+  prompt[33 + 60] = 1999                          # one differing token inside
+  run = index.align(prompt, 33 + 70, 33 + 100, seg, 90, 120, k=8, min_tokens=16)
+  assert run == (33 + 61, 20 + 61, 150 - 20 - 61)
+  assert index.align(prompt, 0, 30, seg, 0, 30, k=8, min_tokens=16) is None
+
+
+def test_guarded_resume_deepens_along_the_run():
+  cfg = ReuseConfig(cut_every=2, guard_base=8)
+  seg = dataclasses.replace(_segment(np.random.default_rng(), 4, store.Fingerprint("m", "t", "r"),
+                                     layers=6), hidden={2: None, 4: None})
+  r = admission.guarded_resume(seg, m=0, n=40, cfg=cfg, num_layers=6)
+  # W(1) = 8, W(3) = 16, W(5) = 32: boundaries 2, 4 and 6 (every layer stored)
+  np.testing.assert_array_equal(r, np.r_[[0] * 8, [2] * 8, [4] * 16, [6] * 8])
+  assert cfg.guard_window(0) == 0
+
+
+# ----------------------------------------------------------------------------- runner
+@pytest.mark.parametrize("regime", ["A", "B"])
+def test_exact_tier_reproduces_no_reuse(llm, regime):
+  p1, p2, _ = _prompts()
+  ref = _no_reuse(llm, p2)
+  r = _runner(llm, "tiered", regime=regime, reuse_layers=4 if regime == "B" else 0)
+  first = _serve(r, p1)
+  assert first.stored == 1 and not first.runs
+  r.radix.clear()                                 # the pool forgot it; the store did not
+  got = _serve(r, p2)
+  assert [x.tier for x in got.runs] == ["exact"] and got.runs[0].n == 170
+  np.testing.assert_allclose(got.logits, ref.logits, atol=1e-5, rtol=0)
+  L = llm.config.num_layers
+  want = [20] * L if regime == "A" else [20] * 4 + [190] * 2
+  np.testing.assert_array_equal(got.layer_tokens, want)
+  assert got.flops < ref.flops
+
+
+def test_full_recompute_equals_no_reuse_and_naive_reuse_drifts(llm):
+  p1, _, p3 = _prompts()
+  ref = _no_reuse(llm, p3)
+  outs = {}
+  for name, method, kw in [("naive", "naive", {}), ("blend1", "cacheblend", dict(blend_ratio=1.0)),
+                           ("epic_all", "epic", dict(epic_tokens=1000)),
+                           ("blend", "cacheblend", {})]:
+    r = _runner(llm, method, **kw)
+    _serve(r, p1)
+    outs[name] = _serve(r, p3)
+  for name in ("blend1", "epic_all"):
+    np.testing.assert_allclose(outs[name].logits, ref.logits, atol=1e-5, rtol=0)
+  assert np.abs(outs["naive"].logits - ref.logits).max() > 1e-2      # reuse is approximate
+  blend = outs["blend"]
+  assert blend.runs[0].tier == "blend" and blend.runs[0].deviation > 0
+  n = blend.runs[0].n
+  # layers 0..1 recompute the run (the probe), later ones the top 15%
+  assert blend.layer_tokens[0] == ref.layer_tokens[0]
+  assert blend.layer_tokens[2] == ref.layer_tokens[2] - n + int(np.ceil(0.15 * n))
+
+
+def test_approx_tier_recomputes_where_the_guard_refuses(llm):
+  p1, _, p3 = _prompts()
+  ref = _no_reuse(llm, p3)
+  r = _runner(llm, "tiered", tiers=("exact", "approx"))
+  _serve(r, p1)
+  got = _serve(r, p3)
+  (run,) = got.runs
+  assert run.tier == "approx" and run.ctx_match == 0
+  resume = admission.guarded_resume(r.store.peek(0), 0, run.n, r.reuse, 6)
+  fresh = p3.size - run.n
+  np.testing.assert_array_equal(got.layer_tokens,
+                                [fresh + int((resume <= l).sum()) for l in range(6)])
+  naive = _runner(llm, "naive")
+  _serve(naive, p1)
+  drift = np.abs(got.logits - ref.logits).max()
+  assert drift < np.abs(_serve(naive, p3).logits - ref.logits).max()
+
+
+def test_corrupt_or_mismatched_segments_are_never_spliced(llm):
+  p1, p2, _ = _prompts()
+  ref = _no_reuse(llm, p2)
+  r = _runner(llm, "naive")
+  _serve(r, p1)
+  r.radix.clear()
+  _rot(r.store.peek(0))                              # one bit of rot in the host copy
+  got = _serve(r, p2)
+  assert [(x.tier, x.reason) for x in got.runs] == [("reject", "corrupt (checksum mismatch)")]
+  np.testing.assert_allclose(got.logits, ref.logits, atol=1e-5, rtol=0)
+  other = _runner(llm, "naive")
+  other.fingerprint = dataclasses.replace(
+      other.fingerprint, rope=store.digest(dataclasses.asdict(RopeConfig(theta=1e6)), 16))
+  _serve(other, p1)                                  # stored under another RoPE
+  other.radix.clear()
+  other.fingerprint = r.fingerprint
+  got = _serve(other, p2)
+  assert got.runs[0].tier == "reject" and got.runs[0].reason.startswith("rope differs")
+  np.testing.assert_allclose(got.logits, ref.logits, atol=1e-5, rtol=0)
+
+
+def test_decode_after_exact_reuse_matches_no_reuse(llm):
+  p1, p2, _ = _prompts()
+  base = _runner(llm, "none")
+  pre = base.prefill(p2)
+  want, _ = base.decode(pre, 8)
+  r = _runner(llm, "tiered")
+  _serve(r, p1)
+  r.radix.clear()
+  pre = r.prefill(p2)
+  got, lp = r.decode(pre, 8, forced=want)
+  np.testing.assert_array_equal(got[0], want[0])
+  assert np.all(np.isfinite(lp)) and lp.shape == (8,)
+  pre2 = r.prefill(p2)                               # the radix prefix now, then greedy
+  np.testing.assert_array_equal(r.decode(pre2, 8)[0], want)
+
+
+def test_hidden_cuts_capture_the_window_boundaries(llm):
+  model = llm.model
+  toks = jnp.asarray(np.random.default_rng().integers(0, 49152, (1, 12)))
+  pos = jnp.arange(12)[None]
+  out = model(toks, pos, None, capture=Capture(hidden_cuts=(0, 2, 6)))
+  h2 = model(toks, pos, None, window=LayerWindow(stop=2)).hidden
+  np.testing.assert_array_equal(np.asarray(out.hidden_cuts[1]), np.asarray(h2))
+  np.testing.assert_array_equal(np.asarray(out.hidden_cuts[0]),
+                                np.asarray(model.embed[...][toks]))
+  with pytest.raises(ValueError, match="hidden_cuts"):
+    model(toks, pos, None, window=LayerWindow(stop=2), capture=Capture(hidden_cuts=(3,)))
+
+
+def test_reuse_config_rejects_bad_fields():
+  with pytest.raises(ValueError, match="reuse.method"):
+    ReuseConfig(method="blendy")
+  with pytest.raises(ValueError, match="tiers"):
+    ReuseConfig(tiers=("exact", "fuzzy"))
+  with pytest.raises(ValueError, match="regime"):
+    ReuseConfig(regime="C")

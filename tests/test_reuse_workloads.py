@@ -1,0 +1,102 @@
+"""Segment-reuse workloads (jaxkv.data.reuse_workloads) and bench/reuse.py's tables."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from jaxkv.data import reuse_workloads as W
+from jaxkv.data import traces
+from jaxkv.models import presets
+from jaxkv.tokens import Tokenizer
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import reuse  # noqa: E402
+
+TOOLS = tuple({"name": f"tool_{i}", "description": f"Looks up record kind {i} by its id and "
+               f"returns every field of it as JSON.",
+               "parameters": {"type": "object", "properties": {f"id_{i}": {"type": "string"}}}}
+              for i in range(6))
+SYSTEM = ("You are an agent.\n## Refunds\n" + "Refunds go to the original payment method. " * 4
+          + "\n## Changes\n" + "A change needs the user's explicit confirmation first. " * 4)
+
+
+def _sessions():
+  out = []
+  for i in range(3):
+    turns = (traces.Turn("system", SYSTEM), traces.Turn("user", f"Please look up record {i}."),
+             traces.Turn("assistant", "I will look it up.",
+                         (traces.ToolCall(f"tool_{i}", {f"id_{i}": f"R{i}"}),)))
+    out.append(traces.Session(id=f"demo/{i}", task=f"demo/{i}", turns=turns, tools=TOOLS))
+  return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return Tokenizer.load(presets.smollm2_gguf())
+
+
+def test_tool_subset_requests_carry_their_schemas_as_spans(tok):
+  reqs = W.tool_subset(_sessions(), tok, 8, seed=3, tools=(2, 4), sections=(1, 2))
+  assert len(reqs) == 8
+  again = W.tool_subset(_sessions(), tok, 8, seed=3, tools=(2, 4), sections=(1, 2))
+  assert all(np.array_equal(a.ids, b.ids) for a, b in zip(reqs, again))     # deterministic
+  orders = set()
+  for r in reqs:
+    assert 2 <= r.meta["tools"] <= 4 and 1 <= r.meta["sections"] <= 2
+    # sections + schemas + the user text, in prompt order, inside the prompt
+    assert len(r.spans) == r.meta["tools"] + r.meta["sections"] + 1
+    assert all(0 <= a < b <= r.ids.size for a, b in r.spans)
+    assert all(b0 <= a1 for (_, b0), (a1, _) in zip(r.spans, r.spans[1:]))
+    texts = [tok.decode(r.ids[a:b]) for a, b in r.spans]
+    names = [json.loads(t)["name"] for t in texts if t.startswith("{")]
+    assert len(names) == r.meta["tools"]
+    orders.add(tuple(names))
+    assert tok.decode(r.continuation).startswith("Thought:")
+  assert len(orders) > 4                      # subsets in varying order
+
+
+def test_perturbations_change_the_context_by_the_fraction():
+  rng = np.random.default_rng(0)
+  ids = np.arange(1000, 1100, dtype=np.int32)
+  assert W.perturb(ids, 0.2, "insert", rng, (1, 50)).size == 120
+  assert W.perturb(ids, 0.2, "delete", rng, (1, 50)).size == 80
+  rep = W.perturb(ids, 0.2, "replace", rng, (1, 50))
+  assert rep.size == 100 and int((rep != ids).sum()) == 20
+  with pytest.raises(ValueError, match="insert, delete or replace"):
+    W.perturb(ids, 0.2, "shuffle", rng, (1, 50))
+
+
+def test_perturbed_pairs_keep_the_segment_and_shift_its_span(tok):
+  (req,) = W.tool_subset(_sessions(), tok, 1, seed=1)
+  pairs = W.perturbed([req], [0.0, 0.25], ["insert", "replace"], context=64)
+  assert len(pairs) == 4
+  lo, hi = max(req.spans, key=lambda s: s[1] - s[0])
+  for ref, probe in pairs:
+    assert ref is req
+    shift = probe.ids.size - req.ids.size
+    np.testing.assert_array_equal(probe.ids[lo + shift:], req.ids[lo:])
+    assert (lo + shift, hi + shift) in probe.spans
+    if probe.meta["frac"] == 0.0:
+      np.testing.assert_array_equal(probe.ids, req.ids)
+
+
+def _row(method, ttft, **kw):
+  base = dict(method=method, workload="tool_subset", tier_accept={}, prefill_tokens=100.0,
+              prompt_tokens=100.0, reused_tokens=0.0, prefill_flops=1.0, flops_ratio=1.0,
+              ttft_s=ttft, compile_s=0.0, kl_first_token=0.0, delta_nll=0.0,
+              greedy_agreement=1.0, greedy_ci=[0.9, 1.0], bytes_stored=0, bytes_moved=0,
+              segments=0, break_even_median=None, n_requests=4, storage="int8", wall_s=1.0)
+  return base | kw
+
+
+def test_bench_table_ratios_are_against_none_and_prefix():
+  rows = [_row("none", 2.0), _row("prefix", 1.6),
+          _row("tiered", 0.4, tier_accept={"exact": 1, "blend": 3}, break_even_median=0.5)]
+  (table,) = reuse.tables(rows)
+  by = {line[0]: line for line in table.lines}
+  assert by["tiered"][5] == "5.00x" and by["tiered"][6] == "4.00x"
+  assert by["tiered"][1] == "exact:1 blend:3"
+  assert by["none"][5] == "1.00x" and by["prefix"][6] == "1.00x"
