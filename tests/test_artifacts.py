@@ -28,6 +28,18 @@ def test_manifests_describe_their_files():
   assert PruningConfig().head_path == artifacts.PRUNER_HEAD
 
 
+def test_the_qwen_head_is_intact_and_refuses_smollm2():
+  """The Phase-2 head trained on Qwen2.5-Coder-0.5B (issue 13's Qwen tables): files
+  as the manifest lists them, and loading it for another model is refused."""
+  folder = "artifacts/qwen2.5-coder-0.5b/pruner_head"
+  m = artifacts.verify(folder)
+  assert m["kind"] == "pruner_head" and m["model"] == "qwen2.5-coder-0.5b"
+  assert m["held_out"]["recall_phase2"] > m["held_out"]["recall_phase1"]
+  artifacts.load_pruner_head(folder, model_name="qwen2.5-coder-0.5b")
+  with pytest.raises(ValueError, match="qwen2.5-coder-0.5b"):
+    artifacts.load_pruner_head(folder, model_name="smollm2-135m")
+
+
 def test_verify_names_a_changed_or_missing_file(tmp_path):
   dst = tmp_path / "head"
   shutil.copytree(ROOT / artifacts.PRUNER_HEAD, dst)
