@@ -326,14 +326,17 @@ class ServeConfig:
   sampling: SamplingConfig = SamplingConfig()
   system_prompt: str = ""       # prepended to "messages" requests lacking a system message
   # "requests": JSONL requests (engine/batch.py); "sessions": a ToolBench-format
-  # trace file replayed turn by turn through SessionRunner with `pruning`.
-  mode: str = "requests"        # requests | sessions
+  # trace file replayed turn by turn through SessionRunner with `pruning`;
+  # "reuse": JSONL requests one at a time through ReuseRunner with `reuse`
+  # (cross-prompt segment reuse, greedy decoding).
+  mode: str = "requests"        # requests | sessions | reuse
   pruning: PruningConfig = PruningConfig()
   session_generate: bool = False  # sessions: generate each assistant turn instead of replay
+  reuse: ReuseConfig = ReuseConfig()
 
   def __post_init__(self):
-    if self.mode not in ("requests", "sessions"):
-      raise ValueError(f"mode must be 'requests' or 'sessions', got {self.mode!r}")
+    if self.mode not in ("requests", "sessions", "reuse"):
+      raise ValueError(f"mode must be 'requests', 'sessions' or 'reuse', got {self.mode!r}")
 
 
 def to_config_dict(cfg: Any) -> ml_collections.ConfigDict:

@@ -16,6 +16,7 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             shapes (qwen, smollm2) and
                                                             closed-loop (tau2, agentdojo)
                                                             tables
+  bench/results_reuse.json         bench/reuse.py           segment reuse side by side
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -43,6 +44,7 @@ import common          # noqa: E402
 import lragent as lragent_bench   # noqa: E402
 import plot_training   # noqa: E402  (scripts/)
 import pruning         # noqa: E402
+import reuse as reuse_bench   # noqa: E402
 import throughput      # noqa: E402
 
 from jaxkv import artifacts   # noqa: E402
@@ -60,6 +62,7 @@ SOURCES = {
     "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
     "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
     "closed-loop-agentdojo": "bench/results_closed_loop_agentdojo.json",
+    "reuse": "bench/results_reuse.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -130,6 +133,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
+  out["reuse"] = rows["reuse"] and _render(reuse_bench.tables(rows["reuse"]))
   out["role-adapters"] = rows["role-adapters"] and _render(
       [role_adapter_table(rows["role-adapters"])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(

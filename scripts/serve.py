@@ -9,6 +9,11 @@ skipped. See jaxkv/engine/batch.py for the line formats. Compiled steps are kept
 between runs in --xla_cache (default ~/.cache/jaxkv/xla, or $JAX_COMPILATION_CACHE_DIR;
 --xla_cache= turns it off), so a rerun skips most of the compilation.
 
+Segment reuse (`--config=configs/smollm2_reuse.py`, or `--config.mode=reuse`): the
+same JSONL requests, one at a time, each prefilled reusing the K/V of segments
+earlier prompts contained (`--config.reuse.method=tiered|cacheblend|epic|naive|prefix`,
+seed 002); greedy decoding; records add cached / reused tokens and each match's tier.
+
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
 --input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
 scripts/make_traces.py); every session is replayed turn by turn with the
@@ -118,6 +123,8 @@ def main(argv):
   if cfg.mode == "sessions":
     return serve_sessions(cfg, src, out)
   order, errors, todo = _scan(src, cfg, out.done)
+  if cfg.mode == "reuse" and todo:
+    return serve_reuse(cfg, src, out)
   total = len(order)
   if total == 0:
     out.finish([])
@@ -182,6 +189,81 @@ def main(argv):
             ("peak KV bytes", f"{m['peak_kv_bytes']:,} ({m['peak_live_slots']} live slots)"),
             ("wall s", f"{m['wall_s']:.1f}"),
             ("output", f"{dst} ({n} records, one per input line)")], m)
+
+
+def serve_reuse(cfg, src: pathlib.Path, out) -> None:
+  """JSONL requests one at a time through ReuseRunner: each prompt reuses the
+  segments of earlier ones (config.reuse), then decodes greedily. Records add
+  `reused_tokens`, `cached_tokens` (radix prefix) and `runs` (tier per match)."""
+  import numpy as np
+  import tqdm
+
+  from jaxkv.engine import batch
+  from jaxkv.engine.reuse import ReuseRunner
+
+  t0 = time.perf_counter()
+  llm = _load(cfg)
+  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; reuse "
+        f"{cfg.reuse.method} ({cfg.reuse.storage}, {cfg.reuse.byte_budget >> 20} MiB store)",
+        file=sys.stderr)
+  runner = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=cfg.engine.attention_impl)
+  order: list[str] = []
+  errors = 0
+
+  def on_error(e) -> None:
+    nonlocal errors
+    errors += 1
+    print(f"error: {e}", file=sys.stderr)
+    out.add(e.record())
+
+  def refuse(rid: str, why: str) -> None:
+    nonlocal errors
+    errors += 1
+    print(f"error: request {rid!r}: {why}", file=sys.stderr)
+    out.add({"id": rid, "error": why, "finish_reason": "error"})
+
+  def encode(prompt, tools):
+    if isinstance(prompt, list) and cfg.system_prompt and prompt[0].get("role") != "system":
+      prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+    return llm.encode(prompt, tools=tools)
+
+  ttfts, reused, total = [], 0, 0
+  for req in tqdm.tqdm(batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order),
+                       unit="req", disable=not _PROGRESS.value, file=sys.stderr):
+    if req.sampling.temperature > 0:
+      refuse(req.id, "reuse mode decodes greedily: use temperature 0")
+      continue
+    t1 = time.perf_counter()
+    try:
+      pre = runner.prefill(np.asarray(req.prompt))
+      toks, _ = runner.decode(pre, req.sampling.max_tokens, stop_ids=llm.tokenizer.stop_ids)
+    except ValueError as e:        # e.g. longer than the cache: record it, go on
+      refuse(req.id, str(e))
+      continue
+    runner.release(pre.seq)
+    done = bool(toks.size) and int(toks[-1]) in llm.tokenizer.stop_ids
+    n_reused = sum(r.n for r in pre.runs if r.tier != "reject")
+    ttfts.append(pre.ttft_s)
+    reused += n_reused
+    total += pre.ids.size
+    out.add({"id": req.id, "text": llm.tokenizer.decode(toks.tolist()),
+             "prompt_tokens": int(pre.ids.size), "completion_tokens": int(toks.size),
+             "cached_tokens": pre.prefix_hit, "reused_tokens": int(n_reused),
+             "prefill_tokens": round(pre.prefill_tokens, 1),
+             "runs": [{"at": r.p_lo, "n": r.n, "tier": r.tier, "reason": r.reason}
+                      for r in pre.runs],
+             "ttft_s": round(pre.ttft_s, 6), "latency_s": round(time.perf_counter() - t1, 6),
+             "finish_reason": "stop" if done else "length"})
+  n = out.finish(order)
+  m = {"requests": len(ttfts), "errors": errors, "records": n,
+       "median_ttft_s": float(np.median(ttfts)) if ttfts else None,
+       "reused_share": reused / total if total else None, "segments": len(runner.store),
+       "store_bytes": runner.store.nbytes}
+  _summary([("requests run", str(m["requests"])), ("errors", str(errors)),
+            ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
+            ("prompt tokens reused", f"{reused} of {total}"),
+            ("store", f"{m['segments']} segments, {m['store_bytes'] / 2 ** 20:.1f} MiB"),
+            ("output", f"{out.path} ({n} records, one per input line)")], m)
 
 
 def serve_sessions(cfg, src: pathlib.Path, out) -> None:

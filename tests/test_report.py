@@ -24,7 +24,7 @@ def test_readme_blocks_match_result_files(report):
   text = (ROOT / "README.md").read_text()
   names = [m.group(2) for m in report.BLOCK.finditer(text)]
   assert {"throughput", "table4", "lragent", "agent-eval-qwen", "agent-eval-smollm2",
-          "closed-loop-tau2", "closed-loop-agentdojo"} <= set(names)
+          "closed-loop-tau2", "closed-loop-agentdojo", "reuse"} <= set(names)
   new = report.blocks(ROOT)
   for name in names:
     assert new[name] is not None, f"{report.SOURCES[name]} missing"

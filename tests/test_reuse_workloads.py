@@ -100,3 +100,12 @@ def test_bench_table_ratios_are_against_none_and_prefix():
   assert by["tiered"][5] == "5.00x" and by["tiered"][6] == "4.00x"
   assert by["tiered"][1] == "exact:1 blend:3"
   assert by["none"][5] == "1.00x" and by["prefix"][6] == "1.00x"
+
+
+def test_line_spans_split_a_prompt_at_line_breaks(tok):
+  from jaxkv.policies.reuse.index import line_spans
+  text = "Tools:\n" + "\n".join(json.dumps(t) for t in TOOLS[:3]) + "\nUser: hi"
+  ids = tok.encode(text, add_bos=False)
+  spans = line_spans(ids, tok, min_tokens=8)
+  assert [json.loads(tok.decode(ids[a:b]))["name"] for a, b in spans] == [
+      "tool_0", "tool_1", "tool_2"]

@@ -202,3 +202,29 @@ def test_serve_sessions_with_a_trained_head(tmp_path):
   (rec,) = _records(tmp_path / "out.jsonl")
   assert [t["turn"] for t in rec["turns"]] == [2, 4, 6]
   assert any(t["pruned"] and t["live_after"] < t["live_before"] for t in rec["turns"])
+
+
+def test_serve_reuse_mode_reuses_schemas_and_resumes(tmp_path):
+  """configs/smollm2_reuse.py on the shipped example: later prompts splice the tool
+  schemas earlier ones stored, a sampled request is refused, a rerun resumes."""
+  inp = tmp_path / "in.jsonl"
+  lines = (ROOT / "examples/reuse_requests.jsonl").read_text().splitlines()
+  extra = json.dumps({"id": "hot", "prompt": "Hello", "temperature": 0.7})
+  inp.write_text("\n".join(lines + [extra]) + "\n")
+  out = tmp_path / "out.jsonl"
+  cmd = [sys.executable, str(ROOT / "scripts/serve.py"), f"--config={ROOT}/configs/smollm2_reuse.py",
+         f"--input={inp}", f"--output={out}", "--config.sampling.max_tokens=4",
+         "--config.cache.num_pages=256", "--noprogress"]
+  proc = _run(cmd)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = {r["id"]: r for r in _records(out)}
+  assert [r["id"] for r in _records(out)] == ["r0", "r1", "r2", "r3", "hot"]
+  assert recs["r0"]["reused_tokens"] == 0 and recs["r0"]["runs"] == []
+  later = [recs[k] for k in ("r1", "r2", "r3")]
+  assert all(r["reused_tokens"] > 0 for r in later)             # the schemas, moved
+  assert all(run["tier"] in ("exact", "approx", "blend", "reject") and run["reason"]
+             for r in later for run in r["runs"])
+  assert all(0 < r["prefill_tokens"] < r["prompt_tokens"] for r in later)
+  assert "greedily" in recs["hot"]["error"]
+  proc = _run(cmd)                                              # everything answered
+  assert proc.returncode == 0 and len(_records(out)) == 5

@@ -376,11 +376,3 @@ def test_training_curve_png(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
   with pytest.raises(FileNotFoundError, match="log.csv"):
     plot_training.read_run(tmp_path)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_jit_caches():
-  """Drops the executables the earlier test modules compiled: late in the full suite
-  XLA:CPU segfaulted compiling this module's train step (2026-11-25)."""
-  import jax
-  jax.clear_caches()

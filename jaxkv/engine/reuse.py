@@ -48,7 +48,7 @@ from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow, Recompute
 from jaxkv.policies.reuse import admission
-from jaxkv.policies.reuse.index import SegmentIndex, canonical_table
+from jaxkv.policies.reuse.index import SegmentIndex, canonical_table, line_spans
 from jaxkv.policies.reuse.store import Segment, SegmentStore, digest, fingerprint
 from jaxkv.rope import delta_frequencies
 
@@ -110,15 +110,42 @@ def _splice_packed(pool, k: quant.Packed, v: quant.Packed, positions, dest, new_
   return splice.splice_rows(pool, rows, dest, new_positions, inv_freq)
 
 
-@functools.partial(jax.jit, static_argnames=("layer",))
+# Every helper below is jitted over bucketed shapes (`plan.chunk_len`): an eager
+# op or a per-length shape compiles one more XLA:CPU executable per request, and
+# each one holds memory mappings (the kernel's limit is ~65k; a long benchmark ran
+# out of them and LLVM failed with "Cannot allocate memory").
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+def _inject(x, where, h: quant.Packed):
+  """x [1, C, D] with rows `where` [N] (C = padding: dropped) set to dequantised h."""
+  return x.at[0, where].set(quant.dequantize(h, x.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("layer",), compiler_options=COMPILER_OPTIONS)
 def _keys_at(pool, slots, layer: int):
   return pool.k[layer, slots]
 
 
-@functools.partial(jax.jit, static_argnames=("storage", "group", "layers"))
-def _pack_rows(pool, slots, storage: str, group: int, layers: int):
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+def _deviation(before, after):
+  """Per token the relative L2 change of its keys [N, Hkv, D]."""
+  n = before.shape[0]
+  num = jnp.linalg.norm((after - before).reshape(n, -1), axis=-1)
+  return num / jnp.maximum(jnp.linalg.norm(before.reshape(n, -1), axis=-1), 1e-6)
+
+
+@functools.partial(jax.jit, static_argnames=("storage", "group", "layers"),
+                   compiler_options=COMPILER_OPTIONS)
+def _pack_rows(pool, slots, cuts, rows, storage: str, group: int, layers: int):
+  """Quantised K/V of `slots` [N] (layers < `layers`) and boundary states
+  cuts[:, 0, rows] ([K, 1, C, D] captured, rows [N] chunk indices)."""
+  hidden = None if cuts is None else quant.quantize(cuts[:, 0, rows], storage, group)
   return (quant.quantize(pool.k[:layers, slots], storage, group),
-          quant.quantize(pool.v[:layers, slots], storage, group))
+          quant.quantize(pool.v[:layers, slots], storage, group), hidden)
+
+
+def _pad(x: np.ndarray, n: int, value=0) -> np.ndarray:
+  """x padded along axis 0 to n rows with `value`."""
+  return np.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
 class ReuseRunner:
@@ -189,13 +216,15 @@ class ReuseRunner:
     return key
 
   # ---------------------------------------------------------------------- prefill
-  def prefill(self, ids, spans: Sequence[tuple[int, int]] = (), *, store: bool = True) -> Prefill:
+  def prefill(self, ids, spans: Sequence[tuple[int, int]] | None = None, *,
+              store: bool = True) -> Prefill:
     """Prefills `ids` with reuse (see the module docstring); the sequence stays
     live for `decode` until `release`.
 
     Args:
       ids: the prompt's token ids.
-      spans: structural spans [(lo, hi)] (tool schemas, documents, tool outputs).
+      spans: structural spans [(lo, hi)] (tool schemas, documents, tool outputs);
+        None: the prompt's lines (`index.line_spans`).
       store: store the prompt's fully computed runs afterwards.
     """
     ids = np.asarray(ids, np.int32)
@@ -206,6 +235,8 @@ class ReuseRunner:
       raise ValueError(f"prompt of {n} tokens does not fit the cache's max_seq_len "
                        f"{self.max_len}")
     t0 = time.perf_counter()
+    if spans is None:
+      spans = line_spans(ids, self.tok, self.reuse.min_tokens) if self.segments else []
     L = self.cfg.num_layers
     seq = self.alloc.new_sequence()
     hit = self.radix.adopt_prefix(seq, ids[:n - 1]) if self.radix is not None else 0
@@ -339,12 +370,16 @@ class ReuseRunner:
     every = np.arange(rest)
     plain = not np.any(resume) and not np.any(blend)
     hidden_in = None
-    if hidden_rows:
-      x = _embed(self.graphdef, self.weights, tokens_d)
-      for b, parts in hidden_rows.items():
-        for where, h, rows in parts:
-          x = x.at[0, where].set(quant.dequantize(h, x.dtype)[rows])
-      hidden_in = x
+    if hidden_rows:                          # boundary states as the tokens' hidden input
+      parts = [(where, h, rows) for b in sorted(hidden_rows) for where, h, rows in hidden_rows[b]]
+      where = np.concatenate([p[0] for p in parts])
+      nb = plan.chunk_len(where.size)
+      q = _pad(np.concatenate([np.asarray(h.q)[rows] for _, h, rows in parts]), nb)
+      sc = (None if parts[0][1].scale is None else
+            _pad(np.concatenate([np.asarray(h.scale)[rows] for _, h, rows in parts]), nb))
+      hidden_in = _inject(_embed(self.graphdef, self.weights, tokens_d),
+                          jnp.asarray(_pad(where, nb, c_len).astype(np.int32)),
+                          quant.Packed(jnp.asarray(q), None if sc is None else jnp.asarray(sc)))
     sets = [every[resume <= l] for l in range(L)]
     bl = self.reuse.blend_layer
     if plain:
@@ -362,8 +397,8 @@ class ReuseRunner:
           attn_impl=self.driver.attn_impl, return_logits=True)
       self._cuts_out = out.hidden_cuts
     else:                                    # blend: probe pass, then the rest
-      slots_all = smap[hit:hit + rest]
-      before = _keys_at(self.driver.kv, jnp.asarray(slots_all), bl)
+      slots_all = jnp.asarray(_pad(smap[hit:hit + rest], c_len, SENTINEL))
+      before = _keys_at(self.driver.kv, slots_all, bl)
       first = [np.union1d(s, every[blend]) if l <= bl else s for l, s in enumerate(sets)]
       cuts1 = tuple(c for c in cuts if c <= bl + 1)
       out1, self.driver.kv = chunk_step(
@@ -371,10 +406,8 @@ class ReuseRunner:
           window=LayerWindow(hidden_in=hidden_in, start=0, stop=bl + 1),
           capture=Capture(hidden_cuts=cuts1), recompute=self._index(first),
           attn_impl=self.driver.attn_impl, return_hidden=True)
-      after = _keys_at(self.driver.kv, jnp.asarray(slots_all), bl)
-      dev = np.asarray(jax.device_get(
-          jnp.linalg.norm((after - before).reshape(rest, -1), axis=-1)
-          / jnp.maximum(jnp.linalg.norm(before.reshape(rest, -1), axis=-1), 1e-6)))
+      after = _keys_at(self.driver.kv, slots_all, bl)
+      dev = np.asarray(jax.device_get(_deviation(before, after)))[:rest]
       chosen = np.zeros(rest, bool)
       for m, seg, d, rec in admitted:
         if not d.blend:
@@ -429,15 +462,20 @@ class ReuseRunner:
         regions.append((int(lo), int(hi), False))
     stored = 0
     for lo, hi, structural in regions:
-      slots = jnp.asarray(smap[lo:hi])
-      k, v = jax.device_get(_pack_rows(self.driver.kv, slots, self.reuse.storage,
-                                       self.reuse.group_size, self.kv_layers))
+      nb = plan.chunk_len(hi - lo)
+      slots = jnp.asarray(_pad(smap[lo:hi], nb, SENTINEL))
+      rows = jnp.asarray(_pad(np.arange(lo - hit, hi - hit, dtype=np.int32), nb))
+      k, v, h = jax.device_get(_pack_rows(self.driver.kv, slots, self._cuts_out, rows,
+                                          self.reuse.storage, self.reuse.group_size,
+                                          self.kv_layers))
+      cut = lambda p, axis: quant.Packed(np.take(p.q, np.arange(hi - lo), axis),
+                                         None if p.scale is None else
+                                         np.take(p.scale, np.arange(hi - lo), axis))
+      k, v = cut(k, 1), cut(v, 1)
       hidden = {}
-      if self._cuts_out is not None:
-        rows = self._cuts_out[:, 0, lo - hit:hi - hit]
+      if h is not None:
         for i, b in enumerate(self.cuts):
-          hidden[b] = jax.device_get(quant.quantize(rows[i], self.reuse.storage,
-                                                    self.reuse.group_size))
+          hidden[b] = cut(quant.Packed(h.q[i], None if h.scale is None else h.scale[i]), 0)
       seg = Segment(ids=ids[lo:hi].copy(), left=ids[:lo].copy(),
                     positions=np.arange(lo, hi, dtype=np.int32), k=k, v=v, hidden=hidden,
                     fingerprint=self.fingerprint, structural=structural,
@@ -446,9 +484,11 @@ class ReuseRunner:
     return stored
 
   # ----------------------------------------------------------------------- decode
-  def decode(self, pre: Prefill, max_tokens: int, *, forced=None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Greedy continuation of a prefilled sequence: (tokens [max_tokens],
-    log p(forced) [max_tokens] when `forced` is given: teacher forcing)."""
+  def decode(self, pre: Prefill, max_tokens: int, *, forced=None,
+             stop_ids=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Greedy continuation of a prefilled sequence: (tokens [<= max_tokens],
+    log p(forced) [max_tokens] when `forced` is given: teacher forcing).
+    With `stop_ids`, the tokens end at the first stop token (included)."""
     n = pre.ids.size
     if n + max_tokens > self.max_len:
       raise ValueError(f"{n} + {max_tokens} tokens exceed max_seq_len {self.max_len}")
@@ -460,9 +500,13 @@ class ReuseRunner:
     if forced is not None:
       forced = np.asarray(forced, np.int32)
       f = jnp.asarray(np.r_[forced[1:], forced[-1:]][:max_tokens, None])
+    stops = None if stop_ids is None else jnp.asarray(np.asarray(list(stop_ids), np.int32))
     out = self.driver.decode([first], [n], jnp.asarray(plan.slot_rows([smap], width)),
-                             [max_tokens], num_steps=max_tokens, forced=f)
+                             [max_tokens], num_steps=max_tokens, forced=f, stop_ids=stops)
     toks = np.r_[first, np.asarray(out.tokens)[:max_tokens - 1, 0]].astype(np.int32)
+    if stop_ids is not None:
+      hit = np.flatnonzero(np.isin(toks, np.asarray(list(stop_ids))))
+      toks = toks[:hit[0] + 1] if hit.size else toks
     lp = None
     if forced is not None:
       first_lp = float(jax.nn.log_softmax(jnp.asarray(pre.logits))[forced[0]])

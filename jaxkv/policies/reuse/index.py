@@ -38,20 +38,38 @@ from datasketch import MinHash, MinHashLSH
 from jaxkv.config import ReuseConfig
 
 _DIGITS = re.compile(r"\d")
+_TEXT_CACHE: dict[int, list[str]] = {}
 _CANON_CACHE: dict[int, list[str | None]] = {}
 
 
+def _token_texts(tokenizer) -> list[str]:
+  """Every token id's decoded text (a decode per vocabulary entry, ~1 s, cached)."""
+  key = id(tokenizer)
+  if key not in _TEXT_CACHE:
+    _TEXT_CACHE[key] = [tokenizer.decode([i], skip_special_tokens=False)
+                        for i in range(tokenizer.vocab_size)]
+  return _TEXT_CACHE[key]
+
+
 def canonical_table(tokenizer) -> list[str | None]:
-  """Per token id its canonical string (None: whitespace only). Built once per
-  tokenizer (a decode per vocabulary entry, ~1 s) and cached."""
+  """Per token id its canonical string (None: whitespace only), cached per tokenizer."""
   key = id(tokenizer)
   if key not in _CANON_CACHE:
-    table: list[str | None] = []
-    for i in range(tokenizer.vocab_size):
-      s = _DIGITS.sub("0", tokenizer.decode([i], skip_special_tokens=False).strip().lower())
-      table.append(s or None)
-    _CANON_CACHE[key] = table
+    _CANON_CACHE[key] = [_DIGITS.sub("0", t.strip().lower()) or None
+                         for t in _token_texts(tokenizer)]
   return _CANON_CACHE[key]
+
+
+def line_spans(ids, tokenizer, min_tokens: int = 1) -> list[tuple[int, int]]:
+  """Structural spans of a prompt known only by its ids: the runs between tokens
+  that contain a line break (one tool schema, document line or message line
+  each), at least `min_tokens` long. What the runner uses when the caller gives
+  no spans (serve.py's reuse mode)."""
+  texts = _token_texts(tokenizer)
+  ids = np.asarray(ids)
+  brk = np.asarray([0 <= t < len(texts) and "\n" in texts[t] for t in ids.tolist()], bool)
+  edges = np.flatnonzero(np.diff(np.r_[1, brk.astype(np.int8), 1]))
+  return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]) if b - a >= min_tokens]
 
 
 def canonical(ids, table: Sequence[str | None]) -> tuple[list[str], np.ndarray]:
