@@ -383,10 +383,7 @@ def main(argv):
   if not FLAGS.traces and not FLAGS.env:
     raise app.UsageError("give --traces (next-call accuracy; make one with "
                          "scripts/make_traces.py) or --env (closed loop)")
-  names = FLAGS.methods.split(",")
-  unknown = sorted(set(names) - set(METHODS))
-  if unknown:
-    raise app.UsageError(f"unknown methods {unknown}; known: {sorted(METHODS)}")
+  names = common.method_names(FLAGS.methods, METHODS)
   env = None
   if FLAGS.env:
     kwargs = {}

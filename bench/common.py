@@ -63,6 +63,16 @@ def print_tables(tables: Sequence[Table]) -> None:
     print(t.markdown())
 
 
+def method_names(csv: str, known, hint: str = "") -> list[str]:
+  """The comma list of a --methods flag, or a usage error naming the unknown ones."""
+  from absl import app
+  names = csv.split(",")
+  unknown = sorted(set(names) - set(known))
+  if unknown:
+    raise app.UsageError(f"unknown methods {unknown}{hint}; known: {sorted(known)}")
+  return names
+
+
 def print_tables_from(path: str, tables) -> None:
   """Prints `tables(rows)` of a results JSON written by `write_rows` (--tables_from)."""
   with open(path) as f:

@@ -153,10 +153,7 @@ def main(argv):
   if args.head and set(names) & set(LEARNABLE):
     head = artifacts.load_pruner_head(args.head, model_name=args.model)
     methods.update(LEARNABLE)
-  unknown = sorted(set(names) - set(methods))
-  if unknown:
-    raise app.UsageError(f"unknown methods {unknown} (learnable ones need --head); "
-                         f"known: {sorted(methods)}")
+  common.method_names(",".join(names), methods, " (learnable ones need --head)")
   sessions = []
   for s in traces.load_toolbench(args.traces):
     msgs, tools = traces.session_chat(s, llm.tokenizer)

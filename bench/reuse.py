@@ -113,7 +113,10 @@ def serve(runner: ReuseRunner, req, gen: int, clock: CompileClock, quality: bool
   return out
 
 
-def run_method(llm, name: str, requests, ref, clock: CompileClock) -> dict:
+def run_method(llm, name: str, requests, ref, clock: CompileClock,
+               hardware: tuple[float, float]) -> tuple[dict, list[dict]]:
+  """One method over the workload: (its row, each request's outputs). `ref`: the
+  outputs of `none` (None: this is none); hardware: (FLOP/s, bytes/s) for break-even."""
   cfg = ReuseConfig(storage=FLAGS.storage, **METHODS[name])
   need = max(r.ids.size for r in requests) + max(FLAGS.gen, GOLD) + 16
   cache = CacheConfig(num_pages=max(1024, 4 * need // 16), page_size=16,
@@ -126,22 +129,21 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock) -> dict:
   del warm
   runner = ReuseRunner(llm, cfg, cache=cache)
   tiers = collections.Counter()
-  per = []
+  per, outs = [], []
   t0 = time.perf_counter()
   for i, req in enumerate(requests):
     out = serve(runner, req, FLAGS.gen, clock)
     pre = out["pre"]
     for run in pre.runs:
       tiers[run.tier] += 1
-    base = ref[i] if ref is not None else out
+    base = out if ref is None else ref[i]
     per.append(dict(
         ttft=out["ttft"], compile_s=out["compile_s"], tokens=pre.prefill_tokens,
         flops=pre.flops, full_flops=base["pre"].flops, hit=pre.prefix_hit,
         moved=pre.bytes_spliced, kl=_kl(base["pre"].logits, pre.logits),
         dnll=out["nll"] - base["nll"], agree=int(np.sum(out["greedy"] == base["greedy"])),
         n=int(pre.ids.size), reused=int(sum(r.n for r in pre.runs if r.tier != "reject"))))
-    if ref is None and name == "none":
-      requests[i].ref = out
+    outs.append(out)
     print(f"  {name} {i + 1}/{len(requests)} ttft={out['ttft']:.2f}s "
           f"tok={pre.prefill_tokens:.0f}/{pre.ids.size} runs="
           f"{','.join(r.tier for r in pre.runs) or '-'}", flush=True)
@@ -149,9 +151,8 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock) -> dict:
   be = []
   if len(runner.store):
     fl = layer_flops(llm.config, 1, 0)
-    gf, bw = common.matmul_gflops() * 1e9, common.copy_bandwidth_gbs() * 1e9
-    be = [store_lib.break_even(runner.store.peek(k), L, fl, flops_per_s=gf,
-                               bytes_per_s=bw).reuses for k in runner.store.keys()]
+    be = [store_lib.break_even(runner.store.peek(k), L, fl, flops_per_s=hardware[0],
+                               bytes_per_s=hardware[1]).reuses for k in runner.store.keys()]
   k = sum(p["agree"] for p in per)
   n = FLAGS.gen * len(per)
   lo, hi = calls.wilson(k, n)
@@ -165,7 +166,7 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock) -> dict:
       greedy_ci=[lo, hi], bytes_stored=int(runner.store.nbytes), bytes_moved=int(
           sum(p["moved"] for p in per)), segments=len(runner.store),
       break_even_median=float(np.median(be)) if be else None, n_requests=len(per),
-      storage=FLAGS.storage, wall_s=time.perf_counter() - t0)
+      storage=FLAGS.storage, wall_s=time.perf_counter() - t0), outs
 
 
 def tables(rows: list[dict]) -> list[common.Table]:
@@ -204,10 +205,7 @@ def main(argv):
   if not FLAGS.traces:
     raise app.UsageError("give --traces (a ToolBench-format file; make one with "
                          "scripts/make_traces.py)")
-  names = FLAGS.methods.split(",")
-  unknown = sorted(set(names) - set(METHODS))
-  if unknown:
-    raise app.UsageError(f"unknown methods {unknown}; known: {list(METHODS)}")
+  names = common.method_names(FLAGS.methods, METHODS)
   llm = jaxkv.load(FLAGS.model)
   sessions = traces.load_toolbench(FLAGS.traces)
   requests = reuse_workloads.tool_subset(sessions, llm.tokenizer, FLAGS.requests,
@@ -217,18 +215,19 @@ def main(argv):
   rows = []
   if FLAGS.out and os.path.exists(FLAGS.out):
     with open(FLAGS.out) as f:
-      rows = [r for r in json.load(f) if r["workload"] != FLAGS.workload or r["method"] in names]
+      rows = json.load(f)
   have = {(r["method"], r["workload"]) for r in rows}
   clock = CompileClock()
+  hardware = (common.matmul_gflops() * 1e9, common.copy_bandwidth_gbs() * 1e9)
   order = ["none"] + [m for m in names if m != "none"]      # none is every drift's reference
   ref = None
   for name in order:
     if (name, FLAGS.workload) in have and name != "none":
       continue
-    row = run_method(llm, name, requests, ref, clock)
+    row, outs = run_method(llm, name, requests, ref, clock, hardware)
     jax.clear_caches()     # each method compiles its own shapes: free the executables
     if name == "none":
-      ref = [r.ref for r in requests]
+      ref = outs
     if (name, FLAGS.workload) not in have and name in names:
       rows.append(row)
       common.write_rows(FLAGS.out, rows)

@@ -40,8 +40,10 @@ def _runner(llm, method, **kw):
   return ReuseRunner(llm, ReuseConfig(method=method, **kw), cache=CACHE, attn_impl="reference")
 
 
-def _serve(runner, prompt, **kw):
-  out = runner.prefill(prompt, **kw)
+def _serve(runner, prompt, spans=()):
+  """One request. No structural spans: random ids that happen to decode to a line
+  break would otherwise split the runs (`index.line_spans`, the default)."""
+  out = runner.prefill(prompt, spans)
   runner.release(out.seq)
   return out
 
@@ -261,16 +263,16 @@ def test_corrupt_or_mismatched_segments_are_never_spliced(llm):
 def test_decode_after_exact_reuse_matches_no_reuse(llm):
   p1, p2, _ = _prompts()
   base = _runner(llm, "none")
-  pre = base.prefill(p2)
+  pre = base.prefill(p2, ())
   want, _ = base.decode(pre, 8)
   r = _runner(llm, "tiered")
   _serve(r, p1)
   r.radix.clear()
-  pre = r.prefill(p2)
+  pre = r.prefill(p2, ())
   got, lp = r.decode(pre, 8, forced=want)
   np.testing.assert_array_equal(got[0], want[0])
   assert np.all(np.isfinite(lp)) and lp.shape == (8,)
-  pre2 = r.prefill(p2)                               # the radix prefix now, then greedy
+  pre2 = r.prefill(p2, ())                               # the radix prefix now, then greedy
   np.testing.assert_array_equal(r.decode(pre2, 8)[0], want)
 
 

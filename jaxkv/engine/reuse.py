@@ -42,8 +42,9 @@ from flax import nnx
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, ReuseConfig
 from jaxkv.engine.driver import Driver, chunk_step
 from jaxkv.kv import plan, quant, splice
+from jaxkv.kv import radix as radix_lib
 from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow, Recompute
@@ -143,9 +144,12 @@ def _pack_rows(pool, slots, cuts, rows, storage: str, group: int, layers: int):
           quant.quantize(pool.v[:layers, slots], storage, group), hidden)
 
 
-def _pad(x: np.ndarray, n: int, value=0) -> np.ndarray:
-  """x padded along axis 0 to n rows with `value`."""
-  return np.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+def _pad(x, n: int, value=0, axis: int = 0) -> np.ndarray:
+  """x padded along `axis` to length n with `value`."""
+  x = np.asarray(x)
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  return np.pad(x, widths, constant_values=value)
 
 
 class ReuseRunner:
@@ -182,28 +186,17 @@ class ReuseRunner:
       self.kv_layers = L
     self.segments = reuse.method in SEGMENT_METHODS
     self.inv_freq = delta_frequencies(self.cfg.rope, self.cfg.head_dim) if self.segments else None
-    self.table = canonical_table(self.tok) if self.segments else None
-    self.index = SegmentIndex(reuse, self.table) if self.segments else None
+    self.index = SegmentIndex(reuse, canonical_table(self.tok)) if self.segments else None
     self.store = SegmentStore(reuse.byte_budget, on_evict=self._forget)
     sample = np.asarray(jax.device_get(llm.model.embed[...][:4]), np.float32)
     vocab = self.tok.vocab_size
     tok_key = digest(vocab, [self.tok.id_to_token(i) for i in range(0, vocab, max(1, vocab // 512))])
     self.fingerprint = fingerprint(self.cfg, sample, tok_key, adapter)
-    self._last_out = self._cuts_out = None
 
   # ------------------------------------------------------------------ bookkeeping
   def _forget(self, key: int) -> None:
     if self.index is not None:
       self.index.remove(key)
-
-  def _reserve(self, seq: int, n: int) -> np.ndarray:
-    try:
-      return self.alloc.extend(seq, n)
-    except OutOfSlotsError:
-      if self.radix is None:
-        raise
-      self.radix.evict(max(n, self.radix.num_cached_tokens // 4))
-      return self.alloc.extend(seq, n)
 
   def release(self, seq: int) -> None:
     self.alloc.free_sequence(seq)
@@ -241,7 +234,7 @@ class ReuseRunner:
     seq = self.alloc.new_sequence()
     hit = self.radix.adopt_prefix(seq, ids[:n - 1]) if self.radix is not None else 0
     rest = n - hit
-    self._reserve(seq, rest)
+    radix_lib.reserve(self.alloc, self.radix, seq, rest)
     smap = self.alloc.slot_map(seq)
     c_len = plan.chunk_len(rest, plan.chunk_len(n))
     chunk_ids = ids[hit:]
@@ -249,9 +242,7 @@ class ReuseRunner:
     # 2-3: matches and admission
     runs, admitted = [], []
     if self.segments and len(self.store):
-      segs = {k: self.store.peek(k) for k in self.store.keys()}
-      matches = self.index.find(ids, spans, {k: s.ids for k, s in segs.items()},
-                                {k: s.left for k, s in segs.items()}, lo=hit)
+      matches = self.index.find(ids, spans, self.store.peek, lo=hit)
       # the last prompt token is always computed: its logits are the readout
       matches = [m if m.p_lo + m.n < n else dataclasses.replace(m, n=n - 1 - m.p_lo)
                  for m in matches]
@@ -263,7 +254,6 @@ class ReuseRunner:
              admission.decide(m, seg, self.reuse, L))
         runs.append(RunRecord(m.p_lo, m.n, d.tier, d.reason, m.ctx_match, m.ctx_jaccard))
         if d.accepted:
-          seg.hits += 1
           admitted.append((m, seg, d, runs[-1]))
 
     # 4: per-token plan (chunk coordinates) and the splice
@@ -277,9 +267,7 @@ class ReuseRunner:
       for m, seg, d, _ in admitted:
         lo = m.p_lo - hit
         part = seg.rows(m.s_lo, m.s_lo + m.n)
-        r = (np.full(m.n, d.resume, np.int64) if d.guard is None else
-             admission.guarded_resume(seg, d.guard, m.n, self.reuse, L))
-        r[:min(d.epic, m.n)] = 0
+        r = d.resume_of(m.n)
         resume[lo:lo + m.n] = r
         spliced[lo:lo + m.n] = True
         blend[lo:lo + m.n] = d.blend
@@ -295,9 +283,8 @@ class ReuseRunner:
       self._splice(ks, vs, pos, dest, newpos)
 
     # 5: the chunk, with the recompute plan
-    layer_tokens, flops_ctx = self._run(ids, hit, chunk_ids, c_len, smap, resume, blend,
-                                        hidden_rows, admitted, runs)
-    out = self._last_out
+    out, cuts_out, layer_tokens, flops_ctx = self._run(hit, chunk_ids, c_len, smap, resume,
+                                                       blend, hidden_rows, admitted)
     logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
     ttft = time.perf_counter() - t0
     flops = flops_ctx + 2.0 * self.cfg.hidden_size * self.cfg.vocab_size
@@ -315,60 +302,50 @@ class ReuseRunner:
     if self.radix is not None:
       self.radix.insert(ids[:exact_to], smap[:exact_to])
     if store and self.segments:
-      res.stored = self._store_runs(ids, hit, smap, ~spliced, spans, exact_to)
+      res.stored = self._store_runs(ids, hit, smap, ~spliced, spans, exact_to, cuts_out)
     res.store_s = time.perf_counter() - t1
-    self._last_out = self._cuts_out = None
     return res
 
-  def _splice(self, ks, vs, pos, dest, newpos) -> int:
+  def _splice(self, ks, vs, pos, dest, newpos) -> None:
     """One jitted splice of every admitted run (rows padded to a bucket)."""
-    n = sum(x.size for x in pos)
-    width = plan.chunk_len(n, plan.chunk_len(n))
-    def cat(parts, axis):
-      return np.concatenate([np.asarray(p) for p in parts], axis=axis)
-    def pad(x, axis, value=0):
-      widths = [(0, 0)] * x.ndim
-      widths[axis] = (0, width - x.shape[axis])
-      return np.pad(x, widths, constant_values=value)
+    width = plan.chunk_len(sum(x.size for x in pos))
+    def cat(parts, axis=0, value=0):
+      return jnp.asarray(_pad(np.concatenate([np.asarray(p) for p in parts], axis), width,
+                              value, axis))
     def packed(parts):
-      q = pad(cat([p.q for p in parts], 1), 1)
-      s = None if parts[0].scale is None else pad(cat([p.scale for p in parts], 1), 1)
-      return quant.Packed(jnp.asarray(q), None if s is None else jnp.asarray(s))
+      return quant.Packed(cat([p.q for p in parts], 1),
+                          None if parts[0].scale is None else cat([p.scale for p in parts], 1))
     L = self.cfg.num_layers
     k, v = packed(ks), packed(vs)
     if k.q.shape[0] < L:                      # regime B: no K/V above L_reuse (recomputed)
       grow = lambda a: jnp.pad(a, [(0, L - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
       k = quant.Packed(grow(k.q), None if k.scale is None else grow(k.scale))
       v = quant.Packed(grow(v.q), None if v.scale is None else grow(v.scale))
-    self.driver.kv = _splice_packed(
-        self.driver.kv, k, v, jnp.asarray(pad(cat(pos, 0), 0)),
-        jnp.asarray(pad(cat(dest, 0), 0, SENTINEL)), jnp.asarray(pad(cat(newpos, 0), 0)),
-        self.inv_freq)
-    return n
+    self.driver.kv = _splice_packed(self.driver.kv, k, v, cat(pos), cat(dest, value=SENTINEL),
+                                    cat(newpos), self.inv_freq)
 
-  def _index(self, sets: list[np.ndarray]) -> Recompute:
-    """[L, 1, R] recompute index from per-layer chunk-index sets (-1 padding)."""
-    r = plan.chunk_len(max(1, max(s.size for s in sets)))
+  def _index(self, sets: list[np.ndarray], lo: int = 0, hi: int | None = None) -> Recompute:
+    """[L, 1, R] recompute index from per-layer chunk-index sets (-1 padding) for a
+    pass over layers [lo, hi): R is the largest set among those layers only."""
+    hi = len(sets) if hi is None else hi
+    r = plan.chunk_len(max(1, max(s.size for s in sets[lo:hi])))
     idx = np.full((len(sets), 1, r), -1, np.int32)
-    for l, s in enumerate(sets):
-      idx[l, 0, :s.size] = s
+    for l in range(lo, hi):
+      idx[l, 0, :sets[l].size] = sets[l]
     return Recompute(jnp.asarray(idx))
 
-  def _run(self, ids, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted, runs):
-    """Step 5 (see the module docstring); leaves the readout in self._last_out and the
-    captured boundary states in self._cuts_out. Returns (layer_tokens, FLOPs)."""
+  def _run(self, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted):
+    """Step 5 (see the module docstring). Returns (the readout, the boundary states
+    captured [K, 1, C, D] or None, tokens computed per layer [L], FLOPs)."""
     L, rest = self.cfg.num_layers, chunk_ids.size
-    tokens = np.zeros((1, c_len), np.int32)
-    tokens[0, :rest] = chunk_ids
-    positions = np.full((1, c_len), -1, np.int32)
-    positions[0, :rest] = hit + np.arange(rest)
-    width = plan.width(hit + rest)
-    smap_w = jnp.asarray(plan.slot_rows([smap], width))
-    tokens_d, positions_d = jnp.asarray(tokens), jnp.asarray(positions)
+    tokens = jnp.asarray(_pad(chunk_ids, c_len)[None])
+    positions = jnp.asarray(_pad(hit + np.arange(rest, dtype=np.int32), c_len, -1)[None])
+    smap_w = jnp.asarray(plan.slot_rows([smap], plan.width(hit + rest)))
     read = jnp.asarray([[rest - 1]], np.int32)
     cuts = self.cuts if self.segments else ()
-    every = np.arange(rest)
-    plain = not np.any(resume) and not np.any(blend)
+    step = functools.partial(chunk_step, self.graphdef, self.weights, tokens=tokens,
+                             positions=positions, slot_map=smap_w,
+                             attn_impl=self.driver.attn_impl)
     hidden_in = None
     if hidden_rows:                          # boundary states as the tokens' hidden input
       parts = [(where, h, rows) for b in sorted(hidden_rows) for where, h, rows in hidden_rows[b]]
@@ -377,73 +354,66 @@ class ReuseRunner:
       q = _pad(np.concatenate([np.asarray(h.q)[rows] for _, h, rows in parts]), nb)
       sc = (None if parts[0][1].scale is None else
             _pad(np.concatenate([np.asarray(h.scale)[rows] for _, h, rows in parts]), nb))
-      hidden_in = _inject(_embed(self.graphdef, self.weights, tokens_d),
+      hidden_in = _inject(_embed(self.graphdef, self.weights, tokens),
                           jnp.asarray(_pad(where, nb, c_len).astype(np.int32)),
                           quant.Packed(jnp.asarray(q), None if sc is None else jnp.asarray(sc)))
-    sets = [every[resume <= l] for l in range(L)]
+    every = np.arange(rest)
     bl = self.reuse.blend_layer
-    if plain:
-      out, self.driver.kv = chunk_step(
-          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
-          read=read, capture=Capture(hidden_cuts=cuts), attn_impl=self.driver.attn_impl,
-          return_logits=True)
-      self._cuts_out = out.hidden_cuts
-    elif not np.any(blend) or bl + 1 >= L:
-      out, self.driver.kv = chunk_step(
-          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
-          read=read, window=LayerWindow(hidden_in=hidden_in), capture=Capture(hidden_cuts=cuts),
-          recompute=self._index([np.union1d(s, every[blend]) if l <= bl else s
-                                 for l, s in enumerate(sets)]),
-          attn_impl=self.driver.attn_impl, return_logits=True)
-      self._cuts_out = out.hidden_cuts
-    else:                                    # blend: probe pass, then the rest
+    # layer l recomputes the tokens resuming at or below it, and blend runs up to the probe
+    sets = [np.union1d(every[resume <= l], every[blend]) if l <= bl else every[resume <= l]
+            for l in range(L)]
+    if not resume.any() and not blend.any():         # nothing reused: the plain prefill
+      out, self.driver.kv = step(kv=self.driver.kv, read=read,
+                                 capture=Capture(hidden_cuts=cuts), return_logits=True)
+      cuts_out = out.hidden_cuts
+    elif not blend.any() or bl + 1 >= L:             # one pass
+      out, self.driver.kv = step(kv=self.driver.kv, read=read,
+                                 window=LayerWindow(hidden_in=hidden_in),
+                                 capture=Capture(hidden_cuts=cuts), recompute=self._index(sets),
+                                 return_logits=True)
+      cuts_out = out.hidden_cuts
+    else:                                            # blend: the probe pass, then the rest
       slots_all = jnp.asarray(_pad(smap[hit:hit + rest], c_len, SENTINEL))
       before = _keys_at(self.driver.kv, slots_all, bl)
-      first = [np.union1d(s, every[blend]) if l <= bl else s for l, s in enumerate(sets)]
-      cuts1 = tuple(c for c in cuts if c <= bl + 1)
-      out1, self.driver.kv = chunk_step(
-          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
-          window=LayerWindow(hidden_in=hidden_in, start=0, stop=bl + 1),
-          capture=Capture(hidden_cuts=cuts1), recompute=self._index(first),
-          attn_impl=self.driver.attn_impl, return_hidden=True)
+      out1, self.driver.kv = step(kv=self.driver.kv,
+                                  window=LayerWindow(hidden_in=hidden_in, start=0, stop=bl + 1),
+                                  capture=Capture(hidden_cuts=tuple(c for c in cuts if c <= bl + 1)),
+                                  recompute=self._index(sets, 0, bl + 1), return_hidden=True)
       after = _keys_at(self.driver.kv, slots_all, bl)
-      dev = np.asarray(jax.device_get(_deviation(before, after)))[:rest]
-      chosen = np.zeros(rest, bool)
-      for m, seg, d, rec in admitted:
-        if not d.blend:
-          continue
-        lo = m.p_lo - hit
-        dv = dev[lo:lo + m.n]
-        rec.deviation = float(dv.mean())
-        if self.reuse.probe_reject and rec.deviation > self.reuse.probe_reject:
-          chosen[lo:lo + m.n] = True                   # a full recompute
-          rec.tier, rec.reason = "reject", (f"probe: mean K deviation {rec.deviation:.3f} > "
-                                            f"{self.reuse.probe_reject}")
-          continue
-        top = int(np.ceil(self.reuse.blend_ratio * m.n))
-        chosen[lo + np.argsort(-dv)[:top]] = True
-      second = [np.union1d(s, every[chosen]) if l > bl else s for l, s in enumerate(sets)]
-      cuts2 = tuple(c for c in cuts if c > bl + 1)
-      out, self.driver.kv = chunk_step(
-          self.graphdef, self.weights, self.driver.kv, tokens_d, positions_d, smap_w,
-          read=read, window=LayerWindow(hidden_in=out1.hidden, start=bl + 1),
-          capture=Capture(hidden_cuts=cuts2), recompute=self._index(second),
-          attn_impl=self.driver.attn_impl, return_logits=True)
+      chosen = self._blend_choice(np.asarray(jax.device_get(_deviation(before, after)))[:rest],
+                                  hit, admitted)
+      sets = [s if l <= bl else np.union1d(s, every[chosen]) for l, s in enumerate(sets)]
+      out, self.driver.kv = step(kv=self.driver.kv, read=read,
+                                 window=LayerWindow(hidden_in=out1.hidden, start=bl + 1),
+                                 capture=Capture(hidden_cuts=tuple(c for c in cuts if c > bl + 1)),
+                                 recompute=self._index(sets, bl + 1), return_logits=True)
       parts = [p for p in (out1.hidden_cuts, out.hidden_cuts) if p is not None]
-      self._cuts_out = jnp.concatenate(parts) if parts else None
-      sets = [first[l] if l <= bl else second[l] for l in range(L)]
-    self._last_out = out
-    if plain:
-      sets = [every] * L
-    elif not np.any(blend) or bl + 1 >= L:
-      sets = [np.union1d(s, every[blend]) if l <= bl else s for l, s in enumerate(sets)]
+      cuts_out = jnp.concatenate(parts) if parts else None
     layer_tokens = np.asarray([s.size for s in sets], np.int64)
     pos = hit + np.arange(rest, dtype=np.float64) + 1
     flops = sum(layer_flops(self.cfg, s.size, pos[s].sum()) for s in sets)
-    return layer_tokens, flops
+    return out, cuts_out, layer_tokens, flops
+
+  def _blend_choice(self, dev, hit, admitted) -> np.ndarray:
+    """[rest] bool: the tokens each blend run recomputes after the probe (its top
+    `blend_ratio` by key deviation; all of it when `probe_reject` turns it down)."""
+    chosen = np.zeros(dev.size, bool)
+    for m, _, d, rec in admitted:
+      if not d.blend:
+        continue
+      lo = m.p_lo - hit
+      dv = dev[lo:lo + m.n]
+      rec.deviation = float(dv.mean())
+      if self.reuse.probe_reject and rec.deviation > self.reuse.probe_reject:
+        chosen[lo:lo + m.n] = True                   # a full recompute
+        rec.tier, rec.reason = "reject", (f"probe: mean K deviation {rec.deviation:.3f} > "
+                                          f"{self.reuse.probe_reject}")
+        continue
+      chosen[lo + np.argsort(-dv)[:int(np.ceil(self.reuse.blend_ratio * m.n))]] = True
+    return chosen
 
   # ------------------------------------------------------------------------ store
-  def _store_runs(self, ids, hit, smap, fresh, spans, exact_to) -> int:
+  def _store_runs(self, ids, hit, smap, fresh, spans, exact_to, cuts_out) -> int:
     """Stores the fully computed runs of this prompt (structural spans whole,
     gaps between them); returns how many were stored. Runs ending after
     `exact_to` attended to approximate K/V: stored with exact=False."""
@@ -465,17 +435,13 @@ class ReuseRunner:
       nb = plan.chunk_len(hi - lo)
       slots = jnp.asarray(_pad(smap[lo:hi], nb, SENTINEL))
       rows = jnp.asarray(_pad(np.arange(lo - hit, hi - hit, dtype=np.int32), nb))
-      k, v, h = jax.device_get(_pack_rows(self.driver.kv, slots, self._cuts_out, rows,
+      k, v, h = jax.device_get(_pack_rows(self.driver.kv, slots, cuts_out, rows,
                                           self.reuse.storage, self.reuse.group_size,
                                           self.kv_layers))
-      cut = lambda p, axis: quant.Packed(np.take(p.q, np.arange(hi - lo), axis),
-                                         None if p.scale is None else
-                                         np.take(p.scale, np.arange(hi - lo), axis))
-      k, v = cut(k, 1), cut(v, 1)
-      hidden = {}
-      if h is not None:
-        for i, b in enumerate(self.cuts):
-          hidden[b] = cut(quant.Packed(h.q[i], None if h.scale is None else h.scale[i]), 0)
+      hidden = {} if h is None else {
+          b: quant.Packed(h.q[i], None if h.scale is None else h.scale[i]).rows(0, 0, hi - lo)
+          for i, b in enumerate(self.cuts)}
+      k, v = k.rows(1, 0, hi - lo), v.rows(1, 0, hi - lo)
       seg = Segment(ids=ids[lo:hi].copy(), left=ids[:lo].copy(),
                     positions=np.arange(lo, hi, dtype=np.int32), k=k, v=v, hidden=hidden,
                     fingerprint=self.fingerprint, structural=structural,
@@ -492,7 +458,7 @@ class ReuseRunner:
     n = pre.ids.size
     if n + max_tokens > self.max_len:
       raise ValueError(f"{n} + {max_tokens} tokens exceed max_seq_len {self.max_len}")
-    self._reserve(pre.seq, max_tokens)
+    radix_lib.reserve(self.alloc, self.radix, pre.seq, max_tokens)
     smap = self.alloc.slot_map(pre.seq)
     width = plan.width(n + max_tokens)
     first = int(np.argmax(pre.logits)) if forced is None else int(forced[0])
@@ -500,12 +466,13 @@ class ReuseRunner:
     if forced is not None:
       forced = np.asarray(forced, np.int32)
       f = jnp.asarray(np.r_[forced[1:], forced[-1:]][:max_tokens, None])
-    stops = None if stop_ids is None else jnp.asarray(np.asarray(list(stop_ids), np.int32))
+    stops = None if stop_ids is None else np.asarray(sorted(stop_ids), np.int32)
     out = self.driver.decode([first], [n], jnp.asarray(plan.slot_rows([smap], width)),
-                             [max_tokens], num_steps=max_tokens, forced=f, stop_ids=stops)
+                             [max_tokens], num_steps=max_tokens, forced=f,
+                             stop_ids=None if stops is None else jnp.asarray(stops))
     toks = np.r_[first, np.asarray(out.tokens)[:max_tokens - 1, 0]].astype(np.int32)
-    if stop_ids is not None:
-      hit = np.flatnonzero(np.isin(toks, np.asarray(list(stop_ids))))
+    if stops is not None:
+      hit = np.flatnonzero(np.isin(toks, stops))
       toks = toks[:hit[0] + 1] if hit.size else toks
     lp = None
     if forced is not None:

@@ -48,7 +48,8 @@ from jaxkv.data import labels
 from jaxkv.engine.driver import Driver
 from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv import radix as radix_lib
+from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture
@@ -306,13 +307,7 @@ class SessionRunner:
 
   def _reserve(self, seq: int, n: int) -> None:
     """extend(seq, n), evicting LRU radix entries first when the pool is short."""
-    try:
-      self.alloc.extend(seq, n)
-    except OutOfSlotsError:
-      if self.radix is None:
-        raise
-      self.radix.evict(max(n, self.radix.num_cached_tokens // 4))
-      self.alloc.extend(seq, n)
+    radix_lib.reserve(self.alloc, self.radix, seq, n)
 
   def _advance_memory(self, session_id, p, q, hit, n):
     """(the session's QueryMemory before this request -- zeros for a new session --,

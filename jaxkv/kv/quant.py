@@ -85,9 +85,3 @@ def error_bound(x, group: int = 32) -> np.ndarray:
   bound = 0.5 * amax / 127.0 * (1 + 2.0 ** -11) + 1e-7 * amax
   return np.broadcast_to(bound, (*x.shape[:-1], d // g, g)).reshape(x.shape)
 
-
-def bytes_per_element(storage: str, group: int = 32, dim: int = 64) -> float:
-  """Stored bytes per value (int8: 1 + the float16 scale's share)."""
-  if storage == "int8":
-    return 1.0 + 2.0 / group_of(dim, group)
-  return float(np.dtype(STORAGE_DTYPES[storage]).itemsize)

@@ -51,11 +51,17 @@ class Decision:
   resume: int = 0
   epic: int = 0
   blend: bool = False
-  guard: int | None = None   # approx: m; per-token resume = `guarded_resume`
+  per_token: np.ndarray | None = None   # approx: each token's resume (`guarded_resume`)
 
   @property
   def accepted(self) -> bool:
     return self.tier != "reject"
+
+  def resume_of(self, n: int) -> np.ndarray:
+    """[n] the layer each token of the run is recomputed from (0: every layer)."""
+    r = np.full(n, self.resume, np.int64) if self.per_token is None else self.per_token.copy()
+    r[:min(self.epic, n)] = 0
+    return r
 
 
 def full_stack_resume(seg: Segment, num_layers: int) -> tuple[int, str]:
@@ -130,7 +136,7 @@ def decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Dec
       reused = int((resume > 0).sum())
       return Decision("approx", f"{m} identical context tokens before the run: {reused} of "
                       f"{match.n} tokens reuse layers < {int(resume.min())}..{int(resume.max())}",
-                      resume=int(resume.max()), guard=m)
+                      resume=int(resume.max()), per_token=resume)
     first = min(boundaries(seg, num_layers), default=num_layers)
     why.append(f"approx: {m} + {match.n - 1} identical context tokens < W_exact({first - 1}) "
                f"= {cfg.guard_window(first - 1)}")

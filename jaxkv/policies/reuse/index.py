@@ -122,7 +122,7 @@ def structural_spans(tokenizer, text: str, pieces: Sequence[str]) -> list[tuple[
   """Token ranges of `pieces` (tool schemas, message contents, documents) found in
   the rendered prompt `text`: the tokens lying wholly inside each piece's first
   occurrence at or after the previous piece."""
-  ids, offsets = tokenizer.encode_with_offsets(text)
+  _, offsets = tokenizer.encode_with_offsets(text)
   starts = np.asarray([o[0] for o in offsets])
   ends = np.asarray([o[1] for o in offsets])
   spans, at = [], 0
@@ -135,7 +135,6 @@ def structural_spans(tokenizer, text: str, pieces: Sequence[str]) -> list[tuple[
     if inside.size:
       spans.append((int(inside[0]), int(inside[-1]) + 1))
     at = c1
-  del ids
   return spans
 
 
@@ -235,16 +234,15 @@ class SegmentIndex:
     """(segment key, lo, hi) ranges whose signature passes tau_seg against ids."""
     return list(self.lsh.query(self.signature(ids)))
 
-  def find(self, prompt, spans: Sequence[tuple[int, int]], segment_ids, left_ids,
-           lo: int = 0) -> list[Match]:
+  def find(self, prompt, spans: Sequence[tuple[int, int]], lookup, lo: int = 0) -> list[Match]:
     """Matches of stored segments in prompt[lo:], non-overlapping, longest first.
 
     Args:
       prompt: the prompt's token ids.
       spans: structural spans (prompt index ranges) queried whole, besides the
         content-defined windows.
-      segment_ids: key -> that segment's ids; left_ids: key -> its exemplar's
-        left context ids (for the context match).
+      lookup: key -> the stored segment (its `.ids`, and `.left`, the exemplar's
+        left context, for the context match), e.g. `SegmentStore.peek`.
       lo: tokens before lo are already served (a radix prefix hit).
     """
     prompt = np.asarray(prompt, np.int32)
@@ -253,8 +251,8 @@ class SegmentIndex:
     found: dict[tuple[int, int, int], Match] = {}
     for p0, p1 in sorted(queries):
       for key, s0, s1 in self.query(prompt[p0:p1]):
-        run = align(prompt, p0, p1, segment_ids[key], s0, s1, self.cfg.shingle,
-                    self.cfg.min_tokens)
+        seg = lookup(key)
+        run = align(prompt, p0, p1, seg.ids, s0, s1, self.cfg.shingle, self.cfg.min_tokens)
         if run is None:
           continue
         ps, ss, n = run
@@ -262,15 +260,13 @@ class SegmentIndex:
           ss, n, ps = ss + lo - ps, n - (lo - ps), lo
         if n < self.cfg.min_tokens or (key, ps, ss) in found:
           continue
-        found[(key, ps, ss)] = self._match(prompt, key, ps, ss, n, segment_ids[key],
-                                           left_ids[key])
+        found[(key, ps, ss)] = self._match(prompt, key, ps, ss, n, seg)
     chosen = select_matches(list(found.values()), self.cfg.min_tokens)
     return [m if m.ctx_match >= 0 else                 # trimmed: its context changed
-            self._match(prompt, m.key, m.p_lo, m.s_lo, m.n, segment_ids[m.key],
-                        left_ids[m.key]) for m in chosen]
+            self._match(prompt, m.key, m.p_lo, m.s_lo, m.n, lookup(m.key)) for m in chosen]
 
-  def _match(self, prompt, key, ps, ss, n, seg, left) -> Match:
-    ctx_seg = np.concatenate([np.asarray(left, np.int32), np.asarray(seg[:ss], np.int32)])
+  def _match(self, prompt, key, ps, ss, n, seg) -> Match:
+    ctx_seg = np.concatenate([np.asarray(seg.left, np.int32), np.asarray(seg.ids[:ss], np.int32)])
     m = common_suffix(prompt[:ps], ctx_seg)
     w = self.cfg.ctx_window
     a, b = self.signature(prompt[max(0, ps - w):ps]), self.signature(ctx_seg[-w:])

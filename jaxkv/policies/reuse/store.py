@@ -80,7 +80,6 @@ class Segment:
   exact: bool = True               # False: computed after approximately reused K/V, so
                                    # not the exact function of its left context
   crc: int = 0
-  hits: int = 0
 
   @property
   def n(self) -> int:
@@ -187,13 +186,13 @@ class SegmentStore:
     self.nbytes += size
     return key
 
-  def get(self, key: int, touch: bool = True) -> Segment:
-    seg = self._segs[key]
-    if touch:
-      self._segs.move_to_end(key)
-    return seg
+  def get(self, key: int) -> Segment:
+    """The segment, now the most recently used."""
+    self._segs.move_to_end(key)
+    return self._segs[key]
 
   def peek(self, key: int) -> Segment:
+    """The segment, its LRU position unchanged."""
     return self._segs[key]
 
   def remove(self, key: int) -> None:
