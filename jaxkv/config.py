@@ -285,6 +285,8 @@ class ReuseConfig:
   probe_reject: float = 0.0     # > 0: blend rejects a segment whose mean relative K
                                 # deviation at the probe layer exceeds this
   epic_tokens: int = 16         # EPIC: recompute each segment's first tokens
+  max_passes: int = 4           # layer windows per prefill, each with its own recompute
+                                # width (the guard's sets grow with depth)
 
   def __post_init__(self):
     if self.method not in REUSE_METHODS:
@@ -304,6 +306,8 @@ class ReuseConfig:
     if self.cut_every < 1 or self.guard_base < 1 or self.blend_layer < 0 or self.epic_tokens < 0:
       raise ValueError("reuse needs cut_every >= 1, guard_base >= 1, blend_layer >= 0, "
                        "epic_tokens >= 0")
+    if self.max_passes < 1:
+      raise ValueError(f"reuse.max_passes must be >= 1, got {self.max_passes}")
     if self.byte_budget < 0 or self.group_size < 1 or self.num_perm < 16:
       raise ValueError("reuse needs byte_budget >= 0, group_size >= 1, num_perm >= 16")
 

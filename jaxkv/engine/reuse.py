@@ -98,6 +98,30 @@ def layer_flops(cfg, n_tokens: float, ctx_sum: float) -> float:
   return 2.0 * params * n_tokens + 4.0 * hq * dh * ctx_sum
 
 
+def layer_passes(sizes: Sequence[int], lo: int, hi: int, max_passes: int
+                 ) -> list[tuple[int, int]]:
+  """Splits layers [lo, hi) into at most `max_passes` consecutive windows, each
+  run as one forward pass whose recompute width is its largest set (bucketed):
+  the split that computes the fewest token-layers (dynamic programming). One
+  width for every layer would make each layer run the deepest layer's set
+  (the depth guard's sets grow with depth); more passes cost a dispatch and a
+  compile each, hence the cap."""
+  w = [plan.chunk_len(max(1, n)) for n in sizes[lo:hi]]
+  n = len(w)
+  cost = lambda i, j: (j - i) * max(w[i:j])           # layers i..j-1 in one pass
+  best = {(0, 0): (0, ())}                            # (layers done, passes) -> (cost, cuts)
+  for p in range(1, max(1, max_passes) + 1):
+    for j in range(1, n + 1):
+      cands = [(best[(i, p - 1)][0] + cost(i, j), best[(i, p - 1)][1] + (j,))
+               for i in range(j) if (i, p - 1) in best]
+      if cands:
+        best[(j, p)] = min(cands)
+  _, _, ends = min((best[(n, p)][0], p, best[(n, p)][1])       # ties: fewer passes
+                   for p in range(1, max(1, max_passes) + 1) if (n, p) in best)
+  starts = (0,) + ends[:-1]
+  return [(lo + a, lo + b) for a, b in zip(starts, ends)]
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",), compiler_options=COMPILER_OPTIONS)
 def _embed(graphdef, weights, tokens):
   return nnx.merge(graphdef, weights).embed[...][tokens]
@@ -200,6 +224,13 @@ class ReuseRunner:
 
   def release(self, seq: int) -> None:
     self.alloc.free_sequence(seq)
+
+  def reset(self) -> None:
+    """Forgets every cached prefix and stored segment (live sequences stay)."""
+    if self.radix is not None:
+      self.radix.clear()
+    for key in self.store.keys():
+      self.store.remove(key)
 
   def add_segment(self, seg: Segment) -> int | None:
     """Stores a sealed segment and indexes it; returns its key (None: too big)."""
@@ -346,17 +377,6 @@ class ReuseRunner:
     step = functools.partial(chunk_step, self.graphdef, self.weights, tokens=tokens,
                              positions=positions, slot_map=smap_w,
                              attn_impl=self.driver.attn_impl)
-    hidden_in = None
-    if hidden_rows:                          # boundary states as the tokens' hidden input
-      parts = [(where, h, rows) for b in sorted(hidden_rows) for where, h, rows in hidden_rows[b]]
-      where = np.concatenate([p[0] for p in parts])
-      nb = plan.chunk_len(where.size)
-      q = _pad(np.concatenate([np.asarray(h.q)[rows] for _, h, rows in parts]), nb)
-      sc = (None if parts[0][1].scale is None else
-            _pad(np.concatenate([np.asarray(h.scale)[rows] for _, h, rows in parts]), nb))
-      hidden_in = _inject(_embed(self.graphdef, self.weights, tokens),
-                          jnp.asarray(_pad(where, nb, c_len).astype(np.int32)),
-                          quant.Packed(jnp.asarray(q), None if sc is None else jnp.asarray(sc)))
     every = np.arange(rest)
     bl = self.reuse.blend_layer
     # layer l recomputes the tokens resuming at or below it, and blend runs up to the probe
@@ -366,33 +386,51 @@ class ReuseRunner:
       out, self.driver.kv = step(kv=self.driver.kv, read=read,
                                  capture=Capture(hidden_cuts=cuts), return_logits=True)
       cuts_out = out.hidden_cuts
-    elif not blend.any() or bl + 1 >= L:             # one pass
-      out, self.driver.kv = step(kv=self.driver.kv, read=read,
-                                 window=LayerWindow(hidden_in=hidden_in),
-                                 capture=Capture(hidden_cuts=cuts), recompute=self._index(sets),
-                                 return_logits=True)
-      cuts_out = out.hidden_cuts
-    else:                                            # blend: the probe pass, then the rest
-      slots_all = jnp.asarray(_pad(smap[hit:hit + rest], c_len, SENTINEL))
-      before = _keys_at(self.driver.kv, slots_all, bl)
-      out1, self.driver.kv = step(kv=self.driver.kv,
-                                  window=LayerWindow(hidden_in=hidden_in, start=0, stop=bl + 1),
-                                  capture=Capture(hidden_cuts=tuple(c for c in cuts if c <= bl + 1)),
-                                  recompute=self._index(sets, 0, bl + 1), return_hidden=True)
-      after = _keys_at(self.driver.kv, slots_all, bl)
-      chosen = self._blend_choice(np.asarray(jax.device_get(_deviation(before, after)))[:rest],
-                                  hit, admitted)
-      sets = [s if l <= bl else np.union1d(s, every[chosen]) for l, s in enumerate(sets)]
-      out, self.driver.kv = step(kv=self.driver.kv, read=read,
-                                 window=LayerWindow(hidden_in=out1.hidden, start=bl + 1),
-                                 capture=Capture(hidden_cuts=tuple(c for c in cuts if c > bl + 1)),
-                                 recompute=self._index(sets, bl + 1), return_logits=True)
-      parts = [p for p in (out1.hidden_cuts, out.hidden_cuts) if p is not None]
+    else:
+      x = self._hidden_in(tokens, hidden_rows, c_len)
+      stages = [(0, bl + 1), (bl + 1, L)] if blend.any() and bl + 1 < L else [(0, L)]
+      slots_all = before = None
+      parts = []
+      for si, (a, b) in enumerate(stages):
+        if si == 0 and len(stages) == 2:              # blend: keys before the probe
+          slots_all = jnp.asarray(_pad(smap[hit:hit + rest], c_len, SENTINEL))
+          before = _keys_at(self.driver.kv, slots_all, bl)
+        if si == 1:                                    # the probe's verdict
+          after = _keys_at(self.driver.kv, slots_all, bl)
+          chosen = self._blend_choice(np.asarray(jax.device_get(_deviation(before, after)))[:rest],
+                                      hit, admitted)
+          sets = [s if l <= bl else np.union1d(s, every[chosen]) for l, s in enumerate(sets)]
+        for lo, hi in layer_passes([s.size for s in sets], a, b, self.reuse.max_passes):
+          last = hi == L
+          out, self.driver.kv = step(
+              kv=self.driver.kv, read=read if last else None,
+              window=LayerWindow(hidden_in=x, start=lo, stop=hi),
+              capture=Capture(hidden_cuts=tuple(c for c in cuts if lo < c <= hi)),
+              recompute=self._index(sets, lo, hi), return_hidden=not last,
+              return_logits=last)
+          x = out.hidden
+          if out.hidden_cuts is not None:
+            parts.append(out.hidden_cuts)
       cuts_out = jnp.concatenate(parts) if parts else None
     layer_tokens = np.asarray([s.size for s in sets], np.int64)
     pos = hit + np.arange(rest, dtype=np.float64) + 1
     flops = sum(layer_flops(self.cfg, s.size, pos[s].sum()) for s in sets)
     return out, cuts_out, layer_tokens, flops
+
+  def _hidden_in(self, tokens, hidden_rows, c_len):
+    """The first pass's input [1, C, D]: embeddings with the stored boundary
+    states of resumed tokens injected (None: embeddings only)."""
+    if not hidden_rows:
+      return None
+    parts = [(where, h, rows) for b in sorted(hidden_rows) for where, h, rows in hidden_rows[b]]
+    where = np.concatenate([p[0] for p in parts])
+    nb = plan.chunk_len(where.size)
+    q = _pad(np.concatenate([np.asarray(h.q)[rows] for _, h, rows in parts]), nb)
+    sc = (None if parts[0][1].scale is None else
+          _pad(np.concatenate([np.asarray(h.scale)[rows] for _, h, rows in parts]), nb))
+    return _inject(_embed(self.graphdef, self.weights, tokens),
+                   jnp.asarray(_pad(where, nb, c_len).astype(np.int32)),
+                   quant.Packed(jnp.asarray(q), None if sc is None else jnp.asarray(sc)))
 
   def _blend_choice(self, dev, hit, admitted) -> np.ndarray:
     """[rest] bool: the tokens each blend run recomputes after the probe (its top

@@ -4,10 +4,10 @@ section 3.1).
 Discovery. A prompt is cut into structural spans (tool schemas, system sections,
 tool outputs, documents: the caller passes their token ranges, e.g. from
 `structural_spans`) and overlapping windows of `window` tokens. Window starts
-are content-defined: a position is an anchor when the hash of the canonical
-k-gram starting there is 0 mod `stride` (mean spacing `stride`, a forced
-anchor after 2 * stride without one). The same text therefore gets the same
-windows wherever it sits in a prompt, which fixed-offset windows would not:
+are content-defined: winnowing picks, in every run of 2 * stride - 1 canonical
+k-grams, the one with the smallest hash (`anchors`; mean spacing `stride`, at
+most 2 * stride - 1). The same text therefore gets the same windows wherever it
+sits in a prompt, which fixed-offset windows would not:
 two 96-token windows offset by 24 tokens share only ~57% of their shingles,
 below any useful LSH threshold.
 
@@ -98,16 +98,24 @@ def minhash(shings: Sequence[bytes], num_perm: int) -> MinHash:
 
 
 def anchors(ids, table, cfg: ReuseConfig) -> np.ndarray:
-  """Content-defined window starts (token indices into ids), see the module doc."""
+  """Content-defined window starts (token indices into ids): winnowing
+  (Schleimer et al., 2003) over the canonical k-gram hashes. In every run of
+  w = 2 * stride - 1 consecutive k-grams the one with the smallest hash is an
+  anchor (the rightmost on ties), so anchors are ~stride apart on average
+  (density 2 / (w + 1)), never more than w apart, and whether a k-gram is an
+  anchor depends only on the k-grams within w of it: text more than
+  k + w - 2 tokens past a change gets the same anchors wherever it sits."""
   canon, where = canonical(ids, table)
   k = cfg.shingle
-  out, last = [], -10 ** 9
-  for j in range(max(0, len(canon) - k + 1)):
-    h = zlib.crc32(" ".join(canon[j:j + k]).encode())
-    if h % cfg.stride == 0 or j - last >= 2 * cfg.stride:
-      out.append(int(where[j]))
-      last = j
-  return np.asarray(out, np.int64)
+  n = len(canon) - k + 1
+  if n <= 0:
+    return np.zeros(0, np.int64)
+  h = np.asarray([zlib.crc32(" ".join(canon[j:j + k]).encode()) for j in range(n)], np.int64)
+  w = min(2 * cfg.stride - 1, n)
+  view = np.lib.stride_tricks.sliding_window_view(h, w)
+  # rightmost minimum of each run of w hashes
+  pick = np.arange(view.shape[0]) + (w - 1 - np.argmin(view[:, ::-1], axis=1))
+  return where[np.unique(pick)].astype(np.int64)
 
 
 def windows(ids, table, cfg: ReuseConfig, lo: int = 0, hi: int | None = None):
