@@ -1,11 +1,21 @@
 r"""Cross-prompt segment reuse (seed 002) side by side: no reuse, the radix prefix
 cache, naive reuse, EPIC, CacheBlend and the tiers, on one workload built from
-any ToolBench-format trace file.
+any ToolBench-format trace file (or, for retrieval, the Python documentation).
 
     python bench/reuse.py --traces=data_local/tau2_heldout.json \
-        [--workload=tool_subset] [--requests=24] [--model=smollm2-135m] \
+        [--workload=tool_subset|retrieval|requote|perturbed] [--requests=24] \
+        [--docs=data_local/texts] [--model=smollm2-135m] \
         [--methods=none,prefix,naive,epic,cacheblend,exact,approx,tiered] \
-        [--storage=int8] [--out=bench/results_reuse.json]
+        [--storage=int8] [--out=bench/results_reuse.json] [--plot=docs/plots/reuse_drift.png]
+
+Workloads (`jaxkv.data.reuse_workloads`): (a) tool_subset, (b) retrieval
+(`--docs`: the folder scripts/fetch_texts.py made), (c) requote (only the
+reviewer prompts B are scored; the producer prompts A are served in order and
+fill the store), (d) perturbed: per base prompt of (a) and per perturbation
+kind and fraction, a runner serves the reference, then the probe whose left
+context before the longest span was perturbed; drift is measured on the probe
+against no reuse, one row per (method, kind, fraction), and the curves go to
+--plot (no TTFT: the pairs are not warmed).
 
 Every method serves the same requests in the same order on its own runner (its
 store starts empty and fills as it goes; `none` and `prefix` store nothing).
@@ -34,7 +44,7 @@ from absl import app, flags
 import common
 import jaxkv
 from jaxkv.config import CacheConfig, ReuseConfig
-from jaxkv.data import calls, reuse_workloads, traces
+from jaxkv.data import calls, reuse_workloads, texts, traces
 from jaxkv.engine.reuse import ReuseRunner, layer_flops
 from jaxkv.policies.reuse import store as store_lib
 
@@ -54,8 +64,14 @@ FLAGS = flags.FLAGS
 
 def define_flags():
   flags.DEFINE_string("traces", None, "ToolBench-format trace file the workload is built from")
-  flags.DEFINE_enum("workload", "tool_subset", ["tool_subset"], "which workload (see "
-                    "jaxkv.data.reuse_workloads)")
+  flags.DEFINE_enum("workload", "tool_subset", list(reuse_workloads.WORKLOADS),
+                    "which workload (see jaxkv.data.reuse_workloads)")
+  flags.DEFINE_string("docs", "data_local/texts", "retrieval: the Python docs folder "
+                      f"({texts.FETCH_HINT})")
+  flags.DEFINE_string("fracs", "0,0.05,0.1,0.25,0.5,1", "perturbed: context fractions")
+  flags.DEFINE_string("kinds", "insert,delete,replace", "perturbed: perturbation kinds")
+  flags.DEFINE_integer("bases", 3, "perturbed: base prompts (from tool_subset)")
+  flags.DEFINE_string("plot", "docs/plots/reuse_drift.png", "perturbed: the drift curves PNG")
   flags.DEFINE_integer("requests", 24, "requests in the workload")
   flags.DEFINE_integer("seed", 0, "workload seed")
   flags.DEFINE_string("model", "smollm2-135m", "preset or weights path")
@@ -132,7 +148,10 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
   per, outs = [], []
   t0 = time.perf_counter()
   for i, req in enumerate(requests):
-    out = serve(runner, req, FLAGS.gen, clock)
+    out = serve(runner, req, FLAGS.gen, clock, quality=req.scored)
+    outs.append(out)
+    if not req.scored:                         # served in order, not measured
+      continue
     pre = out["pre"]
     for run in pre.runs:
       tiers[run.tier] += 1
@@ -143,7 +162,6 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
         moved=pre.bytes_spliced, kl=_kl(base["pre"].logits, pre.logits),
         dnll=out["nll"] - base["nll"], agree=int(np.sum(out["greedy"] == base["greedy"])),
         n=int(pre.ids.size), reused=int(sum(r.n for r in pre.runs if r.tier != "reject"))))
-    outs.append(out)
     print(f"  {name} {i + 1}/{len(requests)} ttft={out['ttft']:.2f}s "
           f"tok={pre.prefill_tokens:.0f}/{pre.ids.size} runs="
           f"{','.join(r.tier for r in pre.runs) or '-'}", flush=True)
@@ -169,9 +187,101 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
       storage=FLAGS.storage, wall_s=time.perf_counter() - t0), outs
 
 
+def run_perturbed(llm, name: str, pairs, ref, clock: CompileClock) -> tuple[list[dict], list]:
+  """One method over workload (d): per pair, the reference is served (and stored)
+  then the probe is measured, and the runner forgets both. Rows per (kind, frac)."""
+  cfg = ReuseConfig(storage=FLAGS.storage, **METHODS[name])
+  need = max(p.ids.size for _, p in pairs) + max(FLAGS.gen, GOLD) + 16
+  runner = ReuseRunner(llm, cfg, cache=CacheConfig(num_pages=max(1024, 4 * need // 16),
+                                                   page_size=16, max_seq_len=need + 16))
+  groups, outs = collections.defaultdict(list), []
+  for i, (base, probe) in enumerate(pairs):
+    if name != "none":
+      serve(runner, base, FLAGS.gen, clock, quality=False)
+    out = serve(runner, probe, FLAGS.gen, clock)
+    runner.reset()
+    outs.append(out)
+    b, pre = (out if ref is None else ref[i]), out["pre"]
+    groups[(probe.meta["kind"], probe.meta["frac"])].append(dict(
+        kl=_kl(b["pre"].logits, pre.logits), dnll=out["nll"] - b["nll"],
+        agree=int(np.sum(out["greedy"] == b["greedy"])), flops=pre.flops,
+        full=b["pre"].flops, tiers=[r.tier for r in pre.runs],
+        reused=int(sum(r.n for r in pre.runs if r.tier != "reject"))))
+    print(f"  {name} {i + 1}/{len(pairs)} {probe.meta['kind']} {probe.meta['frac']:g} "
+          f"runs={','.join(r.tier for r in pre.runs) or '-'}", flush=True)
+  rows = []
+  for (kind, frac), ps in sorted(groups.items()):
+    k, n = sum(p["agree"] for p in ps), FLAGS.gen * len(ps)
+    tiers = collections.Counter(t for p in ps for t in p["tiers"])
+    rows.append(dict(
+        method=name, workload="perturbed", kind=kind, frac=frac,
+        tier_accept={t: tiers[t] for t in TIERS if tiers[t]},
+        kl_first_token=float(np.mean([p["kl"] for p in ps])),
+        delta_nll=float(np.mean([p["dnll"] for p in ps])), greedy_agreement=k / n,
+        greedy_ci=list(calls.wilson(k, n)),
+        flops_ratio=float(np.mean([p["flops"] for p in ps]) / np.mean([p["full"] for p in ps])),
+        reused_tokens=float(np.mean([p["reused"] for p in ps])), n_requests=len(ps),
+        storage=FLAGS.storage))
+  return rows, outs
+
+
+def drift_tables(rows: list[dict]) -> list[common.Table]:
+  """Workload (d): per kind, each method's KL / dNLL / FLOPs share per fraction."""
+  out = []
+  for kind in sorted({r["kind"] for r in rows}):
+    rs = [r for r in rows if r["kind"] == kind]
+    fracs = sorted({r["frac"] for r in rs})
+    by = {(r["method"], r["frac"]): r for r in rs}
+    lines = []
+    for m in dict.fromkeys(r["method"] for r in rs):
+      cells = []
+      for f in fracs:
+        r = by.get((m, f))
+        cells.append("-" if r is None else f"{r['kl_first_token']:.3f} / "
+                     f"{r['delta_nll']:+.3f} / {r['flops_ratio']:.2f}")
+      lines.append((m, *cells))
+    n = rs[0]["n_requests"]
+    out.append(common.Table(
+        f"workload perturbed, {kind}: KL first token / dNLL nats/tok / FLOPs vs none, by "
+        f"the share of the {n} probes' left context perturbed", ("method", *(
+            f"{f:g}" for f in fracs)), lines))
+  return out
+
+
+def drift_plot(rows: list[dict], path: str):
+  """KL at the first token and dNLL vs the perturbed share, one panel per kind."""
+  import matplotlib   # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
+  rows = [r for r in rows if r["workload"] == "perturbed"]
+  kinds = sorted({r["kind"] for r in rows})
+  fig, ax = plt.subplots(2, len(kinds), figsize=(4.2 * len(kinds), 7), squeeze=False)
+  for j, kind in enumerate(kinds):
+    for m in dict.fromkeys(r["method"] for r in rows if r["method"] != "none"):
+      rs = sorted((r for r in rows if r["kind"] == kind and r["method"] == m),
+                  key=lambda r: r["frac"])
+      f = [r["frac"] for r in rs]
+      ax[0, j].plot(f, [max(r["kl_first_token"], 1e-6) for r in rs], "o-", label=m)
+      ax[1, j].plot(f, [r["delta_nll"] for r in rs], "o-", label=m)
+    ax[0, j].set(yscale="log", title=f"{kind}", ylabel="KL at the first token")
+    ax[1, j].set(xlabel="share of the left context perturbed", ylabel="dNLL (nats/token)")
+    ax[1, j].axhline(0, color="k", lw=0.8)
+  ax[0, 0].legend(fontsize=8)
+  fig.suptitle("segment reuse drift vs left-context perturbation (vs no reuse)")
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def tables(rows: list[dict]) -> list[common.Table]:
   out = []
-  for wl in sorted({r["workload"] for r in rows}):
+  order = list(reuse_workloads.WORKLOADS)
+  for wl in sorted({r["workload"] for r in rows}, key=order.index):
+    if wl == "perturbed":
+      out += drift_tables([r for r in rows if r["workload"] == wl])
+      continue
     rs = [r for r in rows if r["workload"] == wl]
     by = {r["method"]: r for r in rs}
     t_none = by.get("none", {}).get("ttft_s")
@@ -197,40 +307,80 @@ def tables(rows: list[dict]) -> list[common.Table]:
   return out
 
 
+def build_workload(tokenizer):
+  """The requests of --workload (pairs for perturbed)."""
+  wl, n = FLAGS.workload, FLAGS.requests
+  if wl == "retrieval":
+    try:
+      passages = texts.doc_passages(FLAGS.docs + "/" + texts.PYTHON_DOCS
+                                    if os.path.isdir(FLAGS.docs + "/" + texts.PYTHON_DOCS)
+                                    else FLAGS.docs)
+    except FileNotFoundError as e:
+      raise app.UsageError(str(e)) from e
+    reqs = reuse_workloads.retrieval(passages, tokenizer, n, seed=FLAGS.seed,
+                                     max_tokens=FLAGS.max_prompt)
+    source = FLAGS.docs
+  else:
+    if not FLAGS.traces:
+      raise app.UsageError("give --traces (a ToolBench-format file; make one with "
+                           "scripts/make_traces.py)")
+    sessions = traces.load_toolbench(FLAGS.traces)
+    source = FLAGS.traces
+    if wl == "requote":
+      reqs = reuse_workloads.requote(sessions, tokenizer, n, seed=FLAGS.seed,
+                                     max_tokens=FLAGS.max_prompt)
+    else:
+      reqs = reuse_workloads.tool_subset(sessions, tokenizer, FLAGS.bases if wl == "perturbed"
+                                         else n, seed=FLAGS.seed, max_tokens=FLAGS.max_prompt)
+  if wl == "perturbed":
+    pairs = reuse_workloads.perturbed(reqs, [float(f) for f in FLAGS.fracs.split(",")],
+                                      FLAGS.kinds.split(","), seed=FLAGS.seed)
+    print(f"{len(pairs)} perturbed pairs from {len(reqs)} tool_subset prompts", flush=True)
+    return pairs
+  if not reqs:
+    raise app.UsageError(f"no {wl} request fits --max_prompt={FLAGS.max_prompt}")
+  scored = [r for r in reqs if r.scored]
+  print(f"{len(reqs)} {wl} requests from {source} ({len(scored)} scored): "
+        f"{np.mean([r.ids.size for r in scored]):.0f} tokens on average", flush=True)
+  return reqs
+
+
 def main(argv):
   del argv
   if FLAGS.tables_from:
     common.print_tables_from(FLAGS.tables_from, tables)
     return
-  if not FLAGS.traces:
-    raise app.UsageError("give --traces (a ToolBench-format file; make one with "
-                         "scripts/make_traces.py)")
   names = common.method_names(FLAGS.methods, METHODS)
   llm = jaxkv.load(FLAGS.model)
-  sessions = traces.load_toolbench(FLAGS.traces)
-  requests = reuse_workloads.tool_subset(sessions, llm.tokenizer, FLAGS.requests,
-                                         seed=FLAGS.seed, max_tokens=FLAGS.max_prompt)
-  print(f"{len(requests)} {FLAGS.workload} requests from {FLAGS.traces}: "
-        f"{np.mean([r.ids.size for r in requests]):.0f} tokens on average", flush=True)
+  requests = build_workload(llm.tokenizer)
   rows = []
   if FLAGS.out and os.path.exists(FLAGS.out):
     with open(FLAGS.out) as f:
       rows = json.load(f)
   have = {(r["method"], r["workload"]) for r in rows}
   clock = CompileClock()
-  hardware = (common.matmul_gflops() * 1e9, common.copy_bandwidth_gbs() * 1e9)
   order = ["none"] + [m for m in names if m != "none"]      # none is every drift's reference
+  if FLAGS.workload == "perturbed":
+    order = [m for m in order if m != "prefix"]               # no segments: as none
+  else:
+    hardware = (common.matmul_gflops() * 1e9, common.copy_bandwidth_gbs() * 1e9)
   ref = None
   for name in order:
     if (name, FLAGS.workload) in have and name != "none":
       continue
-    row, outs = run_method(llm, name, requests, ref, clock, hardware)
+    if FLAGS.workload == "perturbed":
+      new, outs = run_perturbed(llm, name, requests, ref, clock)
+    else:
+      row, outs = run_method(llm, name, requests, ref, clock, hardware)
+      new = [row]
     jax.clear_caches()     # each method compiles its own shapes: free the executables
     if name == "none":
       ref = outs
     if (name, FLAGS.workload) not in have and name in names:
-      rows.append(row)
+      rows += new
       common.write_rows(FLAGS.out, rows)
+  if FLAGS.workload == "perturbed" and FLAGS.plot:
+    print(f"wrote {drift_plot(rows, FLAGS.plot)}")
   common.print_tables(tables(rows))
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv.data import reuse_workloads as W
-from jaxkv.data import traces
+from jaxkv.data import texts, traces
 from jaxkv.models import presets
 from jaxkv.tokens import Tokenizer
 
@@ -109,3 +109,122 @@ def test_line_spans_split_a_prompt_at_line_breaks(tok):
   spans = line_spans(ids, tok, min_tokens=8)
   assert [json.loads(tok.decode(ids[a:b]))["name"] for a, b in spans] == [
       "tool_0", "tool_1", "tool_2"]
+
+
+# ------------------------------------------------------------------ (b) retrieval
+RST = """:mod:`json` --- JSON encoder and decoder
+========================================
+
+.. module:: json
+   :synopsis: Encode and decode the JSON format.
+
+**Source code:** :source:`Lib/json/__init__.py`
+
+--------------
+
+`JSON (JavaScript Object Notation) <https://json.org>`_, specified by
+:rfc:`7159`, is a lightweight data interchange format [#rfc-errata]_. It is
+easy for ``humans`` to read.
+
+:mod:`json` exposes an API familiar to users of the :func:`marshal <marshal.dumps>`
+module. Several ways to use it:
+
+* first item
+  continued
+
+Basic usage::
+
+    >>> import json
+
+Later section
+-------------
+Not part of the intro.
+"""
+
+
+def test_intro_reads_title_and_prose_without_markup():
+  title, text = texts.intro(RST)
+  assert title == "json --- JSON encoder and decoder"
+  assert text.startswith("JSON (JavaScript Object Notation), specified by 7159, is a "
+                         "lightweight data interchange format. It is easy for humans to read.")
+  assert text.endswith("json exposes an API familiar to users of the marshal module. "
+                       "Several ways to use it:")
+  assert "module::" not in text and "Source code" not in text and "Later" not in text
+  assert texts.intro("no title here\n\njust text") is None
+
+
+def test_doc_passages_and_a_missing_corpus(tmp_path):
+  (tmp_path / "library").mkdir()
+  (tmp_path / "library" / "json.rst.txt").write_text(RST)
+  (tmp_path / "library" / "empty.rst.txt").write_text("Title\n=====\n\n.. note:: x\n")
+  (p,) = texts.doc_passages(tmp_path, min_chars=50)
+  assert p.doc == "library/json" and p.title.startswith("json")
+  with pytest.raises(FileNotFoundError, match="fetch_texts.py"):
+    texts.doc_passages(tmp_path / "nothing")
+
+
+def _passages(n=12):
+  return [texts.Passage(doc=f"library/m{i}", title=f"m{i} --- module number {i}",
+                        text=f"The m{i} module does thing {i} for you. " + "It has details. " * 8)
+          for i in range(n)]
+
+
+def test_retrieval_requests_ask_about_one_of_their_passages(tok):
+  reqs = W.retrieval(_passages(), tok, 10, seed=2, k=(3, 5), pool=8)
+  assert len(reqs) == 10
+  again = W.retrieval(_passages(), tok, 10, seed=2, k=(3, 5), pool=8)
+  assert all(np.array_equal(a.ids, b.ids) for a, b in zip(reqs, again))
+  used = set()
+  for r in reqs:
+    assert 3 <= len(r.meta["docs"]) <= 5 and r.meta["target"] in r.meta["docs"]
+    assert len(r.spans) == len(r.meta["docs"]) + 1             # passages + the question
+    i = int(r.meta["target"].rsplit("m", 1)[1])
+    assert tok.decode(r.continuation) == f"The m{i} module does thing {i} for you."
+    assert f"m{i} --- module number {i}" in tok.decode(r.ids[r.spans[-1][0]:r.spans[-1][1]])
+    used |= set(r.meta["docs"])
+  assert len(used) <= 8                                        # drawn from the pool
+
+
+# -------------------------------------------------------------------- (c) requote
+def _tool_sessions():
+  out = []
+  for i in range(2):
+    turns = [traces.Turn("system", SYSTEM), traces.Turn("user", f"Please fix order {i}.")]
+    for j in range(3):
+      turns += [traces.Turn("assistant", f"Step {j}.", (traces.ToolCall(
+                    f"tool_{j}", {f"id_{j}": f"R{i}{j}"}),)),
+                traces.Turn("tool", json.dumps({"record": f"R{i}{j}", "fields": list(range(
+                    20 + j))}), name=f"tool_{j}")]
+    turns.append(traces.Turn("assistant", "Done."))
+    out.append(traces.Session(id=f"demo/{i}", task=f"demo/{i}", turns=tuple(turns), tools=TOOLS))
+  return out
+
+
+def test_requote_quotes_outputs_most_recent_first_in_a_new_context(tok):
+  reqs = W.requote(_tool_sessions(), tok, 12, seed=0)
+  assert len(reqs) == 12
+  assert [r.meta["role"] for r in reqs] == ["A", "B"] * 6
+  assert all(r.scored == (r.meta["role"] == "B") for r in reqs)
+  for a, b in zip(reqs[::2], reqs[1::2]):
+    session = next(s for s in _tool_sessions() if s.id == a.meta["session"])
+    outs = [t.content for t in session.turns if t.role == "tool"][:b.meta["outputs"]]
+    quoted = [tok.decode(b.ids[lo:hi]) for lo, hi in b.spans[1:]]
+    assert quoted == outs[::-1]                     # most recent first
+    assert [tok.decode(a.ids[lo:hi]) for lo, hi in a.spans[1:]] == outs
+    assert np.array_equal(a.continuation, b.continuation)
+    assert not np.array_equal(a.ids[:64], b.ids[:64])   # another agent, another prefix
+
+
+# ---------------------------------------------------------------- (d) drift table/plot
+def test_drift_tables_and_plot(tmp_path):
+  rows = [dict(method=m, workload="perturbed", kind=k, frac=f, tier_accept={},
+               kl_first_token=0.01 * f * (m != "none"), delta_nll=0.02 * f, greedy_agreement=1.0,
+               greedy_ci=[0.9, 1.0], flops_ratio=0.5, reused_tokens=10.0, n_requests=3,
+               storage="int8")
+          for m in ("none", "naive") for k in ("insert", "replace") for f in (0.0, 0.5)]
+  tabs = reuse.tables(rows)
+  assert [t.title.split(",")[1].split(":")[0].strip() for t in tabs] == ["insert", "replace"]
+  by = {line[0]: line for line in tabs[0].lines}
+  assert by["naive"][2] == "0.005 / +0.010 / 0.50"
+  path = reuse.drift_plot(rows, str(tmp_path / "drift.png"))
+  assert pathlib.Path(path).stat().st_size > 10_000

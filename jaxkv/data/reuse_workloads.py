@@ -7,6 +7,20 @@ traces: the prompts prefix caches miss.
     after a different left context in almost every request. Policy sections
     are the system message's own sections, plus the tau2 domain policy
     (`## ...` sections) when the sessions are tau2's and tau2 is installed.
+(b) `retrieval`: k passages of the Python documentation (`jaxkv.data.texts`:
+    each library document's introductory prose) drawn from a fixed pool, in
+    random order, then a question about one of them; the gold answer is that
+    passage's first sentence. Each passage recurs in several requests at other
+    positions, after other passages.
+(c) `requote`: multi-turn agent sessions where a second agent re-quotes the
+    first one's tool outputs. Per tool output i of a session: A_i, the
+    session itself up to that output (rendered with the model's template),
+    then B_i, a reviewer agent's prompt quoting outputs i, i-1, ..., 1 (most
+    recent first) after the customer's request. Each output is computed first
+    inside A's context, then reappears in B_i, B_i+1, ... one output later each
+    time: a new position and a new left context, where a prefix cache misses.
+    A requests are served (they fill the store and the radix cache) but only
+    B requests are scored (`Request.scored`).
 (d) `perturbed`: one fixed segment after a left context that differs from the
     stored one by a controlled fraction of its tokens (insert / delete /
     replace), for drift-versus-perturbation curves.
@@ -25,10 +39,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.data import traces
+from jaxkv.data import texts, traces
 from jaxkv.policies.reuse.index import structural_spans
 
-WORKLOADS = ("tool_subset", "perturbed")
+WORKLOADS = ("tool_subset", "retrieval", "requote", "perturbed")
+REVIEWER = ("You review a customer-service agent's work. Given the customer's request and "
+            "the tool results the agent has seen, say what the agent should do next.")
 _SECTION = re.compile(r"\n(?=#{1,3} )")
 
 
@@ -39,6 +55,7 @@ class Request:
   spans: list[tuple[int, int]]           # structural spans (token ranges)
   continuation: np.ndarray               # gold continuation ids (teacher-forced NLL)
   meta: dict = dataclasses.field(default_factory=dict)
+  scored: bool = True                    # False: served (fills the store), not measured
 
 
 def policy_sections(session: traces.Session) -> list[str]:
@@ -118,6 +135,87 @@ def tool_subset(sessions: Sequence[traces.Session], tokenizer, n: int, *, seed: 
                          f"a/{len(out)}/{s.id}", dict(session=s.id, tools=kt, sections=ks))
     if max_tokens is None or req.ids.size <= max_tokens:
       out.append(req)
+  return out
+
+
+def retrieval(passages: Sequence[texts.Passage], tokenizer, n: int, *, seed: int = 0,
+              k: tuple[int, int] = (4, 8), pool: int = 48,
+              max_tokens: int | None = None) -> list[Request]:
+  """Workload (b): n requests (see the module docstring), deterministic in seed.
+
+  Args:
+    passages: the corpus (`texts.doc_passages`).
+    k: inclusive range of passages per request.
+    pool: passages the requests draw from (fewer: each recurs more often).
+  """
+  rng = np.random.default_rng(seed)
+  if len(passages) < k[1]:
+    raise ValueError(f"retrieval needs at least {k[1]} passages, got {len(passages)}")
+  pick = [passages[i] for i in rng.permutation(len(passages))[:max(pool, k[1])]]
+  out, tries = [], 0
+  while len(out) < n and tries < 20 * n:
+    tries += 1
+    docs = [pick[i] for i in rng.permutation(len(pick))[:int(rng.integers(k[0], k[1] + 1))]]
+    target = docs[int(rng.integers(len(docs)))]
+    pieces = [f"{p.title}\n{p.text}" for p in docs]
+    question = f'Question: according to the documents, what is "{target.title}" about?'
+    user = "\n\n".join(f"Document {j + 1}: {piece}" for j, piece in enumerate(pieces))
+    user += "\n\n" + question
+    messages = [{"role": "system", "content": "Answer the question using the documents "
+                 "the user gives."}, {"role": "user", "content": user}]
+    text = tokenizer.render_chat(messages, add_generation_prompt=True)
+    ids = np.asarray(tokenizer.encode(text, add_bos=False), np.int32)
+    answer = re.split(r"(?<=[.!?])\s", target.text, maxsplit=1)[0]
+    req = Request(id=f"b/{len(out)}/{target.doc}", ids=ids,
+                  spans=structural_spans(tokenizer, text, [*pieces, question]),
+                  continuation=np.asarray(tokenizer.encode(answer, add_bos=False), np.int32),
+                  meta=dict(docs=[p.doc for p in docs], target=target.doc))
+    if max_tokens is None or ids.size <= max_tokens:
+      out.append(req)
+  return out
+
+
+def requote(sessions: Sequence[traces.Session], tokenizer, n: int, *, seed: int = 0,
+            max_tokens: int | None = None) -> list[Request]:
+  """Workload (c): pairs A_i, B_i (see the module docstring) from sessions in a
+  seeded order until n requests; a session stops at its first request longer
+  than max_tokens. Both take the trace's next assistant turn as the gold reply."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for si in rng.permutation(len(sessions)):
+    s = sessions[int(si)]
+    user = next((t.content for t in s.turns if t.role == "user"), None)
+    if user is None:
+      continue
+    quoted: list[str] = []
+    for ti, turn in enumerate(s.turns):
+      if len(out) >= n:
+        return out
+      if turn.role != "tool":
+        continue
+      reply = next((t for t in s.turns[ti + 1:] if t.role == "assistant"), None)
+      if reply is None:
+        break
+      quoted.insert(0, turn.content)
+      gold = np.asarray(tokenizer.encode(traces.format_react(reply), add_bos=False), np.int32)
+      head = dataclasses.replace(s, turns=s.turns[:ti + 1])
+      text_a = traces.render_session(head, tokenizer, add_generation_prompt=True)
+      outputs = [t.content for t in head.turns if t.role == "tool"]
+      review = (f"The customer asked:\n{user}\n\nTool results so far, most recent first:\n\n"
+                + "\n\n".join(quoted) + "\n\nWhat should the agent do next?")
+      text_b = tokenizer.render_chat([{"role": "system", "content": REVIEWER},
+                                      {"role": "user", "content": review}],
+                                     add_generation_prompt=True)
+      pair = []
+      for tag, text, pieces in (("A", text_a, [user, *outputs]), ("B", text_b, [user, *quoted])):
+        ids = np.asarray(tokenizer.encode(text, add_bos=False), np.int32)
+        pair.append(Request(id=f"c/{len(out) + len(pair)}/{s.id}/{tag}{len(quoted)}", ids=ids,
+                            spans=structural_spans(tokenizer, text, pieces), continuation=gold,
+                            meta=dict(session=s.id, role=tag, outputs=len(quoted)),
+                            scored=tag == "B"))
+      if max_tokens is not None and max(r.ids.size for r in pair) > max_tokens:
+        break
+      out.extend(pair[:n - len(out)])
   return out
 
 
