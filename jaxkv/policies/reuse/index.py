@@ -104,7 +104,8 @@ def anchors(ids, table, cfg: ReuseConfig) -> np.ndarray:
   anchor (the rightmost on ties), so anchors are ~stride apart on average
   (density 2 / (w + 1)), never more than w apart, and whether a k-gram is an
   anchor depends only on the k-grams within w of it: text more than
-  k + w - 2 tokens past a change gets the same anchors wherever it sits."""
+  k + w - 2 tokens past a change gets the same anchors wherever it sits. The
+  first k-gram is an anchor too, so the text's start is covered."""
   canon, where = canonical(ids, table)
   k = cfg.shingle
   n = len(canon) - k + 1
@@ -113,9 +114,10 @@ def anchors(ids, table, cfg: ReuseConfig) -> np.ndarray:
   h = np.asarray([zlib.crc32(" ".join(canon[j:j + k]).encode()) for j in range(n)], np.int64)
   w = min(2 * cfg.stride - 1, n)
   view = np.lib.stride_tricks.sliding_window_view(h, w)
-  # rightmost minimum of each run of w hashes
+  # rightmost minimum of each run of w hashes, and the first k-gram: without it the
+  # text before the first minimum (up to w - 1 k-grams) would lie in no window
   pick = np.arange(view.shape[0]) + (w - 1 - np.argmin(view[:, ::-1], axis=1))
-  return where[np.unique(pick)].astype(np.int64)
+  return where[np.unique(np.r_[0, pick])].astype(np.int64)
 
 
 def windows(ids, table, cfg: ReuseConfig, lo: int = 0, hi: int | None = None):
