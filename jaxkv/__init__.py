@@ -6,15 +6,20 @@ Public API:
     jaxkv.ops.paged_attention(...)                    attention over the paged KV pool
     jaxkv.SessionRunner(llm, PruningConfig(...))      agent sessions with KV pruning
     jaxkv.policies.pruning                            pure pruning functions
+    jaxkv.ReuseRunner(llm, ReuseConfig(...))          cross-prompt segment reuse (seed 002)
+    jaxkv.SemShareRunner(llm, SemShareConfig(...))    KV of a similar prompt reused (seed 001)
     jaxkv.functional                                  init_state / prefill / decode / generate:
                                                       pure paged inference to jit, vmap, grad
 """
 
 from jaxkv import functional, ops
 from jaxkv.config import (COMPILER_OPTIONS, CacheConfig, EngineConfig, ModelConfig,
-                          PruningConfig, RopeConfig, SamplingConfig, ServeConfig)
+                          PruningConfig, ReuseConfig, RopeConfig, SamplingConfig,
+                          SemShareConfig, ServeConfig)
 from jaxkv.engine.engine import Engine, Request, Result
 from jaxkv.engine.llm import LLM, Completion, load
+from jaxkv.engine.reuse import ReuseRunner
+from jaxkv.engine.semshare import SemShareRunner
 from jaxkv.engine.sessions import SessionRunner, TurnMetrics
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import RadixCache
@@ -25,6 +30,7 @@ from jaxkv.tokens import Tokenizer
 __all__ = [
     "COMPILER_OPTIONS", "CacheConfig", "Completion", "Engine", "EngineConfig", "KVPool", "LLM",
     "ModelConfig", "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request",
-    "Result", "RopeConfig", "SENTINEL", "SamplingConfig", "ServeConfig", "SessionRunner", "Tokenizer",
+    "Result", "ReuseConfig", "ReuseRunner", "RopeConfig", "SENTINEL", "SamplingConfig",
+    "SemShareConfig", "SemShareRunner", "ServeConfig", "SessionRunner", "Tokenizer",
     "Transformer", "TurnMetrics", "functional", "init_pool", "load", "ops",
 ]

@@ -319,6 +319,71 @@ class ReuseConfig:
     return 0 if layer == 0 else self.guard_base * 2 ** ((layer - 1) // self.cut_every)
 
 
+SEMSHARE_METHODS = ("full", "semshare", "fuzzy_full", "zero", "random", "blend")
+
+
+@dataclasses.dataclass(frozen=True)
+class SemShareConfig:
+  """SemShareKV (seed 001): reuse of a semantically similar reference prompt's KV.
+
+  method: full (prefill everything; every prompt is stored as a reference) |
+    semshare (the paper) | fuzzy_full (fuzzy match and recompute, no retention:
+    Table 2's "Fuzzy + Full Cache") | zero / random (Table 2's ablations: the
+    matched KV replaced by zeros / by randomly chosen reference tokens) | blend
+    (CacheBlend's rule on the same fuzzy match: layer 0 probes, then the
+    `blend_ratio` most deviating tokens at every later layer, no retention).
+  Paper values are the defaults. Where the paper gives none (the LSH width,
+  the per-layer recompute ratios alpha_recomp, the retention decay) the choice
+  is written beside the field.
+  """
+  method: str = "semshare"
+  threshold: float = 0.8        # reuse only at prompt similarity >= this (section 5.4)
+  max_dist: float = 80.0        # A.3: similarity = clip(1 - LSH distance / max_dist, 0, 1);
+                                # the paper's 30 goes with its (unstated) LSH width: at 256
+                                # bits unrelated prompts lie 81-98 bits apart (mean nearest
+                                # distance, Austen / Python docs, SmolLM2), so 80 puts them at 0
+  nbits: int = 256              # LSH sign bits per token (not given): the share of target
+                                # tokens matched to the same token id after deleting 10% of
+                                # the sentences was 0.47-0.65 at 32 bits, 0.66-0.83 at 128,
+                                # 0.79-0.88 at 256
+  lsh_seed: int = 0             # the random rotation of the LSH
+  e_rope_theta: float = 10000.0  # A.1: RoPE on the E cache, theta_k = 10000^(-2k/d)
+  hot_threshold: float = 0.55   # attention recovery: hot tokens hold 55% of the attention
+  w_cold: float = 0.1           # layer-1 recompute = w_cold * cold + w_hot * hot (4.3.3)
+  w_hot: float = 0.5
+  recomp_alpha_first: float = 0.9   # alpha_recomp at layer 2, rising linearly to ...
+  recomp_alpha_last: float = 1.0    # ... this at the last layer (A.5; "small in shallow,
+                                    # large in deep layers"; values not given)
+  retain_first: float = 0.8     # layer-0 retention = max(retain_first, r_dynamic) (4.3.4)
+  retain_alpha: float = 0.98    # A.6 exponential decay: retain_l = retain_0 * alpha^l
+                                # (0.98 over 30 layers keeps ~60% on average, near the
+                                # paper's 42% memory saving; value not given)
+  recent: int = 16              # last prompt tokens always recomputed and retained (the
+                                # readout and the instruction's tail)
+  blend_ratio: float = 0.15     # method blend: CacheBlend's recompute share
+  byte_budget: int = 1 << 30    # references (pool slots held + E-cache codes), LRU
+  store_reused: bool = False    # also keep reused (approximate) prompts as references
+
+  def __post_init__(self):
+    if self.method not in SEMSHARE_METHODS:
+      raise ValueError(f"semshare.method must be one of {SEMSHARE_METHODS}, got "
+                       f"{self.method!r}")
+    if not 0.0 <= self.threshold <= 1.0 or self.max_dist <= 0:
+      raise ValueError("semshare.threshold must be in [0, 1] and max_dist > 0")
+    if self.nbits < 32 or self.nbits % 32:
+      raise ValueError(f"semshare.nbits must be a positive multiple of 32, got {self.nbits}")
+    fracs = (self.hot_threshold, self.w_cold, self.w_hot, self.recomp_alpha_first,
+             self.recomp_alpha_last, self.retain_first, self.retain_alpha, self.blend_ratio)
+    if not all(0.0 <= f <= 1.0 for f in fracs):
+      raise ValueError("semshare ratios (hot_threshold, w_cold, w_hot, recomp_alpha_*, "
+                       "retain_*, blend_ratio) must be in [0, 1]")
+    if self.recent < 1 or self.byte_budget < 0:
+      raise ValueError("semshare needs recent >= 1 and byte_budget >= 0")
+
+
+SERVE_MODES = ("requests", "sessions", "reuse", "semshare")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
   """What `scripts/serve.py` runs."""
@@ -333,14 +398,17 @@ class ServeConfig:
   # trace file replayed turn by turn through SessionRunner with `pruning`;
   # "reuse": JSONL requests one at a time through ReuseRunner with `reuse`
   # (cross-prompt segment reuse, greedy decoding).
-  mode: str = "requests"        # requests | sessions | reuse
+  # "semshare": JSONL requests one at a time through SemShareRunner with
+  # `semshare` (KV of the most similar earlier prompt reused, greedy decoding).
+  mode: str = "requests"        # requests | sessions | reuse | semshare
   pruning: PruningConfig = PruningConfig()
   session_generate: bool = False  # sessions: generate each assistant turn instead of replay
   reuse: ReuseConfig = ReuseConfig()
+  semshare: SemShareConfig = SemShareConfig()
 
   def __post_init__(self):
-    if self.mode not in ("requests", "sessions", "reuse"):
-      raise ValueError(f"mode must be 'requests', 'sessions' or 'reuse', got {self.mode!r}")
+    if self.mode not in SERVE_MODES:
+      raise ValueError(f"mode must be one of {SERVE_MODES}, got {self.mode!r}")
 
 
 def to_config_dict(cfg: Any) -> ml_collections.ConfigDict:

@@ -14,6 +14,12 @@ same JSONL requests, one at a time, each prefilled reusing the K/V of segments
 earlier prompts contained (`--config.reuse.method=tiered|cacheblend|epic|naive|prefix`,
 seed 002); greedy decoding; records add cached / reused tokens and each match's tier.
 
+SemShareKV (`--config=configs/smollm2_semshare.py`, or `--config.mode=semshare`): the
+same JSONL requests, one at a time; a prompt whose LSH similarity to an earlier
+prompt reaches `--config.semshare.threshold` reuses that prompt's K/V through
+token-level matching (seed 001), others are prefilled and kept as references;
+records add the similarity, whether it was reused and the recomputed share.
+
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
 --input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
 scripts/make_traces.py); every session is replayed turn by turn with the
@@ -123,8 +129,8 @@ def main(argv):
   if cfg.mode == "sessions":
     return serve_sessions(cfg, src, out)
   order, errors, todo = _scan(src, cfg, out.done)
-  if cfg.mode == "reuse" and todo:
-    return serve_reuse(cfg, src, out)
+  if cfg.mode in ("reuse", "semshare") and todo:
+    return serve_sequential(cfg, src, out)
   total = len(order)
   if total == 0:
     out.finish([])
@@ -191,22 +197,31 @@ def main(argv):
             ("output", f"{dst} ({n} records, one per input line)")], m)
 
 
-def serve_reuse(cfg, src: pathlib.Path, out) -> None:
-  """JSONL requests one at a time through ReuseRunner: each prompt reuses the
-  segments of earlier ones (config.reuse), then decodes greedily. Records add
-  `reused_tokens`, `cached_tokens` (radix prefix) and `runs` (tier per match)."""
+def serve_sequential(cfg, src: pathlib.Path, out) -> None:
+  """JSONL requests one at a time through a runner that reuses earlier prompts'
+  K/V, then greedy decoding. mode=reuse: ReuseRunner (segments, config.reuse);
+  records add `reused_tokens`, `cached_tokens` (radix prefix) and `runs` (tier
+  per match). mode=semshare: SemShareRunner (the most similar earlier prompt,
+  config.semshare); records add `similarity`, `reused` and `recomputed_share`."""
   import numpy as np
   import tqdm
 
   from jaxkv.engine import batch
-  from jaxkv.engine.reuse import ReuseRunner
 
   t0 = time.perf_counter()
   llm = _load(cfg)
-  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; reuse "
-        f"{cfg.reuse.method} ({cfg.reuse.storage}, {cfg.reuse.byte_budget >> 20} MiB store)",
-        file=sys.stderr)
-  runner = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=cfg.engine.attention_impl)
+  if cfg.mode == "reuse":
+    from jaxkv.engine.reuse import ReuseRunner
+    runner = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=cfg.engine.attention_impl)
+    what = (f"reuse {cfg.reuse.method} ({cfg.reuse.storage}, "
+            f"{cfg.reuse.byte_budget >> 20} MiB store)")
+  else:
+    from jaxkv.engine.semshare import SemShareRunner
+    runner = SemShareRunner(llm, cfg.semshare, cache=cfg.cache,
+                            attn_impl=cfg.engine.attention_impl)
+    what = (f"semshare {cfg.semshare.method} (threshold {cfg.semshare.threshold}, "
+            f"{cfg.semshare.byte_budget >> 20} MiB of references)")
+  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; {what}", file=sys.stderr)
   order: list[str] = []
   errors = 0
 
@@ -231,7 +246,7 @@ def serve_reuse(cfg, src: pathlib.Path, out) -> None:
   for req in tqdm.tqdm(batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order),
                        unit="req", disable=not _PROGRESS.value, file=sys.stderr):
     if req.sampling.temperature > 0:
-      refuse(req.id, "reuse mode decodes greedily: use temperature 0")
+      refuse(req.id, f"{cfg.mode} mode decodes greedily: use temperature 0")
       continue
     t1 = time.perf_counter()
     try:
@@ -242,27 +257,38 @@ def serve_reuse(cfg, src: pathlib.Path, out) -> None:
       continue
     runner.release(pre.seq)
     done = bool(toks.size) and int(toks[-1]) in llm.tokenizer.stop_ids
-    n_reused = sum(r.n for r in pre.runs if r.tier != "reject")
+    rec = {"id": req.id, "text": llm.tokenizer.decode(toks.tolist()),
+           "prompt_tokens": int(pre.ids.size), "completion_tokens": int(toks.size)}
+    if cfg.mode == "reuse":
+      n_reused = sum(r.n for r in pre.runs if r.tier != "reject")
+      rec.update({"cached_tokens": pre.prefix_hit, "reused_tokens": int(n_reused),
+                  "prefill_tokens": round(pre.prefill_tokens, 1),
+                  "runs": [{"at": r.p_lo, "n": r.n, "tier": r.tier, "reason": r.reason}
+                           for r in pre.runs]})
+    else:
+      n_reused = pre.ids.size if pre.reused else 0
+      rec.update({"similarity": round(pre.similarity, 4), "reused": pre.reused,
+                  "recomputed_share": round(pre.recomputed_share, 4),
+                  "shared_entries": pre.shared_entries, "live_entries": pre.live_entries})
     ttfts.append(pre.ttft_s)
     reused += n_reused
     total += pre.ids.size
-    out.add({"id": req.id, "text": llm.tokenizer.decode(toks.tolist()),
-             "prompt_tokens": int(pre.ids.size), "completion_tokens": int(toks.size),
-             "cached_tokens": pre.prefix_hit, "reused_tokens": int(n_reused),
-             "prefill_tokens": round(pre.prefill_tokens, 1),
-             "runs": [{"at": r.p_lo, "n": r.n, "tier": r.tier, "reason": r.reason}
-                      for r in pre.runs],
-             "ttft_s": round(pre.ttft_s, 6), "latency_s": round(time.perf_counter() - t1, 6),
-             "finish_reason": "stop" if done else "length"})
+    rec.update({"ttft_s": round(pre.ttft_s, 6), "latency_s": round(time.perf_counter() - t1, 6),
+                "finish_reason": "stop" if done else "length"})
+    out.add(rec)
   n = out.finish(order)
   m = {"requests": len(ttfts), "errors": errors, "records": n,
        "median_ttft_s": float(np.median(ttfts)) if ttfts else None,
-       "reused_share": reused / total if total else None, "segments": len(runner.store),
-       "store_bytes": runner.store.nbytes}
+       "reused_share": reused / total if total else None}
+  if cfg.mode == "reuse":
+    m.update(segments=len(runner.store), store_bytes=runner.store.nbytes)
+    store = f"{m['segments']} segments, {m['store_bytes'] / 2 ** 20:.1f} MiB"
+  else:
+    m.update(references=len(runner.refs), store_bytes=runner.nbytes)
+    store = f"{m['references']} reference prompts, {m['store_bytes'] / 2 ** 20:.1f} MiB"
   _summary([("requests run", str(m["requests"])), ("errors", str(errors)),
             ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
-            ("prompt tokens reused", f"{reused} of {total}"),
-            ("store", f"{m['segments']} segments, {m['store_bytes'] / 2 ** 20:.1f} MiB"),
+            ("prompt tokens reused", f"{reused} of {total}"), ("store", store),
             ("output", f"{out.path} ({n} records, one per input line)")], m)
 
 

@@ -12,28 +12,21 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-import jaxkv
-from jaxkv.config import CacheConfig, ModelConfig, ReuseConfig, RopeConfig
+import hf_util
+from jaxkv.config import CacheConfig, ReuseConfig, RopeConfig
 from jaxkv.engine import reuse as reuse_lib
 from jaxkv.engine.reuse import ReuseRunner
 from jaxkv.kv import plan, quant
-from jaxkv.models import presets
 from jaxkv.models.forward import Capture, LayerWindow
-from jaxkv.models.llama import Transformer
 from jaxkv.policies.reuse import admission, index, store
-from jaxkv.tokens import Tokenizer
 
 CACHE = CacheConfig(num_pages=128, page_size=16, max_seq_len=1024)
 
 
 @pytest.fixture(scope="module")
 def llm():
-  tok = Tokenizer.load(presets.smollm2_gguf())
-  cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_layers=6,
-                    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6)
-  return jaxkv.LLM(Transformer(cfg, rngs=nnx.Rngs(0)), tok)
+  return hf_util.random_llm_with_real_tokenizer()
 
 
 def _runner(llm, method, **kw):

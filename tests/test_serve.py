@@ -228,3 +228,25 @@ def test_serve_reuse_mode_reuses_schemas_and_resumes(tmp_path):
   assert "greedily" in recs["hot"]["error"]
   proc = _run(cmd)                                              # everything answered
   assert proc.returncode == 0 and len(_records(out)) == 5
+
+
+def test_serve_semshare_mode_reuses_a_similar_prompt(tmp_path):
+  """configs/smollm2_semshare.py on the shipped example: the same notes with
+  another question reuse the first prompt's KV, unrelated notes are prefilled
+  in full (and stored), a rerun resumes."""
+  out = tmp_path / "out.jsonl"
+  cmd = [sys.executable, str(ROOT / "scripts/serve.py"),
+         f"--config={ROOT}/configs/smollm2_semshare.py",
+         f"--input={ROOT / 'examples/semshare_requests.jsonl'}", f"--output={out}",
+         "--config.sampling.max_tokens=4", "--config.cache.num_pages=256", "--noprogress"]
+  proc = _run(cmd)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = {r["id"]: r for r in _records(out)}
+  assert list(recs) == ["s0", "s1", "s2", "s3"]
+  assert not recs["s0"]["reused"] and recs["s0"]["similarity"] == 0.0
+  assert recs["s1"]["reused"] and recs["s1"]["similarity"] >= 0.8
+  assert 0 < recs["s1"]["recomputed_share"] < 1 and recs["s1"]["shared_entries"] > 0
+  assert not recs["s3"]["reused"] and recs["s3"]["similarity"] < 0.8
+  assert all(r["completion_tokens"] == 4 or r["finish_reason"] == "stop" for r in recs.values())
+  proc = _run(cmd)                                              # everything answered
+  assert proc.returncode == 0 and len(_records(out)) == 4

@@ -9,6 +9,10 @@ long-context workloads: never committed, fetched once into data_local/.
   code block, directive or subsection), with reST roles and links reduced to
   their text: one passage per document, the retrieval unit of seed 002's
   workload (b).
+- Jane Austen's six novels (`r-cran-janeaustenr`, public domain): R data
+  files (each .rdb entry a 4-byte length + zlib-compressed R serialization,
+  indexed by the .rdx), read with `rdata`; `austen_paragraphs` gives each
+  novel's paragraphs (blank-line separated, chapter headings dropped).
 
     python scripts/fetch_texts.py --out=data_local/texts
 """
@@ -20,9 +24,14 @@ import pathlib
 import re
 import shutil
 import subprocess
+import struct
 import tempfile
+import warnings
+import zlib
 
 PYTHON_DOCS = "python3.11-doc"
+AUSTEN = "r-cran-janeaustenr"
+AUSTEN_DATA = "usr/lib/R/site-library/janeaustenr/data"
 DOC_SOURCES = "usr/share/doc/python3.11/html/_sources"
 FETCH_HINT = "python scripts/fetch_texts.py --out=data_local/texts"
 
@@ -135,4 +144,45 @@ def doc_passages(root: str | pathlib.Path, sections: tuple[str, ...] = ("library
                            text=got[1]))
   if not out:
     raise ValueError(f"no passages found under {src} (sections {sections})")
+  return out
+
+
+def austen_novels(root: str | pathlib.Path) -> dict[str, list[str]]:
+  """{novel: its lines} from the unpacked r-cran-janeaustenr package under root."""
+  import rdata   # pylint: disable=import-outside-toplevel  (bench extra)
+  root = pathlib.Path(root)
+  data = root / AUSTEN_DATA if (root / AUSTEN_DATA).exists() else root
+  if not (data / "Rdata.rdx").is_file():
+    raise FileNotFoundError(f"no janeaustenr data under {root}; run {FETCH_HINT}")
+  index = rdata.read_rds(data / "Rdata.rdx")["variables"]
+  raw = (data / "Rdata.rdb").read_bytes()
+  out = {}
+  for name, (offset, length) in index.items():
+    blob = raw[int(offset):int(offset) + int(length)]
+    size = struct.unpack(">I", blob[:4])[0]
+    body = zlib.decompress(blob[4:])
+    if len(body) != size:
+      raise ValueError(f"janeaustenr entry {name}: {len(body)} bytes, header says {size}")
+    with warnings.catch_warnings():       # "Unknown file type: assumed RDS": it is one
+      warnings.simplefilter("ignore", UserWarning)
+      lines = rdata.conversion.convert(rdata.parser.parse_data(body, expand_altrep=True))
+    out[str(name)] = [str(x) for x in lines]
+  return out
+
+
+def austen_paragraphs(root: str | pathlib.Path, min_chars: int = 40) -> dict[str, list[str]]:
+  """{novel: paragraphs}: blank-line separated lines joined, chapter / volume
+  headings and short lines dropped."""
+  out = {}
+  for name, lines in austen_novels(root).items():
+    paras, cur = [], []
+    for line in lines + [""]:
+      if line.strip():
+        cur.append(line.strip())
+        continue
+      text = " ".join(cur)
+      cur = []
+      if len(text) >= min_chars and not re.match(r"^(CHAPTER|VOLUME|Chapter)\b", text):
+        paras.append(text)
+    out[name] = paras
   return out

@@ -260,3 +260,38 @@ class Driver:
                                put(np.asarray(remaining, np.int32)), num_steps=num_steps,
                                attn_impl=self.attn_impl, **kw)
     return out
+
+
+def continue_one(driver: Driver, logits: np.ndarray, n: int, slot_map: np.ndarray,
+                 max_tokens: int, *, forced=None, stop_ids=None,
+                 write_map: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+  """One prefilled sequence continued from its last prompt logits: greedy, or
+  teacher-forced with `forced` [max_tokens] (then log p of each forced token is
+  returned too). With `stop_ids` the tokens end at the first stop token
+  (included).
+
+  Args:
+    logits: [V] the last prompt token's logits; n: the prompt length.
+    slot_map: [1, W] or [L, 1, W] holding slots for positions < n + max_tokens.
+    write_map: [1, W] where the new tokens' K/V go (needed with a layer axis).
+  Returns:
+    (tokens [<= max_tokens] int32, log p [max_tokens] or None).
+  """
+  first = int(np.argmax(logits)) if forced is None else int(forced[0])
+  f = None
+  if forced is not None:
+    forced = np.asarray(forced, np.int32)
+    f = jnp.asarray(np.r_[forced[1:], forced[-1:]][:max_tokens, None])
+  stops = None if stop_ids is None else np.asarray(sorted(stop_ids), np.int32)
+  out = driver.decode([first], [n], jnp.asarray(slot_map), [max_tokens], num_steps=max_tokens,
+                      forced=f, stop_ids=None if stops is None else jnp.asarray(stops),
+                      write_map=None if write_map is None else jnp.asarray(write_map))
+  toks = np.r_[first, np.asarray(out.tokens)[:max_tokens - 1, 0]].astype(np.int32)
+  if stops is not None:
+    hit = np.flatnonzero(np.isin(toks, stops))
+    toks = toks[:hit[0] + 1] if hit.size else toks
+  lp = None
+  if forced is not None:
+    first_lp = float(jax.nn.log_softmax(jnp.asarray(logits))[forced[0]])
+    lp = np.r_[first_lp, np.asarray(out.logprob)[:max_tokens - 1, 0]]
+  return toks, lp

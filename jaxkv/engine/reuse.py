@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, ReuseConfig
-from jaxkv.engine.driver import Driver, chunk_step
+from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.kv import plan, quant, splice
 from jaxkv.kv import radix as radix_lib
 from jaxkv.kv import state as kv_state
@@ -251,13 +251,8 @@ class ReuseRunner:
         None: the prompt's lines (`index.line_spans`).
       store: store the prompt's fully computed runs afterwards.
     """
-    ids = np.asarray(ids, np.int32)
+    ids = plan.prompt_ids(ids, self.max_len)
     n = ids.size
-    if n < 1:
-      raise ValueError("empty prompt")
-    if n >= self.max_len:
-      raise ValueError(f"prompt of {n} tokens does not fit the cache's max_seq_len "
-                       f"{self.max_len}")
     t0 = time.perf_counter()
     if spans is None:
       spans = line_spans(ids, self.tok, self.reuse.min_tokens) if self.segments else []
@@ -497,23 +492,6 @@ class ReuseRunner:
     if n + max_tokens > self.max_len:
       raise ValueError(f"{n} + {max_tokens} tokens exceed max_seq_len {self.max_len}")
     radix_lib.reserve(self.alloc, self.radix, pre.seq, max_tokens)
-    smap = self.alloc.slot_map(pre.seq)
-    width = plan.width(n + max_tokens)
-    first = int(np.argmax(pre.logits)) if forced is None else int(forced[0])
-    f = None
-    if forced is not None:
-      forced = np.asarray(forced, np.int32)
-      f = jnp.asarray(np.r_[forced[1:], forced[-1:]][:max_tokens, None])
-    stops = None if stop_ids is None else np.asarray(sorted(stop_ids), np.int32)
-    out = self.driver.decode([first], [n], jnp.asarray(plan.slot_rows([smap], width)),
-                             [max_tokens], num_steps=max_tokens, forced=f,
-                             stop_ids=None if stops is None else jnp.asarray(stops))
-    toks = np.r_[first, np.asarray(out.tokens)[:max_tokens - 1, 0]].astype(np.int32)
-    if stops is not None:
-      hit = np.flatnonzero(np.isin(toks, stops))
-      toks = toks[:hit[0] + 1] if hit.size else toks
-    lp = None
-    if forced is not None:
-      first_lp = float(jax.nn.log_softmax(jnp.asarray(pre.logits))[forced[0]])
-      lp = np.r_[first_lp, np.asarray(out.logprob)[:max_tokens - 1, 0]]
-    return toks, lp
+    smap = plan.slot_rows([self.alloc.slot_map(pre.seq)], plan.width(n + max_tokens))
+    return continue_one(self.driver, pre.logits, n, smap, max_tokens, forced=forced,
+                        stop_ids=stop_ids)

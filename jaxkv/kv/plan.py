@@ -30,7 +30,7 @@ from jaxkv.kv.state import SENTINEL
 CHUNK_LO, CHUNK_FINE = 16, 128     # chunk lengths: 16, 32, 48, ..., 128, 256, 384, ...
 WIDTH_LO, WIDTH_FINE = 128, 512    # slot-map widths: 128, 256, 512, 1024, 1536, ...
 
-__all__ = ["PAGE_SIZE", "Chunk", "Row", "bucket", "chunk_len", "width", "plan_chunks",
+__all__ = ["PAGE_SIZE", "Chunk", "Row", "bucket", "chunk_len", "width", "plan_chunks", "prompt_ids",
            "slot_rows", "contiguous_slots"]
 
 
@@ -48,6 +48,17 @@ def bucket(n: int, lo: int, fine: int, hi: int | None = None, step: int | None =
   if hi is not None:
     b = min(b, max(hi, n))
   return b
+
+
+def prompt_ids(ids, max_len: int) -> np.ndarray:
+  """ids as int32, or a ValueError when empty or not shorter than max_len."""
+  ids = np.asarray(ids, np.int32)
+  if ids.size < 1:
+    raise ValueError("empty prompt")
+  if ids.size >= max_len:
+    raise ValueError(f"prompt of {ids.size} tokens does not fit the cache's max_seq_len "
+                     f"{max_len}")
+  return ids
 
 
 def chunk_len(n: int, hi: int | None = None) -> int:

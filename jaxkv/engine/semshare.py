@@ -1,0 +1,313 @@
+"""SemShareRunner: prompts served with SemShareKV (seed 001) on the substrate's
+aliasing, per-layer slot maps and selective recompute.
+
+One request (`prefill`):
+1. the prompt's E-cache codes (embeddings, RoPE, LSH sign bits) are matched
+   against every stored reference prompt (`policies.reuse.semshare.nearest`);
+   the most similar reference is reused when its similarity reaches the
+   threshold (0.8), otherwise the prompt is prefilled in full and stored as a
+   reference (its slots held in the pool, its codes on the host; LRU under a
+   byte budget);
+2. reuse: every target token gets a fresh slot, and is matched to a reference
+   slot that its slot-map entries alias (no copy: the reference's post-RoPE
+   K/V are read in place, not re-rotated, as the paper found best; the slots
+   are held while the target lives);
+3. the probe pass recomputes layer 0 for every token (the paper's first-layer
+   full recompute) and measures each token's KV deviation from its match and
+   the attention it receives; `semshare.plan` turns them into per-layer
+   recompute sets and retention masks;
+4. the second pass runs layers 1..L-1 with those sets (`forward.Recompute`, in
+   up to `max_passes` windows of their own width) over a slot map with a layer
+   axis [L, 1, T]: layer l reads a token's fresh slot where it was recomputed
+   at l, its alias elsewhere, and SENTINEL where layer l evicted it;
+5. the first token's logits are read (TTFT stops); tokens evicted at every
+   layer give their fresh slot back at once.
+
+Memory is reported two ways: `kv_slots` (pool slots the request owns: one
+slot spans every layer in this pool, so retention frees a slot only when a
+token is evicted at all layers) and `live_entries` / `shared_entries` (layer x
+token entries kept, and of those the ones aliased to the reference: what a
+layer-paged pool would hold and share).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.config import COMPILER_OPTIONS, CacheConfig, SemShareConfig
+from jaxkv.engine.driver import Driver, chunk_step, continue_one
+from jaxkv.engine.reuse import layer_flops, layer_passes
+from jaxkv.kv import plan as plan_lib
+from jaxkv.kv import state as kv_state
+from jaxkv.kv.allocator import PagedAllocator
+from jaxkv.kv.state import SENTINEL
+from jaxkv.models.forward import Capture, LayerWindow, Recompute
+from jaxkv.policies.reuse import semshare
+
+
+@dataclasses.dataclass
+class Reference:
+  """A stored prompt: its ids, the pool slots held for it and its E-cache codes."""
+  ids: np.ndarray        # [M] int32
+  slots: np.ndarray      # [M] int32 pool slots (held by the store)
+  codes: np.ndarray      # [M, nbits // 32] uint32
+  nbytes: int            # held pool bytes + code bytes
+
+
+@dataclasses.dataclass
+class SemPrefill:
+  """The outcome of one `prefill`."""
+  seq: int
+  ids: np.ndarray
+  logits: np.ndarray             # [V] float32 at the last prompt token
+  similarity: float              # to the best reference (0.0: none stored)
+  reused: bool                   # the reference's KV was used
+  slot_map: np.ndarray           # [L, T] per-layer slot map of the prompt
+  layer_tokens: np.ndarray       # [L] tokens computed at each layer
+  flops: float
+  ttft_s: float
+  match_s: float                 # E-cache codes + matching (inside ttft_s)
+  kv_slots: int                  # pool slots this request owns after the prompt
+  live_entries: int              # layer x token entries in the slot map
+  shared_entries: int            # of those, aliased to the reference
+  r_dynamic: float = 0.0
+
+  @property
+  def recomputed_share(self) -> float:
+    """Token-layers computed / (L x T)."""
+    return float(self.layer_tokens.sum()) / max(1, self.layer_tokens.size * self.ids.size)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "theta"),
+                   compiler_options=COMPILER_OPTIONS)
+def _codes(graphdef, weights, tokens, positions, planes, theta: float):
+  emb = nnx.merge(graphdef, weights).embed[...][tokens]
+  return semshare.e_codes(emb, positions, planes, theta)
+
+
+@jax.jit
+def _probe_signals(pool, fresh, alias, q, valid):
+  """Layer-0 KV deviation of each token from its alias, and the mean attention
+  each token receives (q [C, Hq, D], fresh / alias slots [C])."""
+  dev = semshare.kv_deviation(pool.k[0, fresh], pool.v[0, fresh], pool.k[0, alias],
+                              pool.v[0, alias])
+  return dev, semshare.column_attention(q, pool.k[0, fresh], valid)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _zero_slot(pool, slot):
+  return dataclasses.replace(pool, k=pool.k.at[:, slot].set(0), v=pool.v.at[:, slot].set(0))
+
+
+def _pad(x, n: int, value=0) -> np.ndarray:
+  x = np.asarray(x)
+  return np.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+
+class SemShareRunner:
+  """A pool, its allocator and the reference store, for one model.
+
+  Args:
+    llm: a loaded `LLM`.
+    cfg: the method and its parameters (`SemShareConfig`).
+    cache: the pool (references live in it, held, until the store evicts them).
+    attn_impl: `jaxkv.ops` implementation.
+    max_passes: layer windows of the second pass (see `engine.reuse.layer_passes`).
+  """
+
+  def __init__(self, llm, cfg: SemShareConfig = SemShareConfig(), *,
+               cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16,
+                                                max_seq_len=8192),
+               attn_impl: str = "auto", max_passes: int = 4):
+    self.cfg, self.mcfg, self.tok = cfg, llm.config, llm.tokenizer
+    self.graphdef, self.weights = llm.graphdef, llm.weights
+    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.mcfg, cache),
+                         attn_impl=attn_impl)
+    self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
+    self.max_len, self.max_passes = cache.max_seq_len, max_passes
+    self.planes = jnp.asarray(semshare.lsh_planes(self.mcfg.hidden_size, cfg.nbits,
+                                                  cfg.lsh_seed))
+    m = self.mcfg
+    self.slot_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * np.dtype(
+        cache.dtype).itemsize
+    self.refs: collections.OrderedDict[int, Reference] = collections.OrderedDict()
+    self.nbytes, self._next_ref = 0, 0
+    self._holds: dict[int, np.ndarray] = {}       # seq -> aliased slots it holds
+    self.zero_slot = None
+    if cfg.method == "zero":            # one slot of zeros that matched entries alias
+      self._zero_seq = self.alloc.new_sequence()
+      self.zero_slot = int(self.alloc.extend(self._zero_seq, 1)[0])
+      self.driver.kv = _zero_slot(self.driver.kv, self.zero_slot)
+    self._rng = np.random.default_rng(cfg.lsh_seed)
+
+  # ------------------------------------------------------------------ the store
+  def _store(self, ids: np.ndarray, slots: np.ndarray, codes: np.ndarray) -> int | None:
+    nbytes = int(slots.size * self.slot_bytes + codes.nbytes)
+    if nbytes > self.cfg.byte_budget:
+      return None
+    while self.refs and self.nbytes + nbytes > self.cfg.byte_budget:
+      self.forget(next(iter(self.refs)))
+    self.alloc.retain(slots)
+    key, self._next_ref = self._next_ref, self._next_ref + 1
+    self.refs[key] = Reference(ids.copy(), slots.copy(), codes, nbytes)
+    self.nbytes += nbytes
+    return key
+
+  def forget(self, key: int) -> None:
+    """Drops a stored reference (its slots are freed once no target aliases them)."""
+    ref = self.refs.pop(key)
+    self.nbytes -= ref.nbytes
+    self.alloc.release(ref.slots)
+
+  def reset(self) -> None:
+    for key in list(self.refs):
+      self.forget(key)
+
+  def release(self, seq: int) -> None:
+    self.alloc.free_sequence(seq)
+    held = self._holds.pop(seq, None)
+    if held is not None and held.size:
+      self.alloc.release(held)
+
+  # -------------------------------------------------------------------- prefill
+  def _best(self, codes: np.ndarray, n: int):
+    """(key, similarity, index [n], distance [n]) of the most similar reference."""
+    best = (None, 0.0, None, None)
+    t_pos = jnp.asarray(_pad(np.arange(n, dtype=np.int32), codes.shape[0]))
+    for key, ref in reversed(self.refs.items()):
+      m = ref.codes.shape[0]
+      w = plan_lib.chunk_len(m)
+      idx, dist = semshare.nearest(jnp.asarray(codes), t_pos, jnp.asarray(_pad(ref.codes, w)),
+                                   jnp.asarray(np.arange(w, dtype=np.int32)),
+                                   jnp.asarray(np.arange(w) < m))
+      idx, dist = np.asarray(idx)[:n], np.asarray(dist)[:n]
+      sim = semshare.similarity(dist, self.cfg.max_dist)
+      if best[0] is None or sim > best[1]:
+        best = (key, sim, idx, dist)
+    return best
+
+  def prefill(self, ids) -> SemPrefill:
+    """Serves the prompt `ids` (see the module docstring); the sequence stays live
+    for `decode` until `release`."""
+    ids = plan_lib.prompt_ids(ids, self.max_len)
+    n, L = ids.size, self.mcfg.num_layers
+    t0 = time.perf_counter()
+    c = plan_lib.chunk_len(n)
+    tokens = jnp.asarray(_pad(ids, c)[None])
+    positions = np.where(np.arange(c) < n, np.arange(c), -1).astype(np.int32)
+    codes = np.asarray(_codes(self.graphdef, self.weights, tokens[0],
+                              jnp.asarray(np.maximum(positions, 0)), self.planes,
+                              self.cfg.e_rope_theta))
+    key, sim, idx, _ = self._best(codes, n)
+    match_s = time.perf_counter() - t0
+    seq = self.alloc.new_sequence()
+    fresh = self.alloc.extend(seq, n)
+    width = plan_lib.width(n)
+    smap = jnp.asarray(plan_lib.slot_rows([fresh], width))
+    step = functools.partial(chunk_step, self.graphdef, self.weights, tokens=tokens,
+                             positions=jnp.asarray(positions[None]),
+                             attn_impl=self.driver.attn_impl)
+    read = jnp.asarray([[n - 1]], np.int32)
+    reuse = (self.cfg.method != "full" and key is not None and sim >= self.cfg.threshold)
+    if not reuse:
+      out, self.driver.kv = step(kv=self.driver.kv, slot_map=smap, read=read,
+                                 return_logits=True)
+      logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
+      ttft = time.perf_counter() - t0
+      self._store(ids, fresh, codes[:n])
+      layer_tokens = np.full(L, n, np.int64)
+      return SemPrefill(seq=seq, ids=ids, logits=logits, similarity=sim, reused=False,
+                        slot_map=np.broadcast_to(fresh, (L, n)).copy(),
+                        layer_tokens=layer_tokens, flops=self._flops([np.arange(n)] * L, n),
+                        ttft_s=ttft, match_s=match_s, kv_slots=n, live_entries=L * n,
+                        shared_entries=0)
+    ref = self.refs[key]
+    self.refs.move_to_end(key)
+    if self.cfg.method == "zero":
+      alias = np.full(n, self.zero_slot, np.int32)
+    elif self.cfg.method == "random":
+      alias = ref.slots[self._rng.integers(0, ref.slots.size, n)]
+    else:
+      alias = ref.slots[idx]
+    # probe: layer 0 for every token, fresh slots only
+    out0, self.driver.kv = step(kv=self.driver.kv, slot_map=smap,
+                                window=LayerWindow(stop=1), capture=Capture(q=True),
+                                return_hidden=True)
+    dev, att = _probe_signals(self.driver.kv, jnp.asarray(_pad(fresh, c)),
+                              jnp.asarray(_pad(alias, c)), out0.q[0, 0],
+                              jnp.asarray(np.arange(c) < n))
+    p = semshare.plan(np.asarray(dev)[:n], np.asarray(att)[:n], self.cfg, L)
+    layer_map = np.empty((L, n), np.int32)
+    for l, s in enumerate(p.recompute):
+      layer_map[l] = alias
+      layer_map[l, s] = fresh[s]
+    layer_map[~p.retain] = SENTINEL
+    # the rest of the layers, as few passes as their widths allow
+    lmap = jnp.asarray(np.stack([plan_lib.slot_rows([m], width) for m in layer_map]))
+    ws = jnp.asarray(_pad(fresh, c, self.driver.kv.num_slots)[None])
+    x = out0.hidden
+    for lo, hi in layer_passes([s.size for s in p.recompute], 1, L, self.max_passes):
+      r = plan_lib.chunk_len(max(s.size for s in p.recompute[lo:hi]))
+      index = np.full((L, 1, r), -1, np.int32)
+      for l in range(lo, hi):
+        index[l, 0, :p.recompute[l].size] = p.recompute[l]
+      last = hi == L
+      out, self.driver.kv = step(kv=self.driver.kv, slot_map=lmap, write_slots=ws,
+                                 read=read if last else None,
+                                 window=LayerWindow(hidden_in=x, start=lo, stop=hi),
+                                 recompute=Recompute(jnp.asarray(index)),
+                                 return_hidden=not last, return_logits=last)
+      x = out.hidden
+    logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
+    ttft = time.perf_counter() - t0
+    # after the first token: give back what no layer keeps, hold what is aliased
+    gone = np.flatnonzero(~p.retain.any(axis=0))
+    self.alloc.evict(seq, gone)
+    used = p.retain.copy()                           # [L, T] entries read from the alias
+    for l, s in enumerate(p.recompute):
+      used[l, s] = False
+    held = np.unique(alias[used.any(axis=0)])
+    self.alloc.retain(held)
+    self._holds[seq] = held
+    if self.cfg.store_reused:
+      self._store(ids, fresh, codes[:n])
+    return SemPrefill(seq=seq, ids=ids, logits=logits, similarity=sim, reused=True,
+                      slot_map=layer_map, layer_tokens=np.asarray([s.size for s in p.recompute]),
+                      flops=self._flops(p.recompute, n), ttft_s=ttft, match_s=match_s,
+                      kv_slots=n - gone.size, live_entries=int(p.retain.sum()),
+                      shared_entries=int(used.sum()), r_dynamic=p.r_dynamic)
+
+  def _flops(self, sets, n: int) -> float:
+    pos = np.arange(n, dtype=np.float64) + 1
+    return (sum(layer_flops(self.mcfg, s.size, pos[s].sum()) for s in sets)
+            + 2.0 * self.mcfg.hidden_size * self.mcfg.vocab_size)
+
+  # --------------------------------------------------------------------- decode
+  def decode(self, pre: SemPrefill, max_tokens: int, *, forced=None,
+             stop_ids=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Greedy continuation (or teacher forcing with `forced`: log p per token)
+    over the prompt's per-layer slot map; returns (tokens, log p or None). With
+    `stop_ids` the tokens end at the first stop token (included). The
+    continuation's slots are given back afterwards, so the prompt can be
+    continued again (e.g. teacher-forced, then greedy)."""
+    n = pre.ids.size
+    if n + max_tokens > self.max_len:
+      raise ValueError(f"{n} + {max_tokens} tokens exceed max_seq_len {self.max_len}")
+    new = self.alloc.extend(pre.seq, max_tokens)
+    width = plan_lib.width(n + max_tokens)
+    L = self.mcfg.num_layers
+    full = np.concatenate([pre.slot_map, np.broadcast_to(new, (L, max_tokens))], axis=1)
+    lmap = np.stack([plan_lib.slot_rows([m], width) for m in full])
+    wmap = plan_lib.slot_rows([self.alloc.slot_map(pre.seq)], width)
+    toks, lp = continue_one(self.driver, pre.logits, n, lmap, max_tokens, forced=forced,
+                            stop_ids=stop_ids, write_map=wmap)
+    self.alloc.truncate(pre.seq, n)
+    return toks, lp

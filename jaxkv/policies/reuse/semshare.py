@@ -1,0 +1,231 @@
+"""SemShareKV (seed 001): reuse of a semantically similar prompt's KV through
+token-level LSH matching. Pure functions; `jaxkv.engine.semshare` runs them.
+
+E cache (section 4.3.1, A.1). Each prompt token's input embedding, rotated by
+RoPE at its position (interleaved pairs (2k, 2k+1), theta_k = theta^(-2k/d), d
+the embedding width), so the same token at nearby positions stays close and at
+far positions drifts apart: matching then prefers tokens in the same place.
+
+LSH (A.2, FAISS `IndexLSH` semantics). A random rotation to `nbits`
+dimensions (orthonormal rows, like FAISS's RandomRotationMatrix), one sign bit
+per dimension (bit = value > 0), packed 32 to a uint32; the distance is the
+Hamming distance (`jnp.bitwise_count` of the XOR). Given FAISS's own rotation
+matrix, the codes and distances equal `faiss.IndexLSH`'s (tested).
+
+Matching. Every target token is matched to the reference token nearest in
+Hamming distance; ties go to the reference token nearest in position (so a
+prompt matched against itself maps every token to itself). The prompt-level
+LSH distance is the mean of those nearest distances, and the similarity
+clip(1 - distance / max_dist, 0, 1) with max_dist 30 (A.3).
+
+Recompute and retention (4.3.3, 4.3.4, A.5, A.6), from two signals measured
+at layer 0, which is recomputed for every token: the KV deviation (A.4:
+||K_reused - K_fresh|| + ||V_reused - V_fresh||) and the mean attention each
+token receives (averaged over heads, then over queries). Attention recovery
+(eq. 1) at 55% splits hot from cold tokens (r_dynamic = hot share). Layer 1
+recomputes the most deviating w_hot of the hot tokens and w_cold of the cold
+ones; each later layer keeps the most deviating alpha_recomp(l) of the previous
+layer's set (Insight 1: high-deviation tokens stay high-deviation, so one
+ranking serves every layer). Layer 0 retains max(0.8, r_dynamic) of the tokens:
+every hot and recomputed token, then the cold ones by attention; layer l keeps
+retain_0 * alpha^l of them, nested, recomputed ones first. The last `recent`
+tokens are always recomputed and retained (the readout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.config import SemShareConfig
+
+_BLOCK = 256    # target rows per Hamming / attention block
+
+
+def lsh_planes(dim: int, nbits: int, seed: int) -> np.ndarray:
+  """[nbits, dim] float32 orthonormal rows (nbits <= dim) or columns (nbits > dim)
+  of a random rotation, deterministic in seed."""
+  g = np.random.default_rng(seed).standard_normal((max(dim, nbits), min(dim, nbits)))
+  q, r = np.linalg.qr(g)
+  q = q * np.sign(np.diag(r))                 # a unique, uniformly random rotation
+  return (q.T if nbits <= dim else q).astype(np.float32)
+
+
+def rope_interleaved(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """[T, D] rows rotated by RoPE at positions [T] (A.1: pairs (2k, 2k+1))."""
+  d = x.shape[-1]
+  freq = theta ** (-jnp.arange(0, d - d % 2, 2, dtype=jnp.float32) / d)
+  ang = positions.astype(jnp.float32)[:, None] * freq[None, :]
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  even, odd = x[:, 0:d - d % 2:2], x[:, 1:d - d % 2:2]
+  out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+  out = out.reshape(x.shape[0], d - d % 2)
+  return jnp.concatenate([out, x[:, d - d % 2:]], axis=-1) if d % 2 else out
+
+
+def pack_bits(bits: jax.Array) -> jax.Array:
+  """[..., nbits] bool -> [..., nbits // 32] uint32 (bit i of word w = bits[32 w + i])."""
+  *lead, n = bits.shape
+  words = bits.reshape(*lead, n // 32, 32).astype(jnp.uint32)
+  return jnp.sum(words << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+@functools.partial(jax.jit, static_argnames=("theta",))
+def e_codes(emb: jax.Array, positions: jax.Array, planes: jax.Array, theta: float) -> jax.Array:
+  """LSH codes [T, nbits // 32] uint32 of the E cache: embeddings [T, D] at positions [T]."""
+  x = rope_interleaved(emb.astype(jnp.float32), positions, theta)
+  return pack_bits((x @ planes.T) > 0)
+
+
+def hamming(a: jax.Array, b: jax.Array) -> jax.Array:
+  """[N, W] x [M, W] uint32 codes -> [N, M] int32 Hamming distances."""
+  return jnp.sum(jnp.bitwise_count(a[:, None, :] ^ b[None, :, :]), axis=-1, dtype=jnp.int32)
+
+
+@jax.jit
+def nearest(t_codes, t_pos, r_codes, r_pos, r_valid) -> tuple[jax.Array, jax.Array]:
+  """Per target token the nearest reference token (ties: nearest in position).
+
+  Args:
+    t_codes: [T, W] uint32 target codes; t_pos [T] int32 their positions.
+    r_codes: [M, W] uint32 reference codes; r_pos [M]; r_valid [M] bool (padding).
+  Returns:
+    (index [T] int32 into the reference, Hamming distance [T] int32).
+  """
+  t = t_codes.shape[0]
+  pad = -t % _BLOCK
+  tc = jnp.pad(t_codes, ((0, pad), (0, 0))).reshape(-1, _BLOCK, t_codes.shape[1])
+  tp = jnp.pad(t_pos, (0, pad)).reshape(-1, _BLOCK)
+
+  def block(args):
+    codes, pos = args
+    dist = hamming(codes, r_codes)                                       # [BLK, M]
+    near = jnp.minimum(jnp.abs(pos[:, None] - r_pos[None, :]), (1 << 20) - 1)
+    key = jnp.where(r_valid[None, :], dist * (1 << 20) + near, jnp.iinfo(jnp.int32).max)
+    i = jnp.argmin(key, axis=1).astype(jnp.int32)
+    return i, jnp.take_along_axis(dist, i[:, None], axis=1)[:, 0]
+
+  idx, dist = jax.lax.map(block, (tc, tp))
+  return idx.reshape(-1)[:t], dist.reshape(-1)[:t]
+
+
+def similarity(dist, max_dist: float) -> float:
+  """A.3: clip(1 - mean nearest Hamming distance / max_dist, 0, 1)."""
+  d = float(np.mean(np.asarray(dist))) if np.size(dist) else max_dist
+  return float(np.clip(1.0 - d / max_dist, 0.0, 1.0))
+
+
+@jax.jit
+def kv_deviation(k_a, v_a, k_b, v_b) -> jax.Array:
+  """A.4: per token ||K_a - K_b||_2 + ||V_a - V_b||_2 over [N, Hkv, D] rows."""
+  n = k_a.shape[0]
+  dk = jnp.linalg.norm((k_a - k_b).reshape(n, -1).astype(jnp.float32), axis=-1)
+  dv = jnp.linalg.norm((v_a - v_b).reshape(n, -1).astype(jnp.float32), axis=-1)
+  return dk + dv
+
+
+@jax.jit
+def column_attention(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.Array:
+  """Mean causal attention each key receives (Insight 2's T vector).
+
+  Args:
+    q: [C, Hq, D] post-RoPE queries of one layer; k: [C, Hkv, D] its keys
+      (GQA: Hq = g * Hkv); valid: [C] bool (padding rows neither attend nor
+      are attended).
+  Returns:
+    [C] float32: the attention probabilities summed over heads and valid
+    queries, divided by (heads x valid queries); zero on padding.
+  """
+  c, hq, dh = q.shape
+  g = hq // k.shape[1]
+  kk = jnp.repeat(k.astype(jnp.float32), g, axis=1)                     # [C, Hq, D]
+  pad = -c % _BLOCK
+  qb = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0))).reshape(-1, _BLOCK, hq, dh)
+  rows = jnp.arange(c + pad).reshape(-1, _BLOCK)
+  vpad = jnp.pad(valid, (0, pad))
+  cols = jnp.arange(c)
+
+  def block(args):
+    qs, r = args
+    logits = jnp.einsum("qhd,khd->hqk", qs, kk) / jnp.sqrt(jnp.float32(dh))
+    mask = (cols[None, :] <= r[:, None]) & valid[None, :] & vpad[r][:, None]
+    logits = jnp.where(mask[None], logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.sum(jnp.where(mask[None], p, 0.0), axis=(0, 1))           # [C]
+
+  total = jnp.sum(jax.lax.map(block, (qb, rows)), axis=0)
+  return jnp.where(valid, total / (hq * jnp.maximum(jnp.sum(valid), 1)), 0.0)
+
+
+def attention_recovery(scores: np.ndarray, thres: float) -> int:
+  """Eq. 1: the fewest tokens (highest scores first) holding `thres` of the total."""
+  s = np.sort(np.asarray(scores, np.float64))[::-1]
+  total = s.sum()
+  if total <= 0 or s.size == 0:
+    return int(s.size)
+  return int(min(s.size, np.searchsorted(np.cumsum(s), thres * total - 1e-12) + 1))
+
+
+@dataclasses.dataclass
+class Plan:
+  """What one reuse computes and keeps, per layer."""
+  recompute: list[np.ndarray]   # [L] token indices recomputed at each layer (S_0 = all)
+  retain: np.ndarray            # [L, T] bool: the token's KV stays in layer l's slot map
+  hot: np.ndarray               # [T] bool
+  r_dynamic: float              # hot share (attention recovery / T)
+
+
+def _top(candidates: np.ndarray, key: np.ndarray, n: int) -> np.ndarray:
+  """The n candidates with the largest key (ties: lower index), sorted."""
+  if n >= candidates.size:
+    return np.sort(candidates)
+  order = np.lexsort((candidates, -key[candidates]))
+  return np.sort(candidates[order[:max(0, n)]])
+
+
+def plan(deviation, attention, cfg: SemShareConfig, num_layers: int) -> Plan:
+  """Recompute sets and retention masks for `cfg.method` (see the module doc).
+
+  Args:
+    deviation: [T] layer-0 KV deviation of each target token from its match.
+    attention: [T] mean attention each token receives at layer 0.
+  """
+  dev = np.asarray(deviation, np.float64)
+  att = np.asarray(attention, np.float64)
+  t, L = dev.size, num_layers
+  every = np.arange(t)
+  recent = every[max(0, t - cfg.recent):]
+  n_hot = attention_recovery(att, cfg.hot_threshold)
+  hot = np.zeros(t, bool)
+  hot[_top(every, att, n_hot)] = True
+  sets = [every]
+  if cfg.method == "blend":
+    s = np.union1d(recent, _top(every, dev, int(np.ceil(cfg.blend_ratio * t))))
+    sets += [s] * (L - 1)
+  else:
+    s1 = np.union1d(_top(every[hot], dev, int(round(cfg.w_hot * hot.sum()))),
+                    _top(every[~hot], dev, int(round(cfg.w_cold * (~hot).sum()))))
+    sets.append(np.union1d(recent, s1))
+    for l in range(2, L):
+      frac = (l - 2) / max(1, L - 3)
+      alpha = cfg.recomp_alpha_first + frac * (cfg.recomp_alpha_last - cfg.recomp_alpha_first)
+      prev = sets[-1]
+      sets.append(np.union1d(recent, _top(prev, dev, int(np.ceil(alpha * prev.size)))))
+  retain = np.ones((L, t), bool)
+  if cfg.method in ("semshare", "zero", "random"):
+    n0 = int(np.ceil(max(cfg.retain_first, n_hot / max(1, t)) * t))
+    kept = every
+    for l in range(L):
+      forced = np.union1d(sets[min(l + 1, L - 1)] if l == 0 else sets[l], recent)
+      if l == 0:
+        forced = np.union1d(forced, every[hot])
+      n = max(int(np.ceil(n0 * cfg.retain_alpha ** l)), forced.size)
+      rest = np.setdiff1d(kept, forced)
+      kept = np.union1d(forced, _top(rest, att, n - forced.size))
+      retain[l] = False
+      retain[l, kept] = True
+  return Plan(recompute=sets, retain=retain, hot=hot, r_dynamic=float(n_hot / max(1, t)))

@@ -1,0 +1,243 @@
+"""SemShareKV (seed 001): the LSH against FAISS, matching, the attention and
+deviation signals against dense numpy, the recompute / retention schedules, and
+the runner against a full prefill of the same prompt.
+
+The runner tests use a random 6-layer model with SmolLM2's real tokenizer;
+quality on real weights is `bench/semshare.py`'s job. Tolerances: a prompt
+reused against itself with no retention must reproduce the full prefill's
+logits to 1e-5 (fp32 re-association only).
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_util
+from jaxkv.config import CacheConfig, SemShareConfig
+from jaxkv.engine.semshare import SemShareRunner
+from jaxkv.policies.reuse import semshare
+
+CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=1024)
+
+
+# ------------------------------------------------------------------------ LSH
+def test_codes_and_distances_equal_faiss_index_lsh():
+  faiss = pytest.importorskip("faiss")
+  rng = np.random.default_rng()
+  d, nbits = 96, 64
+  x = rng.standard_normal((300, d)).astype(np.float32)
+  q = rng.standard_normal((40, d)).astype(np.float32)
+  index = faiss.IndexLSH(d, nbits)
+  index.train(x)
+  index.add(x)
+  planes = faiss.vector_to_array(index.rrot.A).reshape(nbits, d)
+  # FAISS packs bit i of a code into byte i // 8, least significant bit first
+  want = np.unpackbits(index.sa_encode(x), axis=1, bitorder="little").astype(bool)
+  got = np.asarray(semshare.pack_bits(jnp.asarray(x @ planes.T > 0)))
+  got_bits = np.unpackbits(got.view(np.uint8), axis=1, bitorder="little").astype(bool)
+  np.testing.assert_array_equal(got_bits, want)
+  dist, _ = index.search(q, 1)
+  qc = semshare.pack_bits(jnp.asarray(q @ planes.T > 0))
+  idx, ham = semshare.nearest(qc, jnp.zeros(40, jnp.int32), jnp.asarray(got),
+                              jnp.zeros(300, jnp.int32), jnp.ones(300, bool))
+  np.testing.assert_array_equal(np.asarray(ham), dist[:, 0].astype(np.int32))
+  full = np.asarray(semshare.hamming(qc, jnp.asarray(got)))
+  np.testing.assert_array_equal(full[np.arange(40), np.asarray(idx)], dist[:, 0])
+
+
+def test_nearest_breaks_ties_by_position_and_is_deterministic():
+  rng = np.random.default_rng()
+  r = rng.integers(0, 2 ** 32, (50, 2), dtype=np.uint64).astype(np.uint32)
+  r[30] = r[10]                                     # the same code twice
+  t = r[[10, 30, 5]]
+  idx, dist = semshare.nearest(jnp.asarray(t), jnp.asarray([12, 29, 5]), jnp.asarray(r),
+                               jnp.arange(50), jnp.arange(50) < 50)
+  assert np.asarray(idx).tolist() == [10, 30, 5] and not np.asarray(dist).any()
+  brute = np.asarray(semshare.hamming(jnp.asarray(t), jnp.asarray(r)))
+  assert brute.min(axis=1).tolist() == [0, 0, 0]
+  a = semshare.lsh_planes(64, 128, seed=3)
+  np.testing.assert_array_equal(a, semshare.lsh_planes(64, 128, seed=3))
+  np.testing.assert_allclose(a.T @ a, np.eye(64), atol=1e-5)       # orthonormal columns
+  b = semshare.lsh_planes(96, 64, seed=3)
+  np.testing.assert_allclose(b @ b.T, np.eye(64), atol=1e-5)
+
+
+def test_rope_on_the_e_cache_rotates_pairs():
+  rng = np.random.default_rng()
+  x = rng.standard_normal((5, 10)).astype(np.float32)
+  pos = np.array([0, 1, 7, 100, 3000])
+  got = np.asarray(semshare.rope_interleaved(jnp.asarray(x), jnp.asarray(pos), 10000.0))
+  want = x.copy()
+  for k in range(5):
+    a = pos * 10000.0 ** (-2 * k / 10)
+    want[:, 2 * k] = x[:, 2 * k] * np.cos(a) - x[:, 2 * k + 1] * np.sin(a)
+    want[:, 2 * k + 1] = x[:, 2 * k] * np.sin(a) + x[:, 2 * k + 1] * np.cos(a)
+  np.testing.assert_allclose(got, want, atol=2e-4)
+  np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(x, axis=1), rtol=1e-5)
+
+
+def test_similarity_is_a_clipped_normalised_distance():
+  assert semshare.similarity(np.zeros(9), 30.0) == 1.0
+  assert semshare.similarity(np.full(4, 6.0), 30.0) == pytest.approx(0.8)
+  assert semshare.similarity(np.full(4, 60.0), 30.0) == 0.0
+
+
+# -------------------------------------------------------------------- signals
+def test_column_attention_equals_dense_causal_softmax():
+  rng = np.random.default_rng()
+  c, hq, hkv, d, n = 300, 6, 2, 16, 283
+  q = rng.standard_normal((c, hq, d)).astype(np.float32)
+  k = rng.standard_normal((c, hkv, d)).astype(np.float32)
+  got = np.asarray(semshare.column_attention(jnp.asarray(q), jnp.asarray(k),
+                                             jnp.asarray(np.arange(c) < n)))
+  kk = np.repeat(k[:n], hq // hkv, axis=1)
+  logits = np.einsum("qhd,khd->hqk", q[:n], kk) / np.sqrt(d)
+  logits[:, np.triu(np.ones((n, n), bool), 1)] = -np.inf
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  np.testing.assert_allclose(got[:n], p.sum(axis=(0, 1)) / (hq * n), rtol=1e-4, atol=1e-7)
+  assert not got[n:].any()
+  assert got[:n].sum() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_attention_recovery_counts_the_tokens_holding_the_share():
+  s = np.array([0.05, 0.5, 0.1, 0.3, 0.05])
+  assert semshare.attention_recovery(s, 0.55) == 2         # 0.5 + 0.3
+  assert semshare.attention_recovery(s, 0.5) == 1
+  assert semshare.attention_recovery(s, 1.0) == 5
+
+
+def test_plan_follows_the_paper_schedules():
+  rng = np.random.default_rng()
+  t, L = 400, 8
+  dev, att = rng.uniform(size=t), rng.pareto(1.5, size=t)
+  cfg = SemShareConfig(recent=8)
+  p = semshare.plan(dev, att, cfg, L)
+  h = int(p.hot.sum())
+  assert h == semshare.attention_recovery(att, 0.55) and p.r_dynamic == h / t
+  assert p.recompute[0].size == t
+  # layer 1: the most deviating half of the hot tokens and tenth of the cold ones (+ recent)
+  hot_rec = np.intersect1d(p.recompute[1], np.flatnonzero(p.hot)).size
+  cold_rec = p.recompute[1].size - hot_rec
+  assert round(0.5 * h) <= hot_rec <= round(0.5 * h) + cfg.recent
+  assert round(0.1 * (t - h)) <= cold_rec <= round(0.1 * (t - h)) + cfg.recent
+  recent = np.arange(t - 8, t)
+  for l in range(1, L):
+    assert set(p.recompute[l]) <= set(p.recompute[l - 1])          # nested (Insight 1)
+    assert set(recent) <= set(p.recompute[l])
+    assert np.all(p.retain[l] <= p.retain[l - 1])                  # retention decays
+    assert p.retain[l, p.recompute[l]].all() and p.retain[l, recent].all()
+  n0 = int(np.ceil(max(0.8, p.r_dynamic) * t))
+  assert p.retain[0].sum() == max(n0, np.union1d(p.recompute[1], np.flatnonzero(p.hot)).size)
+  assert p.retain[0, p.hot].all()
+  # the most deviating tokens are the ones recomputed: at layer 1 within the hot and
+  # within the cold tokens, later within the previous layer's set
+  for group in (p.hot, ~p.hot):
+    picked = np.setdiff1d(np.intersect1d(p.recompute[1], np.flatnonzero(group)), recent)
+    left = np.setdiff1d(np.flatnonzero(group), np.union1d(p.recompute[1], recent))
+    assert picked.size == 0 or left.size == 0 or dev[picked].min() >= dev[left].max()
+  for l in range(2, L):
+    picked = np.setdiff1d(p.recompute[l], recent)
+    dropped = np.setdiff1d(p.recompute[l - 1], p.recompute[l])
+    assert dropped.size == 0 or picked.size == 0 or dev[picked].min() >= dev[dropped].max()
+  full = semshare.plan(dev, att, dataclasses.replace(cfg, method="fuzzy_full"), L)
+  assert full.retain.all()
+  blend = semshare.plan(dev, att, dataclasses.replace(cfg, method="blend"), L)
+  assert all(np.array_equal(s, blend.recompute[1]) for s in blend.recompute[1:])
+  assert blend.recompute[1].size <= int(np.ceil(0.15 * t)) + 8
+
+
+# --------------------------------------------------------------------- runner
+@pytest.fixture(scope="module")
+def llm():
+  return hf_util.random_llm_with_real_tokenizer()
+
+
+def _runner(llm, method, **kw):
+  return SemShareRunner(llm, SemShareConfig(method=method, **kw), cache=CACHE,
+                        attn_impl="reference")
+
+
+def _full(llm, prompt, gen=6):
+  r = _runner(llm, "full")
+  pre = r.prefill(prompt)
+  toks, _ = r.decode(pre, gen)
+  return pre, toks
+
+
+def test_a_prompt_reused_against_itself_reproduces_full_prefill(llm):
+  prompt = np.random.default_rng().integers(100, 40000, 150)
+  want, want_toks = _full(llm, prompt)
+  r = _runner(llm, "fuzzy_full")
+  first = r.prefill(prompt)
+  assert not first.reused and first.similarity == 0.0 and len(r.refs) == 1
+  r.release(first.seq)
+  got = r.prefill(prompt)
+  assert got.reused and got.similarity == 1.0
+  assert got.shared_entries > 0 and got.layer_tokens[1] < prompt.size
+  np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)
+  toks, _ = r.decode(got, 6)
+  np.testing.assert_array_equal(toks, want_toks)
+  r.release(got.seq)
+  r.alloc.check()
+
+
+def test_below_the_threshold_the_prompt_is_prefilled_in_full(llm):
+  rng = np.random.default_rng()
+  a, b = rng.integers(100, 40000, 120), rng.integers(100, 40000, 90)
+  want, _ = _full(llm, b)
+  r = _runner(llm, "semshare")
+  r.release(r.prefill(a).seq)
+  got = r.prefill(b)
+  assert not got.reused and got.similarity < 0.8
+  np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)
+  assert len(r.refs) == 2                           # b is now a reference too
+  r.release(got.seq)
+  r.alloc.check()
+
+
+def test_aliased_slots_live_while_a_target_uses_them(llm):
+  rng = np.random.default_rng()
+  ref = rng.integers(100, 40000, 200)
+  target = ref.copy()
+  target[150:160] = rng.integers(100, 40000, 10)    # a near copy: similarity stays high
+  r = _runner(llm, "semshare", threshold=0.0)
+  r.release(r.prefill(ref).seq)
+  live_ref = r.alloc.num_live_slots
+  pre = r.prefill(target)
+  assert pre.reused and pre.shared_entries > 0
+  assert pre.live_entries < 6 * target.size and pre.kv_slots < target.size   # retention
+  held = r._holds[pre.seq]
+  before, _ = r.decode(pre, 5)
+  r.forget(next(iter(r.refs)))                     # the store lets the reference go ...
+  r.alloc.check()
+  assert all(r.alloc.refcount(s) > 0 for s in held)   # ... the target still holds it
+  after, _ = r.decode(pre, 5)
+  np.testing.assert_array_equal(after, before)
+  r.release(pre.seq)
+  r.alloc.check()
+  assert r.alloc.num_live_slots == 0 < live_ref
+
+
+def test_ablations_drift_more_than_the_matched_kv(llm):
+  """Table 2's ablations: the matched KV zeroed or taken from random reference
+  tokens drifts further from the full prefill than the matched KV itself."""
+  rng = np.random.default_rng()
+  ref = rng.integers(100, 40000, 160)
+  target = ref.copy()
+  target[60:70] = rng.integers(100, 40000, 10)
+  want, _ = _full(llm, target)
+  drift = {}
+  for method in ("semshare", "zero", "random", "blend"):
+    r = _runner(llm, method, threshold=0.0)
+    r.release(r.prefill(ref).seq)
+    got = r.prefill(target)
+    assert got.reused and np.all(np.isfinite(got.logits))
+    drift[method] = float(np.abs(got.logits - want.logits).max())
+    toks, lp = r.decode(got, 4, forced=np.arange(100, 104))
+    assert np.all(np.isfinite(lp)) and toks[0] == 100
+    r.release(got.seq)
+    r.alloc.check()
+  assert drift["zero"] > drift["semshare"] and drift["random"] > drift["semshare"]
