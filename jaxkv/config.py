@@ -319,7 +319,8 @@ class ReuseConfig:
     return 0 if layer == 0 else self.guard_base * 2 ** ((layer - 1) // self.cut_every)
 
 
-SEMSHARE_METHODS = ("full", "semshare", "fuzzy_full", "zero", "random", "blend")
+SEMSHARE_METHODS = ("full", "semshare", "fuzzy_full", "zero", "random", "blend", "snapkv",
+                    "pyramidkv", "h2o")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +332,11 @@ class SemShareConfig:
     Table 2's "Fuzzy + Full Cache") | zero / random (Table 2's ablations: the
     matched KV replaced by zeros / by randomly chosen reference tokens) | blend
     (CacheBlend's rule on the same fuzzy match: layer 0 probes, then the
-    `blend_ratio` most deviating tokens at every later layer, no retention).
+    `blend_ratio` most deviating tokens at every later layer, no retention) |
+    snapkv / pyramidkv / h2o (Table 1's compression baselines: a full prefill,
+    then each layer keeps its own tokens, `policies.pruning.layerwise`; SnapKV
+    and PyramidKV keep `compress_keep` of the prompt on average, H2O compresses
+    10% per layer).
   Paper values are the defaults. Where the paper gives none (the LSH width,
   the per-layer recompute ratios alpha_recomp, the retention decay) the choice
   is written beside the field.
@@ -361,6 +366,9 @@ class SemShareConfig:
   recent: int = 16              # last prompt tokens always recomputed and retained (the
                                 # readout and the instruction's tail)
   blend_ratio: float = 0.15     # method blend: CacheBlend's recompute share
+  compress_keep: float = 0.6    # snapkv / pyramidkv: mean share kept per layer (about what
+                                # semshare's retention keeps: 0.8 x 0.98^l over 30 layers)
+  h2o_keep: float = 0.9         # h2o: SemShareKV's "compressing 10% of the cache per layer"
   byte_budget: int = 1 << 30    # references (pool slots held + E-cache codes), LRU
   store_reused: bool = False    # also keep reused (approximate) prompts as references
 
@@ -373,10 +381,11 @@ class SemShareConfig:
     if self.nbits < 32 or self.nbits % 32:
       raise ValueError(f"semshare.nbits must be a positive multiple of 32, got {self.nbits}")
     fracs = (self.hot_threshold, self.w_cold, self.w_hot, self.recomp_alpha_first,
-             self.recomp_alpha_last, self.retain_first, self.retain_alpha, self.blend_ratio)
+             self.recomp_alpha_last, self.retain_first, self.retain_alpha, self.blend_ratio,
+             self.compress_keep, self.h2o_keep)
     if not all(0.0 <= f <= 1.0 for f in fracs):
       raise ValueError("semshare ratios (hot_threshold, w_cold, w_hot, recomp_alpha_*, "
-                       "retain_*, blend_ratio) must be in [0, 1]")
+                       "retain_*, blend_ratio, compress_keep, h2o_keep) must be in [0, 1]")
     if self.recent < 1 or self.byte_budget < 0:
       raise ValueError("semshare needs recent >= 1 and byte_budget >= 0")
 

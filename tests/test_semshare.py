@@ -17,6 +17,7 @@ import pytest
 import hf_util
 from jaxkv.config import CacheConfig, SemShareConfig
 from jaxkv.engine.semshare import SemShareRunner
+from jaxkv.policies.pruning import layerwise, scores, select
 from jaxkv.policies.reuse import semshare
 
 CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=1024)
@@ -241,3 +242,67 @@ def test_ablations_drift_more_than_the_matched_kv(llm):
     r.release(got.seq)
     r.alloc.check()
   assert drift["zero"] > drift["semshare"] and drift["random"] > drift["semshare"]
+
+
+# ------------------------------------------------------- Table 1's compression baselines
+def test_layerwise_keep_respects_each_layers_budget_and_forced_tokens():
+  rng = np.random.default_rng()
+  L, c, n, hq, hkv, d = 3, 96, 90, 4, 2, 16
+  q = jnp.asarray(rng.standard_normal((L, 1, c, hq, d)).astype(np.float32))
+  k = jnp.asarray(rng.standard_normal((L, 1, c, hkv, d)).astype(np.float32))
+  pos = jnp.asarray(np.where(np.arange(c) < n, np.arange(c), -1)[None].astype(np.int32))
+  live = pos >= 0
+  budgets = jnp.asarray([60, 45, 40], jnp.int32)
+  for method in ("snapkv", "h2o"):
+    keep = np.asarray(layerwise.layer_keep(q, pos, k, live, budgets, method=method,
+                                           window=16))[:, 0]
+    assert keep.shape == (L, c) and not keep[:, n:].any()
+    np.testing.assert_array_equal(keep.sum(axis=1), [60, 45, 40])
+    recent = 16 if method == "snapkv" else None
+    if recent:
+      assert keep[:, n - 16:n].all()                          # the observation window
+    else:
+      for l, b in enumerate([60, 45, 40]):                    # H2O's recent floor
+        assert keep[l, n - b // 2:n].all()
+  # one layer alone scores as the session scorer does on that layer
+  keep0 = np.asarray(layerwise.layer_keep(q[:1], pos, k[:1], live, budgets[:1],
+                                          method="h2o"))[0, 0]
+  s, forced = scores.h2o(q[:1], pos, k[:1], live, 60)
+  np.testing.assert_array_equal(keep0, np.asarray(select.keep_mask(s, live, forced, 60))[0])
+  b = layerwise.pyramid_budgets(100, 30, 400)
+  assert b[0] > b[-1] and np.all(np.diff(b) <= 0) and abs(b.mean() - 100) <= 1
+  assert b[0] == 195 and b[-1] == 5
+
+
+@pytest.mark.parametrize("method", ["snapkv", "pyramidkv", "h2o"])
+def test_compression_baselines_prefill_in_full_then_keep_per_layer(llm, method):
+  prompt = np.random.default_rng().integers(100, 40000, 120)
+  want, want_toks = _full(llm, prompt, gen=3)
+  r = _runner(llm, method)
+  got = r.prefill(prompt)
+  assert not got.reused and len(r.refs) == 0                  # never matched nor stored
+  np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)   # full prefill
+  kept = (got.slot_map != 0).sum(axis=1)
+  want_kept = {"snapkv": [72] * 6, "h2o": [108] * 6}.get(method)
+  if want_kept:
+    np.testing.assert_array_equal(kept, want_kept)
+  else:                                  # the pyramid, floored by SnapKV's 32-token window
+    np.testing.assert_array_equal(kept, np.maximum(layerwise.pyramid_budgets(72, 6, 120), 32))
+    assert kept[0] > kept[-1]
+  assert got.live_entries == kept.sum() and got.kv_slots <= prompt.size
+  toks, _ = r.decode(got, 3)
+  assert toks.size == 3
+  r.release(got.seq)
+  r.alloc.check()
+
+
+def test_a_full_pool_forgets_references_instead_of_failing(llm):
+  rng = np.random.default_rng()
+  r = SemShareRunner(llm, SemShareConfig(method="semshare"),
+                     cache=CacheConfig(num_pages=24, page_size=16, max_seq_len=256),
+                     attn_impl="reference")
+  for _ in range(6):                     # 6 x 150 tokens of references > 23 pages
+    pre = r.prefill(rng.integers(100, 40000, 150))
+    r.release(pre.seq)
+    r.alloc.check()
+  assert 0 < len(r.refs) < 6

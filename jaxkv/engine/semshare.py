@@ -7,7 +7,8 @@ One request (`prefill`):
    the most similar reference is reused when its similarity reaches the
    threshold (0.8), otherwise the prompt is prefilled in full and stored as a
    reference (its slots held in the pool, its codes on the host; LRU under a
-   byte budget);
+   byte budget). Methods that never reuse (full, the compression baselines)
+   neither match nor store;
 2. reuse: every target token gets a fresh slot, and is matched to a reference
    slot that its slot-map entries alias (no copy: the reference's post-RoPE
    K/V are read in place, not re-rotated, as the paper found best; the slots
@@ -22,6 +23,10 @@ One request (`prefill`):
    at l, its alias elsewhere, and SENTINEL where layer l evicted it;
 5. the first token's logits are read (TTFT stops); tokens evicted at every
    layer give their fresh slot back at once.
+
+The compression baselines (snapkv / pyramidkv / h2o) prefill in full and then
+keep each layer's own tokens (`policies.pruning.layerwise`), through the same
+layer-axis slot map.
 
 Memory is reported two ways: `kv_slots` (pool slots the request owns: one
 slot spans every layer in this pool, so retention frees a slot only when a
@@ -47,9 +52,10 @@ from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.engine.reuse import layer_flops, layer_passes
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import PagedAllocator
+from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow, Recompute
+from jaxkv.policies.pruning import layerwise
 from jaxkv.policies.reuse import semshare
 
 
@@ -100,6 +106,13 @@ def _probe_signals(pool, fresh, alias, q, valid):
   dev = semshare.kv_deviation(pool.k[0, fresh], pool.v[0, fresh], pool.k[0, alias],
                               pool.v[0, alias])
   return dev, semshare.column_attention(q, pool.k[0, fresh], valid)
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def _layer_keep(pool, q, positions, fresh, budgets, *, method: str):
+  """[L, 1, C] the tokens each layer keeps (q [L, 1, C, Hq, D] of the prefill)."""
+  k = pool.k[:, fresh][:, None]                                     # [L, 1, C, Hkv, D]
+  return layerwise.layer_keep(q, positions, k, positions >= 0, budgets, method=method)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
@@ -171,6 +184,17 @@ class SemShareRunner:
     for key in list(self.refs):
       self.forget(key)
 
+  def _extend(self, seq: int, n: int) -> np.ndarray:
+    """`alloc.extend`, forgetting the least recently used references while the
+    pool is too full (their slots free once no live target aliases them)."""
+    while True:
+      try:
+        return self.alloc.extend(seq, n)
+      except OutOfSlotsError:
+        if not self.refs:
+          raise
+        self.forget(next(iter(self.refs)))
+
   def release(self, seq: int) -> None:
     self.alloc.free_sequence(seq)
     held = self._holds.pop(seq, None)
@@ -203,34 +227,51 @@ class SemShareRunner:
     c = plan_lib.chunk_len(n)
     tokens = jnp.asarray(_pad(ids, c)[None])
     positions = np.where(np.arange(c) < n, np.arange(c), -1).astype(np.int32)
-    codes = np.asarray(_codes(self.graphdef, self.weights, tokens[0],
-                              jnp.asarray(np.maximum(positions, 0)), self.planes,
-                              self.cfg.e_rope_theta))
-    key, sim, idx, _ = self._best(codes, n)
+    matching = self.cfg.method in semshare.REUSE_METHODS
+    key, sim, idx, codes = None, 0.0, None, None
+    if matching:            # full and the compression baselines never reuse: no matching
+      codes = np.asarray(_codes(self.graphdef, self.weights, tokens[0],
+                                jnp.asarray(np.maximum(positions, 0)), self.planes,
+                                self.cfg.e_rope_theta))
+      key, sim, idx, _ = self._best(codes, n)
     match_s = time.perf_counter() - t0
+    reuse = matching and key is not None and sim >= self.cfg.threshold
+    if reuse:
+      self.refs.move_to_end(key)                    # the last a full pool would forget
     seq = self.alloc.new_sequence()
-    fresh = self.alloc.extend(seq, n)
+    fresh = self._extend(seq, n)
+    reuse = reuse and key in self.refs
     width = plan_lib.width(n)
     smap = jnp.asarray(plan_lib.slot_rows([fresh], width))
     step = functools.partial(chunk_step, self.graphdef, self.weights, tokens=tokens,
                              positions=jnp.asarray(positions[None]),
                              attn_impl=self.driver.attn_impl)
     read = jnp.asarray([[n - 1]], np.int32)
-    reuse = (self.cfg.method != "full" and key is not None and sim >= self.cfg.threshold)
     if not reuse:
+      compress = self.cfg.method in layerwise.LAYERWISE_METHODS
       out, self.driver.kv = step(kv=self.driver.kv, slot_map=smap, read=read,
-                                 return_logits=True)
+                                 capture=Capture(q=compress), return_logits=True)
+      layer_map = np.broadcast_to(fresh, (L, n)).copy()
+      if compress:                       # the baselines: each layer keeps its own tokens
+        keep = np.asarray(_layer_keep(self.driver.kv, out.q, jnp.asarray(positions[None]),
+                                      jnp.asarray(_pad(fresh, c)), self._budgets(n),
+                                      method=self.cfg.method))[:, 0, :n]
+        layer_map[~keep] = SENTINEL
       logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
       ttft = time.perf_counter() - t0
-      self._store(ids, fresh, codes[:n])
-      layer_tokens = np.full(L, n, np.int64)
+      kv_slots = n
+      if compress:
+        gone = np.flatnonzero(~keep.any(axis=0))
+        self.alloc.evict(seq, gone)
+        kv_slots -= gone.size
+      if matching:
+        self._store(ids, fresh, codes[:n])
       return SemPrefill(seq=seq, ids=ids, logits=logits, similarity=sim, reused=False,
-                        slot_map=np.broadcast_to(fresh, (L, n)).copy(),
-                        layer_tokens=layer_tokens, flops=self._flops([np.arange(n)] * L, n),
-                        ttft_s=ttft, match_s=match_s, kv_slots=n, live_entries=L * n,
-                        shared_entries=0)
+                        slot_map=layer_map, layer_tokens=np.full(L, n, np.int64),
+                        flops=self._flops([np.arange(n)] * L, n), ttft_s=ttft,
+                        match_s=match_s, kv_slots=kv_slots,
+                        live_entries=int((layer_map != SENTINEL).sum()), shared_entries=0)
     ref = self.refs[key]
-    self.refs.move_to_end(key)
     if self.cfg.method == "zero":
       alias = np.full(n, self.zero_slot, np.int32)
     elif self.cfg.method == "random":
@@ -285,6 +326,16 @@ class SemShareRunner:
                       kv_slots=n - gone.size, live_entries=int(p.retain.sum()),
                       shared_entries=int(used.sum()), r_dynamic=p.r_dynamic)
 
+  def _budgets(self, n: int) -> jax.Array:
+    """[L] tokens each layer keeps under the compression baselines."""
+    L = self.mcfg.num_layers
+    if self.cfg.method == "h2o":
+      return jnp.full((L,), int(np.ceil(self.cfg.h2o_keep * n)), jnp.int32)
+    mean = int(np.ceil(self.cfg.compress_keep * n))
+    if self.cfg.method == "pyramidkv":
+      return jnp.asarray(layerwise.pyramid_budgets(mean, L, n))
+    return jnp.full((L,), mean, jnp.int32)
+
   def _flops(self, sets, n: int) -> float:
     pos = np.arange(n, dtype=np.float64) + 1
     return (sum(layer_flops(self.mcfg, s.size, pos[s].sum()) for s in sets)
@@ -301,7 +352,7 @@ class SemShareRunner:
     n = pre.ids.size
     if n + max_tokens > self.max_len:
       raise ValueError(f"{n} + {max_tokens} tokens exceed max_seq_len {self.max_len}")
-    new = self.alloc.extend(pre.seq, max_tokens)
+    new = self._extend(pre.seq, max_tokens)
     width = plan_lib.width(n + max_tokens)
     L = self.mcfg.num_layers
     full = np.concatenate([pre.slot_map, np.broadcast_to(new, (L, max_tokens))], axis=1)

@@ -44,6 +44,7 @@ import numpy as np
 from jaxkv.config import SemShareConfig
 
 _BLOCK = 256    # target rows per Hamming / attention block
+REUSE_METHODS = ("semshare", "fuzzy_full", "zero", "random", "blend")   # reuse a reference
 
 
 def lsh_planes(dim: int, nbits: int, seed: int) -> np.ndarray:
