@@ -16,7 +16,11 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             shapes (qwen, smollm2) and
                                                             closed-loop (tau2, agentdojo)
                                                             tables
-  bench/results_reuse.json         bench/reuse.py           segment reuse side by side
+  bench/results_reuse.json         bench/reuse.py           segment reuse side by side per
+                                                            workload, drift vs perturbation
+                                                            (tables and curves)
+  bench/results_semshare*.json     bench/semshare.py        SemShareKV by similarity and by
+                                                            prompt length (tables, curves)
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -45,6 +49,7 @@ import lragent as lragent_bench   # noqa: E402
 import plot_training   # noqa: E402  (scripts/)
 import pruning         # noqa: E402
 import reuse as reuse_bench   # noqa: E402
+import semshare as semshare_bench   # noqa: E402
 import throughput      # noqa: E402
 
 from jaxkv import artifacts   # noqa: E402
@@ -63,6 +68,8 @@ SOURCES = {
     "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
     "closed-loop-agentdojo": "bench/results_closed_loop_agentdojo.json",
     "reuse": "bench/results_reuse.json",
+    "semshare": "bench/results_semshare.json",
+    "semshare-lengths": "bench/results_semshare_lengths.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -134,6 +141,10 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
   out["reuse"] = rows["reuse"] and _render(reuse_bench.tables(rows["reuse"]))
+  out["semshare"] = rows["semshare"] and _render(
+      [t for t in semshare_bench.tables(rows["semshare"]) if "similarity" in t.title])
+  out["semshare-lengths"] = rows["semshare-lengths"] and _render(
+      [t for t in semshare_bench.tables(rows["semshare-lengths"]) if "length" in t.title])
   out["role-adapters"] = rows["role-adapters"] and _render(
       [role_adapter_table(rows["role-adapters"])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(
@@ -227,10 +238,18 @@ def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.P
   jobs = (("throughput", "throughput_vs_batch.png", plot_throughput),
           ("pruning", "pruning_vs_budget.png", plot_pruning),
           ("lragent", "lragent_vs_context.png", plot_lragent))
+  jobs += (("reuse", "reuse_drift.png", lambda rows, path: pathlib.Path(
+      reuse_bench.drift_plot(rows, str(path)))),
+           ("semshare", "semshare.png", lambda rows, path: pathlib.Path(
+               semshare_bench.plot(rows, str(path)))),
+           ("semshare-lengths", "semshare_lengths.png", lambda rows, path: pathlib.Path(
+               semshare_bench.plot(rows, str(path)))))
   for name, file, fn in jobs:
     rows = _rows(root, name)
     if rows is None:
       log(f"warning: {SOURCES[name]} missing; no {file}")
+    elif name == "reuse" and not any(r["workload"] == "perturbed" for r in rows):
+      log(f"warning: {SOURCES[name]} has no perturbed rows; no {file}")
     else:
       made.append(fn(rows, folder / file))
   for run, file in ((root / artifacts.ROLE_ADAPTERS, "training_role_adapters.png"),

@@ -102,6 +102,21 @@ def test_bench_table_ratios_are_against_none_and_prefix():
   assert by["none"][5] == "1.00x" and by["prefix"][6] == "1.00x"
 
 
+
+def test_bench_ratios_divide_by_each_runs_own_none():
+  # a second invocation ran slower (its none pass: 3.0 s against the first's 2.0 s):
+  # tiered's 0.6 s is 5x its own none, and 4x the prefix cache through each run's none
+  rows = [_row("none", 2.0), _row("prefix", 1.6), _row("tiered", 0.6, none_ttft_s=3.0),
+          _row("naive", 0.5)]
+  reuse.add_speedups(rows)
+  by = {r["method"]: r for r in rows}
+  assert by["tiered"]["ttft_ratio_vs_none"] == pytest.approx(5.0)
+  assert by["tiered"]["ttft_ratio_vs_prefix"] == pytest.approx(4.0)
+  assert by["naive"]["ttft_ratio_vs_prefix"] == pytest.approx(3.2)
+  alone = [_row("naive", 0.5)]            # no baselines in the file: no ratio, no error
+  reuse.add_speedups(alone)
+  assert alone[0]["ttft_ratio_vs_none"] is None and alone[0]["ttft_ratio_vs_prefix"] is None
+
 def test_line_spans_split_a_prompt_at_line_breaks(tok):
   from jaxkv.policies.reuse.index import line_spans
   text = "Tools:\n" + "\n".join(json.dumps(t) for t in TOOLS[:3]) + "\nUser: hi"
