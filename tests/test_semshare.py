@@ -8,6 +8,7 @@ reused against itself with no retention must reproduce the full prefill's
 logits to 1e-5 (fp32 re-association only).
 """
 
+import collections
 import dataclasses
 
 import jax.numpy as jnp
@@ -224,23 +225,28 @@ def test_aliased_slots_live_while_a_target_uses_them(llm):
 
 def test_ablations_drift_more_than_the_matched_kv(llm):
   """Table 2's ablations: the matched KV zeroed or taken from random reference
-  tokens drifts further from the full prefill than the matched KV itself."""
+  tokens drifts further from the full prefill than the matched KV itself. Retention
+  off (retain_first 1, no decay), so only where the KV comes from differs; mean
+  |logit error| summed over 3 fresh prompt pairs (one pair's max error flipped the
+  order for random vs semshare about once in 10 runs)."""
   rng = np.random.default_rng()
-  ref = rng.integers(100, 40000, 160)
-  target = ref.copy()
-  target[60:70] = rng.integers(100, 40000, 10)
-  want, _ = _full(llm, target)
-  drift = {}
-  for method in ("semshare", "zero", "random", "blend"):
-    r = _runner(llm, method, threshold=0.0)
-    r.release(r.prefill(ref).seq)
-    got = r.prefill(target)
-    assert got.reused and np.all(np.isfinite(got.logits))
-    drift[method] = float(np.abs(got.logits - want.logits).max())
-    toks, lp = r.decode(got, 4, forced=np.arange(100, 104))
-    assert np.all(np.isfinite(lp)) and toks[0] == 100
-    r.release(got.seq)
-    r.alloc.check()
+  drift = collections.Counter()
+  for trial in range(3):
+    ref = rng.integers(100, 40000, 160)
+    target = ref.copy()
+    target[60:70] = rng.integers(100, 40000, 10)
+    want, _ = _full(llm, target)
+    for method in ("semshare", "zero", "random", "blend"):
+      r = _runner(llm, method, threshold=0.0, retain_first=1.0, retain_alpha=1.0)
+      r.release(r.prefill(ref).seq)
+      got = r.prefill(target)
+      assert got.reused and np.all(np.isfinite(got.logits))
+      drift[method] += float(np.abs(got.logits - want.logits).mean())
+      if trial == 0:
+        toks, lp = r.decode(got, 4, forced=np.arange(100, 104))
+        assert np.all(np.isfinite(lp)) and toks[0] == 100
+      r.release(got.seq)
+      r.alloc.check()
   assert drift["zero"] > drift["semshare"] and drift["random"] > drift["semshare"]
 
 
