@@ -390,6 +390,46 @@ class SemShareConfig:
       raise ValueError("semshare needs recent >= 1 and byte_budget >= 0")
 
 
+MEMART_NORMS = ("softmax", "rr")      # Table 1: per-token normalisation over blocks
+MEMART_AGGS = ("max", "sum")          # Table 1: aggregation over query tokens
+MEMART_BOX_KEYS = ("raw", "rope")     # box the de-rotated keys R(-p)k, or the stored ones
+
+
+@dataclasses.dataclass(frozen=True)
+class MemArtConfig:
+  """MemArt (seed 003): conversation history kept as KV blocks, retrieved by attention.
+
+  Paper values are the defaults (LLaMA-3.1-8B's setting: BS 16, top-k 128,
+  Softmax-Max); where the paper gives none the choice is written beside the field.
+  """
+  block_size: int = 16          # BS: tokens per memory block (= the pool's page size)
+  top_k: int = 128              # blocks retrieved per request (4.2)
+  norm: str = "softmax"         # softmax | rr (Reciprocal Rank), per query token (Table 1)
+  agg: str = "max"              # max | sum over query tokens, heads and layers (Table 1)
+  rr_c: float = 60.0            # RR: 1 / (rank + c), rank from 1; c not given: Cormack et
+                                # al.'s 60, the paper's reference for RR
+  softmax_scale: float = 0.0    # Softmax over I(q, K) * scale; 0: 1/sqrt(head_dim), the
+                                # attention's own scale (the paper's I is unscaled q.k)
+  box_keys: str = "raw"         # raw: boxes over content-only keys R(-p)k (the issue's
+                                # choice: post-RoPE boxes spanning 16 positions are loose
+                                # in the fast-rotating dimensions); rope: the ablation
+  byte_budget: int = 1 << 30    # memory blocks (K/V + boxes); past it the least-retrieved
+                                # blocks are evicted (ties: the oldest)
+
+  def __post_init__(self):
+    if self.norm not in MEMART_NORMS or self.agg not in MEMART_AGGS:
+      raise ValueError(f"memart.norm must be one of {MEMART_NORMS} and memart.agg one of "
+                       f"{MEMART_AGGS}, got {self.norm!r} / {self.agg!r}")
+    if self.box_keys not in MEMART_BOX_KEYS:
+      raise ValueError(f"memart.box_keys must be one of {MEMART_BOX_KEYS}, got "
+                       f"{self.box_keys!r}")
+    if self.block_size < 1 or self.top_k < 1:
+      raise ValueError(f"memart needs block_size >= 1 and top_k >= 1, got "
+                       f"{self.block_size} / {self.top_k}")
+    if self.rr_c < 0 or self.softmax_scale < 0 or self.byte_budget < 0:
+      raise ValueError("memart needs rr_c >= 0, softmax_scale >= 0 and byte_budget >= 0")
+
+
 SERVE_MODES = ("requests", "sessions", "reuse", "semshare")
 
 

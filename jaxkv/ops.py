@@ -30,6 +30,7 @@ import jax
 
 from jaxkv.config import ATTENTION_IMPLS
 from jaxkv.kv.state import SENTINEL
+from jaxkv.rope import apply_rope
 from pallas_kernels import flash_lora_attention as _fla
 from pallas_kernels import paged_attention as _pa
 from pallas_kernels.flash_lora_attention import flash_lora_attention_reference
@@ -52,12 +53,25 @@ def resolve_impl(impl: str) -> str:
 
 
 def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
-                    scale=None, impl: str = "auto"):
+                    scale=None, impl: str = "auto", key_shift=None, shift_freq=None):
   """Paged attention; see the module docstring and `paged_attention_reference`.
 
   q [B, Tq, Hq, D]; k_pool, v_pool [S, Hkv, D] or [L, S, Hkv, D] with `layer`;
   slot_map [B, T] int32; q_positions [B, Tq] int32. Returns [B, Tq, Hq, D].
+
+  key_shift [B, T] int32 (optional): key t is read rotated by R(key_shift[b, t])
+  (exact delta-RoPE on read, `shift_freq` from `jaxkv.rope.delta_frequencies`),
+  so a slot written at position p can be aliased at position p + shift without a
+  copy (MemArt's decoupled positions). It runs the reference path whatever
+  `impl` says: the Pallas kernels do not rotate on read yet.
   """
+  if key_shift is not None:
+    if shift_freq is None:
+      raise ValueError("key_shift needs shift_freq (jaxkv.rope.delta_frequencies)")
+    with jax.named_scope("paged_attention_shifted"):
+      k = apply_rope(_pa.gather_kv(k_pool, slot_map, layer), key_shift, shift_freq, 1.0)
+      return _pa.attend_reference(q, k, _pa.gather_kv(v_pool, slot_map, layer), slot_map,
+                                  q_positions, scale)
   impl = resolve_impl(impl)
   with jax.named_scope(f"paged_attention_{impl}"):
     if impl == "reference":

@@ -116,3 +116,43 @@ def test_unknown_impl():
     ops.paged_attention(jnp.zeros((1, 1, 1, 2)), jnp.zeros((2, 1, 2)), jnp.zeros((2, 1, 2)),
                         jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                         impl="triton")
+
+
+def test_key_shift_equals_attention_over_rerotated_copies():
+  """Aliasing with a key shift (MemArt's zero-copy re-positioning) reads the keys
+  rotated by R(shift): the same as copying them, re-rotated, into fresh slots."""
+  from jaxkv.config import RopeConfig   # pylint: disable=import-outside-toplevel
+  from jaxkv.kv.splice import rerotate   # pylint: disable=import-outside-toplevel
+  from jaxkv.rope import delta_frequencies   # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng()
+  b, t, hkv, g, d, s = 2, 24, 2, 3, 32, 64
+  freq = delta_frequencies(RopeConfig(theta=10000.0), d)
+  k_pool = rng.standard_normal((s, hkv, d)).astype(np.float32)
+  v_pool = rng.standard_normal((s, hkv, d)).astype(np.float32)
+  slot_map = rng.integers(1, s, (b, t)).astype(np.int32)     # aliases may repeat a slot
+  slot_map[0, 5] = SENTINEL
+  shift = rng.integers(-500, 500, (b, t)).astype(np.int32)
+  q = rng.standard_normal((b, 4, hkv * g, d)).astype(np.float32)
+  q_pos = np.array([[20, 21, 22, 23], [3, 9, 15, -1]], np.int32)
+  got = ops.paged_attention(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool),
+                            jnp.asarray(slot_map), jnp.asarray(q_pos),
+                            key_shift=jnp.asarray(shift), shift_freq=freq)
+  # copies: every (row, t) its own slot, keys re-rotated by the shift
+  k_rows = rerotate(jnp.asarray(k_pool[slot_map]).reshape(1, b * t, hkv, d),
+                    jnp.zeros(b * t, jnp.int32), jnp.asarray(shift.reshape(-1)), freq)
+  k_copy = np.concatenate([np.zeros((1, hkv, d), np.float32), np.asarray(k_rows)[0]])
+  v_copy = np.concatenate([np.zeros((1, hkv, d), np.float32), v_pool[slot_map].reshape(-1, hkv, d)])
+  copy_map = np.where(slot_map == SENTINEL, SENTINEL,
+                      1 + np.arange(b * t, dtype=np.int32).reshape(b, t))
+  want = ops.paged_attention(jnp.asarray(q), jnp.asarray(k_copy), jnp.asarray(v_copy),
+                             jnp.asarray(copy_map), jnp.asarray(q_pos))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-4)
+  zero = ops.paged_attention(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool),
+                             jnp.asarray(slot_map), jnp.asarray(q_pos),
+                             key_shift=jnp.zeros((b, t), jnp.int32), shift_freq=freq)
+  plain = ops.paged_attention(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool),
+                              jnp.asarray(slot_map), jnp.asarray(q_pos))
+  np.testing.assert_allclose(np.asarray(zero), np.asarray(plain), atol=1e-6, rtol=1e-6)
+  with pytest.raises(ValueError, match="shift_freq"):
+    ops.paged_attention(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool),
+                        jnp.asarray(slot_map), jnp.asarray(q_pos), key_shift=jnp.asarray(shift))

@@ -80,7 +80,7 @@ def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positio
                slot_map=None, *, read=None, targets=None, sampling: SamplingParams | None = None,
                write_slots=None, lora: fwd.LoraInputs | None = None,
                window: fwd.LayerWindow | None = None, capture: fwd.Capture = fwd.Capture(),
-               recompute: fwd.Recompute | None = None, attn_impl: str = "auto",
+               recompute: fwd.Recompute | None = None, key_shift=None, attn_impl: str = "auto",
                greedy_only: bool = True, return_hidden: bool = False,
                return_logits: bool = False) -> tuple[StepOutput, kv_state.KVPool | None]:
   """One forward pass over a chunk, with a readout.
@@ -93,7 +93,7 @@ def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positio
       e.g. a layer window that stops before the last layer).
     targets: [B, R] int32 token whose log-probability to return at each read index.
     sampling: per-row sampling of `token` (None: greedy).
-    write_slots, lora, window, capture, recompute: see `Transformer.__call__`.
+    write_slots, lora, window, capture, recompute, key_shift: see `Transformer.__call__`.
     return_hidden: also return the output hidden state (a layer window's output,
       before the final norm when the window stops early).
     return_logits: also return the float32 logits at the read indices.
@@ -102,7 +102,8 @@ def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positio
   """
   model = nnx.merge(graphdef, weights)
   out = model(tokens, positions, kv, slot_map=slot_map, write_slots=write_slots, lora=lora,
-              window=window, capture=capture, recompute=recompute, attn_impl=attn_impl)
+              window=window, capture=capture, recompute=recompute, key_shift=key_shift,
+              attn_impl=attn_impl)
   token = logprob = argmax = logits = None
   if read is not None:
     token, logprob, argmax, logits = _readout(model, out.hidden, positions, read, targets,
@@ -114,7 +115,7 @@ def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positio
 
 def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, remaining,
                 *, stop_ids=None, sampling: SamplingParams | None = None, forced=None,
-                write_map=None, lora: fwd.LoraInputs | None = None,
+                write_map=None, lora: fwd.LoraInputs | None = None, key_shift=None,
                 capture: fwd.Capture = fwd.Capture(), num_steps: int, attn_impl: str = "auto",
                 greedy_only: bool = True) -> tuple[DecodeOutput, kv_state.KVPool]:
   """`num_steps` decode steps in one `lax.scan`.
@@ -131,7 +132,8 @@ def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
       feeds it to step s + 1 instead of the sampled token.
     write_map: [B, T] slot map that destination slots are read from (default
       `slot_map`; required when `slot_map` has a layer axis).
-    lora, capture: see `Transformer.__call__` (capture.q is not supported here).
+    lora, capture, key_shift: see `Transformer.__call__` (capture.q is not supported
+      here; key_shift [B, T] stays fixed over the steps, 0 for the entries they write).
   Returns:
     (DecodeOutput, the new pool). A row stops emitting after a stop token or
     when `remaining` runs out; its later steps write nothing.
@@ -150,7 +152,7 @@ def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
     pos_in = jnp.where(live, pos, -1)[:, None]
     ws = kv_state.write_slots(wmap, pos_in, live[:, None], kv.num_slots)
     out = model(tok[:, None], pos_in, kv, slot_map=slot_map, write_slots=ws, lora=lora,
-                capture=capture, attn_impl=attn_impl)
+                capture=capture, key_shift=key_shift, attn_impl=attn_impl)
     logits = model.logits(out.hidden[:, 0])
     nxt = (jnp.argmax(logits, axis=-1).astype(jnp.int32) if sampling is None else
            sample(logits, sampling, pos + 1, greedy_only=greedy_only))
@@ -218,7 +220,7 @@ class Driver:
         `rows[i].ids`; log-probabilities come back in `StepOutput.logprob`).
       sampling, greedy_only: how `StepOutput.token` is drawn.
       options: chunk -> extra `chunk_step` keyword arguments (write_slots, lora,
-        window, capture, recompute).
+        window, capture, recompute, key_shift).
     """
     for ch in plan.plan_chunks(rows, chunk, cuts=cuts):
       smap = slot_map(plan.width(ch.need, max_width)) if callable(slot_map) else slot_map

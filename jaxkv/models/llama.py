@@ -41,7 +41,7 @@ from jaxkv.config import ModelConfig
 from jaxkv.kv import state as kv_state
 from jaxkv.models import forward as fwd
 from jaxkv.models import lora as lora_lib
-from jaxkv.rope import apply_rope, rope_frequencies
+from jaxkv.rope import apply_rope, delta_frequencies, rope_frequencies
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -185,7 +185,7 @@ class Transformer(nnx.Module):
                kv: kv_state.KVPool | None = None, *, slot_map: jax.Array | None = None,
                write_slots: jax.Array | None = None, lora: fwd.LoraInputs | None = None,
                window: fwd.LayerWindow | None = None, capture: fwd.Capture = fwd.Capture(),
-               recompute: fwd.Recompute | None = None,
+               recompute: fwd.Recompute | None = None, key_shift: jax.Array | None = None,
                attn_impl: str = "auto") -> fwd.ForwardOutput:
     """Runs the decoder over one chunk of tokens per row.
 
@@ -205,6 +205,9 @@ class Transformer(nnx.Module):
       capture: what to hand back (`forward.Capture`).
       recompute: selective recompute (`forward.Recompute`), or None (every token
         at every layer).
+      key_shift: [B, T] int32 rotation applied to each slot-map entry's key on
+        read (`ops.paged_attention`): slots aliased at positions other than the
+        ones they were written at (MemArt); None: keys read as stored.
       attn_impl: `jaxkv.ops` implementation.
     Returns:
       `forward.ForwardOutput`.
@@ -245,6 +248,11 @@ class Transformer(nnx.Module):
     inv_freq, rope_scale = rope_frequencies(cfg.rope, dh, seq_len)
     x = self.embed[...][tokens] if window.hidden_in is None else window.hidden_in
     decoupled = _check_lora(lora, kv)
+    shift_freq = None
+    if key_shift is not None:
+      if decoupled:
+        raise ValueError("key_shift is not supported with decoupled (Flash-LoRA) attention")
+      shift_freq = delta_frequencies(cfg.rope, dh)      # refuses dynamic NTK
     targets = () if lora is None else lora.weights.targets
     lr_ws = write_slots if lora is None or lora.lr_write_slots is None else lora.lr_write_slots
 
@@ -292,7 +300,8 @@ class Transformer(nnx.Module):
           o = ops.flash_lora_attention(q, pool_k, pool_v, pool_vlr, b_v, lmap, pos,
                                        layer=idx, impl=attn_impl)
         else:
-          o = ops.paged_attention(q, pool_k, pool_v, lmap, pos, layer=idx, impl=attn_impl)
+          o = ops.paged_attention(q, pool_k, pool_v, lmap, pos, layer=idx, impl=attn_impl,
+                                  key_shift=key_shift, shift_freq=shift_freq)
         o = o.reshape(b, n, h * dh)
         xin = xin + adapt("o", o, o @ p["wo"])
       with jax.named_scope("mlp"):
