@@ -101,11 +101,12 @@ def run_method(llm, name: str, pairs, ref) -> tuple[list[dict], list[dict]]:
     out = serve_pair(runner, tok, p["ref"], p["tgt"], p["answer"])      # timed
     pre = out["pre"]
     base = out if ref is None else ref[i]
-    rec = dict(id=p["id"], prompt_tokens=int(pre.ids.size), similarity=pre.similarity,
+    rec = dict(id=p["id"], prompt_tokens=int(pre.ids.size), similarity=p["similarity"],
                reused=pre.reused, ttft_s=pre.ttft_s, match_s=pre.match_s,
                kv_bytes=pre.kv_slots * slot_bytes, kv_bytes_live=pre.live_entries * entry_bytes,
                kv_bytes_shared=pre.shared_entries * entry_bytes,
                recomputed_share=pre.recomputed_share, flops=pre.flops,
+               matched_similarity=pre.similarity,
                rouge_l_vs_full=rouge_l(out["text"], base["text"]),
                rouge_l_vs_text=rouge_l(out["text"], p["target"]),
                agree=int(np.sum(out["tokens"] == np.asarray(base["tokens"]))),
@@ -223,6 +224,12 @@ def main(argv):
     rendered.append(dict(id=p.id, ref=ref, tgt=tgt, answer=ans, target=p.target, meta=p.meta))
   if not rendered:
     raise app.UsageError(f"no pair of {FLAGS.pairs} fits --max_prompt={FLAGS.max_prompt}")
+  # every method's rows are binned by the pair's A.3 similarity (full never matches)
+  probe = SemShareRunner(llm, SemShareConfig(), cache=CacheConfig(num_pages=8, page_size=16,
+                                                                  max_seq_len=64))
+  for p in rendered:
+    p["similarity"] = probe.similarity(p["ref"], p["tgt"])
+  del probe
   print(f"{len(rendered)} pairs, target {np.mean([p['tgt'].size for p in rendered]):.0f} "
         "tokens on average", flush=True)
   rows = []

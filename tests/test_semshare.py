@@ -198,6 +198,14 @@ def test_below_the_threshold_the_prompt_is_prefilled_in_full(llm):
   assert len(r.refs) == 2                           # b is now a reference too
   r.release(got.seq)
   r.alloc.check()
+  # the standalone similarity (bench binning) is the one prefill compared
+  assert r.similarity(a, b) == pytest.approx(got.similarity, abs=1e-9)
+  c = np.r_[a[:60], rng.integers(100, 40000, 10), a[60:]]
+  r2 = _runner(llm, "semshare")
+  r2.release(r2.prefill(a).seq)
+  pre = r2.prefill(c)
+  assert r2.similarity(a, c) == pytest.approx(pre.similarity, abs=1e-9) and pre.similarity > 0.3
+  r2.release(pre.seq)
 
 
 def test_aliased_slots_live_while_a_target_uses_them(llm):

@@ -225,7 +225,8 @@ def _date(ts: str) -> str:
   return f"{h}:{d.minute:02d} {'am' if d.hour < 12 else 'pm'} on {d.day} {d:%B}, {d.year}"
 
 
-def _dialogues(dataset: dict, min_turns: int, min_words: int) -> list[tuple[str, list]]:
+def _dialogues(dataset: dict, min_turns: int, min_words: int,
+               max_words: int) -> list[tuple[str, list]]:
   """Two-sender chitchat conversations, each as (first timestamp, [(sender, text)])
   with a sender's consecutive messages joined into one turn."""
   out = []
@@ -237,7 +238,7 @@ def _dialogues(dataset: dict, min_turns: int, min_words: int) -> list[tuple[str,
         turns.append((group[0]["sender"], text, group[0]["timestamp"]))
     if len({s for s, _, _ in turns}) != 2 or len(turns) < min_turns:
       continue
-    if sum(len(t.split()) for _, t, _ in turns) < min_words:
+    if not min_words <= sum(len(t.split()) for _, t, _ in turns) <= max_words:
       continue
     out.append((turns[0][2], [(s, t) for s, t, _ in turns]))
   return out
@@ -270,13 +271,13 @@ def _recall_questions(sessions: tuple[Session, ...], n: int, rng) -> list[QA]:
 
 def build_from_chitchat(dataset: dict, *, samples: int, target_tokens: int,
                         count_tokens: Callable[[str], int], recall: int = 20, planted: int = 6,
-                        seed: int = 0, min_turns: int = 8, min_words: int = 150
-                        ) -> list[Conversation]:
+                        seed: int = 0, min_turns: int = 8, min_words: int = 150,
+                        max_words: int = 700) -> list[Conversation]:
   """Multi-session histories of about `target_tokens` (rendered as
   `render_session`) from real chitchat dialogue, each with `recall` real
   utterance-recall questions and `planted` synthetic fact questions."""
   rng = np.random.default_rng(seed)
-  pool = _dialogues(dataset, min_turns, min_words)
+  pool = _dialogues(dataset, min_turns, min_words, max_words)
   if not pool:
     raise ValueError("no two-speaker chitchat conversation is long enough")
   order = list(rng.permutation(len(pool)))

@@ -266,7 +266,8 @@ class Driver:
 
 def continue_one(driver: Driver, logits: np.ndarray, n: int, slot_map: np.ndarray,
                  max_tokens: int, *, forced=None, stop_ids=None,
-                 write_map: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                 write_map: np.ndarray | None = None,
+                 key_shift: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
   """One prefilled sequence continued from its last prompt logits: greedy, or
   teacher-forced with `forced` [max_tokens] (then log p of each forced token is
   returned too). With `stop_ids` the tokens end at the first stop token
@@ -276,6 +277,7 @@ def continue_one(driver: Driver, logits: np.ndarray, n: int, slot_map: np.ndarra
     logits: [V] the last prompt token's logits; n: the prompt length.
     slot_map: [1, W] or [L, 1, W] holding slots for positions < n + max_tokens.
     write_map: [1, W] where the new tokens' K/V go (needed with a layer axis).
+    key_shift: [1, W] keys rotated on read (aliased, re-positioned slots), or None.
   Returns:
     (tokens [<= max_tokens] int32, log p [max_tokens] or None).
   """
@@ -287,7 +289,8 @@ def continue_one(driver: Driver, logits: np.ndarray, n: int, slot_map: np.ndarra
   stops = None if stop_ids is None else np.asarray(sorted(stop_ids), np.int32)
   out = driver.decode([first], [n], jnp.asarray(slot_map), [max_tokens], num_steps=max_tokens,
                       forced=f, stop_ids=None if stops is None else jnp.asarray(stops),
-                      write_map=None if write_map is None else jnp.asarray(write_map))
+                      write_map=None if write_map is None else jnp.asarray(write_map),
+                      key_shift=None if key_shift is None else jnp.asarray(key_shift))
   toks = np.r_[first, np.asarray(out.tokens)[:max_tokens - 1, 0]].astype(np.int32)
   if stops is not None:
     hit = np.flatnonzero(np.isin(toks, stops))

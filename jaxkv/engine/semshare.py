@@ -202,6 +202,25 @@ class SemShareRunner:
       self.alloc.release(held)
 
   # -------------------------------------------------------------------- prefill
+  def codes(self, ids) -> np.ndarray:
+    """[n, nbits // 32] uint32 E-cache LSH codes of a prompt (no pool touched)."""
+    ids = np.asarray(ids, np.int32)
+    c = plan_lib.chunk_len(ids.size)
+    pos = np.where(np.arange(c) < ids.size, np.arange(c), 0).astype(np.int32)
+    return np.asarray(_codes(self.graphdef, self.weights, jnp.asarray(_pad(ids, c)),
+                             jnp.asarray(pos), self.planes, self.cfg.e_rope_theta))[:ids.size]
+
+  def similarity(self, reference, target) -> float:
+    """A.3 similarity of target to reference (what `prefill` would compare to the
+    threshold), without serving either: bins pairs the same way for every method."""
+    t, r = self.codes(target), self.codes(reference)
+    w = plan_lib.chunk_len(r.shape[0])
+    idx, dist = semshare.nearest(
+        jnp.asarray(t), jnp.arange(t.shape[0], dtype=jnp.int32), jnp.asarray(_pad(r, w)),
+        jnp.arange(w, dtype=jnp.int32), jnp.asarray(np.arange(w) < r.shape[0]))
+    del idx
+    return semshare.similarity(np.asarray(dist), self.cfg.max_dist)
+
   def _best(self, codes: np.ndarray, n: int):
     """(key, similarity, index [n], distance [n]) of the most similar reference."""
     best = (None, 0.0, None, None)

