@@ -8,16 +8,18 @@ Public API:
     jaxkv.policies.pruning                            pure pruning functions
     jaxkv.ReuseRunner(llm, ReuseConfig(...))          cross-prompt segment reuse (seed 002)
     jaxkv.SemShareRunner(llm, SemShareConfig(...))    KV of a similar prompt reused (seed 001)
+    jaxkv.MemArtRunner(llm, MemArtConfig(...), head)  conversation memory as KV blocks (seed 003)
     jaxkv.functional                                  init_state / prefill / decode / generate:
                                                       pure paged inference to jit, vmap, grad
 """
 
 from jaxkv import functional, ops
-from jaxkv.config import (COMPILER_OPTIONS, CacheConfig, EngineConfig, ModelConfig,
-                          PruningConfig, ReuseConfig, RopeConfig, SamplingConfig,
+from jaxkv.config import (COMPILER_OPTIONS, CacheConfig, EngineConfig, MemArtConfig,
+                          ModelConfig, PruningConfig, ReuseConfig, RopeConfig, SamplingConfig,
                           SemShareConfig, ServeConfig)
 from jaxkv.engine.engine import Engine, Request, Result
 from jaxkv.engine.llm import LLM, Completion, load
+from jaxkv.engine.memart import MemArtRunner, MemArtSessions
 from jaxkv.engine.reuse import ReuseRunner
 from jaxkv.engine.semshare import SemShareRunner
 from jaxkv.engine.sessions import SessionRunner, TurnMetrics
@@ -29,7 +31,7 @@ from jaxkv.tokens import Tokenizer
 
 __all__ = [
     "COMPILER_OPTIONS", "CacheConfig", "Completion", "Engine", "EngineConfig", "KVPool", "LLM",
-    "ModelConfig", "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request",
+    "MemArtConfig", "MemArtRunner", "MemArtSessions", "ModelConfig", "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request",
     "Result", "ReuseConfig", "ReuseRunner", "RopeConfig", "SENTINEL", "SamplingConfig",
     "SemShareConfig", "SemShareRunner", "ServeConfig", "SessionRunner", "Tokenizer",
     "Transformer", "TurnMetrics", "functional", "init_pool", "load", "ops",

@@ -430,7 +430,7 @@ class MemArtConfig:
       raise ValueError("memart needs rr_c >= 0, softmax_scale >= 0 and byte_budget >= 0")
 
 
-SERVE_MODES = ("requests", "sessions", "reuse", "semshare")
+SERVE_MODES = ("requests", "sessions", "reuse", "semshare", "memart")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,11 +449,15 @@ class ServeConfig:
   # (cross-prompt segment reuse, greedy decoding).
   # "semshare": JSONL requests one at a time through SemShareRunner with
   # `semshare` (KV of the most similar earlier prompt reused, greedy decoding).
-  mode: str = "requests"        # requests | sessions | reuse | semshare
+  # "memart": JSONL chat requests one at a time; `user` names the session whose
+  # history lives in MemArt memory (`memart`); only the last user message is
+  # prefilled, over the retrieved blocks (greedy decoding).
+  mode: str = "requests"        # requests | sessions | reuse | semshare | memart
   pruning: PruningConfig = PruningConfig()
   session_generate: bool = False  # sessions: generate each assistant turn instead of replay
   reuse: ReuseConfig = ReuseConfig()
   semshare: SemShareConfig = SemShareConfig()
+  memart: MemArtConfig = MemArtConfig()
 
   def __post_init__(self):
     if self.mode not in SERVE_MODES:

@@ -20,6 +20,13 @@ prompt reaches `--config.semshare.threshold` reuses that prompt's K/V through
 token-level matching (seed 001), others are prefilled and kept as references;
 records add the similarity, whether it was reused and the recomputed share.
 
+MemArt memory (`--config=configs/smollm2_memart.py`, or `--config.mode=memart`): chat
+requests one at a time; `"user"` names the session (default: the request id). Every
+message before the last is the session's history, written as KV blocks into its
+memory the first time it is seen; the last (user) message alone is prefilled over
+the blocks retrieved for it (seed 003); records add the blocks retrieved, the
+session's memory size and the prefill / probe token counts.
+
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
 --input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
 scripts/make_traces.py); every session is replayed turn by turn with the
@@ -131,6 +138,8 @@ def main(argv):
   order, errors, todo = _scan(src, cfg, out.done)
   if cfg.mode in ("reuse", "semshare") and todo:
     return serve_sequential(cfg, src, out)
+  if cfg.mode == "memart" and todo:
+    return serve_memart(cfg, src, out)
   total = len(order)
   if total == 0:
     out.finish([])
@@ -289,6 +298,68 @@ def serve_sequential(cfg, src: pathlib.Path, out) -> None:
   _summary([("requests run", str(m["requests"])), ("errors", str(errors)),
             ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
             ("prompt tokens reused", f"{reused} of {total}"), ("store", store),
+            ("output", f"{out.path} ({n} records, one per input line)")], m)
+
+
+def serve_memart(cfg, src: pathlib.Path, out) -> None:
+  """Chat requests whose session history lives in MemArt memory (MemArtSessions)."""
+  import numpy as np
+  import tqdm
+
+  from jaxkv.engine import batch
+  from jaxkv.engine.memart import MemArtSessions
+
+  t0 = time.perf_counter()
+  llm = _load(cfg)
+  try:
+    sessions = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
+                              attn_impl=cfg.engine.attention_impl)
+  except ValueError as e:
+    cli.fail(str(e))
+  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; memart top-k "
+        f"{cfg.memart.top_k} x {cfg.memart.block_size}-token blocks, {cfg.memart.norm}-"
+        f"{cfg.memart.agg}", file=sys.stderr)
+  order: list[str] = []
+  errors, ttfts = 0, []
+
+  def on_error(e) -> None:
+    nonlocal errors
+    errors += 1
+    print(f"error: {e}", file=sys.stderr)
+    out.add(e.record())
+
+  def as_messages(prompt, tools):
+    if tools:
+      raise ValueError("memart mode does not take tools")
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+  for p, msgs in tqdm.tqdm(batch.read_requests(src, as_messages, cfg.sampling, out.done,
+                                               on_error, order, parsed=True),
+                           unit="req", disable=not _PROGRESS.value, file=sys.stderr):
+    if p.sampling.temperature > 0:
+      on_error(batch.RequestError(p.line, "memart mode decodes greedily: use temperature 0",
+                                  p.id))
+      continue
+    try:
+      ans, info = sessions.ask(p.user or p.id, msgs, p.sampling.max_tokens)
+    except (ValueError, RuntimeError) as e:   # e.g. history changed, or the pool is full
+      on_error(batch.RequestError(p.line, str(e), p.id))
+      continue
+    done = bool(ans.tokens.size) and int(ans.tokens[-1]) in llm.tokenizer.stop_ids
+    ttfts.append(ans.ttft_s)
+    out.add({"id": p.id, "session": p.user or p.id,
+             "text": llm.tokenizer.decode(ans.tokens.tolist()),
+             "prompt_tokens": int(ans.prefill_tokens), "probe_tokens": int(ans.probe_tokens),
+             "completion_tokens": int(ans.tokens.size), "retrieved_blocks": int(ans.blocks.size),
+             "decode_kv_len": ans.decode_kv_len, **info, "ttft_s": round(ans.ttft_s, 6),
+             "latency_s": round(ans.latency_s, 6), "finish_reason": "stop" if done else "length"})
+  n = out.finish(order)
+  m = {"requests": len(ttfts), "errors": errors, "records": n,
+       "sessions": len(sessions.sessions),
+       "median_ttft_s": float(np.median(ttfts)) if ttfts else None}
+  _summary([("requests run", str(m["requests"])), ("errors", str(errors)),
+            ("sessions", str(m["sessions"])),
+            ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
             ("output", f"{out.path} ({n} records, one per input line)")], m)
 
 

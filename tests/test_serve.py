@@ -250,3 +250,29 @@ def test_serve_semshare_mode_reuses_a_similar_prompt(tmp_path):
   assert all(r["completion_tokens"] == 4 or r["finish_reason"] == "stop" for r in recs.values())
   proc = _run(cmd)                                              # everything answered
   assert proc.returncode == 0 and len(_records(out)) == 4
+
+
+def test_serve_memart_mode_keeps_session_history_in_memory(tmp_path):
+  """configs/smollm2_memart.py on the shipped example: a session's earlier
+  messages are written to its memory once, only the new question is prefilled,
+  sessions are separate, an edited history and a sampled request are refused,
+  a rerun resumes."""
+  out = tmp_path / "out.jsonl"
+  cmd = [sys.executable, str(ROOT / "scripts/serve.py"),
+         f"--config={ROOT}/configs/smollm2_memart.py",
+         f"--input={ROOT / 'examples/memart_requests.jsonl'}", f"--output={out}",
+         "--config.sampling.max_tokens=4", "--config.cache.num_pages=256", "--noprogress"]
+  proc = _run(cmd)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = {r["id"]: r for r in _records(out)}
+  assert list(recs) == ["a1", "b1", "a2", "a3", "edited", "hot"]
+  assert recs["a1"]["memory_blocks"] == 0 and recs["a1"]["retrieved_blocks"] == 0
+  assert recs["a2"]["blocks_written"] > 0 and recs["a2"]["retrieved_blocks"] > 0
+  assert recs["a3"]["memory_blocks"] == recs["a2"]["memory_blocks"] + recs["a3"]["blocks_written"]
+  assert 0 < recs["a3"]["blocks_written"] < recs["a2"]["blocks_written"] + 2   # only new turns
+  assert recs["b1"]["session"] == "bob" and recs["b1"]["memory_blocks"] == 0
+  # only the question is prefilled (plus the template's assistant opening)
+  assert recs["a2"]["prompt_tokens"] < 20 and recs["a3"]["prompt_tokens"] < 20, recs
+  assert "no longer extends" in recs["edited"]["error"] and "greedily" in recs["hot"]["error"]
+  proc = _run(cmd)                                              # answered ones are kept
+  assert proc.returncode == 0 and len(_records(out)) == 6

@@ -4,7 +4,8 @@ Input lines (one JSON object each):
     {"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}
     {"id": ..., "prompt": "raw text"}
 with optional "max_tokens", "temperature", "top_p", "top_k", "seed" overriding
-the config's sampling defaults. Unknown keys are rejected (a misspelt
+the config's sampling defaults, and "user" (OpenAI's end-user id: the session a
+request belongs to in serve.py mode=memart; ignored elsewhere). Unknown keys are rejected (a misspelt
 "max_token" must not be silently ignored).
 
 Output lines, written and flushed as each request finishes:
@@ -36,7 +37,7 @@ from jaxkv.config import SamplingConfig
 from jaxkv.engine.engine import Request
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-_KEYS = {"id", "messages", "prompt", "tools", *_SAMPLING_KEYS}
+_KEYS = {"id", "messages", "prompt", "tools", "user", *_SAMPLING_KEYS}
 
 
 class RequestError(ValueError):
@@ -58,6 +59,7 @@ class ParsedLine:
   prompt: str | list[dict]
   tools: list[dict] | None
   sampling: SamplingConfig
+  user: str | None = None
 
 
 def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
@@ -104,7 +106,10 @@ def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
     sampling = dataclasses.replace(defaults, **overrides)
   except ValueError as e:
     raise RequestError(line, str(e), rid) from None
-  return ParsedLine(rid, line, prompt, tools, sampling)
+  user = obj.get("user")
+  if user is not None and not isinstance(user, str):
+    raise RequestError(line, "'user' must be a string (the session id)", rid)
+  return ParsedLine(rid, line, prompt, tools, sampling, user)
 
 
 def _records(path: pathlib.Path) -> Iterator[dict]:
@@ -167,8 +172,10 @@ class ResultFile:
 
 
 def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: set[str],
-                  on_error, order: list[str] | None = None) -> Iterator[Request]:
-  """Lazily yields engine Requests from a JSONL file.
+                  on_error, order: list[str] | None = None,
+                  parsed: bool = False) -> Iterator[Request]:
+  """Lazily yields engine Requests from a JSONL file (with `parsed`:
+  (ParsedLine, encode's result) pairs, for runners that need the messages).
 
   Args:
     encode: (prompt, tools) -> token ids.
@@ -206,4 +213,4 @@ def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: se
             order.append(e.rid)
         on_error(e)
         continue
-      yield Request(id=p.id, prompt=tokens, sampling=p.sampling)
+      yield (p, tokens) if parsed else Request(id=p.id, prompt=tokens, sampling=p.sampling)

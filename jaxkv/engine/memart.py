@@ -345,6 +345,67 @@ class MemArtRunner:
     self.alloc.release(self.head_slots)
 
 
+_MARK = "\x00MEMORY\x00"
+
+
+class MemArtSessions:
+  """Chat sessions whose history lives in MemArt memory (serve.py mode=memart).
+
+  A request is a session id and its OpenAI-style messages: every message before
+  the last is history, the last must be the user's. History the session's
+  memory has not seen yet is written as one span ("role: content" lines) before
+  the question is answered from retrieved blocks, so only the question is
+  prefilled. A rerun that skips answered requests catches up on their history
+  at the session's next request. A history that no longer extends what was
+  written (an edited earlier message) is refused.
+  """
+
+  def __init__(self, llm, cfg: MemArtConfig, cache: CacheConfig, *, system_prompt: str = "",
+               attn_impl: str = "auto"):
+    self.tok = llm.tokenizer
+    msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": _MARK}]
+    head, self.tail_text = self.tok.render_chat(msgs, add_generation_prompt=True).split(_MARK)
+    self.runner = MemArtRunner(llm, cfg, self._enc(head), cache=cache, attn_impl=attn_impl)
+    self.sessions: dict[str, tuple[Memory, list[str]]] = {}
+
+  def _enc(self, text: str) -> np.ndarray:
+    return np.asarray(self.tok.encode(text, add_bos=False), np.int32)
+
+  def ask(self, session: str, messages: list[dict], max_tokens: int) -> tuple[Answer, dict]:
+    """Writes the unseen history, answers the last (user) message; returns the
+    answer and what happened (memory blocks, blocks written)."""
+    last = messages[-1] if messages else None
+    if not last or last.get("role") != "user" or not isinstance(last.get("content"), str):
+      raise ValueError("memart mode needs messages ending with a user message (text content)")
+    lines = []
+    for m in messages[:-1]:
+      if not isinstance(m.get("content"), str):
+        raise ValueError("memart mode keeps text history: every message needs string content")
+      lines.append(f"{m['role']}: {m['content']}")
+    mem, seen = self.sessions.get(session) or (self.runner.new_memory(), [])
+    if lines[:len(seen)] != seen:
+      raise ValueError(f"session {session!r}: the history no longer extends what its memory "
+                       "holds (an earlier message changed); use a new session id")
+    new = lines[len(seen):]
+    written = 0
+    if new:
+      written = self.runner.write(mem, self._enc("\n".join(new) + "\n"), tag=len(seen)).size
+      seen = seen + new
+    self.sessions[session] = (mem, seen)
+    q = self._enc(last["content"])
+    tail = np.r_[q, self._enc("\n" + self.tail_text)].astype(np.int32)
+    voters = np.arange(tail.size) < q.size
+    ans = self.runner.answer(mem, tail, max_tokens, stop_ids=self.tok.stop_ids, voters=voters)
+    return ans, dict(memory_blocks=mem.num_blocks, blocks_written=int(written),
+                     memory_bytes=mem.nbytes)
+
+  def close(self, session: str) -> None:
+    """Frees a session's memory."""
+    mem, _ = self.sessions.pop(session)
+    self.runner.forget(mem)
+
+
 def _pad(x, n: int, value=0) -> np.ndarray:
   x = np.asarray(x)
   return np.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
