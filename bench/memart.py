@@ -350,12 +350,15 @@ def plot(rows: list[dict], path: str) -> str:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
   ab = [r for r in rows if r["kind"] == "ablation"]
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  strategies = sorted({r["strategy"] for r in ab})
   for key in sorted({(r["block_size"], r["box_keys"], r["strategy"]) for r in ab}):
     rs = sorted((r for r in ab if (r["block_size"], r["box_keys"], r["strategy"]) == key),
                 key=lambda r: r["tokens"])
-    ax.plot([r["tokens"] for r in rs], [r["evidence_recall"] for r in rs], "o-",
-            label=f"BS{key[0]} {key[1]} {key[2]}", lw=1.5 if key[1] == "raw" else 0.8)
+    ax.plot([r["tokens"] for r in rs], [r["evidence_recall"] for r in rs],
+            color=f"C{strategies.index(key[2])}", ls="-" if key[0] == 16 else "--",
+            marker="o" if key[1] == "raw" else "x", lw=1.5 if key[1] == "raw" else 0.8,
+            label=f"BS{key[0]} {key[1]} {key[2]}")
   ax.set(xscale="log", xlabel="retrieved history tokens (k x BS)", ylabel="evidence recall",
          title="MemArt retrieval: recall vs k")
   ax.legend(fontsize=6, ncol=2)
