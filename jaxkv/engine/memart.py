@@ -256,36 +256,29 @@ class MemArtRunner:
       pos = np.where(v, pos, -1)
     return q, pos
 
+  def _score(self, mem: Memory, probe, k: int, norm: str | None, agg: str | None):
+    """One jitted retrieval over the memory: (blocks [k] padded -1, scores [cap])."""
+    q, pos = probe
+    scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
+    return _retrieve(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
+                     jnp.asarray(mem.live), jnp.asarray(mem.time), self.inv_freq, k=k,
+                     norm=norm or self.cfg.norm, agg=agg or self.cfg.agg, scale=float(scale),
+                     rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw")
+
   def rank(self, mem: Memory, probe, top_k: int | None = None, *, norm: str | None = None,
            agg: str | None = None) -> np.ndarray:
     """Memory rows for a probe's queries (eq. 3, Table 1), chronological (no -1);
     norm / agg override the config (the strategy ablation)."""
     if not mem.live.any():
       return np.zeros(0, np.int32)
-    q, pos = probe
-    scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
-    blocks, _ = _retrieve(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo,
-                          mem.hi, jnp.asarray(mem.live), jnp.asarray(mem.time), self.inv_freq,
-                          k=top_k or self.cfg.top_k, norm=norm or self.cfg.norm,
-                          agg=agg or self.cfg.agg, scale=float(scale),
-                          rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw")
-    blocks = np.asarray(blocks)
+    blocks = np.asarray(self._score(mem, probe, top_k or self.cfg.top_k, norm, agg)[0])
     return blocks[blocks >= 0]
 
   def scores(self, mem: Memory, probe, *, norm: str | None = None,
              agg: str | None = None) -> np.ndarray:
     """Aggregated block scores [cap] of a probe (dead rows -inf): one jitted
     call; `select` then takes any k on the host (the recall@k ablation)."""
-    return np.where(mem.live, np.asarray(self.rank_scores(mem, probe, norm, agg)), -np.inf)
-
-  def rank_scores(self, mem, probe, norm, agg):
-    q, pos = probe
-    scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
-    _, s = _retrieve(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
-                     jnp.asarray(mem.live), jnp.asarray(mem.time), self.inv_freq, k=1,
-                     norm=norm or self.cfg.norm, agg=agg or self.cfg.agg, scale=float(scale),
-                     rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw")
-    return s
+    return np.where(mem.live, np.asarray(self._score(mem, probe, 1, norm, agg)[1]), -np.inf)
 
   @staticmethod
   def select(mem: Memory, scores: np.ndarray, k: int) -> np.ndarray:

@@ -215,10 +215,9 @@ class SemShareRunner:
     threshold), without serving either: bins pairs the same way for every method."""
     t, r = self.codes(target), self.codes(reference)
     w = plan_lib.chunk_len(r.shape[0])
-    idx, dist = semshare.nearest(
+    _, dist = semshare.nearest(
         jnp.asarray(t), jnp.arange(t.shape[0], dtype=jnp.int32), jnp.asarray(_pad(r, w)),
         jnp.arange(w, dtype=jnp.int32), jnp.asarray(np.arange(w) < r.shape[0]))
-    del idx
     return semshare.similarity(np.asarray(dist), self.cfg.max_dist)
 
   def _best(self, codes: np.ndarray, n: int):
