@@ -86,10 +86,10 @@ def write_rows(path: str | None, rows: list[dict]) -> None:
     print(f"wrote {path}")
 
 
-def matmul_gflops(n: int = 1024, reps: int = 5) -> float:
-  """Achieved fp32 FLOP/s of a large square matmul (the compute peak a prefill
-  can hope for on this device, with jaxkv's compiler options), in GFLOP/s."""
+def matmul_gflops(n: int = 1024, reps: int = 5, dtype=jnp.float32) -> float:
+  """Achieved FLOP/s of a large square matmul on random data (the compute peak a
+  prefill can hope for on this device, with jaxkv's compiler options), in GFLOP/s."""
   from jaxkv.config import COMPILER_OPTIONS
-  a = jnp.ones((n, n), jnp.float32)
+  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
   f = jax.jit(lambda x, y: x @ y, compiler_options=COMPILER_OPTIONS)
   return 2 * n ** 3 / timeit(f, a, a, reps=reps) / 1e9

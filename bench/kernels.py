@@ -1,36 +1,53 @@
 """Attention kernels: the floor (FLOPs, bytes), then measured time, side by side.
 
-    python bench/kernels.py [--contexts=2048,8192,32768] [--lora_contexts=2048,...,65536]
-                            [--dtype=bfloat16] [--out=results.json]
+    python bench/kernels.py [--contexts=1024,8192,32768] [--batches=1,8,64] [--groups=3,7]
+        [--dead=0,0.5,0.9] [--lora_contexts=4096,...,65536] [--tune] [--out=rows.json]
 
-One layer of a Llama-3-8B-shaped attention (32 query heads, 8 KV heads, head
-dim 128) over a paged pool whose slot map is dense (every token live), so the
-jaxkv kernel and JAX's own dense-layout `pallas.ops.gpu.paged_attention`
-read the same bytes.
+One layer of attention with 8 KV heads of dimension 128 and G = Hq / Hkv query
+heads per KV head (GQA 3 and 7), page size 16, over a paged pool whose pages
+are laid end to end (what a fresh sequence gets). Rows, one run, same inputs:
 
-Rows (one run, same inputs):
-- decode, batch 8, one query per row: jaxkv Pallas kernel | XLA reference
-  (gather + masked softmax) | jax.experimental.pallas.ops.gpu.paged_attention
-  (block tables over [Hkv, pages, page_size, D], page size 16);
-- prefill, batch 1, a 512-token chunk at the end of the context: Pallas | reference;
-- Flash-LoRA decode, batch 8 with a different adapter per row, r = 8:
-  Flash-LoRA kernel | materialise V_base + V_lr B_i then the paged kernel |
-  the XLA reference.
+- decode (one query per row) at every context x batch x G x dead fraction:
+  jaxkv's Pallas kernel | the same kernel with every block on the gather path
+  (`contiguous=False`) | the XLA reference (gather + masked softmax) |
+  materialise-then-attend (gather K/V dense, then `jax.nn.dot_product_attention`)
+  | JAX's own `pallas.ops.gpu.paged_attention` (block tables over
+  [Hkv, pages, 16, D]). Dead tokens are evicted at random (`tokens`: IntentKV
+  holes, every 64-key block stays live) or a page at a time (`pages`: whole
+  blocks die and are skipped). JAX's kernel and the dense baselines cannot skip
+  dead tokens, so on a GPU they run only at dead 0, where every method reads the
+  same bytes (on a CPU the reference, the only timed row, runs at every fraction).
+- prefill, batch 1, a 512-token chunk at the end of the context: Pallas | reference.
+- Flash-LoRA decode, batch 8, a different adapter per row, r = 8: Flash-LoRA |
+  materialise V_base + V_lr B_i then the paged kernel | the XLA reference.
 
-Floor = max(FLOPs / peak, bytes / bandwidth), bytes = K/V (and V_lr) read once
-plus q read and o written; "bw %" is achieved bytes/s over the measured
-device copy bandwidth (read + write of a large array). Peak FLOP/s is the
-measured rate of a large matmul in the bench dtype. On a CPU-only machine the
-Pallas kernels cannot run natively (the interpreter is a correctness tool,
-not a speed one): only the reference rows are timed and the table says so.
+Timing: each call runs `--iters` times inside one jitted `fori_loop`, each time
+on another layer of a stacked pool (the kernels read layer l in place), with
+enough layers that the bytes cycled exceed 4x the L2 cache, so no call is served
+from L2; the median of 5 such runs over `--iters` is the time per call, the
+live-block table set-up included. "bw %" is live bytes moved per second (K/V
+of live tokens read once, q read, o written, slot ids) over the measured device
+copy bandwidth (a 4 GiB float32 array incremented in place 20 times in one
+jitted loop, bytes read + written); the floor is
+max(bytes / bandwidth, FLOPs / measured matmul peak).
+
+`--tune` first times a few (block_k, num_warps, num_stages, k_splits) settings
+at 32k x batch 8 x G 7 and runs the sweep with the fastest. On a CPU-only machine
+the Pallas kernels cannot run natively (the interpreter is a correctness tool):
+only the reference rows are timed and the table says so.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import json
+import math
+import time
 
 import jax
 from absl import app, flags
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,59 +56,177 @@ import common
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
 
-HQ, HKV, D, RANK, PAGE = 32, 8, 128, 8, 16
+HKV, D, RANK, PAGE = 8, 128, 8, 16
+LORA_G = 4             # Flash-LoRA rows: Llama-3-8B heads (32 / 8), as LRAgent's models
+L2_BYTES = 60 << 20    # H200 L2 (H100: 50 MB); the pool cycles through >= 4x this per loop
+TUNE = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, num_warps=4, num_stages=2),
+        dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=128, num_warps=8, num_stages=3),
+        dict(block_k=32, num_warps=4, num_stages=4), dict(block_k=64, num_warps=8, num_stages=2),
+        dict(block_k=64, num_warps=4, num_stages=2, k_splits=32),
+        dict(block_k=128, num_warps=4, num_stages=3, k_splits=32)]
 
 
-def matmul_tflops(dtype, n: int) -> float:
-  a = jnp.ones((n, n), dtype)
-  return 2 * n ** 3 / common.timeit(jax.jit(lambda x: x @ x), a, reps=5) / 1e12
+def layers_for(nbytes: int, cap_bytes: int) -> int:
+  """Layers of the stacked pool: enough that one timed loop cycles >= 4x L2."""
+  return int(max(1, min(64, math.ceil(4 * L2_BYTES / max(nbytes, 1)),
+                        cap_bytes // max(nbytes, 1))))
 
 
-def make_inputs(batch: int, context: int, q_len: int, dtype, rank: int | None = None, seed=0):
-  """Dense paged layout: row b holds slots 1 + b*context ... (slot 0 = SENTINEL)."""
+def slot_map_for(batch: int, context: int, dead: float, layout: str, rng) -> np.ndarray:
+  """Row b holds slots 1 + b*context ... (pages end to end; slot 0 = SENTINEL); a `dead`
+  share of tokens (`tokens`) or of pages (`pages`) is evicted. Every row keeps its last
+  token (the query's own)."""
+  sm = (1 + np.arange(batch * context, dtype=np.int32)).reshape(batch, context)
+  if dead:
+    if layout == "tokens":
+      kill = rng.random(sm.shape) < dead
+    else:
+      kill = np.repeat(rng.random((batch, context // PAGE)) < dead, PAGE, axis=1)
+    kill[:, -1] = False
+    sm[kill] = 0
+  return sm
+
+
+def make_inputs(batch: int, context: int, q_len: int, groups: int, dtype, *, layers: int = 1,
+                rank: int | None = None, dead: float = 0.0, layout: str = "tokens", seed=0):
+  """Random stacked pools [layers, 1 + batch*context, Hkv, D] and a slot map."""
   key = jax.random.split(jax.random.key(seed), 5)
   slots = 1 + batch * context
-  k_pool = jax.random.normal(key[0], (slots, HKV, D), dtype).at[0].set(0)
-  v_pool = jax.random.normal(key[1], (slots, HKV, D), dtype).at[0].set(0)
-  slot_map = (1 + jnp.arange(batch * context, dtype=jnp.int32)).reshape(batch, context)
-  q = jax.random.normal(key[2], (batch, q_len, HQ, D), dtype)
-  q_pos = jnp.broadcast_to(context - q_len + jnp.arange(q_len, dtype=jnp.int32), (batch, q_len))
-  out = dict(q=q, k_pool=k_pool, v_pool=v_pool, slot_map=slot_map, q_positions=q_pos)
+  sm = slot_map_for(batch, context, dead, layout, np.random.default_rng(seed))
+
+  def pool(k, *shape):
+    return jax.random.normal(k, (layers, slots, *shape), dtype).at[:, 0].set(0)
+
+  q_pos = np.broadcast_to(context - q_len + np.arange(q_len, dtype=np.int32), (batch, q_len))
+  out = dict(q=jax.random.normal(key[2], (batch, q_len, HKV * groups, D), dtype),
+             k_pool=pool(key[0], HKV, D), v_pool=pool(key[1], HKV, D),
+             slot_map=jnp.asarray(sm), q_positions=jnp.asarray(q_pos))
   if rank:
-    out["vlr_pool"] = jax.random.normal(key[3], (slots, rank), dtype).at[0].set(0)
+    out["vlr_pool"] = pool(key[3], rank)
     out["lora_b"] = 0.1 * jax.random.normal(key[4], (batch, rank, HKV, D), dtype)
   return out
 
 
 def jax_dense_paged(a):
-  """Our dense pool as JAX's layout: k_pages [Hkv, pages, page, D], block tables.
-
-  JAX's kernel applies no softmax scale, so q is pre-scaled by 1/sqrt(D).
-  """
+  """Our dense pool as JAX's layout, converted once outside the timed loop:
+  (q, k_pages [Hkv, layers * pages, page, D], v_pages, block tables of layer 0,
+  lengths). JAX's kernel applies no softmax scale, so q is pre-scaled."""
   b, t = a["slot_map"].shape
-  def pages(pool):
-    return pool[1:].reshape(b * t // PAGE, PAGE, HKV, D).transpose(2, 0, 1, 3)
+  k_pool, v_pool = a["k_pool"], a["v_pool"]
+  if k_pool.ndim == 3:
+    k_pool, v_pool = k_pool[None], v_pool[None]
+  layers = k_pool.shape[0]
+
+  def pages(pool):   # each layer's slots 1..b*t -> pages; layers stacked along pages
+    return pool[:, 1:].reshape(layers * b * t // PAGE, PAGE, HKV, D).transpose(2, 0, 1, 3)
+
   tables = jnp.arange(b * t // PAGE, dtype=jnp.int32).reshape(b, t // PAGE)
   lengths = jnp.full((b,), t, jnp.int32)
   q = (a["q"][:, 0] * D ** -0.5).astype(a["q"].dtype)
-  return q, pages(a["k_pool"]), pages(a["v_pool"]), tables, lengths
+  return q, pages(k_pool), pages(v_pool), tables, lengths
+
+
+def jax_paged_call(x, layer, **kw):
+  """JAX's kernel on layer `layer` of `jax_dense_paged`'s output (tables offset)."""
+  from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+  q, k_pages, v_pages, tables, lengths = x
+  tables = tables + layer * tables.size
+  return jax_pa.paged_attention(q, k_pages, v_pages, tables, lengths,
+                                pages_per_compute_block=4, **kw)
+
+
+def dense_then_attend(q, k_pool, v_pool, slot_map, q_positions, *, layer=0):
+  """Materialise-then-attend: gather the row's K/V into dense [B, T, Hkv, D], then
+  jax.nn.dot_product_attention with the visibility mask."""
+  k, v = k_pool[layer][slot_map], v_pool[layer][slot_map]
+  mask = pa.attention_mask(slot_map, q_positions)[:, None]          # [B, 1, Tq, T]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
 def materialize_then_attend(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positions, *,
-                            interpret=False):
+                            layer=0, **kernel_kw):
   """The naive LRAgent path: build V_i = V_base + V_lr B_i for every token, then attend."""
+  if k_pool.ndim == 3:
+    k_pool, v_pool, vlr_pool = k_pool[None], v_pool[None], vlr_pool[None]
   b, t = slot_map.shape
-  v = (v_pool[slot_map].astype(jnp.float32)
-       + jnp.einsum("btr,brhd->bthd", vlr_pool[slot_map].astype(jnp.float32),
+  v = (v_pool[layer][slot_map].astype(jnp.float32)
+       + jnp.einsum("btr,brhd->bthd", vlr_pool[layer][slot_map].astype(jnp.float32),
                     lora_b.astype(jnp.float32))).astype(v_pool.dtype)
-  k = k_pool[slot_map]
+  k = k_pool[layer][slot_map]
   dense = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t) + 1   # slot 0 stays dead
   pad = lambda x: jnp.concatenate([jnp.zeros((1, HKV, D), x.dtype), x.reshape(b * t, HKV, D)])
-  return pa.paged_attention(q, pad(k), pad(v), dense, q_positions, interpret=interpret)
+  return pa.paged_attention(q, pad(k), pad(v), dense, q_positions, **kernel_kw)
+
+
+_LOOPS: dict = {}
+
+
+def per_call_seconds(fn, a, layers: int, iters: int) -> float:
+  """Seconds per call of fn(a, layer): `iters` calls in one jitted fori_loop, layer
+  cycling through the stacked pool; median of 5 runs (compiled and warmed first).
+  The jitted loop is kept per (fn, layers, iters), so inputs of the same shapes
+  (another dead fraction) reuse its compilation."""
+  key = (fn, layers, iters)
+  if key not in _LOOPS:
+    def loop(a):
+      def body(i, acc):
+        return acc + fn(a, i % layers).reshape(-1)[0].astype(jnp.float32)
+      return lax.fori_loop(0, iters, body, jnp.float32(0))
+    _LOOPS[key] = jax.jit(loop)
+  return common.timeit(_LOOPS[key], a, reps=5) / iters
+
+
+def device_copy_gbs(nbytes: int, iters: int = 20) -> float:
+  """Device memory bandwidth, GB/s counting bytes read + written: a float32 array
+  of `nbytes` incremented in place `iters` times in one jitted fori_loop (the
+  timing harness of the kernels, so launch gaps are charged alike)."""
+  x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
+  step = jax.jit(lambda x: lax.fori_loop(0, iters, lambda i, y: y + 1.0, x), donate_argnums=0)
+  x = step(x)
+  times = []
+  for _ in range(5):
+    jax.block_until_ready(x)
+    t0 = time.perf_counter()
+    x = jax.block_until_ready(step(x))
+    times.append(time.perf_counter() - t0)
+  return 2 * nbytes * iters / float(np.median(times)) / 1e9
 
 
 def floor_s(cost, bw_gbs, tflops):
   return max(cost["bytes"] / (bw_gbs * 1e9), cost["flops"] / (tflops * 1e12))
+
+
+def decode_impls(gpu: bool, knobs: dict):
+  """(name, prepare(a) -> x (untimed), fn(x, layer) (timed), dense only) per decode row."""
+  keys = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
+  same = lambda a: a
+  ours = lambda **kw: lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l, **kw)
+  impls = [("xla_reference", same,
+            lambda a, l: pa.paged_attention_reference(*(a[k] for k in keys), layer=l), gpu),
+           ("materialise_then_attend", same,
+            lambda a, l: dense_then_attend(*(a[k] for k in keys), layer=l), True)]
+  if gpu:
+    impls = [("jaxkv_pallas", same, ours(**knobs), False),
+             ("jaxkv_gather_only", same, ours(**knobs, contiguous=False), True),
+             ("jax_pallas_ops_gpu", jax_dense_paged, jax_paged_call, True)] + impls
+  return impls
+
+
+def add_ratios(rows):
+  """'vs jaxkv': each row's time over the jaxkv kernel's in its group (the first
+  row of the group where no jaxkv kernel ran, as on a CPU)."""
+  groups = {}
+  for r in rows:
+    if r["bench"] == "tune":
+      continue
+    groups.setdefault((r["bench"], r["batch"], r["context"], r["groups"], r["dead"],
+                       r["layout"]), []).append(r)
+  for group in groups.values():
+    base = next((r for r in group if r["impl"].startswith("jaxkv_") and
+                 r["impl"] != "jaxkv_gather_only"), group[0])
+    for r in group:
+      r["vs_jaxkv"] = r["time_ms"] / base["time_ms"]
+  return rows
 
 
 FLAGS = flags.FLAGS
@@ -101,84 +236,179 @@ def define_flags():
   """Command-line flags (defined only when run as a script, so importing this
   module next to other absl scripts never clashes)."""
   flags.DEFINE_string("contexts", None, "decode contexts (default by backend)")
+  flags.DEFINE_string("batches", None, "decode batches (default by backend)")
+  flags.DEFINE_string("groups", "3,7", "query heads per KV head (GQA)")
+  flags.DEFINE_string("dead", None, "dead fractions (default 0,0.5,0.9 on GPU, 0,0.5 on CPU)")
+  flags.DEFINE_string("dead_layouts", "tokens,pages", "how dead tokens fall: tokens | pages")
+  flags.DEFINE_string("prefill_contexts", None, "prefill contexts (default by backend)")
   flags.DEFINE_string("lora_contexts", None, "Flash-LoRA contexts (default by backend)")
-  flags.DEFINE_integer("batch", 8, "decode batch")
+  flags.DEFINE_integer("lora_batch", 8, "Flash-LoRA decode batch")
+  flags.DEFINE_integer("iters", 20, "calls per timed loop")
+  flags.DEFINE_boolean("tune", False, "pick the kernel's tiling at 32k x 8 x G7 first")
   flags.DEFINE_string("dtype", None, "default bfloat16 on GPU, float32 on CPU")
   flags.DEFINE_string("out", None, "write JSON rows here")
+
+
+def _ints(csv, default):
+  return [int(c) for c in (csv or default).split(",")]
 
 
 def main(argv):
   del argv
   args = FLAGS
-
   gpu = jax.default_backend() == "gpu"
   dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
-  contexts = [int(c) for c in (args.contexts or
-                               ("2048,8192,32768" if gpu else "2048,8192")).split(",")]
-  lora_contexts = [int(c) for c in (args.lora_contexts or (
-      "2048,4096,8192,16384,32768,65536" if gpu else "2048,8192")).split(",")]
-  bw = common.copy_bandwidth_gbs(1 << 30 if gpu else 1 << 28)
-  tflops = matmul_tflops(dtype, 8192 if gpu else 1024)
+  contexts = _ints(args.contexts, "1024,8192,32768" if gpu else "256,1024")
+  batches = _ints(args.batches, "1,8,64" if gpu else "1,2")
+  groups = _ints(args.groups, "3,7")
+  deads = [float(x) for x in (args.dead or ("0,0.5,0.9" if gpu else "0,0.5")).split(",")]
+  layouts = args.dead_layouts.split(",")
+  prefill_contexts = _ints(args.prefill_contexts, "4096,16384" if gpu else "1024")
+  lora_contexts = _ints(args.lora_contexts, "4096,8192,16384,32768,65536" if gpu else "256,1024")
+  bw = device_copy_gbs(4 << 30 if gpu else 1 << 26, iters=20 if gpu else 2)
+  tflops = common.matmul_gflops(8192 if gpu else 512, dtype=dtype) / 1e3
+  cap = (24 << 30) if gpu else (256 << 20)     # pool bytes per input set
   isz = dtype.itemsize
   device = jax.devices()[0].device_kind
   rows = []
 
-  def record(bench, impl, batch, context, q_len, cost, secs, ref_secs):
+  def record(bench, impl, batch, context, q_len, g, dead, layout, cost, secs, **kw):
     rows.append({"bench": bench, "impl": impl, "batch": batch, "context": context,
-                 "q_len": q_len, "flops": cost["flops"], "bytes": cost["bytes"],
+                 "q_len": q_len, "groups": g, "dead": dead, "layout": layout,
+                 "flops": cost["flops"], "bytes": cost["bytes"],
                  "floor_ms": 1e3 * floor_s(cost, bw, tflops), "time_ms": 1e3 * secs,
                  "achieved_gbs": cost["bytes"] / secs / 1e9,
-                 "bw_pct": 100 * cost["bytes"] / secs / 1e9 / bw,
-                 "speedup_vs_baseline": ref_secs / secs, "device": device,
-                 "dtype": dtype.name})
+                 "bw_pct": 100 * cost["bytes"] / secs / 1e9 / bw, "copy_gbs": bw,
+                 "device": device,
+                 "dtype": dtype.name, "jax": jax.__version__, **kw})
 
-  ref = jax.jit(pa.paged_attention_reference)
-  ker = jax.jit(pa.paged_attention)
-  for bench, batch, q_len, ctxs in (("decode", args.batch, 1, contexts),
-                                    ("prefill", 1, 512, contexts[:2])):
-    for ctx in ctxs:
-      a = make_inputs(batch, ctx, q_len, dtype)
-      cost = pa.cost(batch, q_len, ctx, HQ, HKV, D, isz, isz)
-      t_ref = common.timeit(ref, **a)
-      record(bench, "xla_reference", batch, ctx, q_len, cost, t_ref, t_ref)
-      if gpu:
-        record(bench, "jaxkv_pallas", batch, ctx, q_len, cost, common.timeit(ker, **a), t_ref)
-        if bench == "decode":
-          from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
-          jf = jax.jit(functools.partial(jax_pa.paged_attention, pages_per_compute_block=4))
-          record(bench, "jax_pallas_ops_gpu", batch, ctx, q_len, cost,
-                 common.timeit(jf, *jax_dense_paged(a)), t_ref)
-      print(f"{bench} ctx={ctx} done", flush=True)
+  def flush():   # rows so far, so a run cut short keeps what it measured
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
 
-  lref = jax.jit(fla.flash_lora_attention_reference)
-  for ctx in lora_contexts:
-    a = make_inputs(args.batch, ctx, 1, dtype, rank=RANK)
-    cost = fla.cost(args.batch, 1, ctx, HQ, HKV, D, RANK, isz, isz)
-    t_ref = common.timeit(lref, **a)
+  def timed(fn, a, layers):
+    try:
+      return per_call_seconds(fn, a, layers, args.iters)
+    except Exception as e:  # one failing method must not lose the rest of the sweep
+      print(f"  FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+      return None
+
+  knobs = {}
+  if args.tune and gpu:
+    g = 7
+    a = make_inputs(8, 32768, 1, g, dtype, layers=2)
+    best = None
+    for kn in TUNE:
+      fn = lambda a, l, kn=kn: pa.paged_attention(
+          a["q"], a["k_pool"], a["v_pool"], a["slot_map"], a["q_positions"], layer=l, **kn)
+      t = timed(fn, a, 2)
+      print(f"tune {kn}: {'failed' if t is None else f'{1e3 * t:.3f} ms'}", flush=True)
+      rows.append({"bench": "tune", **kn, "time_ms": t and 1e3 * t, "device": device})
+      if t and (best is None or t < best[0]):
+        best = (t, kn)
+    knobs = best[1] if best else {}
+    del a
+    print(f"tuned: {knobs}", flush=True)
+
+  impls = decode_impls(gpu, knobs)
+  for ctx, batch, g in itertools.product(contexts, batches, groups):
+    one = 2 * batch * ctx * HKV * D * isz
+    layers = layers_for(one, cap)
+    for dead, layout in [(0.0, "-")] + [(d, lay) for d in deads if d for lay in layouts]:
+      a = make_inputs(batch, ctx, 1, g, dtype, layers=layers, dead=dead, layout=layout)
+      live = int((np.asarray(a["slot_map"]) != 0).sum()) // batch
+      cost = pa.cost(batch, 1, live, HKV * g, HKV, D, isz, isz)
+      for name, prepare, fn, dense_only in impls:
+        if dense_only and dead:
+          continue
+        x = prepare(a)
+        t = timed(fn, x, layers)
+        del x
+        if t is not None:
+          record("decode", name, batch, ctx, 1, g, dead, layout, cost, t)
+          r = rows[-1]
+          print(f"decode {name} ctx={ctx} B={batch} G={g} dead={dead} {layout}: "
+                f"{r['time_ms']:.4f} ms, {r['bw_pct']:.0f}% bw", flush=True)
+      flush()
+      del a
+
+  for ctx in prefill_contexts:
+    g = 7
+    a = make_inputs(1, ctx, 512, g, dtype, layers=layers_for(2 * ctx * HKV * D * isz, cap))
+    layers = a["k_pool"].shape[0]
+    cost = pa.cost(1, 512, ctx, HKV * g, HKV, D, isz, isz)
+    keys = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
+    t_ref = timed(lambda a, l: pa.paged_attention_reference(*(a[k] for k in keys), layer=l),
+                  a, layers)
     if gpu:
-      t_mat = common.timeit(jax.jit(materialize_then_attend), **a)
-      record("flash_lora", "materialize_then_attend", args.batch, ctx, 1, cost, t_mat, t_mat)
-      record("flash_lora", "xla_reference", args.batch, ctx, 1, cost, t_ref, t_mat)
-      record("flash_lora", "jaxkv_flash_lora", args.batch, ctx, 1, cost,
-             common.timeit(jax.jit(fla.flash_lora_attention), **a), t_mat)
-    else:
-      record("flash_lora", "xla_reference", args.batch, ctx, 1, cost, t_ref, t_ref)
-    print(f"flash_lora ctx={ctx} done", flush=True)
+      t = timed(lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l, **knobs),
+                a, layers)
+      if t:
+        record("prefill", "jaxkv_pallas", 1, ctx, 512, g, 0.0, "-", cost, t)
+    if t_ref:
+      record("prefill", "xla_reference", 1, ctx, 512, g, 0.0, "-", cost, t_ref)
+    print(f"prefill ctx={ctx} done", flush=True)
+    flush()
+    del a
+
+  lora_keys = ("q", "k_pool", "v_pool", "vlr_pool", "lora_b", "slot_map", "q_positions")
+  for ctx in lora_contexts:
+    b = args.lora_batch
+    one = b * ctx * (2 * HKV * D + RANK) * isz
+    a = make_inputs(b, ctx, 1, LORA_G, dtype, layers=layers_for(one, cap), rank=RANK)
+    layers = a["k_pool"].shape[0]
+    cost = fla.cost(b, 1, ctx, HKV * LORA_G, HKV, D, RANK, isz, isz)
+    methods = [("xla_reference", lambda a, l: fla.flash_lora_attention_reference(
+        *(a[k] for k in lora_keys), layer=l))]
+    if gpu:
+      methods = [("jaxkv_flash_lora", lambda a, l: fla.flash_lora_attention(
+                      *(a[k] for k in lora_keys), layer=l, **knobs)),
+                 ("materialise_then_attend", lambda a, l: materialize_then_attend(
+                      *(a[k] for k in lora_keys), layer=l, **knobs))] + methods
+    for name, fn in methods:
+      t = timed(fn, a, layers)
+      if t:
+        record("flash_lora", name, b, ctx, 1, LORA_G, 0.0, "-", cost, t)
+    print(f"flash_lora ctx={ctx}: " + ", ".join(
+        f"{r['impl']} {r['time_ms']:.4f} ms" for r in rows if r["bench"] == "flash_lora"
+        and r["context"] == ctx), flush=True)
+    flush()
+    del a
 
   print(f"\n{device} ({jax.default_backend()}), jax {jax.__version__}, {dtype.name}; "
         f"measured copy bandwidth {bw:.0f} GB/s, matmul {tflops:.1f} TFLOP/s; "
-        f"Hq={HQ} Hkv={HKV} D={D} r={RANK}")
+        f"Hkv={HKV} D={D} page={PAGE} r={RANK}; kernel knobs {knobs or 'defaults'}")
   if not gpu:
     print("No GPU: Pallas kernels were not timed (interpret mode is not a speed path); "
           "reference rows only.")
-  hdr = ("bench", "impl", "batch", "context", "q_len", "GFLOP", "MB moved", "floor ms",
-         "time ms", "GB/s", "bw %", "speedup vs baseline")
-  common.print_table(hdr, [
-      (r["bench"], r["impl"], str(r["batch"]), str(r["context"]), str(r["q_len"]),
-       f"{r['flops'] / 1e9:.2f}", f"{r['bytes'] / 1e6:.1f}", f"{r['floor_ms']:.3f}",
-       f"{r['time_ms']:.3f}", f"{r['achieved_gbs']:.1f}", f"{r['bw_pct']:.0f}%",
-       f"{r['speedup_vs_baseline']:.2f}x") for r in rows])
+  common.print_table(*table(add_ratios(rows)))
   common.write_rows(args.out, rows)
+
+
+def table(rows):
+  """(header, lines) of the measured rows (after `add_ratios`)."""
+  hdr = ("bench", "impl", "B", "ctx", "G", "dead", "GB moved", "floor ms", "time ms",
+         "GB/s", "bw %", "time / jaxkv")
+  lines = [(r["bench"], r["impl"], str(r["batch"]), str(r["context"]), str(r["groups"]),
+            f"{r['dead']:g} {r['layout']}".strip(" -"), f"{r['bytes'] / 1e9:.3f}",
+            f"{r['floor_ms']:.3f}", f"{r['time_ms']:.3f}", f"{r['achieved_gbs']:.0f}",
+            f"{r['bw_pct']:.0f}%", f"{r['vs_jaxkv']:.2f}")
+           for r in rows if r["bench"] != "tune"]
+  return hdr, lines
+
+
+def tables(rows) -> list[common.Table]:
+  """One README table per bench (decode, prefill, flash_lora), device in the title."""
+  rows = add_ratios([r for r in rows if r["bench"] != "tune"])
+  hdr, lines = table(rows)
+  out = []
+  for bench in dict.fromkeys(r["bench"] for r in rows):
+    r0 = next(r for r in rows if r["bench"] == bench)
+    title = (f"{bench} ({r0['device']}, jax {r0.get('jax', '?')}, {r0['dtype']}, "
+             f"bw % of {r0['copy_gbs']:.0f} GB/s measured copy)")
+    out.append(common.Table(title, hdr[1:], [l[1:] for l in lines if l[0] == bench]))
+  return out
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ def define_flags():
   flags.DEFINE_integer("reps", 3,
                        "timed runs per system, alternating; the median is reported")
   flags.DEFINE_list("layouts", ["unrolled", "scan"], "jaxkv layer layouts to run")
+  flags.DEFINE_string("hf_device", None, "torch device for HF (default: cuda when JAX's "
+                      "backend is a GPU and torch sees one, else cpu)")
   flags.DEFINE_string("out", None, "write JSON rows here")
 
 
@@ -98,20 +100,26 @@ def jaxkv_runner(llm, prompts, batch, new_tokens):
 
 
 def hf_runner(hf, prompts, batch, new_tokens, pad_id):
-  """Warms HF generate up; returns a function timing one run."""
+  """Warms HF generate up; returns a function timing one run (on hf's device; a
+  CUDA device is synchronised before every clock read)."""
   import torch
+  device = next(hf.parameters()).device
+  sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
   width = max(len(p) for p in prompts)
   ids = torch.full((batch, width), pad_id, dtype=torch.long)
   mask = torch.zeros((batch, width), dtype=torch.long)
   for i, p in enumerate(prompts):     # left padding, as HF generate expects
     ids[i, width - len(p):] = torch.tensor(p)
     mask[i, width - len(p):] = 1
+  ids, mask = ids.to(device), mask.to(device)
   kw = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
 
   def gen(n):
+    sync()
     t0 = time.perf_counter()
     with torch.no_grad():
       out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+    sync()
     return time.perf_counter() - t0, out
 
   gen(2)                                # warm-up
@@ -120,8 +128,10 @@ def hf_runner(hf, prompts, batch, new_tokens, pad_id):
     t_prefill = []
     with torch.no_grad():
       for _ in range(PREFILL_REPS + 1):
+        sync()
         t0 = time.perf_counter()
         hf(input_ids=ids, attention_mask=mask)
+        sync()
         t_prefill.append(time.perf_counter() - t0)
     t1, _ = gen(1)
     tn, out = gen(new_tokens)
@@ -183,8 +193,10 @@ def main(argv):
     model = base.model.relayout(scan_layers=name == "scan")
     llms[name] = LLM(model, base.tokenizer)
   path = presets.smollm2_gguf()
+  hf_device = FLAGS.hf_device or (
+      "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu")
   hf = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval().to(hf_device)
   tok = base.tokenizer
   chats = [base.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
   cfg = base.config
@@ -194,8 +206,8 @@ def main(argv):
   # XLA:CPU) and a large fp32 mat-vec (all cores, the decode step's own pattern).
   bw_copy, bw_gemv = common.copy_bandwidth_gbs(), common.matvec_bandwidth_gbs()
   bw = max(bw_copy, bw_gemv)
-  peak = common.matmul_gflops()
-  rows, table = [], []
+  peak = common.matmul_gflops(8192 if jax.default_backend() == "gpu" else 1024)
+  rows = []
   for batch in [int(b) for b in FLAGS.batches]:
     prompts = [chats[i % len(chats)] for i in range(batch)]
     runners = {f"jaxkv {n}": jaxkv_runner(m, prompts, batch, FLAGS.new_tokens)
@@ -221,7 +233,8 @@ def main(argv):
 
   print(f"\nSmolLM2-135M fp32, greedy, {FLAGS.new_tokens} new tokens, median of {FLAGS.reps} "
         f"alternating runs, jax {jax.__version__} on {jax.devices()[0].platform}, torch "
-        f"{torch.__version__} ({torch.get_num_threads()} threads); measured bandwidth "
+        f"{torch.__version__} on {hf_device} ({torch.get_num_threads()} threads); "
+        f"{jax.devices()[0].device_kind}; measured bandwidth "
         f"{bw:.1f} GB/s (copy {bw_copy:.1f}, mat-vec read {bw_gemv:.1f}), fp32 matmul peak "
         f"{peak:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB")
   print(table(rows).markdown())

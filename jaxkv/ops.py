@@ -20,8 +20,9 @@ Semantics of paged attention (shared by reference and kernels):
 - GQA: query head h reads KV head h // (Hq // Hkv);
 - masked keys get exactly zero weight; a row with no visible key (all dead, or
   a padding query with a negative position) returns zeros, never NaN.
-The kernels skip key blocks that are entirely SENTINEL (pruned tokens are not
-read) and, on GPU, do not read dead tokens inside live blocks either.
+The kernels compact each row's live tokens first and loop over visible live key
+blocks only: pruned tokens and keys after the last query are never read and cost
+no iteration.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ B_i once per query block after the key loop:
 so the per-agent work is one [rows, r] x [r, D] product per block, and the LR
 cache is read in its native rank-r form.
 
-Masking, GQA folding, dead-block skipping, key splits and the stacked-pool
+Masking, GQA folding, live-block tables (dead and future blocks are never
+visited), the contiguous / gather read paths, key splits and the stacked-pool
 layout are those of `paged_attention.py` (same contract, same plumbing).
 Triton wants every matmul dim >= 16, so ranks r < 16 are read as r_pad = 16
 columns whose extra columns repeat column r - 1, and B is zero-padded to
@@ -53,52 +54,41 @@ def flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map
                              q_positions, scale)
 
 
-def _load_lr(vlr_ref, idx, cols, live, masked: bool):
-  """Gather V_lr rows [idx] x cols -> [block_k, r_pad] (see load_rows for `masked`)."""
-  if masked:
-    return plgpu.load(vlr_ref.at[idx[:, None], cols[None, :]], mask=live[:, None], other=0)
-  return vlr_ref[idx[:, None], cols[None, :]]
+def _read_lr(vlr_ref, rows, cols, live, block_k: int):
+  """V_lr rows x cols -> [block_k, r_pad] (see `pa.read_rows`): a contiguous block
+  is read as first slot + j, a gathered one with dead keys masked (not read)."""
+  if live is None:
+    ids = rows.start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+    return plgpu.load(vlr_ref.at[ids, cols[None, :]])
+  return plgpu.load(vlr_ref.at[rows[:, None], cols[None, :]], mask=live[:, None], other=0)
 
 
-def _kernel(offset_ref, slots_ref, qpos_ref, q_ref, b_ref, k_ref, v_ref, vlr_ref,
-            o_ref, m_ref, l_ref, *, block_k: int, split_len: int, scale: float, rank: int,
-            masked: bool):
+def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_ref, b_ref, k_ref,
+            v_ref, vlr_ref, o_ref, m_ref, l_ref, *, block_k: int, scale: float, rank: int):
   h = pl.program_id(1)
   q = q_ref[...]                                   # [block_r, D]
   qpos = qpos_ref[...]
-  offset = offset_ref[0]
   prec = pa.dot_precision(q.dtype)
   r_pad = b_ref.shape[0]
   cols = jnp.minimum(lax.broadcasted_iota(jnp.int32, (r_pad,), 0), rank - 1)
-  lo, num_blocks = pa.key_block_range(qpos, split_len, block_k)
 
-  def body(i, carry):
-    t0 = pl.multiple_of(lo + i * block_k, block_k)
-    slots = slots_ref[pl.ds(t0, block_k)]
-    live = slots != pa.SENTINEL
-
-    def visit(carry):
-      acc, acc_lr, ml = carry
-      idx = slots + offset
-      k = pa.load_rows(k_ref, idx, h, live, masked)
-      v = pa.load_rows(v_ref, idx, h, live, masked)
-      v_lr = _load_lr(vlr_ref, idx, cols, live, masked)                 # [block_k, r_pad]
-      s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
-      t = t0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-      mask = live[None, :] & (t <= qpos[:, None])
-      p, corr, ml = pa.online_softmax_update(ml, s, mask)
-      pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
-      pv_lr = jnp.dot(p.astype(v_lr.dtype), v_lr, precision=prec,
-                      preferred_element_type=jnp.float32)
-      return corr[:, None] * acc + pv, corr[:, None] * acc_lr + pv_lr, ml
-
-    any_live = jnp.max(live.astype(jnp.int32)) > 0
-    return lax.cond(any_live, visit, lambda c: c, carry)
+  def visit(carry, rows, live, key_pos):
+    acc, acc_lr, ml = carry
+    k = pa.read_rows(k_ref, rows, h, live)
+    v = pa.read_rows(v_ref, rows, h, live)
+    v_lr = _read_lr(vlr_ref, rows, cols, live, block_k)                # [block_k, r_pad]
+    s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
+    p, corr, ml = pa.online_softmax_update(ml, s, pa.key_mask(key_pos, qpos, live))
+    pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+    pv_lr = jnp.dot(p.astype(v_lr.dtype), v_lr, precision=prec,
+                    preferred_element_type=jnp.float32)
+    return corr[:, None] * acc + pv, corr[:, None] * acc_lr + pv_lr, ml
 
   block_r, d = q.shape
   init = (jnp.zeros((block_r, d), jnp.float32), jnp.zeros((block_r, r_pad), jnp.float32),
           (jnp.full((block_r,), pa.NEG, jnp.float32), jnp.zeros((block_r,), jnp.float32)))
-  acc, acc_lr, (m, l) = lax.fori_loop(0, num_blocks, body, init)
+  acc, acc_lr, (m, l) = pa.walk_live_blocks(table_ref, bounds_ref, slots_ref, pos_ref,
+                                            offset_ref[0], block_k, visit, init)
   # Algorithm 1, line "O += O_lr B_i": once per query block, after the key loop.
   acc = acc + jnp.dot(acc_lr, b_ref[...].astype(jnp.float32), precision=lax.Precision.HIGHEST,
                       preferred_element_type=jnp.float32)
@@ -108,13 +98,14 @@ def _kernel(offset_ref, slots_ref, qpos_ref, q_ref, b_ref, k_ref, v_ref, vlr_ref
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "block_r", "block_k", "k_splits", "num_warps", "num_stages", "interpret"))
+    "scale", "block_r", "block_k", "k_splits", "num_warps", "num_stages", "contiguous",
+    "interpret"))
 def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          vlr_pool: jax.Array, lora_b: jax.Array, slot_map: jax.Array,
                          q_positions: jax.Array, *, layer: jax.Array | int | None = None,
                          scale: float | None = None, block_r: int | None = None,
                          block_k: int | None = None, k_splits: int | None = None,
-                         num_warps: int = 4, num_stages: int = 2,
+                         num_warps: int = 4, num_stages: int = 2, contiguous: bool = True,
                          interpret: bool = False) -> jax.Array:
   """Pallas Flash-LoRA-Attention; same result as `flash_lora_attention_reference`."""
   b, tq, hq, d = q.shape
@@ -134,17 +125,15 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   scale = d ** -0.5 if scale is None else scale
   r_pad = max(pa.MIN_DOT, rank)
   b_rows = jnp.pad(lora_b, ((0, 0), (0, r_pad - rank), (0, 0), (0, 0)))   # zero rows
-  block_r, block_k, k_splits, rows_p, t_p = pa.choose_tiling(
-      tq * (hq // hkv), slot_map.shape[1], block_r=block_r, block_k=block_k, k_splits=k_splits)
-  rows, row_pos = pa.fold_rows(q, q_positions, hkv, rows_p)
-  slots = pa.pad_slot_map(slot_map, t_p)
+  tiling, inputs = pa.prepare(q, q_positions, slot_map, hkv, block_r=block_r, block_k=block_k,
+                              k_splits=k_splits, contiguous=contiguous)
+  block_r, block_k, k_splits, rows_p, t_p = (
+      tiling[n] for n in ("block_r", "block_k", "k_splits", "rows_p", "t_p"))
   out_dtype = q.dtype if k_splits == 1 else jnp.float32
-  kernel = functools.partial(_kernel, block_k=block_k, split_len=t_p // k_splits, scale=scale,
-                             rank=rank, masked=not interpret)
   o, m, l = pl.pallas_call(
-      kernel,
+      functools.partial(_kernel, block_k=block_k, scale=scale, rank=rank),
       grid=(b, hkv, rows_p // block_r, k_splits),
-      in_specs=pa.row_specs(t_p, block_r, d) + [
+      in_specs=pa.row_specs(t_p, block_r, d, block_k) + [
           pl.BlockSpec((None, r_pad, None, d), lambda b, h, r, s: (b, 0, h, 0)),    # B_i[:, h]
           pl.no_block_spec, pl.no_block_spec, pl.no_block_spec,               # K, V, V_lr pools
       ],
@@ -153,7 +142,7 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
       compiler_params=pa.compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="jaxkv_flash_lora_attention",
-  )(offset, slots, row_pos, rows, b_rows, k_flat, v_flat, vlr_flat)
+  )(offset, *inputs, b_rows, k_flat, v_flat, vlr_flat)
   return pa.unfold_rows(pa.merge_splits(o, m, l), tq, hq).astype(q.dtype)
 
 

