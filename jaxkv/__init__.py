@@ -11,9 +11,11 @@ Public API:
     jaxkv.MemArtRunner(llm, MemArtConfig(...), head)  conversation memory as KV blocks (seed 003)
     jaxkv.functional                                  init_state / prefill / decode / generate:
                                                       pure paged inference to jit, vmap, grad
+    jaxkv.sharding                                    ("data", "model") mesh and the rules table;
+                                                      jaxkv.load(..., mesh=make_mesh(d, m))
 """
 
-from jaxkv import functional, ops
+from jaxkv import functional, ops, sharding
 from jaxkv.config import (COMPILER_OPTIONS, CacheConfig, EngineConfig, MemArtConfig,
                           ModelConfig, PruningConfig, ReuseConfig, RopeConfig, SamplingConfig,
                           SemShareConfig, ServeConfig)
@@ -34,5 +36,5 @@ __all__ = [
     "MemArtConfig", "MemArtRunner", "MemArtSessions", "ModelConfig", "OutOfSlotsError", "PagedAllocator", "PruningConfig", "RadixCache", "Request",
     "Result", "ReuseConfig", "ReuseRunner", "RopeConfig", "SENTINEL", "SamplingConfig",
     "SemShareConfig", "SemShareRunner", "ServeConfig", "SessionRunner", "Tokenizer",
-    "Transformer", "TurnMetrics", "functional", "init_pool", "load", "ops",
+    "Transformer", "TurnMetrics", "functional", "init_pool", "load", "ops", "sharding",
 ]

@@ -430,6 +430,27 @@ class MemArtConfig:
       raise ValueError("memart needs rr_c >= 0, softmax_scale >= 0 and byte_budget >= 0")
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The ("data", "model") device mesh (jaxkv.sharding); 1 x 1 = one device.
+
+  data x model must equal the visible device count (on CPU:
+  XLA_FLAGS=--xla_force_host_platform_device_count=N). Weights are tensor
+  parallel on "model" (KV heads replicated where they do not divide), the pool's
+  slots and the batch rows split on "data".
+  """
+  data: int = 1
+  model: int = 1
+
+  def __post_init__(self):
+    if self.data < 1 or self.model < 1:
+      raise ValueError(f"mesh.data and mesh.model must be >= 1, got {self.data}, {self.model}")
+
+  @property
+  def size(self) -> int:
+    return self.data * self.model
+
+
 SERVE_MODES = ("requests", "sessions", "reuse", "semshare", "memart")
 
 
@@ -458,10 +479,15 @@ class ServeConfig:
   reuse: ReuseConfig = ReuseConfig()
   semshare: SemShareConfig = SemShareConfig()
   memart: MemArtConfig = MemArtConfig()
+  # Devices: mode=requests runs on a (data, model) mesh when mesh.data x mesh.model > 1.
+  mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):
     if self.mode not in SERVE_MODES:
       raise ValueError(f"mode must be one of {SERVE_MODES}, got {self.mode!r}")
+    if self.mesh.size > 1 and self.mode != "requests":
+      raise ValueError(f"mesh ({self.mesh.data} x {self.mesh.model}) runs mode=requests "
+                       f"only so far, not mode={self.mode!r}")
 
 
 def to_config_dict(cfg: Any) -> ml_collections.ConfigDict:

@@ -107,8 +107,15 @@ def _load(cfg):
   """jaxkv.load, with a missing or unreadable model as a one-line error."""
   import jaxkv
   try:
+    mesh = None
+    if cfg.mesh.size > 1:
+      from jaxkv import sharding
+      mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
+  except ValueError as e:
+    cli.fail(f"--config.mesh: {e}")
+  try:
     return jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine,
-                      scan_layers=cfg.scan_layers)
+                      scan_layers=cfg.scan_layers, mesh=mesh)
   except (FileNotFoundError, ValueError) as e:
     cli.fail(f"--config.model={cfg.model}: {e}")
 

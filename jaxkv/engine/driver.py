@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import sharding
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.kv import plan
@@ -197,8 +198,17 @@ class Driver:
     attn_impl: `jaxkv.ops` implementation.
   """
 
-  def __init__(self, graphdef, weights, kv: kv_state.KVPool, *, attn_impl: str = "auto"):
+  def __init__(self, graphdef, weights, kv: kv_state.KVPool, *, attn_impl: str = "auto",
+               mesh=None):
     self.graphdef, self.weights, self.kv, self.attn_impl = graphdef, weights, kv, attn_impl
+    self.mesh = mesh   # jax.sharding.Mesh: host batches go out with rows on "data"
+
+  def put(self, x) -> jax.Array:
+    """A host array onto the device(s): rows split on the mesh's "data" axis when
+    the driver has a mesh (jaxkv.sharding), else the default device."""
+    if self.mesh is None:
+      return jax.device_put(x)
+    return jax.device_put(x, sharding.batch_sharding(self.mesh, np.shape(x)))
 
   def prefill(self, rows: Sequence[plan.Row | None], *, chunk: int,
               slot_map: np.ndarray | SlotMapFn, max_width: int | None = None,
@@ -242,9 +252,9 @@ class Driver:
         tg = jnp.asarray(np.take_along_axis(full, rd, axis=1))
       extra = options(ch) if options is not None else {}
       out, self.kv = chunk_step(
-          self.graphdef, self.weights, self.kv, jnp.asarray(ch.tokens),
-          jnp.asarray(ch.positions), jnp.asarray(smap),
-          read=None if rd is None else jnp.asarray(rd), targets=tg, sampling=sampling,
+          self.graphdef, self.weights, self.kv, self.put(ch.tokens), self.put(ch.positions),
+          self.put(smap), read=None if rd is None else self.put(rd), targets=tg,
+          sampling=sampling,
           attn_impl=self.attn_impl, greedy_only=greedy_only, **extra)
       yield ch, out
 
@@ -255,7 +265,7 @@ class Driver:
     Host arrays are moved with explicit `jax.device_put`, so the call runs under
     `jax.transfer_guard("disallow")`: one host round trip per call, none per token.
     """
-    put = jax.device_put                     # explicit host -> device transfers
+    put = self.put                           # explicit host -> device transfers
     out, self.kv = decode_scan(self.graphdef, self.weights, self.kv,
                                put(np.asarray(tokens, np.int32)),
                                put(np.asarray(positions, np.int32)), put(slot_map),

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import sharding
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.driver import Driver
 from jaxkv.engine.metrics import EngineMetrics
@@ -73,11 +74,17 @@ class Engine:
   """Serves requests on one model; owns the KV pool and the host allocator."""
 
   def __init__(self, model: nnx.Module, stop_ids: Iterable[int], cache: CacheConfig,
-               engine: EngineConfig):
+               engine: EngineConfig, mesh=None):
+    """mesh: a `jaxkv.sharding.make_mesh` ("data", "model") mesh to shard the
+    weights, the pool and the batch rows on (None: one device)."""
     self.model_cfg = model.cfg
     self.cache_cfg = cache
     self.cfg = engine
+    self.mesh = mesh
     self.graphdef, self.weights = nnx.split(model)
+    if mesh is not None:
+      self.weights = sharding.shard(self.weights,
+                                    sharding.param_shardings(self.weights, mesh, model.cfg))
     self.stop_ids = sorted(set(int(t) for t in stop_ids))
     self.driver: Driver | None = None     # the pool is allocated on the first run
     self.allocator = PagedAllocator(cache.num_pages, cache.page_size)
@@ -229,9 +236,11 @@ class Engine:
     with finish_reason "error" and the run goes on.
     """
     if self.driver is None:
-      self.driver = Driver(self.graphdef, self.weights,
-                           kv_state.init_pool(self.model_cfg, self.cache_cfg),
-                           attn_impl=self.attn_impl)
+      kv = kv_state.init_pool(self.model_cfg, self.cache_cfg)
+      if self.mesh is not None:
+        kv = sharding.shard(kv, sharding.pool_shardings(kv, self.mesh, self.model_cfg))
+      self.driver = Driver(self.graphdef, self.weights, kv, attn_impl=self.attn_impl,
+                           mesh=self.mesh)
     queue = iter(requests)
     pending: Request | None = None
     rows: list[_Row | None] = [None] * self.cfg.max_batch

@@ -59,10 +59,12 @@ class LLM:
   """
 
   def __init__(self, model: Transformer, tokenizer: Tokenizer,
-               cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig()):
+               cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig(),
+               mesh=None):
     self.model = model
     self.tokenizer = tokenizer
     self.cache_config, self.engine_config = cache, engine
+    self.mesh = mesh   # the batch engine's device mesh (jaxkv.sharding.make_mesh) or None
     self.graphdef, self.weights = nnx.split(model)
     self._engine: Engine | None = None
 
@@ -74,7 +76,7 @@ class LLM:
   def engine(self) -> Engine:
     if self._engine is None:
       self._engine = Engine(self.model, self.tokenizer.stop_ids, self.cache_config,
-                            self.engine_config)
+                            self.engine_config, mesh=self.mesh)
     return self._engine
 
   @property
@@ -114,7 +116,7 @@ class LLM:
 
 def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
          cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig(),
-         scan_layers: bool = False, verbose: bool = False) -> LLM:
+         scan_layers: bool = False, verbose: bool = False, mesh=None) -> LLM:
   """Loads a preset name, a .gguf file or an HF directory into an `LLM`.
 
   scan_layers: the weights' layer layout (`jaxkv.models.llama`). False (default,
@@ -123,6 +125,7 @@ def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
   0.98-1.13x at batch 8; prefill within run-to-run noise), each step shape compiles
   in ~2-5 s instead of ~1-2 s. True: stacked and run with `lax.scan` (training, and runs
   that compile many shapes). `LLM.model.relayout` converts.
+  mesh: a `jaxkv.sharding.make_mesh` mesh for the batch engine (None: one device).
   """
   path = presets.resolve(model)
   t0 = time.perf_counter()
@@ -132,4 +135,4 @@ def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
   if verbose:
     print(f"loaded {model} ({cfg.architecture}, {cfg.num_layers} layers) "
           f"in {time.perf_counter() - t0:.1f}s")
-  return LLM(net, tok, cache, engine)
+  return LLM(net, tok, cache, engine, mesh=mesh)

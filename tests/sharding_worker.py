@@ -1,0 +1,104 @@
+"""Runs one model on a single device and on (data, model) meshes of 8 CPU devices;
+prints one JSON line per mesh. Started by tests/test_sharding.py in a fresh
+process, because the device count is fixed when JAX starts.
+
+    python tests/sharding_worker.py [--model=tiny|smollm2] [--meshes=1x8,2x4,4x2,8x1]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxkv import sharding  # noqa: E402
+from jaxkv.config import CacheConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
+from jaxkv.engine.driver import Driver  # noqa: E402
+from jaxkv.engine.engine import Engine, Request  # noqa: E402
+from jaxkv.kv import plan  # noqa: E402
+from jaxkv.kv import state as kv_state  # noqa: E402
+from jaxkv.models.llama import Transformer  # noqa: E402
+
+CACHE = CacheConfig(num_pages=64, page_size=16, max_seq_len=128)
+
+
+def tiny_model():
+  """8 query heads over 2 KV heads: KV heads shard on model = 2 and are replicated on
+  model = 4 and 8 (the fallback); biases on, as Qwen2."""
+  cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                    num_heads=8, num_kv_heads=2, head_dim=16, qkv_bias=True)
+  return Transformer(cfg, rngs=nnx.Rngs(0)).relayout(scan_layers=False)
+
+
+def greedy(model, prompts, mesh, max_tokens):
+  eng = Engine(model, [], CACHE, EngineConfig(max_batch=8, prefill_chunk=32, decode_steps=8),
+               mesh=mesh)
+  reqs = [Request(str(i), p, SamplingConfig(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+  out = {r.id: r.tokens for r in eng.run(reqs)}
+  return [out[str(i)] for i in range(len(prompts))], eng
+
+
+def logits(model, prompts, mesh):
+  """Every position's logits of a one-chunk prefill of all prompts (ragged rows)."""
+  graphdef, weights = nnx.split(model)
+  kv = kv_state.init_pool(model.cfg, CACHE)
+  if mesh is not None:
+    weights = sharding.shard(weights, sharding.param_shardings(weights, mesh, model.cfg))
+    kv = sharding.shard(kv, sharding.pool_shardings(kv, mesh, model.cfg))
+  drv = Driver(graphdef, weights, kv, mesh=mesh)
+  width = max(len(p) for p in prompts)
+  rows = [plan.Row(np.asarray(p, np.int32), 0) for p in prompts]
+  smap = (CACHE.page_size + np.arange(len(prompts) * width, dtype=np.int32)).reshape(-1, width)
+  out = []
+  for _, o in drv.prefill(rows, chunk=width, slot_map=smap, read="all",
+                          options=lambda ch: {"return_logits": True}):
+    out.append(np.asarray(o.logits))
+  return np.concatenate(out, axis=1), drv
+
+
+def main():
+  args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+  which = args.get("model", "tiny")
+  meshes = [tuple(int(x) for x in m.split("x")) for m in args.get("meshes", "1x8,2x4,4x2,8x1").split(",")]
+  rng = np.random.default_rng(0)
+  if which == "tiny":
+    model = tiny_model()
+    prompts = [rng.integers(1, 512, 5 + 7 * i).tolist() for i in range(8)]
+    max_tokens = 8
+  else:
+    import jaxkv
+    llm = jaxkv.load(which)
+    model = llm.model
+    prompts = [llm.encode([{"role": "user", "content": q}]) for q in
+               ("What is the capital of France?", "Name three prime numbers.",
+                "Why is the sky blue?", "What is a KV cache?") * 2]
+    max_tokens = 6
+  want_tok, _ = greedy(model, prompts, None, max_tokens)
+  want_logits, _ = logits(model, prompts, None)
+  for d, m in meshes:
+    mesh = sharding.make_mesh(d, m)
+    tok, eng = greedy(model, prompts, mesh, max_tokens)
+    got, drv = logits(model, prompts, mesh)
+    wq = jax.tree_util.tree_flatten_with_path(eng.weights)[0]
+    print(json.dumps({
+        "mesh": [d, m], "tokens_equal": tok == want_tok, "tokens": tok,
+        "max_logit_diff": float(np.abs(got - want_logits).max()),
+        "logit_scale": float(np.abs(want_logits).max()),
+        "pool_k_spec": str(drv.kv.k.sharding.spec),
+        "pool_devices": len(drv.kv.k.sharding.device_set),
+        "wq_spec": str(next(x.sharding.spec for p, x in wq
+                            if sharding._leaf_name(p) == "wq")),
+        "allocator_check": eng.allocator.check() is None,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,148 @@
+"""Sharding (issue 17): the rules table, and sharded runs equal to one device.
+
+The mesh runs need 8 devices, fixed when JAX starts, so they run
+`tests/sharding_worker.py` in a fresh process with
+XLA_FLAGS=--xla_force_host_platform_device_count=8; it prints one JSON line per
+mesh shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxkv import sharding
+from jaxkv.config import ModelConfig, ServeConfig, MeshConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _mesh(data, model):
+  """Stands in for a Mesh where only the axis sizes matter (`sharding.spec`)."""
+  return types.SimpleNamespace(shape={"data": data, "model": model})
+
+
+def test_rules_shard_whole_units_and_replicate_the_rest():
+  smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                     num_heads=9, num_kv_heads=3, head_dim=64)
+  units = sharding.Units.of(smol, num_slots=4096)
+  m = _mesh(2, 4)
+  # 9 query heads and 3 KV heads do not divide by 4: whole heads stay together
+  assert sharding.spec(("embed", "q_heads"), (576, 576), m, units) == P(None, None)
+  assert sharding.spec(("embed", "kv_heads"), (576, 192), m, units) == P(None, None)
+  # MLP units and the vocabulary do; the layer axis is replicated
+  assert sharding.spec(("embed", "mlp"), (30, 576, 1536), m, units) == P(None, None, "model")
+  assert sharding.spec(("vocab", "embed"), (49152, 576), m, units) == P("model", None)
+  # the pool: slots on data, KV heads replicated (3 on 4), head_dim replicated
+  assert sharding.spec(sharding.POOL_AXES["k"], (30, 4096, 3, 64), m, units) == \
+      P(None, "data", None, None)
+  # 3 KV heads on a model axis of 3: sharded
+  assert sharding.spec(sharding.POOL_AXES["k"], (30, 4096, 3, 64), _mesh(1, 3), units) == \
+      P(None, None, "model", None)
+  # a size-1 axis never appears in a spec
+  assert sharding.spec(("embed", "mlp"), (576, 1536), _mesh(8, 1), units) == P(None, None)
+
+
+def test_collisions_and_unknown_axes_are_refused():
+  with pytest.raises(ValueError, match="collide"):
+    sharding.check_rules(sharding.RULES, {"bad": ("q_heads", "mlp")})
+  with pytest.raises(ValueError, match="no rule"):
+    sharding.check_rules(sharding.RULES, {"bad": ("embed", "experts")})
+  with pytest.raises(ValueError, match="collide"):
+    sharding.spec(("q_heads", "mlp"), (8, 8), _mesh(1, 2))
+  with pytest.raises(ValueError, match="logical axes"):
+    sharding.spec(("embed", "mlp"), (8,), _mesh(1, 2))
+
+
+def test_every_parameter_of_every_architecture_has_axes():
+  """No weight of Llama / Qwen2 (biases) / Qwen3 (qk norm) falls through the table."""
+  from flax import nnx
+  import jax
+  from jaxkv.models.llama import Transformer
+  for extra in ({}, {"qkv_bias": True}, {"qk_norm": True}, {"tie_embeddings": False}):
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, **extra)
+    for scan in (True, False):
+      _, weights = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)).relayout(scan_layers=scan))
+      for path, _ in jax.tree_util.tree_flatten_with_path(weights)[0]:
+        assert sharding._leaf_name(path) in sharding.PARAM_AXES, jax.tree_util.keystr(path)
+
+
+def test_mesh_config_checks():
+  with pytest.raises(ValueError, match=">= 1"):
+    MeshConfig(data=0)
+  with pytest.raises(ValueError, match="mode=requests"):
+    ServeConfig(mode="sessions", mesh=MeshConfig(data=2))
+  with pytest.raises(ValueError, match="XLA_FLAGS"):
+    sharding.make_mesh(2, 4)       # this process sees one CPU device
+
+
+def _worker(*args, timeout):
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_worker.py"), *args],
+                        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_meshes_equal_one_device_tiny_model():
+  """1x8, 2x4, 4x2, 8x1: greedy tokens identical, every logit within 1e-5, the
+  pool and weights really spread over the 8 devices, the allocator consistent."""
+  rows = _worker("--model=tiny", "--meshes=1x8,2x4,4x2,8x1", timeout=600)
+  assert [r["mesh"] for r in rows] == [[1, 8], [2, 4], [4, 2], [8, 1]]
+  for r in rows:
+    assert r["tokens_equal"], r
+    assert r["max_logit_diff"] <= 1e-5, r
+    assert r["pool_devices"] == 8 and r["allocator_check"]
+  specs = {tuple(r["mesh"]): r for r in rows}
+  assert specs[(4, 2)]["pool_k_spec"] == "P(None, 'data', 'model')"
+  assert specs[(2, 4)]["pool_k_spec"] == "P(None, 'data')"   # 2 KV heads on 4
+  assert specs[(8, 1)]["wq_spec"] == "P(None, None)"
+  assert specs[(1, 8)]["wq_spec"] == "P(None, 'model')"
+
+
+@pytest.mark.slow
+def test_mesh_equals_one_device_smollm2():
+  """The shipped SmolLM2 (9 / 3 heads: replicated on a model axis of 4; MLP and
+  vocabulary sharded) on a 2 x 4 mesh: the same greedy chat answers."""
+  (r,) = _worker("--model=smollm2-135m", "--meshes=2x4", timeout=900)
+  assert r["tokens_equal"], r
+  # 1e-5 of the largest logit (|logit| reaches ~40; seen 1.5e-4 absolute)
+  assert r["max_logit_diff"] <= 1e-5 * max(1.0, r["logit_scale"]), r
+
+
+def _serve(tmp_path, *overrides, devices=None):
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  if devices:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  out = tmp_path / "results.jsonl"
+  proc = subprocess.run([sys.executable, "scripts/serve.py", "--config=configs/smollm2.py",
+                         "--input=examples/requests.jsonl", f"--output={out}", *overrides],
+                        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+  return proc, out
+
+
+def test_serve_refuses_a_mesh_larger_than_the_devices(tmp_path):
+  proc, out = _serve(tmp_path, "--config.mesh.data=2", "--config.mesh.model=4")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "XLA_FLAGS" in proc.stderr and "8 devices" in proc.stderr
+
+
+@pytest.mark.slow
+def test_serve_on_a_mesh(tmp_path):
+  """serve.py --config.mesh.data=2 --config.mesh.model=4 on 8 CPU devices answers
+  every request of the shipped example file."""
+  proc, out = _serve(tmp_path, "--config.mesh.data=2", "--config.mesh.model=4", devices=8)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+  assert len(rows) == 6 and not any("error" in r for r in rows.values())
+  assert "Paris" in rows["capital"]["text"]
