@@ -169,9 +169,10 @@ def param_shardings(weights: Any, mesh: Mesh, model_cfg) -> Any:
 
 
 def pool_shardings(kv: Any, mesh: Mesh, model_cfg) -> Any:
-  """NamedShardings for a KVPool's fields (None fields stay None)."""
+  """NamedShardings for a KVPool's fields (None fields stay None); `kv` may be
+  abstract (`jax.eval_shape`)."""
   fields = {f.name: getattr(kv, f.name) for f in dataclasses.fields(kv)
-            if isinstance(getattr(kv, f.name), jax.Array)}
+            if hasattr(getattr(kv, f.name), "shape")}
   units = Units.of(model_cfg, num_slots=fields["k"].shape[1])
   out = {name: NamedSharding(mesh, spec(POOL_AXES[name], x.shape, mesh, units, name=name))
          for name, x in fields.items()}

@@ -41,12 +41,13 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import tempfile
 import time
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxkv import cli
+from jaxkv import cli, distributed
 from jaxkv.config import ServeConfig
 
 __doc__ = cli.with_reference(__doc__, ServeConfig)
@@ -103,6 +104,24 @@ def _scan(src: pathlib.Path, cfg, done: set[str]) -> tuple[list[str], list, int]
   return order, errors, todo
 
 
+def _multi_process(dst: pathlib.Path) -> bool:
+  """Joins a multi-process run when JAXKV_COORDINATOR is set (scripts/launch.py).
+
+  Every process reads the same input and runs the same steps (SPMD); results are
+  resumed from --output only in single-process runs, so all processes start from
+  the same state."""
+  if not distributed.requested():
+    return False
+  try:
+    multi = distributed.initialize()
+  except ValueError as e:
+    cli.fail(str(e))
+  if multi and dst.exists() and not _OVERWRITE.value:
+    cli.fail(f"--output={dst} exists: a multi-process run starts fresh (add --overwrite, "
+             "or resume it in a single process)")
+  return multi
+
+
 def _load(cfg):
   """jaxkv.load, with a missing or unreadable model as a one-line error."""
   import jaxkv
@@ -137,6 +156,9 @@ def main(argv):
     raise app.UsageError("--config, --input and --output are required")
   cfg = cli.load_config(ServeConfig, _CONFIG.value)
   src, dst = pathlib.Path(_INPUT.value), pathlib.Path(_OUTPUT.value)
+  if _multi_process(dst):   # every process computes; only process 0 writes --output
+    if not distributed.is_leader():
+      dst = pathlib.Path(tempfile.mkdtemp(prefix="jaxkv_follower_")) / dst.name
   _check_paths(src, dst, cfg.mode)
   out = batch.ResultFile(dst, overwrite=_OVERWRITE.value)
   _compilation_cache()

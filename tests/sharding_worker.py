@@ -3,6 +3,12 @@ prints one JSON line per mesh. Started by tests/test_sharding.py in a fresh
 process, because the device count is fixed when JAX starts.
 
     python tests/sharding_worker.py [--model=tiny|smollm2] [--meshes=1x8,2x4,4x2,8x1]
+    python scripts/launch.py --processes=2 --devices_per_process=4 -- \
+        python tests/sharding_worker.py --meshes=2x4      # the mesh spans 2 processes
+
+Under scripts/launch.py (JAXKV_* set) the meshes span every process's devices,
+the single-device baseline runs on each process's own first device, and only
+process 0 prints.
 """
 
 from __future__ import annotations
@@ -11,15 +17,16 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxkv import sharding  # noqa: E402
+from jaxkv import distributed, sharding  # noqa: E402
 from jaxkv.config import CacheConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
 from jaxkv.engine.driver import Driver  # noqa: E402
 from jaxkv.engine.engine import Engine, Request  # noqa: E402
@@ -60,11 +67,12 @@ def logits(model, prompts, mesh):
   out = []
   for _, o in drv.prefill(rows, chunk=width, slot_map=smap, read="all",
                           options=lambda ch: {"return_logits": True}):
-    out.append(np.asarray(o.logits))
+    out.append(drv.fetch(o.logits))
   return np.concatenate(out, axis=1), drv
 
 
 def main():
+  distributed.initialize()
   args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
   which = args.get("model", "tiny")
   meshes = [tuple(int(x) for x in m.split("x")) for m in args.get("meshes", "1x8,2x4,4x2,8x1").split(",")]
@@ -88,7 +96,10 @@ def main():
     tok, eng = greedy(model, prompts, mesh, max_tokens)
     got, drv = logits(model, prompts, mesh)
     wq = jax.tree_util.tree_flatten_with_path(eng.weights)[0]
+    if not distributed.is_leader():
+      continue
     print(json.dumps({
+        "processes": jax.process_count(), "devices": jax.device_count(),
         "mesh": [d, m], "tokens_equal": tok == want_tok, "tokens": tok,
         "max_logit_diff": float(np.abs(got - want_logits).max()),
         "logit_scale": float(np.abs(want_logits).max()),

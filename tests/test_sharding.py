@@ -86,10 +86,16 @@ def test_mesh_config_checks():
     sharding.make_mesh(2, 4)       # this process sees one CPU device
 
 
-def _worker(*args, timeout):
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_worker.py"), *args],
-                        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+def _worker(*args, timeout, processes=0):
+  """The worker's JSON lines; with `processes`, as that many processes of 8 /
+  processes CPU devices each, through scripts/launch.py."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXKV_")}
+  env["PYTHONPATH"] = str(ROOT)
+  cmd = [sys.executable, str(ROOT / "tests" / "sharding_worker.py"), *args]
+  if processes:
+    cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), f"--processes={processes}",
+           f"--devices_per_process={8 // processes}", f"--timeout={timeout - 30}", "--", *cmd]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -146,3 +152,56 @@ def test_serve_on_a_mesh(tmp_path):
   rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
   assert len(rows) == 6 and not any("error" in r for r in rows.values())
   assert "Paris" in rows["capital"]["text"]
+
+
+def test_two_processes_equal_one_device():
+  """scripts/launch.py: 2 processes x 4 CPU devices (gloo collectives), one mesh over
+  all 8; greedy tokens and logits equal the single-device run, within a bounded time."""
+  rows = _worker("--model=tiny", "--meshes=2x4,4x2", timeout=420, processes=2)
+  assert [r["mesh"] for r in rows] == [[2, 4], [4, 2]]
+  for r in rows:
+    assert r["processes"] == 2 and r["devices"] == 8 and r["pool_devices"] == 8, r
+    assert r["tokens_equal"] and r["max_logit_diff"] <= 1e-5, r
+
+
+def test_launcher_ends_every_process_when_one_fails():
+  t0 = __import__("time").monotonic()
+  code = "import os, sys, time; pid = int(os.environ['JAXKV_PROCESS_ID']); " \
+         "sys.exit(3) if pid == 1 else time.sleep(60)"
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--processes=3",
+                         "--timeout=50", "--", sys.executable, "-c", code],
+                        capture_output=True, text=True, timeout=60, cwd=ROOT)
+  assert proc.returncode == 3 and __import__("time").monotonic() - t0 < 30
+
+
+def test_distributed_env_errors_name_the_variable(monkeypatch):
+  from jaxkv import distributed
+  monkeypatch.setenv("JAXKV_COORDINATOR", "127.0.0.1:1")
+  monkeypatch.delenv("JAXKV_NUM_PROCESSES", raising=False)
+  monkeypatch.setenv("JAXKV_PROCESS_ID", "0")
+  with pytest.raises(ValueError, match="JAXKV_NUM_PROCESSES"):
+    distributed.initialize()
+  monkeypatch.setenv("JAXKV_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAXKV_PROCESS_ID", "5")
+  with pytest.raises(ValueError, match="outside"):
+    distributed.initialize()
+
+
+@pytest.mark.slow
+def test_serve_as_two_processes(tmp_path):
+  """serve.py under scripts/launch.py (2 processes x 4 devices, mesh 2 x 4): process
+  0 writes every answer once; the follower computes the same steps."""
+  out = tmp_path / "results.jsonl"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXKV_")}
+  env["PYTHONPATH"] = str(ROOT)
+  proc = subprocess.run(
+      [sys.executable, "scripts/launch.py", "--processes=2", "--devices_per_process=4",
+       "--timeout=840", "--", sys.executable, "scripts/serve.py", "--config=configs/smollm2.py",
+       "--config.mesh.data=2", "--config.mesh.model=4", "--input=examples/requests.jsonl",
+       f"--output={out}"], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert sorted(r["id"] for r in rows) == sorted(
+      json.loads(line)["id"] for line in (ROOT / "examples/requests.jsonl").read_text().splitlines())
+  assert not any("error" in r for r in rows)
+  assert "Paris" in next(r["text"] for r in rows if r["id"] == "capital")

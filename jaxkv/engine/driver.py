@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv import sharding
+from jaxkv import distributed, sharding
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.kv import plan
@@ -202,6 +202,10 @@ class Driver:
                mesh=None):
     self.graphdef, self.weights, self.kv, self.attn_impl = graphdef, weights, kv, attn_impl
     self.mesh = mesh   # jax.sharding.Mesh: host batches go out with rows on "data"
+
+  def fetch(self, x) -> np.ndarray:
+    """A device result as numpy (gathered across processes on a multi-host mesh)."""
+    return distributed.fetch(x)
 
   def put(self, x) -> jax.Array:
     """A host array onto the device(s): rows split on the mesh's "data" axis when

@@ -22,14 +22,16 @@ separately in the metrics as wall time).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Iterable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv import sharding
+from jaxkv import distributed, sharding
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.driver import Driver
 from jaxkv.engine.metrics import EngineMetrics
@@ -82,8 +84,8 @@ class Engine:
     self.cfg = engine
     self.mesh = mesh
     self.graphdef, self.weights = nnx.split(model)
-    if mesh is not None:
-      self.weights = sharding.shard(self.weights,
+    if mesh is not None:   # host copies first: a mesh may span other processes' devices
+      self.weights = sharding.shard(distributed.to_host(self.weights),
                                     sharding.param_shardings(self.weights, mesh, model.cfg))
     self.stop_ids = sorted(set(int(t) for t in stop_ids))
     self.driver: Driver | None = None     # the pool is allocated on the first run
@@ -158,7 +160,7 @@ class Engine:
       n_tokens += int(ch.count.sum())
       if not ch.ends.any():
         continue
-      nxt = np.asarray(out.token)
+      nxt = self.driver.fetch(out.token)
       now = time.perf_counter()
       for i in np.nonzero(ch.ends)[0]:
         r = rows[i]
@@ -207,7 +209,7 @@ class Engine:
     t0 = time.perf_counter()
     res = self.driver.decode(tokens, positions, slot_map, remaining, num_steps=n,
                              stop_ids=stop_ids, sampling=sampling, greedy_only=greedy_only)
-    out, emitted = np.asarray(res.tokens), np.asarray(res.emitted)
+    out, emitted = self.driver.fetch(res.tokens), self.driver.fetch(res.emitted)
     dt = time.perf_counter() - t0
     count = 0
     for i in live:
@@ -236,9 +238,12 @@ class Engine:
     with finish_reason "error" and the run goes on.
     """
     if self.driver is None:
-      kv = kv_state.init_pool(self.model_cfg, self.cache_cfg)
-      if self.mesh is not None:
-        kv = sharding.shard(kv, sharding.pool_shardings(kv, self.mesh, self.model_cfg))
+      if self.mesh is None:
+        kv = kv_state.init_pool(self.model_cfg, self.cache_cfg)
+      else:   # built in place on the mesh (no single-device copy first)
+        make = functools.partial(kv_state.init_pool, self.model_cfg, self.cache_cfg)
+        kv = jax.jit(make, out_shardings=sharding.pool_shardings(
+            jax.eval_shape(make), self.mesh, self.model_cfg))()
       self.driver = Driver(self.graphdef, self.weights, kv, attn_impl=self.attn_impl,
                            mesh=self.mesh)
     queue = iter(requests)
