@@ -221,3 +221,48 @@ def test_decode_steps_adapt_to_what_rows_still_need(tiny):
     assert out[str(i)].tokens == _hf_greedy(hf, p, 5)
   list(eng.run([Request("long", prompts[0], SamplingConfig(max_tokens=40))]))
   assert steps[1:] == [16, 16, 8]     # 39 = 16 + 16 + 7: capped, then rounded up
+
+
+def test_step_api_submit_cancel_and_threads(tiny):
+  """submit / step / cancel (what a server's engine loop drives) give run()'s tokens;
+  a cancelled row returns its tokens so far and frees every slot; a cancelled queued
+  request never runs; submissions from another thread join the running batch."""
+  import threading
+  import time
+  _, model = tiny
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, VOCAB, n).tolist() for n in (7, 15, 3, 22)]
+  reqs = [Request(str(i), p, SamplingConfig(max_tokens=12)) for i, p in enumerate(prompts)]
+  want = {r.id: r.tokens for r in _engine(model, max_batch=2).run(reqs)}
+
+  eng = _engine(model, max_batch=2, steps_=2)
+  for r in reqs:
+    eng.submit(r)
+  assert not eng.cancel("nope")
+  got = {}
+  first = eng.step()                   # rows 0 and 1 admitted; 2 and 3 queued
+  assert first == [] and eng.busy
+  assert eng.cancel("1") and eng.cancel("3")
+  while eng.busy:
+    got.update({r.id: r for r in eng.step()})
+  assert got["1"].finish_reason == "cancelled" and 0 < len(got["1"].tokens) < 12
+  assert got["1"].tokens == want["1"][:len(got["1"].tokens)]
+  assert got["3"].finish_reason == "cancelled" and got["3"].tokens == []
+  assert got["0"].tokens == want["0"] and got["2"].tokens == want["2"]
+  assert eng.allocator.num_live_slots == 0
+  eng.allocator.check()
+
+  def feed():
+    for r in reqs:
+      time.sleep(0.05)
+      eng.submit(r)
+  t = threading.Thread(target=feed)
+  t.start()
+  done, deadline = {}, time.monotonic() + 120
+  while len(done) < len(reqs) and time.monotonic() < deadline:
+    done.update({r.id: r.tokens for r in eng.step()})
+    if not eng.busy:
+      time.sleep(0.01)
+  t.join()
+  assert done == want
+  assert eng.allocator.num_live_slots == 0

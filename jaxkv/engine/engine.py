@@ -21,8 +21,10 @@ separately in the metrics as wall time).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import threading
 import time
 from typing import Iterable, Iterator
 
@@ -93,6 +95,11 @@ class Engine:
     self.metrics = EngineMetrics(
         bytes_per_slot=2 * model.cfg.num_layers * model.cfg.d_kv * jnp.dtype(cache.dtype).itemsize)
     self.attn_impl = engine.attention_impl
+    # step API state: queued requests, running rows, cancellations (guarded by _lock)
+    self._lock = threading.Lock()
+    self._waiting: collections.deque[Request] = collections.deque()
+    self._rows: list[_Row | None] = [None] * engine.max_batch
+    self._cancelled: set[str] = set()
 
   @property
   def kv(self) -> kv_state.KVPool | None:
@@ -230,66 +237,124 @@ class Engine:
                   latency_s=now - r.admitted, finish_reason=r.finish or "length")
 
   # -------------------------------------------------------------------- API
+  def _ensure_driver(self) -> None:
+    if self.driver is not None:
+      return
+    if self.mesh is None:
+      kv = kv_state.init_pool(self.model_cfg, self.cache_cfg)
+    else:   # built in place on the mesh (no single-device copy first)
+      make = functools.partial(kv_state.init_pool, self.model_cfg, self.cache_cfg)
+      kv = jax.jit(make, out_shardings=sharding.pool_shardings(
+          jax.eval_shape(make), self.mesh, self.model_cfg))()
+    self.driver = Driver(self.graphdef, self.weights, kv, attn_impl=self.attn_impl,
+                         mesh=self.mesh)
+
+  def submit(self, req: Request) -> None:
+    """Queues a request (thread-safe); `step` admits it when a row and pages are free."""
+    with self._lock:
+      self._waiting.append(req)
+
+  def cancel(self, request_id: str) -> bool:
+    """Cancels a queued or running request (thread-safe): the next `step` frees its
+    slots and returns its result with finish_reason "cancelled" and the tokens so far.
+    Returns False when no such request is queued or running."""
+    with self._lock:
+      known = (any(r.id == request_id for r in self._waiting) or
+               any(r is not None and r.req.id == request_id for r in self._rows))
+      if known:
+        self._cancelled.add(request_id)
+      return known
+
+  @property
+  def busy(self) -> bool:
+    """True while a request is queued or running."""
+    return bool(self._waiting) or any(r is not None for r in self._rows)
+
+  def _admit_waiting(self, now: float) -> list[Result]:
+    """Moves queued requests into free rows, first come first served; a request
+    that does not fit while rows run waits at the head of the queue."""
+    out = []
+    with self._lock:
+      for i in range(len(self._rows)):
+        if self._rows[i] is not None:
+          continue
+        while self._waiting:
+          req = self._waiting[0]
+          if req.id in self._cancelled:
+            self._waiting.popleft()
+            self._cancelled.discard(req.id)
+            out.append(_cancelled(req))
+            continue
+          try:
+            got = self._admit(req, now, self._rows)
+          except OutOfSlotsError as e:
+            if any(r is not None for r in self._rows):
+              return out           # wait for a row to retire and free its slots
+            got = _error(req, f"KV pool too small for this request: {e}")
+          self._waiting.popleft()
+          if isinstance(got, Result):
+            out.append(got)
+            continue
+          self._rows[i] = got
+          break
+    return out
+
+  def step(self) -> list[Result]:
+    """One engine iteration: admit queued requests, one prefill pass and one decode
+    call over the running rows, retire the finished ones. Returns the results that
+    finished (errors and cancellations included)."""
+    self._ensure_driver()
+    now = time.perf_counter()
+    with self._lock:
+      for r in self._rows:
+        if r is not None and r.req.id in self._cancelled:
+          r.finish = "cancelled"
+          self._cancelled.discard(r.req.id)
+    results = self._retire_finished(now) + self._admit_waiting(now)
+    if any(r is not None for r in self._rows):
+      self._note_memory()
+      self._prefill(self._rows)
+      self._decode(self._rows)
+      results += self._retire_finished(time.perf_counter())
+    for res in results:
+      self.metrics.add_request(res)
+    return results
+
+  def _retire_finished(self, now: float) -> list[Result]:
+    out = []
+    for i, r in enumerate(self._rows):
+      if r is not None and r.finish is not None:
+        out.append(self._retire(r, now))
+        self._rows[i] = None
+    return out
+
   def run(self, requests: Iterable[Request]) -> Iterator[Result]:
     """Generates for every request; yields each result as soon as it finishes.
 
-    Requests are read lazily from the iterable, so a caller can stream a file.
-    A request that cannot run (empty, longer than the cache) yields a result
-    with finish_reason "error" and the run goes on.
+    Requests are read lazily from the iterable (one per free row), so a caller can
+    stream a file. A request that cannot run (empty, longer than the cache) yields
+    a result with finish_reason "error" and the run goes on. `submit` / `step`
+    are the same engine driven by a caller's own loop (a server).
     """
-    if self.driver is None:
-      if self.mesh is None:
-        kv = kv_state.init_pool(self.model_cfg, self.cache_cfg)
-      else:   # built in place on the mesh (no single-device copy first)
-        make = functools.partial(kv_state.init_pool, self.model_cfg, self.cache_cfg)
-        kv = jax.jit(make, out_shardings=sharding.pool_shardings(
-            jax.eval_shape(make), self.mesh, self.model_cfg))()
-      self.driver = Driver(self.graphdef, self.weights, kv, attn_impl=self.attn_impl,
-                           mesh=self.mesh)
     queue = iter(requests)
-    pending: Request | None = None
-    rows: list[_Row | None] = [None] * self.cfg.max_batch
     exhausted = False
     t_start = time.perf_counter()
     while True:
-      # Admit into empty rows.
-      for i in range(len(rows)):
-        if rows[i] is not None:
-          continue
-        while not exhausted:
-          req = pending if pending is not None else next(queue, None)
-          pending = None
-          if req is None:
-            exhausted = True
-            break
-          try:
-            got = self._admit(req, time.perf_counter(), rows)
-          except OutOfSlotsError as e:
-            if any(r is not None for r in rows):
-              pending = req   # wait for a row to retire and free its slots
-              break
-            got = _error(req, f"KV pool too small for this request: {e}")
-          if isinstance(got, Result):
-            self.metrics.add_request(got)
-            yield got
-            continue
-          rows[i] = got
-          break
-        if pending is not None or exhausted:
-          break
-      if all(r is None for r in rows):
+      while not exhausted and len(self._waiting) < sum(r is None for r in self._rows):
+        req = next(queue, None)
+        if req is None:
+          exhausted = True
+        else:
+          self.submit(req)
+      if not self.busy:
         break
-      self._note_memory()
-      self._prefill(rows)
-      self._decode(rows)
-      now = time.perf_counter()
-      for i, r in enumerate(rows):
-        if r is not None and r.finish is not None:
-          res = self._retire(r, now)
-          rows[i] = None
-          self.metrics.add_request(res)
-          yield res
+      yield from self.step()
     self.metrics.wall_s += time.perf_counter() - t_start
+
+
+def _cancelled(req: Request) -> Result:
+  return Result(id=req.id, tokens=[], prompt_tokens=len(req.prompt), completion_tokens=0,
+                ttft_s=0.0, latency_s=0.0, finish_reason="cancelled")
 
 
 def _error(req: Request, msg: str) -> Result:
