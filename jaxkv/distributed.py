@@ -77,9 +77,3 @@ def fetch(x) -> np.ndarray:
     from jax.experimental import multihost_utils   # pylint: disable=import-outside-toplevel
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)
-
-
-def to_host(tree):
-  """Every array of a pytree as numpy (same value on every process), so it can be
-  placed with a global sharding by `jax.device_put`."""
-  return jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)

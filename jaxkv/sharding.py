@@ -33,11 +33,14 @@ shard (correct, with cross-shard gathers).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxkv.kv import state as kv_state
 
 MESH_AXES = ("data", "model")
 
@@ -187,19 +190,14 @@ def batch_sharding(mesh: Mesh, shape: tuple[int, ...], batch_axis: int = 0) -> N
   return NamedSharding(mesh, P(*parts))
 
 
-def shard(tree: Any, shardings: Any) -> Any:
-  """device_put every array of `tree` with its sharding (same structure)."""
-  return jax.device_put(tree, shardings)
+def shard_weights(weights: Any, mesh: Mesh, model_cfg) -> Any:
+  """`nnx.split(model)[1]` placed on the mesh. Host copies first: a mesh may span
+  other processes' devices, and every process holds the same values."""
+  host = jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, weights)
+  return jax.device_put(host, param_shardings(weights, mesh, model_cfg))
 
 
-def describe(mesh: Mesh, weights: Any, kv: Any, model_cfg) -> list[str]:
-  """Human-readable placement lines (for logs): each distinct parameter spec."""
-  seen = {}
-  for path, s in jax.tree_util.tree_flatten_with_path(param_shardings(weights, mesh, model_cfg))[0]:
-    seen.setdefault(_leaf_name(path), s.spec)
-  lines = [f"mesh {dict(mesh.shape)}"] + [f"  {k}: {v}" for k, v in seen.items()]
-  if kv is not None:
-    ps = pool_shardings(kv, mesh, model_cfg)
-    lines += [f"  pool.{f.name}: {getattr(ps, f.name).spec}" for f in dataclasses.fields(ps)
-              if isinstance(getattr(ps, f.name), NamedSharding)]
-  return lines
+def init_pool(model_cfg, cache_cfg, mesh: Mesh, lr_rank: int = 0):
+  """`jaxkv.kv.state.init_pool` built in place on the mesh (no single-device copy)."""
+  make = functools.partial(kv_state.init_pool, model_cfg, cache_cfg, lr_rank=lr_rank)
+  return jax.jit(make, out_shardings=pool_shardings(jax.eval_shape(make), mesh, model_cfg))()

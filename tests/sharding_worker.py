@@ -56,10 +56,11 @@ def greedy(model, prompts, mesh, max_tokens):
 def logits(model, prompts, mesh):
   """Every position's logits of a one-chunk prefill of all prompts (ragged rows)."""
   graphdef, weights = nnx.split(model)
-  kv = kv_state.init_pool(model.cfg, CACHE)
-  if mesh is not None:
-    weights = sharding.shard(weights, sharding.param_shardings(weights, mesh, model.cfg))
-    kv = sharding.shard(kv, sharding.pool_shardings(kv, mesh, model.cfg))
+  if mesh is None:
+    kv = kv_state.init_pool(model.cfg, CACHE)
+  else:
+    weights = sharding.shard_weights(weights, mesh, model.cfg)
+    kv = sharding.init_pool(model.cfg, CACHE, mesh)
   drv = Driver(graphdef, weights, kv, mesh=mesh)
   width = max(len(p) for p in prompts)
   rows = [plan.Row(np.asarray(p, np.int32), 0) for p in prompts]
@@ -67,7 +68,7 @@ def logits(model, prompts, mesh):
   out = []
   for _, o in drv.prefill(rows, chunk=width, slot_map=smap, read="all",
                           options=lambda ch: {"return_logits": True}):
-    out.append(drv.fetch(o.logits))
+    out.append(distributed.fetch(o.logits))
   return np.concatenate(out, axis=1), drv
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv import distributed, sharding
+from jaxkv import sharding
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.kv import plan
@@ -203,10 +203,6 @@ class Driver:
     self.graphdef, self.weights, self.kv, self.attn_impl = graphdef, weights, kv, attn_impl
     self.mesh = mesh   # jax.sharding.Mesh: host batches go out with rows on "data"
 
-  def fetch(self, x) -> np.ndarray:
-    """A device result as numpy (gathered across processes on a multi-host mesh)."""
-    return distributed.fetch(x)
-
   def put(self, x) -> jax.Array:
     """A host array onto the device(s): rows split on the mesh's "data" axis when
     the driver has a mesh (jaxkv.sharding), else the default device."""
@@ -253,7 +249,7 @@ class Driver:
             lo, n = int(ch.lo[i]), int(ch.count[i])
             seg = np.asarray(t[lo:lo + n])             # may end early: zeros after
             full[i, :seg.size] = seg
-        tg = jnp.asarray(np.take_along_axis(full, rd, axis=1))
+        tg = self.put(np.take_along_axis(full, rd, axis=1))
       extra = options(ch) if options is not None else {}
       out, self.kv = chunk_step(
           self.graphdef, self.weights, self.kv, self.put(ch.tokens), self.put(ch.positions),

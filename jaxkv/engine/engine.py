@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import threading
 import time
 from typing import Iterable, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -86,9 +84,8 @@ class Engine:
     self.cfg = engine
     self.mesh = mesh
     self.graphdef, self.weights = nnx.split(model)
-    if mesh is not None:   # host copies first: a mesh may span other processes' devices
-      self.weights = sharding.shard(distributed.to_host(self.weights),
-                                    sharding.param_shardings(self.weights, mesh, model.cfg))
+    if mesh is not None:
+      self.weights = sharding.shard_weights(self.weights, mesh, model.cfg)
     self.stop_ids = sorted(set(int(t) for t in stop_ids))
     self.driver: Driver | None = None     # the pool is allocated on the first run
     self.allocator = PagedAllocator(cache.num_pages, cache.page_size)
@@ -167,7 +164,7 @@ class Engine:
       n_tokens += int(ch.count.sum())
       if not ch.ends.any():
         continue
-      nxt = self.driver.fetch(out.token)
+      nxt = distributed.fetch(out.token)
       now = time.perf_counter()
       for i in np.nonzero(ch.ends)[0]:
         r = rows[i]
@@ -216,7 +213,7 @@ class Engine:
     t0 = time.perf_counter()
     res = self.driver.decode(tokens, positions, slot_map, remaining, num_steps=n,
                              stop_ids=stop_ids, sampling=sampling, greedy_only=greedy_only)
-    out, emitted = self.driver.fetch(res.tokens), self.driver.fetch(res.emitted)
+    out, emitted = distributed.fetch(res.tokens), distributed.fetch(res.emitted)
     dt = time.perf_counter() - t0
     count = 0
     for i in live:
@@ -242,10 +239,8 @@ class Engine:
       return
     if self.mesh is None:
       kv = kv_state.init_pool(self.model_cfg, self.cache_cfg)
-    else:   # built in place on the mesh (no single-device copy first)
-      make = functools.partial(kv_state.init_pool, self.model_cfg, self.cache_cfg)
-      kv = jax.jit(make, out_shardings=sharding.pool_shardings(
-          jax.eval_shape(make), self.mesh, self.model_cfg))()
+    else:
+      kv = sharding.init_pool(self.model_cfg, self.cache_cfg, self.mesh)
     self.driver = Driver(self.graphdef, self.weights, kv, attn_impl=self.attn_impl,
                          mesh=self.mesh)
 
