@@ -127,8 +127,7 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   b_rows = jnp.pad(lora_b, ((0, 0), (0, r_pad - rank), (0, 0), (0, 0)))   # zero rows
   tiling, inputs = pa.prepare(q, q_positions, slot_map, hkv, block_r=block_r, block_k=block_k,
                               k_splits=k_splits, contiguous=contiguous)
-  block_r, block_k, k_splits, rows_p, t_p = (
-      tiling[n] for n in ("block_r", "block_k", "k_splits", "rows_p", "t_p"))
+  block_r, block_k, k_splits, rows_p, t_p = tiling
   out_dtype = q.dtype if k_splits == 1 else jnp.float32
   o, m, l = pl.pallas_call(
       functools.partial(_kernel, block_k=block_k, scale=scale, rank=rank),

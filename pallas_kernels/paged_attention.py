@@ -43,6 +43,7 @@ This file imports only jax (DESIGN.md); SENTINEL is slot 0 as in jaxkv.kv.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import einops
 import jax
@@ -203,8 +204,17 @@ def flat_pool(pool: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
   return pool.reshape(num_layers * num_slots, *pool.shape[2:]), offset.reshape(1)
 
 
-def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=None):
-  """Static tiling: (block_r, block_k, k_splits, rows_padded, t_padded).
+class Tiling(NamedTuple):
+  """Static tiling of one call (`choose_tiling`)."""
+  block_r: int    # query rows per program
+  block_k: int    # keys per loop step
+  k_splits: int   # flash-decoding splits
+  rows_p: int     # query rows padded to block_r
+  t_p: int        # slot-map width padded to block_k
+
+
+def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=None) -> Tiling:
+  """Static tiling for `rows` folded query rows over a slot map of width `t`.
 
   Defaults: block_r = 64 rows for prefill, the next power of two >= 16 for
   decode; block_k = 64 keys; decode (a single row block) over long contexts
@@ -218,7 +228,7 @@ def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=Non
   rows_p = -(-rows // block_r) * block_r
   if k_splits is None:
     k_splits = 1 if rows_p > block_r else max(1, min(16, t // 512))
-  return block_r, block_k, k_splits, rows_p, -(-max(t, 1) // block_k) * block_k
+  return Tiling(block_r, block_k, k_splits, rows_p, -(-max(t, 1) // block_k) * block_k)
 
 
 POS_PAD = 1 << 30   # position of compaction padding: after every query, never visible
@@ -327,7 +337,7 @@ def merge_splits(o, m, l):
 
 def walk_live_blocks(table_ref, bounds_ref, slots_ref, pos_ref, offset, block_k: int, visit,
                      carry):
-  """Fold `visit(carry, rows, live, mask_pos)` over this program's key blocks.
+  """Fold `visit(carry, rows, live, key_pos)` over this program's key blocks.
 
   Two branch-free loops over the ranges `live_block_tables` gave this program:
   contiguous blocks (`rows` = pl.ds(first slot, block_k), `live` = None: every
@@ -407,15 +417,15 @@ def row_specs(t_p: int, block_r: int, d: int, block_k: int) -> list:
 
 def prepare(q, q_positions, slot_map, hkv: int, *, block_r, block_k, k_splits, contiguous):
   """The wrappers' shared set-up: tiling, folded rows, compacted slot map, live-block
-  tables. Returns (tiling dict, kernel inputs after the offset)."""
+  tables. Returns (Tiling, kernel inputs after the offset)."""
   tq, hq = q.shape[1:3]
-  block_r, block_k, k_splits, rows_p, t_p = choose_tiling(
-      tq * (hq // hkv), slot_map.shape[1], block_r=block_r, block_k=block_k, k_splits=k_splits)
-  rows, row_pos = fold_rows(q, q_positions, hkv, rows_p)
-  cslots, cpos = compact_live(slot_map, t_p)
-  table, bounds = live_block_tables(cslots, cpos, row_pos, block_r=block_r, block_k=block_k,
-                                    k_splits=k_splits, contiguous=contiguous)
-  tiling = dict(block_r=block_r, block_k=block_k, k_splits=k_splits, rows_p=rows_p, t_p=t_p)
+  tiling = choose_tiling(tq * (hq // hkv), slot_map.shape[1], block_r=block_r,
+                         block_k=block_k, k_splits=k_splits)
+  rows, row_pos = fold_rows(q, q_positions, hkv, tiling.rows_p)
+  cslots, cpos = compact_live(slot_map, tiling.t_p)
+  table, bounds = live_block_tables(cslots, cpos, row_pos, block_r=tiling.block_r,
+                                    block_k=tiling.block_k, k_splits=tiling.k_splits,
+                                    contiguous=contiguous)
   return tiling, (cslots, cpos, row_pos, rows, table, bounds)
 
 
@@ -495,8 +505,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   scale = d ** -0.5 if scale is None else scale
   tiling, inputs = prepare(q, q_positions, slot_map, hkv, block_r=block_r, block_k=block_k,
                            k_splits=k_splits, contiguous=contiguous)
-  block_r, block_k, k_splits, rows_p, t_p = (
-      tiling[n] for n in ("block_r", "block_k", "k_splits", "rows_p", "t_p"))
+  block_r, block_k, k_splits, rows_p, t_p = tiling
   out_dtype = q.dtype if k_splits == 1 else jnp.float32
   o, m, l = pl.pallas_call(
       functools.partial(_kernel, block_k=block_k, scale=scale),

@@ -231,7 +231,7 @@ def test_live_block_tables_visit_exactly_the_live_visible_blocks(k_splits, page_
       np.testing.assert_array_equal(cslots[i, :len(t)], sm[i, t])
       np.testing.assert_array_equal(cpos[i, :len(t)], t)
       assert (cslots[i, len(t):] == SENTINEL).all() and (cpos[i, len(t):] > 10 ** 6).all()
-    assert tiling["k_splits"] == k_splits and bounds.shape[2] == k_splits
+    assert tiling.k_splits == k_splits and bounds.shape[2] == k_splits
     want = _brute_force_blocks(sm, row_pos, block_r, block_k)
     for (i, rb), (live, contig) in want.items():
       if not contiguous:
