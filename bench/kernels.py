@@ -43,7 +43,6 @@ import functools
 import itertools
 import json
 import math
-import time
 
 import jax
 from absl import app, flags
@@ -176,22 +175,6 @@ def per_call_seconds(fn, a, layers: int, iters: int) -> float:
   return common.timeit(_LOOPS[key], a, reps=5) / iters
 
 
-def device_copy_gbs(nbytes: int, iters: int = 20) -> float:
-  """Device memory bandwidth, GB/s counting bytes read + written: a float32 array
-  of `nbytes` incremented in place `iters` times in one jitted fori_loop (the
-  timing harness of the kernels, so launch gaps are charged alike)."""
-  x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
-  step = jax.jit(lambda x: lax.fori_loop(0, iters, lambda i, y: y + 1.0, x), donate_argnums=0)
-  x = step(x)
-  times = []
-  for _ in range(5):
-    jax.block_until_ready(x)
-    t0 = time.perf_counter()
-    x = jax.block_until_ready(step(x))
-    times.append(time.perf_counter() - t0)
-  return 2 * nbytes * iters / float(np.median(times)) / 1e9
-
-
 def floor_s(cost, bw_gbs, tflops):
   return max(cost["bytes"] / (bw_gbs * 1e9), cost["flops"] / (tflops * 1e12))
 
@@ -265,7 +248,7 @@ def main(argv):
   layouts = args.dead_layouts.split(",")
   prefill_contexts = _ints(args.prefill_contexts, "4096,16384" if gpu else "1024")
   lora_contexts = _ints(args.lora_contexts, "4096,8192,16384,32768,65536" if gpu else "256,1024")
-  bw = device_copy_gbs(4 << 30 if gpu else 1 << 26, iters=20 if gpu else 2)
+  bw = common.copy_bandwidth_gbs(4 << 30 if gpu else 1 << 26)
   tflops = common.matmul_gflops(8192 if gpu else 512, dtype=dtype) / 1e3
   cap = (24 << 30) if gpu else (256 << 20)     # pool bytes per input set
   isz = dtype.itemsize
