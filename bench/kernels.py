@@ -196,17 +196,17 @@ def decode_impls(gpu: bool, knobs: dict):
 
 
 def add_ratios(rows):
-  """'vs jaxkv': each row's time over the jaxkv kernel's in its group (the first
-  row of the group where no jaxkv kernel ran, as on a CPU)."""
+  """'time / jaxkv': each row's time over the jaxkv kernel's on the same shape with
+  nothing dead (so the dead-fraction rows read as the share of the dense time they
+  take); over the group's first row where no jaxkv kernel ran, as on a CPU."""
   groups = {}
   for r in rows:
     if r["bench"] == "tune":
       continue
-    groups.setdefault((r["bench"], r["batch"], r["context"], r["groups"], r["dead"],
-                       r["layout"]), []).append(r)
+    groups.setdefault((r["bench"], r["batch"], r["context"], r["groups"]), []).append(r)
   for group in groups.values():
-    base = next((r for r in group if r["impl"].startswith("jaxkv_") and
-                 r["impl"] != "jaxkv_gather_only"), group[0])
+    base = next((r for r in group if r["impl"] in ("jaxkv_pallas", "jaxkv_flash_lora")
+                 and not r["dead"]), group[0])
     for r in group:
       r["vs_jaxkv"] = r["time_ms"] / base["time_ms"]
   return rows
