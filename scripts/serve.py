@@ -116,7 +116,9 @@ def _multi_process(dst: pathlib.Path) -> bool:
     multi = distributed.initialize()
   except ValueError as e:
     cli.fail(str(e))
-  if multi and dst.exists() and not _OVERWRITE.value:
+  # only process 0 looks: it alone writes --output, and may already have created it
+  # by the time a follower would look
+  if multi and distributed.is_leader() and dst.exists() and not _OVERWRITE.value:
     cli.fail(f"--output={dst} exists: a multi-process run starts fresh (add --overwrite, "
              "or resume it in a single process)")
   return multi
