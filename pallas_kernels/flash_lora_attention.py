@@ -42,6 +42,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import paged_attention as pa
 
+# Keys per block. Smaller than paged attention's 64: each block also carries the
+# [block_k, r_pad] V_lr gather and a third accumulator. On an H100 (bf16, batch 8
+# x 16k, r 8): block_k 32 took 0.39 ms, 64 took 0.57 ms, 128 took 6.5 ms (spills);
+# `python bench/kernels.py --tune` re-measures it.
+DEFAULT_BLOCK_K = 32
+
 
 def flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positions,
                                    *, layer=None, scale=None):
@@ -124,6 +130,7 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     raise ValueError(f"LoRA rank {rank} must be a power of two (Triton tile shapes)")
   scale = d ** -0.5 if scale is None else scale
   r_pad = max(pa.MIN_DOT, rank)
+  block_k = block_k or DEFAULT_BLOCK_K
   b_rows = jnp.pad(lora_b, ((0, 0), (0, r_pad - rank), (0, 0), (0, 0)))   # zero rows
   tiling, inputs = pa.prepare(q, q_positions, slot_map, hkv, block_r=block_r, block_k=block_k,
                               k_splits=k_splits, contiguous=contiguous)

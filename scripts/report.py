@@ -79,6 +79,7 @@ SOURCES = {
     "memart": "bench/results_memart.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
+    "kernels-h100": "bench/results_kernels_h100.json",
     "throughput-h200": "bench/results_throughput_h200.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
@@ -156,7 +157,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["semshare-lengths"] = rows["semshare-lengths"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-lengths"]) if "length" in t.title])
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
-  for name in ("kernels-h200", "kernels-h200-grid"):
+  for name in ("kernels-h100", "kernels-h200", "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
   out["throughput-h200"] = rows["throughput-h200"] and _render(
       [throughput.table(rows["throughput-h200"])], titles=False)
