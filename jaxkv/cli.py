@@ -178,6 +178,37 @@ def load_config(cls: type, cd) -> object:
     fail(str(e))
 
 
+def load_llm(cfg):
+  """`jaxkv.load` for a ServeConfig (on its mesh); a missing or unreadable model,
+  or a mesh the devices do not allow, is a one-line error (exit 2)."""
+  import jaxkv
+  mesh = None
+  try:
+    if cfg.mesh.size > 1:
+      from jaxkv import sharding
+      mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
+  except ValueError as e:
+    fail(f"--config.mesh: {e}")
+  try:
+    return jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine,
+                      scan_layers=cfg.scan_layers, mesh=mesh)
+  except (FileNotFoundError, ValueError) as e:
+    fail(f"--config.model={cfg.model}: {e}")
+
+
+def compilation_cache(path: str | None) -> None:
+  """Keeps compiled steps on disk between runs (JAX's persistent cache): `path`,
+  or $JAX_COMPILATION_CACHE_DIR, or ~/.cache/jaxkv/xla when None; "" turns it off."""
+  import os
+
+  import jax
+  if path is None:
+    from jaxkv.models.presets import cache_dir
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir() / "xla")
+  if path:
+    jax.config.update("jax_compilation_cache_dir", path)
+
+
 def one_line(msg: str) -> str:
   """An error message as one line: a quoted traceback is cut to its last line."""
   if "Traceback (most recent call last)" in msg:

@@ -63,19 +63,6 @@ _XLA_CACHE = flags.DEFINE_string("xla_cache", None, "persistent compilation cach
                                  "empty: off)")
 
 
-def _compilation_cache() -> None:
-  """Keeps compiled steps on disk between runs (JAX's persistent cache)."""
-  import os
-
-  import jax
-  path = _XLA_CACHE.value
-  if path is None:
-    from jaxkv.models.presets import cache_dir
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir() / "xla")
-  if path:
-    jax.config.update("jax_compilation_cache_dir", path)
-
-
 def _check_paths(src: pathlib.Path, dst: pathlib.Path, mode: str) -> None:
   """Refuses unusable --input / --output before anything loads."""
   if not src.exists():
@@ -124,23 +111,6 @@ def _multi_process(dst: pathlib.Path) -> bool:
   return multi
 
 
-def _load(cfg):
-  """jaxkv.load, with a missing or unreadable model as a one-line error."""
-  import jaxkv
-  try:
-    mesh = None
-    if cfg.mesh.size > 1:
-      from jaxkv import sharding
-      mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.model)
-  except ValueError as e:
-    cli.fail(f"--config.mesh: {e}")
-  try:
-    return jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine,
-                      scan_layers=cfg.scan_layers, mesh=mesh)
-  except (FileNotFoundError, ValueError) as e:
-    cli.fail(f"--config.model={cfg.model}: {e}")
-
-
 def _summary(rows: list[tuple[str, str]], m: dict) -> None:
   print("\nmetrics (first use of each shape includes compilation)")
   for k, v in rows:
@@ -163,7 +133,7 @@ def main(argv):
       dst = pathlib.Path(tempfile.mkdtemp(prefix="jaxkv_follower_")) / dst.name
   _check_paths(src, dst, cfg.mode)
   out = batch.ResultFile(dst, overwrite=_OVERWRITE.value)
-  _compilation_cache()
+  cli.compilation_cache(_XLA_CACHE.value)
   if cfg.mode == "sessions":
     return serve_sessions(cfg, src, out)
   order, errors, todo = _scan(src, cfg, out.done)
@@ -186,7 +156,7 @@ def main(argv):
     return
 
   t0 = time.perf_counter()
-  llm = _load(cfg)
+  llm = cli.load_llm(cfg)
   print(f"loaded {cfg.model}: {llm.config.architecture}, {llm.config.num_layers} layers, "
         f"d_kv={llm.config.d_kv} in {time.perf_counter() - t0:.1f}s; "
         f"{total - todo} of {total} requests already answered in {dst}", file=sys.stderr)
@@ -249,7 +219,7 @@ def serve_sequential(cfg, src: pathlib.Path, out) -> None:
   from jaxkv.engine import batch
 
   t0 = time.perf_counter()
-  llm = _load(cfg)
+  llm = cli.load_llm(cfg)
   if cfg.mode == "reuse":
     from jaxkv.engine.reuse import ReuseRunner
     runner = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=cfg.engine.attention_impl)
@@ -341,7 +311,7 @@ def serve_memart(cfg, src: pathlib.Path, out) -> None:
   from jaxkv.engine.memart import MemArtSessions
 
   t0 = time.perf_counter()
-  llm = _load(cfg)
+  llm = cli.load_llm(cfg)
   try:
     sessions = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
                               attn_impl=cfg.engine.attention_impl)
@@ -420,7 +390,7 @@ def serve_sessions(cfg, src: pathlib.Path, out) -> None:
   runner = None
   if todo:  # a finished run resumes without loading the model
     t0 = time.perf_counter()
-    llm = _load(cfg)
+    llm = cli.load_llm(cfg)
     print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     runner = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
                            prefill_chunk=cfg.engine.prefill_chunk,
