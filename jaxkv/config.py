@@ -451,6 +451,27 @@ class MeshConfig:
     return self.data * self.model
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """The OpenAI-compatible HTTP server (`scripts/server.py`, `jaxkv.server`).
+
+  One engine loop batches every concurrent request (mode=requests). A request
+  beyond `max_pending` queued-or-running ones gets 429; a completion's
+  `max_tokens` defaults to `ServeConfig.sampling.max_tokens`, clipped to what the
+  cache has room for after the prompt.
+  """
+  host: str = "127.0.0.1"
+  port: int = 8000
+  model_name: str = ""          # the id clients send as "model" ("" : ServeConfig.model)
+  max_pending: int = 256        # queued + running requests; more get 429
+
+  def __post_init__(self):
+    if not 0 <= self.port < 65536:
+      raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+    if self.max_pending < 1:
+      raise ValueError(f"server.max_pending must be >= 1, got {self.max_pending}")
+
+
 SERVE_MODES = ("requests", "sessions", "reuse", "semshare", "memart")
 
 
@@ -481,6 +502,7 @@ class ServeConfig:
   memart: MemArtConfig = MemArtConfig()
   # Devices: mode=requests runs on a (data, model) mesh when mesh.data x mesh.model > 1.
   mesh: MeshConfig = MeshConfig()
+  server: ServerConfig = ServerConfig()   # scripts/server.py
 
   def __post_init__(self):
     if self.mode not in SERVE_MODES:

@@ -56,6 +56,7 @@ import plot_training   # noqa: E402  (scripts/)
 import pruning         # noqa: E402
 import reuse as reuse_bench   # noqa: E402
 import semshare as semshare_bench   # noqa: E402
+import server_load   # noqa: E402
 import throughput      # noqa: E402
 
 from jaxkv import artifacts   # noqa: E402
@@ -81,6 +82,7 @@ SOURCES = {
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
     "throughput-h200": "bench/results_throughput_h200.json",
+    "server-load": "bench/results_server_load.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -159,6 +161,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   for name in ("kernels-h100", "kernels-h200", "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
+  out["server-load"] = rows["server-load"] and _render(server_load.tables(rows["server-load"]))
   out["throughput-h200"] = rows["throughput-h200"] and _render(
       [throughput.table(rows["throughput-h200"])], titles=False)
   out["role-adapters"] = rows["role-adapters"] and _render(

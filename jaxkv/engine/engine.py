@@ -265,6 +265,19 @@ class Engine:
     """True while a request is queued or running."""
     return bool(self._waiting) or any(r is not None for r in self._rows)
 
+  @property
+  def num_waiting(self) -> int:
+    return len(self._waiting)
+
+  @property
+  def num_running(self) -> int:
+    return sum(r is not None for r in self._rows)
+
+  def progress(self) -> dict[str, list[int]]:
+    """The tokens each running request has generated so far (a copy), by id: what
+    a streaming caller sends between `step`s. Call it from the thread that steps."""
+    return {r.req.id: list(r.generated) for r in self._rows if r is not None and r.generated}
+
   def _admit_waiting(self, now: float) -> list[Result]:
     """Moves queued requests into free rows, first come first served; a request
     that does not fit while rows run waits at the head of the queue."""
@@ -294,10 +307,12 @@ class Engine:
           break
     return out
 
-  def step(self) -> list[Result]:
+  def step(self, after_prefill=None) -> list[Result]:
     """One engine iteration: admit queued requests, one prefill pass and one decode
     call over the running rows, retire the finished ones. Returns the results that
-    finished (errors and cancellations included)."""
+    finished (errors and cancellations included). `after_prefill()`, if given, runs
+    between prefill and decode: a server streams first tokens from there (`progress`)
+    instead of after the decode call."""
     self._ensure_driver()
     now = time.perf_counter()
     with self._lock:
@@ -309,11 +324,28 @@ class Engine:
     if any(r is not None for r in self._rows):
       self._note_memory()
       self._prefill(self._rows)
+      if after_prefill is not None:
+        after_prefill()
       self._decode(self._rows)
       results += self._retire_finished(time.perf_counter())
     for res in results:
       self.metrics.add_request(res)
     return results
+
+  def abort(self, error: str) -> list[Result]:
+    """Fails every queued and running request with `error` and frees their slots:
+    what a server does after a step raised, so one bad batch does not stop it."""
+    with self._lock:
+      waiting, self._waiting = list(self._waiting), collections.deque()
+      self._cancelled.clear()
+    out = [_error(req, error) for req in waiting]
+    for i, r in enumerate(self._rows):
+      if r is not None:
+        self.allocator.free_sequence(r.seq)
+        out.append(dataclasses.replace(_error(r.req, error), tokens=list(r.generated),
+                                       completion_tokens=len(r.generated)))
+        self._rows[i] = None
+    return out
 
   def _retire_finished(self, now: float) -> list[Result]:
     out = []

@@ -1,0 +1,262 @@
+"""The OpenAI-compatible HTTP app (FastAPI): routes over one `EngineLoop`.
+
+    app = create_app(llm, serve_config)      # jaxkv.load(...) and a ServeConfig
+    uvicorn.run(app, host=..., port=...)     # scripts/server.py does this
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as
+server-sent events with `"stream": true`), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus text format). Errors are OpenAI's error JSON: 400 for
+a malformed body or a prompt that does not fit, 404 for an unknown model, 429
+when `server.max_pending` requests are already queued or running, 500 when the
+engine failed the request, 503 while shutting down.
+
+A client that disconnects (mid-stream, or while a non-streamed request runs) has
+its request cancelled; the next engine step frees its KV slots. The engine loop
+starts with the app and, on shutdown, cancels what is left and stops.
+
+Not yet here (issue 17): agent sessions (radix holds, IntentKV QueryMemory and
+pruning state kept across a session's turns), role adapters selected by model
+name, and the composed pruning / LoRA sharing / reuse / MemArt config; the
+batch engine has no prefix cache, so `cached_tokens` is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from jaxkv.config import ServeConfig
+from jaxkv.engine.engine import Request
+from jaxkv.server import protocol
+from jaxkv.server.loop import EngineLoop, QueueFull
+from jaxkv.server.protocol import APIError
+
+DISCONNECT_POLL_S = 0.25   # how often a waiting non-streamed request checks its client
+
+
+class _ClientGone(Exception):
+  pass
+
+
+def _error(e: APIError) -> JSONResponse:
+  return JSONResponse(e.body(), status_code=e.status)
+
+
+def _finish(reason: str) -> str:
+  return {"stop": "stop", "length": "length", "cancelled": "stop"}.get(reason, reason)
+
+
+def create_app(llm, cfg: ServeConfig) -> FastAPI:
+  """The app for `llm` (a `jaxkv.LLM`) with `cfg.server`, `cfg.sampling` defaults."""
+  engine = llm.engine
+  model_name = cfg.server.model_name or cfg.model
+  created = int(time.time())
+  loop = EngineLoop(engine, cfg.server.max_pending)
+  tokenizer = llm.tokenizer
+  cache = llm.cache_config
+  prompt_slots = (cache.num_pages - 1) * cache.page_size
+
+  @contextlib.asynccontextmanager
+  async def lifespan(_app):
+    loop.start()
+    yield
+    await asyncio.to_thread(loop.stop)
+
+  app = FastAPI(title="jaxkv", lifespan=lifespan)
+  app.state.loop = loop
+
+  async def body_of(request: HTTPRequest):
+    raw = await request.body()
+    try:
+      return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise APIError(400, f"the request body is not valid JSON: {e}") from e
+
+  async def next_event(queue: asyncio.Queue, request: HTTPRequest, rid: str):
+    """The next engine event; cancels the request if its client disconnected."""
+    while True:
+      try:
+        return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        if await request.is_disconnected():
+          loop.cancel(rid)
+          raise _ClientGone() from None
+
+  def decode(tokens: list[int]) -> str:
+    return tokenizer.decode(tokens) if tokens else ""
+
+  async def handle(request: HTTPRequest, kind: str):
+    try:
+      p = protocol.parse(await body_of(request), kind, models=lambda m: m == model_name,
+                         tokenizer=tokenizer, defaults=cfg.sampling,
+                         max_seq_len=cache.max_seq_len, max_prompt_slots=prompt_slots)
+    except APIError as e:
+      return _error(e)
+    rid = protocol.new_id(kind)
+    t_created = int(time.time())
+    try:
+      queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling))
+    except QueueFull as e:
+      return _error(APIError(503 if not loop.alive else 429, str(e), type="rate_limit_error"
+                             if loop.alive else "server_error", code="queue_full"))
+    stream = protocol.TextStream(p.stop, hold_calls=p.tools)
+    try:
+      first = await next_event(queue, request, rid)
+    except _ClientGone:
+      return JSONResponse({}, status_code=499)
+    if first[0] == "done" and first[1].finish_reason == "error":
+      return _error(APIError(500, first[1].error or "the engine failed this request",
+                             type="server_error"))
+    if p.stream:
+      return StreamingResponse(sse(p, rid, t_created, queue, first, stream),
+                               media_type="text/event-stream")
+    event = first
+    try:
+      while event[0] != "done":
+        _, stopped = stream.update(decode(event[1]), final=False)
+        if stopped:
+          loop.cancel(rid)
+          tokens = event[1]
+          break
+        event = await next_event(queue, request, rid)
+      else:
+        tokens = event[1].tokens
+        if event[1].finish_reason == "error":
+          return _error(APIError(500, event[1].error, type="server_error"))
+    except _ClientGone:
+      return JSONResponse({}, status_code=499)
+    _, stopped = stream.update(decode(tokens), final=True)
+    finish = "stop" if stopped else _finish(event[1].finish_reason)
+    return JSONResponse(protocol.response(p, rid, t_created, stream.text, finish,
+                                          protocol.usage(len(p.prompt), len(tokens))))
+
+  async def sse(p, rid, t_created, queue, event, stream):
+    done = False
+
+    def data(obj) -> str:
+      return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    try:
+      if p.kind == "chat":
+        yield data(protocol.chunk(p, rid, t_created, role=True, text=""))
+      while True:
+        final = event[0] == "done"
+        tokens = event[1].tokens if final else event[1]
+        delta, stopped = stream.update(decode(tokens), final=final)
+        if delta:
+          yield data(protocol.chunk(p, rid, t_created, text=delta))
+        if stopped and not final:
+          loop.cancel(rid)
+        if final or stopped:
+          break
+        event = await queue.get()
+      reason = "stop" if stopped else _finish(event[1].finish_reason)
+      made = []
+      if p.tools:
+        content, made = protocol.split_tool_calls(stream.rest())
+        if made:
+          reason = "tool_calls"
+        elif content:
+          yield data(protocol.chunk(p, rid, t_created, text=content))
+      yield data(protocol.chunk(p, rid, t_created, tool_calls=made or None, finish=reason))
+      if p.include_usage:
+        yield data(protocol.chunk(p, rid, t_created, use=protocol.usage(
+            len(p.prompt), len(tokens))))
+      yield "data: [DONE]\n\n"
+      done = True
+    finally:
+      if not done:       # the client went away mid-stream (or the server is stopping)
+        loop.cancel(rid)
+
+  @app.exception_handler(APIError)
+  async def api_error(_request, e: APIError):
+    return _error(e)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: HTTPRequest):
+    return await handle(request, "chat")
+
+  @app.post("/v1/completions")
+  async def completions(request: HTTPRequest):
+    return await handle(request, "completion")
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                        "created": created, "owned_by": "jaxkv",
+                                        "max_model_len": cache.max_seq_len}]}
+
+  @app.get("/health")
+  async def health():
+    if not loop.alive:
+      return JSONResponse({"status": "stopping"}, status_code=503)
+    return {"status": "ok", "pending": loop.pending}
+
+  @app.get("/metrics")
+  async def metrics():
+    return PlainTextResponse(prometheus(loop, model_name), media_type="text/plain; version=0.0.4")
+
+  return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                    graceful_s: float = 5.0, start_timeout_s: float = 120.0):
+  """Runs `app` under uvicorn in a daemon thread (port 0: a free one) and yields the
+  `uvicorn.Server`, its base URL as `.url`; on exit it shuts down gracefully. For
+  tests and the load benchmark: the caller keeps the engine in reach."""
+  import threading
+
+  import uvicorn
+  server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                         timeout_graceful_shutdown=graceful_s))
+  thread = threading.Thread(target=server.run, name="jaxkv-uvicorn", daemon=True)
+  thread.start()
+  deadline = time.time() + start_timeout_s
+  while not server.started:
+    if time.time() > deadline or not thread.is_alive():
+      raise RuntimeError("the server did not start")
+    time.sleep(0.05)
+  server.url = f"http://{host}:{server.servers[0].sockets[0].getsockname()[1]}"
+  try:
+    yield server
+  finally:
+    server.should_exit = True
+    thread.join(60)
+    if thread.is_alive():
+      raise RuntimeError("the server did not shut down within 60 s")
+
+
+def prometheus(loop: EngineLoop, model: str) -> str:
+  """The engine's counters and gauges in Prometheus' text format."""
+  engine, m, s = loop.engine, loop.engine.metrics, loop.stats
+  alloc = engine.allocator
+  lab = f'model="{model}"'
+  rows = [
+      ("jaxkv_requests_running", "gauge", "requests in the batch", engine.num_running),
+      ("jaxkv_requests_waiting", "gauge", "requests queued for a row", engine.num_waiting),
+      ("jaxkv_requests_rejected_total", "counter", "requests answered 429", s.rejected_full),
+      ("jaxkv_engine_steps_total", "counter", "engine steps", s.steps),
+      ("jaxkv_engine_step_errors_total", "counter", "steps that raised", s.step_errors),
+      ("jaxkv_engine_busy_seconds_total", "counter", "time inside engine steps", s.busy_s),
+      ("jaxkv_prompt_tokens_total", "counter", "prompt tokens prefilled", m.prefill_tokens),
+      ("jaxkv_generation_tokens_total", "counter", "tokens decoded", m.decode_tokens),
+      ("jaxkv_prefill_seconds_total", "counter", "time in prefill", m.prefill_s),
+      ("jaxkv_decode_seconds_total", "counter", "time in decode", m.decode_s),
+      ("jaxkv_kv_live_slots", "gauge", "KV slots in use", alloc.num_live_slots),
+      ("jaxkv_kv_free_pages", "gauge", "free KV pages", alloc.num_free_pages),
+      ("jaxkv_kv_peak_bytes", "gauge", "peak KV bytes in use", m.peak_kv_bytes),
+  ]
+  out = []
+  for name, kind, help_, value in rows:
+    out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {value}"]
+  out += ["# HELP jaxkv_requests_finished_total finished requests by finish reason",
+          "# TYPE jaxkv_requests_finished_total counter"]
+  for reason, n in sorted(s.finished.items()):
+    out.append(f'jaxkv_requests_finished_total{{{lab},finish_reason="{reason}"}} {n}')
+  return "\n".join(out) + "\n"

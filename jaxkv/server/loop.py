@@ -1,0 +1,155 @@
+"""One engine loop thread under an asyncio server: continuous batching for HTTP.
+
+Every HTTP request `submit`s a `jaxkv.engine.engine.Request` and reads events
+from its own `asyncio.Queue`; one thread steps the engine (`Engine.step`: admit,
+prefill, a `lax.scan` of decode steps, retire) as long as anything is queued or
+running, so concurrent requests share every decode step. After each step the
+thread posts, thread-safely onto the server's event loop,
+
+    ("tokens", [ids so far])   for every running request that grew, and
+    ("done", Result)           for every request that finished,
+
+once after the step's prefill (first tokens: TTFT does not wait for the decode
+call) and once after its decode, so streaming sends a delta per engine step
+(up to `EngineConfig.decode_steps` tokens).
+
+Robustness: more than `max_pending` queued + running requests raise `QueueFull`
+(the server answers 429); `cancel` (a client that went away) frees the row's
+slots at the next step; an exception inside a step fails the requests then in
+the engine with an error result and frees their slots (`Engine.abort`), and the
+loop goes on serving; `stop` cancels what is left and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+
+from jaxkv.engine.engine import Engine, Request
+
+log = logging.getLogger("jaxkv.server")
+
+
+class QueueFull(Exception):
+  """More requests are queued or running than the server takes."""
+
+
+@dataclasses.dataclass
+class _Waiter:
+  loop: asyncio.AbstractEventLoop
+  queue: asyncio.Queue
+  sent: int = 0         # tokens already posted
+
+
+@dataclasses.dataclass
+class LoopStats:
+  """Counters for /metrics (read without a lock: plain ints, one writer)."""
+  finished: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  rejected_full: int = 0
+  step_errors: int = 0
+  steps: int = 0
+  busy_s: float = 0.0
+
+
+class EngineLoop:
+  """Owns the engine; the only thread that calls `Engine.step`."""
+
+  def __init__(self, engine: Engine, max_pending: int = 256):
+    self.engine = engine
+    self.max_pending = max_pending
+    self.stats = LoopStats()
+    self._waiters: dict[str, _Waiter] = {}
+    self._lock = threading.Lock()
+    self._wake = threading.Event()
+    self._stopping = False
+    self._thread: threading.Thread | None = None
+
+  # ------------------------------------------------------------ server side
+  def start(self) -> None:
+    self._thread = threading.Thread(target=self._run, name="jaxkv-engine-loop", daemon=True)
+    self._thread.start()
+
+  @property
+  def alive(self) -> bool:
+    return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+  @property
+  def pending(self) -> int:
+    return len(self._waiters)
+
+  def submit(self, req: Request) -> asyncio.Queue:
+    """Queues `req`; its events arrive on the returned queue (call from the event loop)."""
+    aloop = asyncio.get_running_loop()
+    with self._lock:
+      if self._stopping:
+        raise QueueFull("the server is shutting down")
+      if len(self._waiters) >= self.max_pending:
+        self.stats.rejected_full += 1
+        raise QueueFull(f"{len(self._waiters)} requests queued or running "
+                        f"(server.max_pending={self.max_pending})")
+      waiter = _Waiter(aloop, asyncio.Queue())
+      self._waiters[req.id] = waiter
+      self.engine.submit(req)
+    self._wake.set()
+    return waiter.queue
+
+  def cancel(self, request_id: str) -> None:
+    """The client went away: the next step frees the request's slots."""
+    if self.engine.cancel(request_id):
+      self._wake.set()
+
+  def stop(self, timeout: float = 30.0) -> None:
+    """Cancels every queued and running request, lets the loop retire them, joins."""
+    with self._lock:
+      self._stopping = True
+      ids = list(self._waiters)
+    for rid in ids:
+      self.engine.cancel(rid)
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  # ------------------------------------------------------------ loop thread
+  def _post(self, rid: str, event: tuple, final: bool = False) -> None:
+    with self._lock:
+      waiter = self._waiters.pop(rid, None) if final else self._waiters.get(rid)
+    if waiter is None:
+      return
+    try:
+      waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
+    except RuntimeError:   # the event loop is closed: the server is gone
+      pass
+
+  def _post_progress(self) -> None:
+    for rid, tokens in self.engine.progress().items():
+      waiter = self._waiters.get(rid)
+      if waiter is not None and len(tokens) > waiter.sent:
+        waiter.sent = len(tokens)
+        self._post(rid, ("tokens", tokens))
+
+  def _run(self) -> None:
+    while True:
+      if not self.engine.busy:
+        if self._stopping:
+          return
+        self._wake.wait(0.5)
+        self._wake.clear()
+        continue
+      t0 = time.perf_counter()
+      try:
+        results = self.engine.step(after_prefill=self._post_progress)
+      except Exception as e:  # isolate: fail this batch, keep serving
+        self.stats.step_errors += 1
+        log.error("engine step failed; failing its requests:\n%s", traceback.format_exc())
+        results = self.engine.abort(f"engine step failed: {type(e).__name__}: {e}")
+      self.stats.steps += 1
+      self.stats.busy_s += time.perf_counter() - t0
+      self._post_progress()
+      for res in results:
+        self.stats.finished[res.finish_reason] += 1
+        self._post(res.id, ("done", res), final=True)

@@ -1,0 +1,410 @@
+"""The OpenAI-compatible server on loopback, driven by the official `openai` client.
+
+Real SmolLM2 weights; every server runs in this process on a free port
+(uvicorn in a thread) with its own engine, so tests can look at its allocator.
+References are single-request runs of a separate engine over the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+import jaxkv  # noqa: E402
+from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig, ServeConfig, ServerConfig  # noqa: E402
+from jaxkv.engine.engine import Request  # noqa: E402
+from jaxkv.server import protocol  # noqa: E402
+from jaxkv.server.app import create_app, serve_in_thread  # noqa: E402
+
+MODEL = "smollm2-135m"
+CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=512)
+ENGINE = EngineConfig(max_batch=8, prefill_chunk=128, decode_steps=8)
+PROMPTS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?",
+           "Say hello in Spanish.", "What do bees make?", "Which planet is red?",
+           "What is water made of?", "Give me a synonym for happy."]
+
+
+@pytest.fixture(scope="module")
+def base():
+  return jaxkv.load(MODEL, cache=CACHE, engine=ENGINE)
+
+
+def fresh(base, **server) -> tuple[jaxkv.LLM, ServeConfig]:
+  """Another engine (own pool and allocator) over the same weights."""
+  llm = jaxkv.LLM(base.model, base.tokenizer, CACHE, ENGINE)
+  cfg = ServeConfig(model=MODEL, cache=CACHE, engine=ENGINE,
+                    sampling=SamplingConfig(max_tokens=16), server=ServerConfig(**server))
+  return llm, cfg
+
+
+def serving(llm, cfg, graceful_s: float = 5.0):
+  return serve_in_thread(create_app(llm, cfg), graceful_s=graceful_s)
+
+
+@pytest.fixture(scope="module")
+def served(base):
+  llm, cfg = fresh(base)
+  with serving(llm, cfg) as server:
+    server.llm = llm
+    server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    yield server
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+  """Single-request greedy runs on an engine of their own: {(prompt, max_tokens): text}."""
+  ref = jaxkv.LLM(base.model, base.tokenizer, CACHE, ENGINE)
+  memo = {}
+
+  def run(prompt: str, max_tokens: int) -> str:
+    if (prompt, max_tokens) not in memo:
+      ids = ref.encode([{"role": "user", "content": prompt}])
+      memo[prompt, max_tokens] = next(ref.stream([Request(
+          "r", ids, SamplingConfig(max_tokens=max_tokens))])).text
+    return memo[prompt, max_tokens]
+  return run
+
+
+def chat(prompt):
+  return [{"role": "user", "content": prompt}]
+
+
+def metric(url: str, name: str, **labels) -> float:
+  text = httpx.get(url + "/metrics").text
+  lab = ",".join([f'model="{MODEL}"'] + [f'{k}="{v}"' for k, v in labels.items()])
+  m = re.search(rf"^{name}{{{re.escape(lab)}}} (\S+)$", text, re.M)
+  return float(m.group(1)) if m else 0.0
+
+
+def wait_idle(llm, timeout=120):
+  deadline = time.time() + timeout
+  while llm.engine.busy:
+    assert time.time() < deadline, "engine still busy"
+    time.sleep(0.1)
+
+
+def test_models_health_and_metrics(served):
+  assert [m.id for m in served.client.models.list().data] == [MODEL]
+  assert httpx.get(served.url + "/health").json()["status"] == "ok"
+  text = httpx.get(served.url + "/metrics").text
+  assert "# TYPE jaxkv_generation_tokens_total counter" in text
+  assert metric(served.url, "jaxkv_kv_free_pages") == CACHE.num_pages - 1
+
+
+def test_chat_equals_single_request_run(served, reference):
+  r = served.client.chat.completions.create(model=MODEL, messages=chat(PROMPTS[0]),
+                                            max_tokens=12)
+  assert r.choices[0].message.role == "assistant"
+  assert r.choices[0].message.content == reference(PROMPTS[0], 12)
+  assert r.choices[0].finish_reason in ("stop", "length")
+  n_prompt = len(served.llm.encode(chat(PROMPTS[0])))
+  assert r.usage.prompt_tokens == n_prompt
+  assert r.usage.prompt_tokens_details.cached_tokens == 0
+  assert 1 <= r.usage.completion_tokens <= 12
+  assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_stream_equals_non_stream(served, reference):
+  pieces, finish, usage, roles = [], None, None, 0
+  for ch in served.client.chat.completions.create(
+      model=MODEL, messages=chat(PROMPTS[1]), max_tokens=20, stream=True,
+      stream_options={"include_usage": True}):
+    if ch.usage is not None:
+      usage = ch.usage
+      continue
+    d = ch.choices[0].delta
+    roles += d.role == "assistant"
+    pieces.append(d.content or "")
+    finish = ch.choices[0].finish_reason or finish
+  assert roles == 1 and finish in ("stop", "length")
+  assert "".join(pieces) == reference(PROMPTS[1], 20)
+  assert usage.prompt_tokens == len(served.llm.encode(chat(PROMPTS[1])))
+
+
+def test_completions_text_and_token_ids(served):
+  tok = served.llm.tokenizer
+  r = served.client.completions.create(model=MODEL, prompt="The capital of France is",
+                                       max_tokens=6)
+  ids = tok.encode("The capital of France is")
+  r2 = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=6)
+  assert r.choices[0].text == r2.choices[0].text and r.choices[0].text
+  assert r.usage.prompt_tokens == len(ids)
+  streamed = "".join(c.choices[0].text for c in served.client.completions.create(
+      model=MODEL, prompt="The capital of France is", max_tokens=6, stream=True))
+  assert streamed == r.choices[0].text
+
+
+def test_stop_strings_cut_the_text(served, reference):
+  full = reference(PROMPTS[0], 24)
+  assert "Paris" in full
+  cut = full[:full.index("Paris")]
+  r = served.client.chat.completions.create(model=MODEL, messages=chat(PROMPTS[0]),
+                                            max_tokens=24, stop=["Paris"])
+  assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+  streamed = "".join(c.choices[0].delta.content or "" for c in served.client.chat.completions
+                     .create(model=MODEL, messages=chat(PROMPTS[0]), max_tokens=24,
+                             stop=["Paris"], stream=True))
+  assert streamed == cut
+  wait_idle(served.llm)
+  served.llm.engine.allocator.check()
+
+
+def test_32_concurrent_streaming_clients(served, reference):
+  """8 prompts x 4 clients at once: every stream complete and equal to the prompt's
+  single-request run, and the engine batched them (far fewer steps than 32 alone)."""
+  expect = {p: reference(p, 12) for p in PROMPTS}
+  steps0 = metric(served.url, "jaxkv_engine_steps_total")
+  client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+
+  async def one(prompt):
+    out, finish = [], None
+    stream = await client.chat.completions.create(model=MODEL, messages=chat(prompt),
+                                                  max_tokens=12, stream=True)
+    async for ch in stream:
+      out.append(ch.choices[0].delta.content or "")
+      finish = ch.choices[0].finish_reason or finish
+    return prompt, "".join(out), finish
+
+  async def everyone():
+    return await asyncio.wait_for(asyncio.gather(*[one(p) for p in PROMPTS * 4]), 600)
+
+  t0 = time.time()
+  got = asyncio.run(everyone())
+  assert len(got) == 32
+  for prompt, text, finish in got:
+    assert finish in ("stop", "length"), prompt
+    assert text == expect[prompt], prompt
+  steps = metric(served.url, "jaxkv_engine_steps_total") - steps0
+  assert steps < 32, f"{steps} engine steps for 32 requests: they were not batched"
+  print(f"32 streams in {time.time() - t0:.1f}s, {steps:.0f} engine steps")
+  wait_idle(served.llm)
+  served.llm.engine.allocator.check()
+  assert served.llm.engine.allocator.num_live_slots == 0
+
+
+def test_disconnect_mid_stream_cancels_and_frees(served):
+  engine = served.llm.engine
+  cancelled0 = metric(served.url, "jaxkv_requests_finished_total", finish_reason="cancelled")
+  body = {"model": MODEL, "messages": chat("Write a long story about a dragon."),
+          "max_tokens": 400, "stream": True}
+  with httpx.Client(timeout=120) as http:
+    with http.stream("POST", served.url + "/v1/chat/completions", json=body) as resp:
+      assert resp.status_code == 200
+      lines = resp.iter_lines()
+      seen = 0
+      for line in lines:
+        if line.startswith("data: ") and '"content": "' in line and '""' not in line:
+          seen += 1
+          break
+      assert seen and engine.allocator.num_live_slots > 0
+  wait_idle(served.llm, 60)
+  engine.allocator.check()
+  assert engine.allocator.num_live_slots == 0
+  assert engine.allocator.num_free_pages == CACHE.num_pages - 1
+  assert metric(served.url, "jaxkv_requests_finished_total",
+                finish_reason="cancelled") == cancelled0 + 1
+
+
+def _post(url, body, raw=None):
+  r = httpx.post(url + "/v1/chat/completions", json=None if raw else body,
+                 content=raw, timeout=60)
+  return r.status_code, r.json()
+
+
+@pytest.mark.parametrize("body,raw,status,param,code", [
+    (None, b"{not json", 400, None, None),
+    ({"model": "gpt-4", "messages": chat("hi")}, None, 404, "model", "model_not_found"),
+    ({"model": MODEL, "messages": chat("word " * 600)}, None, 400, "messages",
+     "context_length_exceeded"),
+    ({"model": MODEL, "messages": chat("hi"), "max_tokens": 500}, None, 400, "max_tokens",
+     "context_length_exceeded"),
+    ({"model": MODEL, "messages": chat("hi"), "n": 2}, None, 400, "n", None),
+    ({"model": MODEL, "messages": chat("hi"), "temperature": 9}, None, 400, "temperature", None),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages",
+     None),
+    ({"model": MODEL}, None, 400, "messages", None),
+    ([1, 2], None, 400, None, None),
+])
+def test_bad_requests_get_openai_errors(served, body, raw, status, param, code):
+  got, js = _post(served.url, body, raw)
+  assert got == status, js
+  err = js["error"]
+  assert err["message"] and err["type"] == "invalid_request_error"
+  assert err["param"] == param and err["code"] == code
+
+
+def test_openai_client_raises_the_matching_errors(served):
+  with pytest.raises(openai.NotFoundError):
+    served.client.chat.completions.create(model="gpt-4", messages=chat("hi"))
+  with pytest.raises(openai.BadRequestError, match="context_length_exceeded|maximum context"):
+    served.client.chat.completions.create(model=MODEL, messages=chat("word " * 600))
+
+
+def test_tools_reach_the_prompt(served):
+  """SmolLM2's template does not render tools: the schema goes into the system
+  message (the ReAct form of the traces)."""
+  tools = [{"type": "function", "function": {
+      "name": "get_weather", "description": "Weather of a city",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+  tok = served.llm.tokenizer
+  with_tools = protocol.chat_prompt(tok, chat("Weather in Paris?"), tools)
+  assert "get_weather" in tok.decode(with_tools)
+  r = served.client.chat.completions.create(model=MODEL, messages=chat("Weather in Paris?"),
+                                            tools=tools, max_tokens=8)
+  assert r.usage.prompt_tokens == len(with_tools)
+  assert r.usage.prompt_tokens > len(served.llm.encode(chat("Weather in Paris?")))
+
+
+def test_queue_full_gets_429_and_the_rest_complete(base):
+  llm, cfg = fresh(base, max_pending=2)
+  with serving(llm, cfg) as server:
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(i):
+      try:
+        r = await client.chat.completions.create(model=MODEL, messages=chat(PROMPTS[i]),
+                                                 max_tokens=32)
+        return r.choices[0].finish_reason
+      except openai.RateLimitError:
+        return 429
+
+    async def burst():
+      return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(6)]), 300)
+
+    got = asyncio.run(burst())
+    assert got.count(429) >= 1 and sum(g in ("stop", "length") for g in got) >= 2, got
+    assert got.count(429) + sum(g in ("stop", "length") for g in got) == 6
+    assert metric(server.url, "jaxkv_requests_rejected_total") == got.count(429)
+
+
+def test_failing_step_is_isolated(base, monkeypatch):
+  """Fault injection: the engine's decode raises once. That request gets a 500 with
+  an error body, its slots are freed, and the next request is served."""
+  llm, cfg = fresh(base)
+  with serving(llm, cfg) as server:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2)  # warm
+    driver = llm.engine.driver
+    real = driver.decode
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+      calls["n"] += 1
+      if calls["n"] == 1:
+        raise RuntimeError("injected device failure")
+      return real(*a, **kw)
+
+    monkeypatch.setattr(driver, "decode", flaky)
+    with pytest.raises(openai.InternalServerError, match="injected device failure"):
+      client.chat.completions.create(model=MODEL, messages=chat(PROMPTS[2]), max_tokens=8)
+    llm.engine.allocator.check()
+    assert llm.engine.allocator.num_live_slots == 0
+    r = client.chat.completions.create(model=MODEL, messages=chat(PROMPTS[2]), max_tokens=8)
+    assert r.choices[0].message.content
+    assert metric(server.url, "jaxkv_engine_step_errors_total") == 1
+
+
+def test_shutdown_cancels_running_requests_and_stops_the_loop(base):
+  llm, cfg = fresh(base)
+  done = {}
+  with serving(llm, cfg, graceful_s=1.0) as server:
+    loop = server.config.app.state.loop
+
+    def long_request():
+      try:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": chat("Tell a very long story."), "max_tokens": 400,
+            "stream": True}) as resp:
+          done["lines"] = sum(1 for _ in resp.iter_lines())
+      except httpx.HTTPError as e:
+        done["error"] = type(e).__name__
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.time() + 120
+    while llm.engine.allocator.num_live_slots == 0:
+      assert time.time() < deadline
+      time.sleep(0.05)
+  t.join(60)
+  assert not loop.alive
+  llm.engine.allocator.check()
+  assert llm.engine.allocator.num_live_slots == 0
+  assert not llm.engine.busy
+
+
+def test_protocol_tool_calls_and_text_stream():
+  """The pieces of tool-call output handling, on texts the shipped models wrote."""
+  qwen = '{"name": "get_weather", "arguments": {"city": "Paris"}}'   # Qwen2.5-Coder-0.5B
+  content, made = protocol.split_tool_calls(qwen)
+  assert content is None and made[0]["function"] == {"name": "get_weather",
+                                                     "arguments": '{"city": "Paris"}'}
+  content, made = protocol.split_tool_calls(
+      'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+  assert content == "Sure." and json.loads(made[0]["function"]["arguments"]) == {"a": 1}
+  assert protocol.split_tool_calls("Thought: look\nAction: f\nAction Input: {}")[1]
+  assert protocol.split_tool_calls("no call here") == ("no call here", [])
+  s = protocol.TextStream(hold_calls=True)
+  sent = [s.update(t, False)[0] for t in ("Hi {", 'Hi {"name', 'Hi {"name": "f", "arguments": {}}')]
+  assert "".join(sent) == "Hi" and protocol.split_tool_calls(s.rest())[1]
+  s = protocol.TextStream(stop=("END",))
+  assert s.update("abc EN", False) == ("abc ", False)
+  assert s.update("abc END more", False) == ("", True) and s.text == "abc "
+  s = protocol.TextStream()
+  assert s.update("caf\ufffd", False) == ("caf", False) and s.update("café", True)[0] == "é"
+
+
+@pytest.mark.slow
+def test_qwen_tool_calls_come_back_as_tool_calls():
+  """Qwen2.5-Coder's template renders tools (Hermes); its call comes back as
+  OpenAI tool_calls, streamed and not."""
+  llm = jaxkv.load("qwen2.5-coder-0.5b", cache=CACHE, engine=ENGINE)
+  cfg = dataclasses.replace(fresh(llm)[1], model="qwen2.5-coder-0.5b")
+  tools = [{"type": "function", "function": {
+      "name": "get_weather", "description": "Get the weather for a city",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                     "required": ["city"]}}}]
+  with serving(llm, cfg) as server:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    msgs = chat("What is the weather in Paris?")
+    r = client.chat.completions.create(model=cfg.model, messages=msgs, tools=tools,
+                                       max_tokens=40)
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(client.chat.completions.create(model=cfg.model, messages=msgs, tools=tools,
+                                                 max_tokens=40, stream=True))
+    calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks).strip()
+    # the call goes back into the next turn through the template
+    follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {
+            "name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 18}'}]
+    r2 = client.chat.completions.create(model=cfg.model, messages=follow, tools=tools,
+                                        max_tokens=24)
+    assert r2.choices[0].message.content or r2.choices[0].message.tool_calls
+
+
+def test_load_bench_level_against_the_server(served):
+  """bench/server_load.py's level(): bounded, every request counted, latencies sane."""
+  import sys
+  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "bench"))
+  import server_load
+  row = asyncio.run(server_load.level(served.url, MODEL, 4, 6, 8, 300.0,
+                                      server_load.prompts()))
+  assert row["requests"] == 6 and 6 <= row["completion_tokens"] <= 48
+  assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] < 300
+  assert server_load.table([row]).header[0] == "concurrency"
