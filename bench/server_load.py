@@ -1,17 +1,22 @@
 """Load on the OpenAI-compatible server: throughput and latency vs concurrency.
 
     python bench/server_load.py [--config=configs/smollm2.py] [--concurrency=1,4,16,64]
-        [--requests=0] [--max_tokens=32] [--max_s=600] [--url=] [--out=results.json]
-        [--plot=docs/plots/server_load.png]
+        [--prefix_cache=off,on] [--requests=0] [--max_tokens=16] [--system_chars=600]
+        [--max_s=600] [--url=] [--out=results.json] [--plot=docs/plots/server_load.png]
 
-Starts the server in this process on a free loopback port (`--url` points at a
-running one instead), warms the compiled shapes up, then for each concurrency
-level c runs `--requests` streamed chat requests (default max(2c, 8)) with at
-most c in flight: c client tasks each send their next request as soon as the
-last one finished. Prompts are the chat questions of examples/requests.jsonl
-plus a few more, cycled; greedy; every request asks for exactly `--max_tokens`
-(`ignore_eos` is not in the API, so a request that meets a stop token ends early;
-tokens are counted from `usage`).
+For each `--prefix_cache` setting (`engine.prefix_cache` off / on), starts the
+server in this process on a free loopback port (`--url` points at a running one
+instead, once), warms the compiled shapes up, then for each concurrency level c
+runs `--requests` streamed chat requests (default max(c, 8)) with at most c in
+flight: c client tasks each send their next request as soon as the last one
+finished. Every request is an agent-style chat: one shared system prompt (the
+first `--system_chars` characters of docs/architecture.md, standing in for an
+agent's instructions and tool documentation: ~150 tokens by default) and a user
+message "Request <n>: <question>" (the chat questions of examples/requests.jsonl
+plus a few more, cycled; n counts every request of the run, so requests share
+the system prompt and chat header, no more); greedy; each asks for `--max_tokens` (`ignore_eos` is not in the API,
+so a request that meets a stop token ends early; tokens are counted from
+`usage`, and so are the prompt tokens the prefix cache served).
 
 Per level: requests/s and completion tokens/s over the level's wall time, p50 /
 p99 TTFT (request sent -> first content chunk, queueing in the server
@@ -25,6 +30,7 @@ gives). A level stops sending once `--max_s` has passed and reports what finishe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pathlib
 import sys
@@ -48,8 +54,10 @@ def define_flags():
   config_flags.DEFINE_config_file("config", str(ROOT / "configs/smollm2.py"), "server config",
                                   lock_config=True)
   flags.DEFINE_string("concurrency", "1,4,16,64", "concurrency levels")
-  flags.DEFINE_integer("requests", 0, "requests per level (0: max(2c, 8))")
-  flags.DEFINE_integer("max_tokens", 32, "completion tokens per request")
+  flags.DEFINE_string("prefix_cache", "off,on", "engine.prefix_cache settings to compare")
+  flags.DEFINE_integer("requests", 0, "requests per level (0: max(c, 8))")
+  flags.DEFINE_integer("max_tokens", 16, "completion tokens per request")
+  flags.DEFINE_integer("system_chars", 600, "characters of the shared system prompt")
   flags.DEFINE_float("max_s", 600.0, "per level: stop sending after this many seconds")
   flags.DEFINE_string("url", "", "a running server's base URL (default: start one here)")
   flags.DEFINE_string("out", None, "JSON rows")
@@ -64,12 +72,19 @@ def prompts() -> list[str]:
   return out + EXTRA
 
 
-async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
+def system_prompt(chars: int) -> str:
+  return (ROOT / "docs/architecture.md").read_text()[:chars] if chars else ""
+
+
+async def one(client, model: str, prompt: str, max_tokens: int, system: str = "") -> dict:
   t0 = time.perf_counter()
   first = last = None
   usage = None
+  messages = [{"role": "user", "content": prompt}]
+  if system:
+    messages.insert(0, {"role": "system", "content": system})
   stream = await client.chat.completions.create(
-      model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+      model=model, messages=messages, max_tokens=max_tokens,
       stream=True, stream_options={"include_usage": True})
   async for ch in stream:
     if ch.usage is not None:
@@ -79,12 +94,17 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
       first = first or now
       last = now
   n = usage.completion_tokens if usage else 0
+  details = usage and usage.prompt_tokens_details
   return {"ttft_s": (first or time.perf_counter()) - t0, "tokens": n,
+          "prompt_tokens": usage.prompt_tokens if usage else 0,
+          "cached_tokens": (details.cached_tokens or 0) if details else 0,
           "itl_s": (last - first) / (n - 1) if first and n > 1 else None}
 
 
 async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: float,
-                texts: list[str]) -> dict:
+                texts: list[str], system: str = "", first_id: int = 0) -> dict:
+  """n requests, at most c in flight. Request i asks "Request {first_id + i}: <text>",
+  so no two requests of a run share more than the system prompt and chat header."""
   import openai
   client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                               timeout=max_s + 60)
@@ -95,7 +115,8 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: fl
   async def worker():
     while todo and time.perf_counter() - t0 < max_s:
       i = todo.pop(0)
-      done.append(await one(client, model, texts[i % len(texts)], max_tokens))
+      done.append(await one(client, model, f"Request {first_id + i}: {texts[i % len(texts)]}",
+                            max_tokens, system))
 
   await asyncio.gather(*[worker() for _ in range(c)])
   wall = time.perf_counter() - t0
@@ -105,21 +126,36 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: fl
   return {"concurrency": c, "requests": len(done), "wall_s": wall,
           "req_per_s": len(done) / wall, "tok_per_s": sum(d["tokens"] for d in done) / wall,
           "completion_tokens": sum(d["tokens"] for d in done),
+          "prompt_tokens": sum(d["prompt_tokens"] for d in done),
+          "cached_tokens": sum(d["cached_tokens"] for d in done),
           "ttft_p50_s": q(ttft, 50), "ttft_p99_s": q(ttft, 99),
           "itl_p50_s": q(itl, 50), "itl_p99_s": q(itl, 99), "max_tokens": max_tokens}
 
 
 def table(rows: list[dict]) -> common.Table:
-  base = next((r["tok_per_s"] for r in rows if r["concurrency"] == 1), None)
-  lines = [[str(r["concurrency"]), str(r["requests"]), f"{r['req_per_s']:.2f}",
-            f"{r['tok_per_s']:.1f}", f"{r['tok_per_s'] / base:.2f}" if base else "-",
-            f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
-            f"{1e3 * r['itl_p50_s']:.0f}", f"{1e3 * r['itl_p99_s']:.0f}"] for r in rows]
+  """One line per (prefix cache, concurrency); ratios against the single client and
+  against the same concurrency without the prefix cache."""
+  def find(pc, c):
+    return next((r for r in rows if r.get("prefix_cache", False) == pc
+                 and r["concurrency"] == c), None)
+  lines = []
+  for r in rows:
+    pc = r.get("prefix_cache", False)
+    one_client, off = find(pc, 1), find(False, r["concurrency"])
+    lines.append([
+        "on" if pc else "off", str(r["concurrency"]), str(r["requests"]),
+        f"{100 * r.get('cached_tokens', 0) / max(r.get('prompt_tokens', 0), 1):.0f}%",
+        f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.1f}",
+        f"{r['tok_per_s'] / one_client['tok_per_s']:.2f}" if one_client else "-",
+        f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+        f"{off['ttft_p50_s'] / r['ttft_p50_s']:.2f}" if off else "-",
+        f"{1e3 * r['itl_p50_s']:.0f}", f"{1e3 * r['itl_p99_s']:.0f}"])
   dev = rows[0].get("device", "") if rows else ""
   return common.Table(
       f"server under load ({dev}; {rows[0]['max_tokens'] if rows else '-'} tokens per request)",
-      ["concurrency", "requests", "req/s", "tok/s", "tok/s vs c=1", "TTFT p50 s",
-       "TTFT p99 s", "ITL p50 ms", "ITL p99 ms"], lines)
+      ["prefix cache", "concurrency", "requests", "prompt cached", "req/s", "tok/s",
+       "tok/s vs c=1", "TTFT p50 s", "TTFT p99 s", "TTFT gain vs off", "ITL p50 ms",
+       "ITL p99 ms"], lines)
 
 
 def tables(rows: list[dict]) -> list[common.Table]:
@@ -130,17 +166,22 @@ def plot(rows: list[dict], path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  cs = [r["concurrency"] for r in rows]
-  fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
-  a.plot(cs, [r["tok_per_s"] for r in rows], "o-")
+  fig, (a, b) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+  for pc, color in ((False, "tab:blue"), (True, "tab:orange")):
+    rs = [r for r in rows if r.get("prefix_cache", False) == pc]
+    if not rs:
+      continue
+    cs, tag = [r["concurrency"] for r in rs], f"prefix cache {'on' if pc else 'off'}"
+    a.plot(cs, [r["tok_per_s"] for r in rs], "o-", color=color, label=tag)
+    b.plot(cs, [r["ttft_p50_s"] for r in rs], "o-", color=color, label=f"TTFT p50, {tag}")
+    b.plot(cs, [r["ttft_p99_s"] for r in rs], "o--", color=color, label=f"TTFT p99, {tag}")
+    b.plot(cs, [r["itl_p50_s"] for r in rs], "s:", color=color, label=f"inter-token p50, {tag}")
   a.set(xscale="log", xlabel="concurrent clients", ylabel="completion tokens / s",
         title="throughput")
-  for key, style in (("ttft_p50_s", "o-"), ("ttft_p99_s", "o--")):
-    b.plot(cs, [r[key] for r in rows], style, label=key.replace("_s", "").replace("_", " "))
-  b.plot(cs, [r["itl_p50_s"] for r in rows], "s-", label="inter-token p50")
+  a.legend(fontsize=8)
   b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="seconds",
         title="latency")
-  b.legend(fontsize=8)
+  b.legend(fontsize=7)
   fig.tight_layout()
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
@@ -151,15 +192,22 @@ def main(argv):
   del argv
   import logging
 
-  for name in ("httpx", "openai", "absl"):
-    logging.getLogger(name).setLevel(logging.WARNING)
-
-  levels = [int(x) for x in FLAGS.concurrency.split(",")]
-  texts = prompts()
-  rows: list[dict] = []
   import openai
+
+  from jaxkv import cli
+  from jaxkv.config import ServeConfig
+  from absl import logging as absl_logging
+  absl_logging.set_verbosity(absl_logging.WARNING)   # no line per HTTP request
+  for name in ("httpx", "openai"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+  levels = [int(x) for x in FLAGS.concurrency.split(",")]
+  settings = [{"off": False, "on": True}[x] for x in FLAGS.prefix_cache.split(",")]
+  cfg = cli.load_config(ServeConfig, FLAGS.config)
+  base = None if FLAGS.url else cli.load_llm(cfg)
+  rows: list[dict] = []
   try:
-    run_levels(levels, texts, rows)
+    for pc in settings[:1] if FLAGS.url else settings:
+      run_levels(base, cfg, pc, levels, rows)
   except openai.APIConnectionError as e:
     sys.exit(f"server_load.py: error: cannot reach the server ({FLAGS.url or 'in-process'}): {e}")
   common.print_tables(tables(rows))
@@ -167,46 +215,50 @@ def main(argv):
     plot(rows, FLAGS.plot)
 
 
-def run_levels(levels: list[int], texts: list[str], rows: list[dict]) -> None:
+def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict]) -> None:
+  """Every level on one server whose engine has `prefix_cache` (a fresh engine over
+  `base`'s weights), or on --url (then `prefix_cache` is only a label)."""
+  import dataclasses
+
   import jax
-  with Target() as (url, model, device):
-    warm = max(levels)
-    print(f"warm-up: {warm} requests at concurrency {min(warm, 16)}", file=sys.stderr)
-    asyncio.run(level(url, model, min(warm, 16), warm, FLAGS.max_tokens, FLAGS.max_s, texts))
-    asyncio.run(level(url, model, 1, 2, FLAGS.max_tokens, FLAGS.max_s, texts))
-    for c in levels:
-      n = FLAGS.requests or max(2 * c, 8)
-      r = asyncio.run(level(url, model, c, n, FLAGS.max_tokens, FLAGS.max_s, texts))
-      r.update(device=device, jax=jax.__version__)
-      rows.append(r)
-      print(f"c={c}: {r['requests']} requests, {r['tok_per_s']:.1f} tok/s, "
-            f"TTFT p50 {r['ttft_p50_s']:.2f} s", file=sys.stderr, flush=True)
-      common.write_rows(FLAGS.out, rows)
 
-
-class Target:
-  """Context manager -> (url, model id, device words): --url as given, or a server started here."""
-
-  def __enter__(self):
-    import jax
-
-    from jaxkv import cli
-    from jaxkv.config import ServeConfig
-    cfg = cli.load_config(ServeConfig, FLAGS.config)
-    model = cfg.server.model_name or cfg.model
-    if FLAGS.url:
-      self._cm = None
-      return FLAGS.url.rstrip("/"), model, "remote server"
-    from jaxkv.server.app import create_app, serve_in_thread
-    llm = cli.load_llm(cfg)
-    self._cm = serve_in_thread(create_app(llm, cfg))
-    server = self._cm.__enter__()
+  import jaxkv
+  from jaxkv.server.app import create_app, serve_in_thread
+  texts, system = prompts(), system_prompt(FLAGS.system_chars)
+  model = cfg.server.model_name or cfg.model
+  if FLAGS.url:
+    target, device = contextlib.nullcontext(None), "remote server"
+  else:
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
+                                                              prefix_cache=prefix_cache))
+    llm = jaxkv.LLM(base.model, base.tokenizer, cfg.cache, cfg.engine)
+    target = serve_in_thread(create_app(llm, cfg))
     dev = jax.devices()[0]
-    words = f"{dev.device_kind} ({dev.platform}), max_batch {cfg.engine.max_batch}, {cfg.model}"
-    return server.url, model, words
+    device = f"{dev.device_kind} ({dev.platform}), max_batch {cfg.engine.max_batch}, {cfg.model}"
+  with target as server:
+    url = FLAGS.url.rstrip("/") if FLAGS.url else server.url
+    sent = 0
 
-  def __exit__(self, *exc):
-    return self._cm.__exit__(*exc) if self._cm else False
+    def run(c, n):
+      nonlocal sent
+      sent += n
+      return asyncio.run(level(url, model, c, n, FLAGS.max_tokens, FLAGS.max_s, texts,
+                               system, first_id=sent - n))
+
+    warm = min(max(levels), 16)
+    print(f"prefix cache {prefix_cache}: warm-up, {warm} requests at concurrency {warm}",
+          file=sys.stderr)
+    run(warm, warm)
+    run(1, 2)
+    for c in levels:
+      r = run(c, FLAGS.requests or max(c, 8))
+      r.update(device=device, jax=jax.__version__, prefix_cache=prefix_cache)
+      rows.append(r)
+      print(f"prefix cache {prefix_cache}, c={c}: {r['requests']} requests, "
+            f"{r['tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s, cached "
+            f"{r['cached_tokens']} of {r['prompt_tokens']} prompt tokens",
+            file=sys.stderr, flush=True)
+      common.write_rows(FLAGS.out, rows)
 
 
 if __name__ == "__main__":

@@ -187,6 +187,10 @@ class EngineConfig:
   # jaxkv.ops impl: "auto" (Pallas on GPU, XLA reference elsewhere) | "reference"
   # | "pallas" | "interpret" (Pallas interpreter; slow, for debugging).
   attention_impl: str = "auto"  # auto | reference | pallas | interpret
+  # Radix prefix cache across requests (SGLang semantics, jaxkv.kv.radix): a prompt
+  # adopts the KV of its longest cached prefix and prefills only the rest; finished
+  # requests stay cached until their pages are needed (LRU eviction).
+  prefix_cache: bool = False
 
   def __post_init__(self):
     if self.max_batch < 1 or self.prefill_chunk < 1 or self.decode_steps < 1:

@@ -266,3 +266,78 @@ def test_step_api_submit_cancel_and_threads(tiny):
   t.join()
   assert done == want
   assert eng.allocator.num_live_slots == 0
+
+
+def _prefix_engine(model, num_pages=64):
+  return Engine(model, (), CacheConfig(num_pages=num_pages, page_size=4, max_seq_len=128),
+                EngineConfig(max_batch=3, prefill_chunk=8, decode_steps=4, prefix_cache=True))
+
+
+def test_prefix_cache_reproduces_hf_and_prefills_only_the_rest(tiny):
+  """Requests sharing a 37-token prefix, in two waves: the second wave adopts the
+  cached prefix (and the first wave's replies) and prefills only its own tail;
+  every reply equals HF greedy on the full prompt; holds and locks balance."""
+  hf, model = tiny
+  rng = np.random.default_rng(3)
+  shared = rng.integers(1, VOCAB, 37).tolist()
+  tails = [rng.integers(1, VOCAB, n).tolist() for n in (3, 9, 1, 14, 6)]
+  eng = _prefix_engine(model)
+  waves = [[Request(f"a{i}", shared + t, SamplingConfig(max_tokens=6)) for i, t in
+            enumerate(tails[:2])],
+           [Request(f"b{i}", shared + t, SamplingConfig(max_tokens=6)) for i, t in
+            enumerate(tails)]]
+  first = {r.id: r for r in eng.run(waves[0])}
+  prefilled = eng.metrics.prefill_tokens
+  second = {r.id: r for r in eng.run(waves[1])}
+  for wave, got in zip(waves, (first, second)):
+    for req in wave:
+      assert got[req.id].tokens == _hf_greedy(hf, req.prompt, 6), req.id
+  assert all(r.cached_tokens == 0 for r in first.values())
+  for i, t in enumerate(tails):
+    r = second[f"b{i}"]
+    # at least the shared prefix; a tail the first wave saw is cached to its last token
+    assert 37 <= r.cached_tokens <= 37 + len(t) - 1, (i, r.cached_tokens)
+  assert second["b0"].cached_tokens == 37 + len(tails[0]) - 1
+  new_prefill = eng.metrics.prefill_tokens - prefilled
+  assert new_prefill == sum(len(r.prompt) - second[r.id].cached_tokens for r in waves[1])
+  assert eng.metrics.cached_tokens == sum(r.cached_tokens for r in second.values())
+  eng.allocator.check()
+  eng.radix.check()
+  assert eng.radix.locked_tokens == 0
+  assert eng.allocator.num_live_slots == eng.radix.num_cached_tokens > 0
+
+
+def test_prefix_cache_evicts_under_pressure_and_stays_exact(tiny):
+  """A pool that holds one request at a time: cached KV of finished requests is
+  evicted (LRU) to admit the next, and results still equal HF."""
+  hf, model = tiny
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(1, VOCAB, 40).tolist() for _ in range(4)]
+  eng = _prefix_engine(model, num_pages=14)     # 13 usable pages of 4: one 40+8 request
+  got = {r.id: r for r in eng.run(Request(str(i), p, SamplingConfig(max_tokens=8))
+                                  for i, p in enumerate(prompts))}
+  for i, p in enumerate(prompts):
+    assert got[str(i)].finish_reason == "length", got[str(i)].error
+    assert got[str(i)].tokens == _hf_greedy(hf, p, 8)
+  assert eng.radix.stats.evicted_tokens > 0
+  eng.allocator.check()
+  eng.radix.check()
+
+
+def test_prefix_cache_abort_and_cancel_release_locks(tiny):
+  _, model = tiny
+  eng = _prefix_engine(model)
+  shared = list(range(1, 30))
+  list(eng.run([Request("warm", shared + [40], SamplingConfig(max_tokens=3))]))
+  eng.submit(Request("x", shared + [41, 42], SamplingConfig(max_tokens=50)))
+  eng.submit(Request("y", shared + [43], SamplingConfig(max_tokens=50)))
+  eng.step()
+  assert eng.radix.locked_tokens > 0
+  assert eng.cancel("x")
+  out = {r.id: r for r in eng.step()}
+  assert out["x"].finish_reason == "cancelled"
+  aborted = eng.abort("test abort")
+  assert [r.id for r in aborted] == ["y"] and aborted[0].finish_reason == "error"
+  assert eng.radix.locked_tokens == 0 and not eng.busy
+  eng.allocator.check()
+  eng.radix.check()

@@ -39,10 +39,10 @@ def base():
   return jaxkv.load(MODEL, cache=CACHE, engine=ENGINE)
 
 
-def fresh(base, **server) -> tuple[jaxkv.LLM, ServeConfig]:
+def fresh(base, engine=ENGINE, **server) -> tuple[jaxkv.LLM, ServeConfig]:
   """Another engine (own pool and allocator) over the same weights."""
-  llm = jaxkv.LLM(base.model, base.tokenizer, CACHE, ENGINE)
-  cfg = ServeConfig(model=MODEL, cache=CACHE, engine=ENGINE,
+  llm = jaxkv.LLM(base.model, base.tokenizer, CACHE, engine)
+  cfg = ServeConfig(model=MODEL, cache=CACHE, engine=engine,
                     sampling=SamplingConfig(max_tokens=16), server=ServerConfig(**server))
   return llm, cfg
 
@@ -265,6 +265,33 @@ def test_tools_reach_the_prompt(served):
   assert r.usage.prompt_tokens > len(served.llm.encode(chat("Weather in Paris?")))
 
 
+def test_prefix_cache_reports_cached_tokens(base, reference):
+  """With engine.prefix_cache, a request sharing a system prompt with an earlier one
+  prefills only the rest, says so in usage and /metrics, and answers the same."""
+  llm, cfg = fresh(base, engine=dataclasses.replace(ENGINE, prefix_cache=True))
+  system = {"role": "system", "content": "You are a helpful assistant for a travel agency. "
+            "Answer briefly and politely, in one sentence, and never invent facts."}
+  with serving(llm, cfg) as server:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    ask = lambda q, **kw: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[system, *chat(q)], max_tokens=10, **kw)
+    a = ask(PROMPTS[0])
+    b = ask(PROMPTS[0])
+    c = ask(PROMPTS[1])
+    streamed = list(ask(PROMPTS[2], stream=True, stream_options={"include_usage": True}))
+    n_system = len(llm.encode([system]))
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.usage.prompt_tokens_details.cached_tokens == b.usage.prompt_tokens - 1
+    assert b.choices[0].message.content == a.choices[0].message.content
+    assert n_system - 8 <= c.usage.prompt_tokens_details.cached_tokens < c.usage.prompt_tokens
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= n_system - 8
+    hits = sum(r.usage.prompt_tokens_details.cached_tokens for r in (a, b, c, streamed[-1]))
+    assert metric(server.url, "jaxkv_prefix_cache_hit_tokens_total") == hits
+    assert metric(server.url, "jaxkv_prefix_cache_tokens") > 0
+    llm.engine.allocator.check()
+    llm.engine.radix.check()
+
+
 def test_queue_full_gets_429_and_the_rest_complete(base):
   llm, cfg = fresh(base, max_pending=2)
   with serving(llm, cfg) as server:
@@ -404,7 +431,8 @@ def test_load_bench_level_against_the_server(served):
   sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "bench"))
   import server_load
   row = asyncio.run(server_load.level(served.url, MODEL, 4, 6, 8, 300.0,
-                                      server_load.prompts()))
+                                      server_load.prompts(), server_load.system_prompt(300)))
   assert row["requests"] == 6 and 6 <= row["completion_tokens"] <= 48
+  assert row["prompt_tokens"] > 6 * 60 and row["cached_tokens"] == 0   # no prefix cache
   assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] < 300
-  assert server_load.table([row]).header[0] == "concurrency"
+  assert server_load.table([row]).lines[0][:3] == ["off", "4", "6"]

@@ -39,6 +39,7 @@ from jaxkv.engine.sampling import SamplingParams
 from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.radix import RadixCache
 
 
 @dataclasses.dataclass
@@ -57,8 +58,9 @@ class Result:
   completion_tokens: int
   ttft_s: float
   latency_s: float
-  finish_reason: str     # "stop" | "length" | "error"
+  finish_reason: str     # "stop" | "length" | "error" | "cancelled"
   error: str | None = None
+  cached_tokens: int = 0  # prompt tokens served by the prefix cache (not prefilled)
 
 
 @dataclasses.dataclass
@@ -70,6 +72,8 @@ class _Row:
   generated: list[int] = dataclasses.field(default_factory=list)
   first_token_at: float | None = None
   finish: str | None = None
+  cached: int = 0                  # prompt positions adopted from the prefix cache
+  lock: object = None              # the prefix cache's lock on that path
 
 
 class Engine:
@@ -89,6 +93,7 @@ class Engine:
     self.stop_ids = sorted(set(int(t) for t in stop_ids))
     self.driver: Driver | None = None     # the pool is allocated on the first run
     self.allocator = PagedAllocator(cache.num_pages, cache.page_size)
+    self.radix = RadixCache(self.allocator) if engine.prefix_cache else None
     self.metrics = EngineMetrics(
         bytes_per_slot=2 * model.cfg.num_layers * model.cfg.d_kv * jnp.dtype(cache.dtype).itemsize)
     self.attn_impl = engine.attention_impl
@@ -137,15 +142,37 @@ class Engine:
       return _error(req, f"KV pool too small for this request: it needs {need} pages of "
                          f"{self.cache_cfg.page_size} slots, the pool has "
                          f"{self.cache_cfg.num_pages - 1}; raise cache.num_pages")
-    outstanding = sum(
-        self._pages(len(r.req.prompt) + r.req.sampling.max_tokens)
-        - self._pages(self.allocator.length(r.seq)) for r in rows if r is not None)
-    if self.allocator.num_free_pages < need + outstanding:
+    match = None
+    if self.radix is not None:   # the last prompt token is always recomputed (its logits)
+      match = self.radix.match_prefix(req.prompt[:-1], lock=True)
+    hit = match.n_matched if match is not None else 0
+    need = self._reserve(n - hit, req.sampling.max_tokens, hit)
+    outstanding = sum(self._reserve(len(r.req.prompt) - r.cached, r.req.sampling.max_tokens,
+                                    r.cached)
+                      - self._pages(self.allocator.length(r.seq) - r.cached)
+                      for r in rows if r is not None)
+    short = need + outstanding - self.allocator.num_free_pages
+    while short > 0 and self.radix is not None and self.radix.evictable_tokens:
+      # finished requests' cached KV goes first, least recently used first
+      if not self.radix.evict(short * self.cache_cfg.page_size):
+        break
+      short = need + outstanding - self.allocator.num_free_pages
+    if short > 0:
+      if match is not None:
+        self.radix.release_lock(match)
       raise OutOfSlotsError(f"{need} pages needed, {self.allocator.num_free_pages} free, "
                             f"{outstanding} reserved by running requests")
     seq = self.allocator.new_sequence()
-    self.allocator.extend(seq, n)
-    return _Row(req=req, seq=seq, admitted=now)
+    if hit:
+      self.allocator.adopt(seq, match.slots)
+    self.allocator.extend(seq, n - hit)
+    self.metrics.cached_tokens += hit
+    return _Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match)
+
+  def _reserve(self, new_prompt: int, max_tokens: int, hit: int) -> int:
+    """Pages a row may still take: its new tokens, plus one when it adopted a prefix
+    (the adopted slots are not its pages; its first fresh page starts mid-count)."""
+    return self._pages(new_prompt + max_tokens) + (1 if hit else 0)
 
   # ------------------------------------------------------------------ phases
   def _prefill(self, rows: list[_Row | None]) -> None:
@@ -224,14 +251,28 @@ class Engine:
           count += 1
     self.metrics.add_decode(count, dt)
 
+  def _release(self, r: _Row, cache: bool) -> None:
+    """Frees the row's sequence; with the prefix cache on, first caches the tokens
+    whose KV it wrote (prompt + every generated token but the last, which was never
+    fed back), when the prompt was prefilled whole."""
+    if self.radix is not None:
+      if cache and r.prefilled == len(r.req.prompt):
+        done = list(r.req.prompt) + r.generated[:-1]
+        self.radix.insert(np.asarray(done, np.int64),
+                          self.allocator.slot_map(r.seq)[:len(done)])
+      if r.lock is not None:
+        self.radix.release_lock(r.lock)
+    self.allocator.free_sequence(r.seq)
+
   def _retire(self, r: _Row, now: float) -> Result:
     # Frees every slot of the row, including those allocated ahead for decode
-    # steps it did not take.
-    self.allocator.free_sequence(r.seq)
+    # steps it did not take (the prefix cache holds the ones it caches).
+    self._release(r, cache=True)
     return Result(id=r.req.id, tokens=list(r.generated), prompt_tokens=len(r.req.prompt),
                   completion_tokens=len(r.generated),
                   ttft_s=(r.first_token_at or now) - r.admitted,
-                  latency_s=now - r.admitted, finish_reason=r.finish or "length")
+                  latency_s=now - r.admitted, finish_reason=r.finish or "length",
+                  cached_tokens=r.cached)
 
   # -------------------------------------------------------------------- API
   def _ensure_driver(self) -> None:
@@ -273,10 +314,12 @@ class Engine:
   def num_running(self) -> int:
     return sum(r is not None for r in self._rows)
 
-  def progress(self) -> dict[str, list[int]]:
-    """The tokens each running request has generated so far (a copy), by id: what
-    a streaming caller sends between `step`s. Call it from the thread that steps."""
-    return {r.req.id: list(r.generated) for r in self._rows if r is not None and r.generated}
+  def progress(self) -> dict[str, tuple[list[int], int]]:
+    """(tokens generated so far (a copy), prompt tokens served by the prefix cache)
+    of each running request with tokens, by id: what a streaming caller sends
+    between `step`s. Call it from the thread that steps."""
+    return {r.req.id: (list(r.generated), r.cached) for r in self._rows
+            if r is not None and r.generated}
 
   def _admit_waiting(self, now: float) -> list[Result]:
     """Moves queued requests into free rows, first come first served; a request
@@ -341,7 +384,7 @@ class Engine:
     out = [_error(req, error) for req in waiting]
     for i, r in enumerate(self._rows):
       if r is not None:
-        self.allocator.free_sequence(r.seq)
+        self._release(r, cache=False)
         out.append(dataclasses.replace(_error(r.req, error), tokens=list(r.generated),
                                        completion_tokens=len(r.generated)))
         self._rows[i] = None

@@ -17,6 +17,7 @@ class EngineMetrics:
   decode_tokens: int = 0
   decode_s: float = 0.0
   peak_live_slots: int = 0
+  cached_tokens: int = 0              # prompt tokens adopted from the prefix cache
   wall_s: float = 0.0
   requests: int = 0
   errors: int = 0
@@ -54,6 +55,7 @@ class EngineMetrics:
         "requests": self.requests,
         "errors": self.errors,
         "prefill_tokens": self.prefill_tokens,
+        "cached_tokens": self.cached_tokens,
         "prefill_tok_s": rate(self.prefill_tokens, self.prefill_s),
         "decode_tokens": self.decode_tokens,
         "decode_tok_s": rate(self.decode_tokens, self.decode_s),

@@ -5,19 +5,22 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as
 server-sent events with `"stream": true`), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text format). Errors are OpenAI's error JSON: 400 for
-a malformed body or a prompt that does not fit, 404 for an unknown model, 429
-when `server.max_pending` requests are already queued or running, 500 when the
+`GET /metrics` (Prometheus text format). With `--config.engine.prefix_cache`
+a prompt adopts its longest cached prefix and
+`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens it did
+not prefill. Errors are OpenAI's error JSON: 400 for a malformed body or a
+prompt that does not fit, 404 for an unknown model, 429 when
+`server.max_pending` requests are already queued or running, 500 when the
 engine failed the request, 503 while shutting down.
 
 A client that disconnects (mid-stream, or while a non-streamed request runs) has
 its request cancelled; the next engine step frees its KV slots. The engine loop
 starts with the app and, on shutdown, cancels what is left and stops.
 
-Not yet here (issue 17): agent sessions (radix holds, IntentKV QueryMemory and
-pruning state kept across a session's turns), role adapters selected by model
-name, and the composed pruning / LoRA sharing / reuse / MemArt config; the
-batch engine has no prefix cache, so `cached_tokens` is 0.
+Not yet here (issue 17): agent sessions (IntentKV QueryMemory and pruning state
+kept across a session's turns, open / close / idle timeout), role adapters
+selected by model name, and the composed pruning / LoRA sharing / reuse /
+MemArt config.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ class _ClientGone(Exception):
 
 def _error(e: APIError) -> JSONResponse:
   return JSONResponse(e.body(), status_code=e.status)
+
+
+def _tokens(event: tuple) -> tuple[list[int], int]:
+  """(generated tokens, cached prompt tokens) of a "tokens" or "done" event."""
+  if event[0] == "done":
+    return event[1].tokens, event[1].cached_tokens
+  return event[1], event[2]
 
 
 def _finish(reason: str) -> str:
@@ -121,19 +131,18 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         _, stopped = stream.update(decode(event[1]), final=False)
         if stopped:
           loop.cancel(rid)
-          tokens = event[1]
           break
         event = await next_event(queue, request, rid)
       else:
-        tokens = event[1].tokens
         if event[1].finish_reason == "error":
           return _error(APIError(500, event[1].error, type="server_error"))
     except _ClientGone:
       return JSONResponse({}, status_code=499)
+    tokens, cached = _tokens(event)
     _, stopped = stream.update(decode(tokens), final=True)
     finish = "stop" if stopped else _finish(event[1].finish_reason)
     return JSONResponse(protocol.response(p, rid, t_created, stream.text, finish,
-                                          protocol.usage(len(p.prompt), len(tokens))))
+                                          protocol.usage(len(p.prompt), len(tokens), cached)))
 
   async def sse(p, rid, t_created, queue, event, stream):
     done = False
@@ -146,7 +155,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         yield data(protocol.chunk(p, rid, t_created, role=True, text=""))
       while True:
         final = event[0] == "done"
-        tokens = event[1].tokens if final else event[1]
+        tokens, cached = _tokens(event)
         delta, stopped = stream.update(decode(tokens), final=final)
         if delta:
           yield data(protocol.chunk(p, rid, t_created, text=delta))
@@ -166,7 +175,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
       yield data(protocol.chunk(p, rid, t_created, tool_calls=made or None, finish=reason))
       if p.include_usage:
         yield data(protocol.chunk(p, rid, t_created, use=protocol.usage(
-            len(p.prompt), len(tokens))))
+            len(p.prompt), len(tokens), cached)))
       yield "data: [DONE]\n\n"
       done = True
     finally:
@@ -252,6 +261,11 @@ def prometheus(loop: EngineLoop, model: str) -> str:
       ("jaxkv_kv_free_pages", "gauge", "free KV pages", alloc.num_free_pages),
       ("jaxkv_kv_peak_bytes", "gauge", "peak KV bytes in use", m.peak_kv_bytes),
   ]
+  if engine.radix is not None:
+    rows += [("jaxkv_prefix_cache_hit_tokens_total", "counter",
+              "prompt tokens adopted from the prefix cache (not prefilled)", m.cached_tokens),
+             ("jaxkv_prefix_cache_tokens", "gauge", "tokens held by the prefix cache",
+              engine.radix.num_cached_tokens)]
   out = []
   for name, kind, help_, value in rows:
     out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {value}"]

@@ -6,7 +6,8 @@ prefill, a `lax.scan` of decode steps, retire) as long as anything is queued or
 running, so concurrent requests share every decode step. After each step the
 thread posts, thread-safely onto the server's event loop,
 
-    ("tokens", [ids so far])   for every running request that grew, and
+    ("tokens", [ids so far], cached prompt tokens)   for every running request
+                                                     that grew, and
     ("done", Result)           for every request that finished,
 
 once after the step's prefill (first tokens: TTFT does not wait for the decode
@@ -126,11 +127,11 @@ class EngineLoop:
       pass
 
   def _post_progress(self) -> None:
-    for rid, tokens in self.engine.progress().items():
+    for rid, (tokens, cached) in self.engine.progress().items():
       waiter = self._waiters.get(rid)
       if waiter is not None and len(tokens) > waiter.sent:
         waiter.sent = len(tokens)
-        self._post(rid, ("tokens", tokens))
+        self._post(rid, ("tokens", tokens, cached))
 
   def _run(self) -> None:
     while True:
