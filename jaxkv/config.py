@@ -468,12 +468,15 @@ class ServerConfig:
   port: int = 8000
   model_name: str = ""          # the id clients send as "model" ("" : ServeConfig.model)
   max_pending: int = 256        # queued + running requests; more get 429
+  session_idle_s: float = 600.0  # an agent session unused this long is closed (its hold freed)
 
   def __post_init__(self):
     if not 0 <= self.port < 65536:
       raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
     if self.max_pending < 1:
       raise ValueError(f"server.max_pending must be >= 1, got {self.max_pending}")
+    if self.session_idle_s <= 0:
+      raise ValueError(f"server.session_idle_s must be > 0, got {self.session_idle_s}")
 
 
 SERVE_MODES = ("requests", "sessions", "reuse", "semshare", "memart")

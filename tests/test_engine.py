@@ -341,3 +341,41 @@ def test_prefix_cache_abort_and_cancel_release_locks(tiny):
   assert eng.radix.locked_tokens == 0 and not eng.busy
   eng.allocator.check()
   eng.radix.check()
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_session_hold_keeps_a_turn_cached_under_pressure(tiny, held):
+  """A session's latest turn stays in the prefix cache while other requests need
+  the pages (held); without a session it is evicted and the next turn recomputes."""
+  hf, model = tiny
+  rng = np.random.default_rng(5)
+  eng = _prefix_engine(model, num_pages=30)    # 29 pages of 4: the hold + one request
+  turn1 = rng.integers(1, VOCAB, 40).tolist()
+  sid = "agent-1" if held else None
+  (r1,) = eng.run([Request("t1", turn1, SamplingConfig(max_tokens=8), session=sid)])
+  others = [Request(f"o{i}", rng.integers(1, VOCAB, 40).tolist(), SamplingConfig(max_tokens=8))
+            for i in range(3)]
+  assert all(r.finish_reason == "length" for r in eng.run(others))
+  turn2 = turn1 + r1.tokens + rng.integers(1, VOCAB, 5).tolist()
+  (r2,) = eng.run([Request("t2", turn2, SamplingConfig(max_tokens=8), session=sid)])
+  assert r2.tokens == _hf_greedy(hf, turn2, 8)
+  if held:
+    assert r2.cached_tokens == len(turn1) + len(r1.tokens) - 1
+    assert eng.sessions["agent-1"] == len(turn2) + 7
+    assert eng.close_session("agent-1") and not eng.close_session("agent-1")
+  else:
+    assert r2.cached_tokens < len(turn1)
+  assert eng.radix.locked_tokens == 0
+  eng.allocator.check()
+  eng.radix.check()
+
+
+def test_sessions_expire_and_need_the_prefix_cache(tiny):
+  _, model = tiny
+  eng = _prefix_engine(model)
+  list(eng.run([Request("a", [1, 2, 3, 4, 5], SamplingConfig(max_tokens=2), session="s")]))
+  assert eng.sessions == {"s": 6} and eng.radix.locked_tokens == 6
+  assert eng.expire_sessions(3600) == [] and eng.expire_sessions(0) == ["s"]
+  assert eng.sessions == {} and eng.radix.locked_tokens == 0
+  with pytest.raises(ValueError, match="prefix_cache"):
+    _engine(model).open_session("s")

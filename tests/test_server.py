@@ -436,3 +436,48 @@ def test_load_bench_level_against_the_server(served):
   assert row["prompt_tokens"] > 6 * 60 and row["cached_tokens"] == 0   # no prefix cache
   assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] < 300
   assert server_load.table([row]).lines[0][:3] == ["off", "4", "6"]
+
+
+def test_agent_sessions_hold_their_turns(base):
+  """Sessions with the prefix cache: open, multi-turn chat whose every turn adopts the
+  previous turn's prompt + reply, a hold visible in /v1/sessions and /metrics, close
+  (404 the second time), idle expiry, and 400 when the prefix cache is off."""
+  engine_cfg = dataclasses.replace(ENGINE, prefix_cache=True)
+  llm, cfg = fresh(base, engine=engine_cfg, session_idle_s=5.0)
+  with serving(llm, cfg) as server:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+    msgs = chat("Plan a trip to Paris in two steps.")
+    cached = []
+    for turn in range(3):
+      r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8,
+                                         extra_body={"session_id": sid})
+      cached.append(r.usage.prompt_tokens_details.cached_tokens)
+      msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"And step {turn + 2}?"}]
+    assert cached[0] == 0 and all(c > 20 for c in cached[1:]), cached
+    listed = httpx.get(server.url + "/v1/sessions").json()["data"]
+    assert [d["id"] for d in listed] == [sid] and listed[0]["held_tokens"] > cached[2]
+    assert metric(server.url, "jaxkv_sessions_open") == 1
+    assert httpx.delete(f"{server.url}/v1/sessions/{sid}").json()["deleted"]
+    gone = httpx.delete(f"{server.url}/v1/sessions/{sid}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
+    # "user" opens a session too; it expires after session_idle_s
+    client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2, user="bob")
+    assert "bob" in {d["id"] for d in httpx.get(server.url + "/v1/sessions").json()["data"]}
+    deadline = time.time() + 30
+    while httpx.get(server.url + "/v1/sessions").json()["data"]:
+      assert time.time() < deadline, "idle session not expired"
+      time.sleep(0.5)
+    assert llm.engine.radix.locked_tokens == 0
+    llm.engine.allocator.check()
+    llm.engine.radix.check()
+  llm2, cfg2 = fresh(base)
+  with serving(llm2, cfg2) as server:
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": chat("hi"), "session_id": "s1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+    assert httpx.post(server.url + "/v1/sessions").status_code == 400
+    ok = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": chat("hi"), "max_tokens": 2, "user": "alice"})
+    assert ok.status_code == 200

@@ -48,6 +48,7 @@ class Request:
   id: str
   prompt: list[int]
   sampling: SamplingConfig = SamplingConfig()
+  session: str | None = None   # with the prefix cache: keep this session's KV cached
 
 
 @dataclasses.dataclass
@@ -94,6 +95,8 @@ class Engine:
     self.driver: Driver | None = None     # the pool is allocated on the first run
     self.allocator = PagedAllocator(cache.num_pages, cache.page_size)
     self.radix = RadixCache(self.allocator) if engine.prefix_cache else None
+    # open sessions: id -> [lock on the path of its latest turn or None, last use time]
+    self._sessions: dict[str, list] = {}
     self.metrics = EngineMetrics(
         bytes_per_slot=2 * model.cfg.num_layers * model.cfg.d_kv * jnp.dtype(cache.dtype).itemsize)
     self.attn_impl = engine.attention_impl
@@ -257,9 +260,15 @@ class Engine:
     fed back), when the prompt was prefilled whole."""
     if self.radix is not None:
       if cache and r.prefilled == len(r.req.prompt):
-        done = list(r.req.prompt) + r.generated[:-1]
-        self.radix.insert(np.asarray(done, np.int64),
-                          self.allocator.slot_map(r.seq)[:len(done)])
+        done = np.asarray(list(r.req.prompt) + r.generated[:-1], np.int64)
+        self.radix.insert(done, self.allocator.slot_map(r.seq)[:len(done)])
+        if r.req.session is not None:   # hold the turn's path until the next turn / close
+          self.open_session(r.req.session)
+          entry = self._sessions[r.req.session]
+          if entry[0] is not None:
+            self.radix.release_lock(entry[0])
+          entry[0] = self.radix.match_prefix(done, lock=True)
+          entry[1] = time.monotonic()
       if r.lock is not None:
         self.radix.release_lock(r.lock)
     self.allocator.free_sequence(r.seq)
@@ -374,6 +383,38 @@ class Engine:
     for res in results:
       self.metrics.add_request(res)
     return results
+
+  # ---------------------------------------------------------------- sessions
+  # An open session keeps its latest turn (prompt + reply) locked in the prefix
+  # cache, so the next turn, whose prompt extends it, finds it there however much
+  # other traffic needed pages in between. Call from the thread that steps.
+  def open_session(self, session: str) -> None:
+    """Registers `session` (idempotent). Needs `EngineConfig.prefix_cache`."""
+    if self.radix is None:
+      raise ValueError("sessions keep KV in the prefix cache: set engine.prefix_cache=True")
+    self._sessions.setdefault(session, [None, time.monotonic()])
+
+  def close_session(self, session: str) -> bool:
+    """Releases the session's hold (its KV stays cached, evictable); False if unknown."""
+    entry = self._sessions.pop(session, None)
+    if entry is not None and entry[0] is not None:
+      self.radix.release_lock(entry[0])
+    return entry is not None
+
+  def expire_sessions(self, idle_s: float) -> list[str]:
+    """Closes the sessions unused for more than `idle_s` seconds; returns their ids."""
+    now = time.monotonic()
+    old = [k for k, (_, used) in self._sessions.items() if now - used > idle_s]
+    for k in old:
+      self.close_session(k)
+    return old
+
+  @property
+  def sessions(self) -> dict[str, int]:
+    """Open sessions -> tokens their hold keeps cached (from a copy: another thread
+    may read it as a snapshot)."""
+    return {k: (lock.n_matched if lock is not None else 0)
+            for k, (lock, _) in self._sessions.copy().items()}
 
   def abort(self, error: str) -> list[Result]:
     """Fails every queued and running request with `error` and frees their slots:

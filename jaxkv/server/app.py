@@ -17,10 +17,15 @@ A client that disconnects (mid-stream, or while a non-streamed request runs) has
 its request cancelled; the next engine step frees its KV slots. The engine loop
 starts with the app and, on shutdown, cancels what is left and stops.
 
-Not yet here (issue 17): agent sessions (IntentKV QueryMemory and pruning state
-kept across a session's turns, open / close / idle timeout), role adapters
-selected by model name, and the composed pruning / LoRA sharing / reuse /
-MemArt config.
+Agent sessions (prefix cache on): `POST /v1/sessions` opens one (or a request's
+`session_id` / `user` does), `DELETE /v1/sessions/{id}` closes it, `GET
+/v1/sessions` lists them with the tokens each keeps cached; a session idle for
+`server.session_idle_s` is closed by the loop.
+
+Not yet here (issue 17): IntentKV QueryMemory and pruning state kept across a
+session's turns (pruning runs in `SessionRunner`, not in the batch engine), role
+adapters selected by model name, and the composed pruning / LoRA sharing /
+reuse / MemArt config.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -66,7 +72,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   engine = llm.engine
   model_name = cfg.server.model_name or cfg.model
   created = int(time.time())
-  loop = EngineLoop(engine, cfg.server.max_pending)
+  loop = EngineLoop(engine, cfg.server.max_pending, cfg.server.session_idle_s)
+  sessions_on = engine.radix is not None
   tokenizer = llm.tokenizer
   cache = llm.cache_config
   prompt_slots = (cache.num_pages - 1) * cache.page_size
@@ -107,10 +114,14 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
                          max_seq_len=cache.max_seq_len, max_prompt_slots=prompt_slots)
     except APIError as e:
       return _error(e)
+    if not sessions_on and p.session is not None and p.session != p.user:
+      return _error(APIError(400, "sessions keep KV in the prefix cache: start the server "
+                             "with --config.engine.prefix_cache=true", param="session_id"))
     rid = protocol.new_id(kind)
     t_created = int(time.time())
     try:
-      queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling))
+      queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
+                                  session=p.session if sessions_on else None))
     except QueueFull as e:
       return _error(APIError(503 if not loop.alive else 429, str(e), type="rate_limit_error"
                              if loop.alive else "server_error", code="queue_full"))
@@ -200,6 +211,41 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
                                         "created": created, "owned_by": "jaxkv",
                                         "max_model_len": cache.max_seq_len}]}
 
+  def need_sessions():
+    if not sessions_on:
+      raise APIError(400, "sessions keep KV in the prefix cache: start the server with "
+                     "--config.engine.prefix_cache=true")
+
+  @app.post("/v1/sessions")
+  async def open_session(request: HTTPRequest):
+    """Opens a session ({"session_id": optional}); its id goes in later requests'
+    "session_id" (or "user")."""
+    need_sessions()
+    raw = await request.body()
+    body = await body_of(request) if raw.strip() else {}
+    sid = body.get("session_id") if isinstance(body, dict) else None
+    if sid is not None and (not isinstance(sid, str) or not sid):
+      raise APIError(400, "'session_id' must be a non-empty string", param="session_id")
+    sid = sid or f"sess-{uuid.uuid4().hex[:24]}"
+    await asyncio.wrap_future(loop.call(lambda: engine.open_session(sid)))
+    return {"id": sid, "object": "session"}
+
+  @app.get("/v1/sessions")
+  async def list_sessions():
+    need_sessions()
+    held = await asyncio.wrap_future(loop.call(lambda: engine.sessions))
+    return {"object": "list", "data": [{"id": k, "object": "session", "held_tokens": n}
+                                       for k, n in sorted(held.items())]}
+
+  @app.delete("/v1/sessions/{sid}")
+  async def close_session(sid: str):
+    """Closes a session: its hold on the cached KV is released (LRU evictable)."""
+    need_sessions()
+    if not await asyncio.wrap_future(loop.call(lambda: engine.close_session(sid))):
+      raise APIError(404, f"no open session '{sid}'", param="session_id",
+                     code="session_not_found")
+    return {"id": sid, "object": "session", "deleted": True}
+
   @app.get("/health")
   async def health():
     if not loop.alive:
@@ -262,10 +308,14 @@ def prometheus(loop: EngineLoop, model: str) -> str:
       ("jaxkv_kv_peak_bytes", "gauge", "peak KV bytes in use", m.peak_kv_bytes),
   ]
   if engine.radix is not None:
+    held = engine.sessions   # read from the server thread: a snapshot, may be a step old
     rows += [("jaxkv_prefix_cache_hit_tokens_total", "counter",
               "prompt tokens adopted from the prefix cache (not prefilled)", m.cached_tokens),
              ("jaxkv_prefix_cache_tokens", "gauge", "tokens held by the prefix cache",
-              engine.radix.num_cached_tokens)]
+              engine.radix.num_cached_tokens),
+             ("jaxkv_sessions_open", "gauge", "open agent sessions", len(held)),
+             ("jaxkv_session_held_tokens", "gauge", "tokens the open sessions keep cached",
+              sum(held.values()))]
   out = []
   for name, kind, help_, value in rows:
     out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {value}"]

@@ -14,6 +14,11 @@ once after the step's prefill (first tokens: TTFT does not wait for the decode
 call) and once after its decode, so streaming sends a delta per engine step
 (up to `EngineConfig.decode_steps` tokens).
 
+Agent sessions (with the engine's prefix cache): a request naming a session
+keeps that session's latest turn locked in the cache (`Engine.open_session` /
+`close_session`); `call(fn)` runs such engine operations on the loop thread
+between steps, and sessions idle for `session_idle_s` are closed there.
+
 Robustness: more than `max_pending` queued + running requests raise `QueueFull`
 (the server answers 429); `cancel` (a client that went away) frees the row's
 slots at the next step; an exception inside a step fails the requests then in
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -60,15 +66,18 @@ class LoopStats:
 class EngineLoop:
   """Owns the engine; the only thread that calls `Engine.step`."""
 
-  def __init__(self, engine: Engine, max_pending: int = 256):
+  def __init__(self, engine: Engine, max_pending: int = 256, session_idle_s: float = 600.0):
     self.engine = engine
     self.max_pending = max_pending
+    self.session_idle_s = session_idle_s
+    self._ops: collections.deque = collections.deque()   # (fn, future) run on the loop thread
     self.stats = LoopStats()
     self._waiters: dict[str, _Waiter] = {}
     self._lock = threading.Lock()
     self._wake = threading.Event()
     self._stopping = False
     self._thread: threading.Thread | None = None
+    self._expired_at = 0.0
 
   # ------------------------------------------------------------ server side
   def start(self) -> None:
@@ -104,6 +113,25 @@ class EngineLoop:
     if self.engine.cancel(request_id):
       self._wake.set()
 
+  def call(self, fn) -> concurrent.futures.Future:
+    """Runs `fn()` on the loop thread between steps (engine state such as sessions
+    is only touched there); the future carries its result or exception."""
+    fut = concurrent.futures.Future()
+    self._ops.append((fn, fut))
+    self._wake.set()
+    return fut
+
+  def _run_ops(self) -> None:
+    while self._ops:
+      fn, fut = self._ops.popleft()
+      try:
+        fut.set_result(fn())
+      except Exception as e:  # handed to the caller
+        fut.set_exception(e)
+    if self.engine.radix is not None and time.monotonic() - self._expired_at > 1.0:
+      self._expired_at = time.monotonic()
+      self.engine.expire_sessions(self.session_idle_s)
+
   def stop(self, timeout: float = 30.0) -> None:
     """Cancels every queued and running request, lets the loop retire them, joins."""
     with self._lock:
@@ -135,8 +163,10 @@ class EngineLoop:
 
   def _run(self) -> None:
     while True:
+      self._run_ops()
       if not self.engine.busy:
         if self._stopping:
+          self._run_ops()
           return
         self._wake.wait(0.5)
         self._wake.clear()

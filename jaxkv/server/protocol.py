@@ -15,6 +15,10 @@ Decisions where the API leaves room:
   `sampling.max_tokens`, clipped to the cache room left after the prompt; a
   prompt that leaves no room, or an explicit `max_tokens` that does not fit, is
   400 `context_length_exceeded`;
+- `session_id` (an extra body field) or else `user` names an agent session: with
+  the engine's prefix cache on, the session's latest turn stays cached between
+  turns (see `jaxkv.server.loop`); without it `user` is only a label and
+  `session_id` is refused;
 - tools go through the model's chat template when it renders tool calls
   (Qwen2.5); otherwise (SmolLM2) the tool list is written into the system
   message and earlier calls as ReAct text, the form the traces use
@@ -63,6 +67,7 @@ class Parsed:
   stop: tuple[str, ...] = ()
   tools: bool = False            # tool calls in the output are parsed into `tool_calls`
   user: str | None = None
+  session: str | None = None     # "session_id" (extra field), else "user"
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -161,6 +166,9 @@ def parse(body: Any, kind: str, *, models: Callable[[str], bool], tokenizer,
   user = body.get("user")
   if user is not None and not isinstance(user, str):
     raise _bad("'user' must be a string", "user")
+  session = body.get("session_id")
+  if session is not None and (not isinstance(session, str) or not session):
+    raise _bad("'session_id' must be a non-empty string", "session_id")
   tools = None
   try:
     if kind == "chat":
@@ -190,7 +198,7 @@ def parse(body: Any, kind: str, *, models: Callable[[str], bool], tokenizer,
       max_tokens=max_tokens or min(defaults.max_tokens, room))
   return Parsed(kind=kind, model=model, prompt=prompt, sampling=sampling, stream=stream,
                 include_usage=bool(opts.get("include_usage")), stop=_stop(body),
-                tools=tools is not None, user=user)
+                tools=tools is not None, user=user, session=session or user)
 
 
 def _completion_prompt(tokenizer, prompt: Any) -> list[int]:
