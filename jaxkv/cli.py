@@ -190,10 +190,23 @@ def load_llm(cfg):
   except ValueError as e:
     fail(f"--config.mesh: {e}")
   try:
-    return jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine,
-                      scan_layers=cfg.scan_layers, mesh=mesh)
+    llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine,
+                     scan_layers=cfg.scan_layers, mesh=mesh)
   except (FileNotFoundError, ValueError) as e:
     fail(f"--config.model={cfg.model}: {e}")
+  path = cfg.server.role_adapters
+  if path:
+    from jaxkv import artifacts
+    from jaxkv.data import agents
+    try:
+      if path == "shipped":
+        _, llm.lora = artifacts.load_role_adapters(llm.config, model_name=cfg.model)
+      else:
+        _, llm.lora = artifacts.load_role_adapters(llm.config, path)
+    except (FileNotFoundError, ValueError) as e:
+      fail(f"--config.server.role_adapters={path}: {e}")
+    llm.adapters = agents.ROLES
+  return llm
 
 
 def compilation_cache(path: str | None) -> None:

@@ -469,6 +469,10 @@ class ServerConfig:
   model_name: str = ""          # the id clients send as "model" ("" : ServeConfig.model)
   max_pending: int = 256        # queued + running requests; more get 429
   session_idle_s: float = 600.0  # an agent session unused this long is closed (its hold freed)
+  # LRAgent role adapters served as "<model>:plan", "<model>:action", "<model>:reflect":
+  # "" off; "shipped" the ones in artifacts/ for the model; or a folder of PEFT adapters
+  # (scripts/train_lora.py). One batch mixes them (shared A, per-row B).
+  role_adapters: str = ""
 
   def __post_init__(self):
     if not 0 <= self.port < 65536:

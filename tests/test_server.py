@@ -481,3 +481,37 @@ def test_agent_sessions_hold_their_turns(base):
     ok = httpx.post(server.url + "/v1/chat/completions", json={
         "model": MODEL, "messages": chat("hi"), "max_tokens": 2, "user": "alice"})
     assert ok.status_code == 200
+
+
+def test_role_adapters_by_model_name(base):
+  """server.role_adapters: "<model>:<role>" picks the shipped LRAgent adapter; a batch
+  of mixed roles answers each like a single-request run on that adapter."""
+  from jaxkv import artifacts
+  from jaxkv.data import agents
+  _, w = artifacts.load_role_adapters(base.config, model_name=MODEL)
+  cfg = dataclasses.replace(fresh(base)[1], server=ServerConfig(role_adapters="shipped"))
+  llm = jaxkv.LLM(base.model, base.tokenizer, CACHE, ENGINE, lora=w, adapters=agents.ROLES)
+  ref = jaxkv.LLM(base.model, base.tokenizer, CACHE, ENGINE, lora=w, adapters=agents.ROLES)
+  ids = ref.encode(chat(PROMPTS[0]))
+  alone = {a: next(ref.stream([Request(str(a), ids, SamplingConfig(max_tokens=10),
+                                       adapter=a)])).text for a in (-1, 0, 1, 2)}
+  assert len(set(alone.values())) > 1          # the adapters change the answer
+  with serving(llm, cfg) as server:
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    names = [MODEL] + [f"{MODEL}:{r}" for r in agents.ROLES]
+
+    async def ask(name):
+      r = await client.chat.completions.create(model=name, messages=chat(PROMPTS[0]),
+                                               max_tokens=10)
+      return r.choices[0].message.content
+
+    async def everyone():
+      return await asyncio.gather(*[ask(n) for n in names])
+
+    listed = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == names
+    got = asyncio.run(everyone())
+    assert got == [alone[a] for a in (-1, 0, 1, 2)]
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": f"{MODEL}:critic", "messages": chat("hi")})
+    assert r.status_code == 404

@@ -40,6 +40,7 @@ from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import RadixCache
+from jaxkv.models.forward import LoraInputs
 
 
 @dataclasses.dataclass
@@ -49,6 +50,7 @@ class Request:
   prompt: list[int]
   sampling: SamplingConfig = SamplingConfig()
   session: str | None = None   # with the prefix cache: keep this session's KV cached
+  adapter: int = -1            # index into the engine's LoRA adapter stack (-1: base)
 
 
 @dataclasses.dataclass
@@ -81,9 +83,16 @@ class Engine:
   """Serves requests on one model; owns the KV pool and the host allocator."""
 
   def __init__(self, model: nnx.Module, stop_ids: Iterable[int], cache: CacheConfig,
-               engine: EngineConfig, mesh=None):
+               engine: EngineConfig, mesh=None, lora=None):
     """mesh: a `jaxkv.sharding.make_mesh` ("data", "model") mesh to shard the
-    weights, the pool and the batch rows on (None: one device)."""
+    weights, the pool and the batch rows on (None: one device).
+    lora: a `jaxkv.models.lora.LoraWeights` adapter stack (LRAgent's shared-A role
+    adapters); each request picks one with `Request.adapter` (-1: the base model),
+    and one batch mixes them. The prefix cache serves base-model requests only: an
+    adapter's K/V differ from the base's, so its requests neither adopt nor cache."""
+    if lora is not None and mesh is not None:
+      raise ValueError("LoRA adapters on a device mesh are not supported yet")
+    self.lora = lora
     self.model_cfg = model.cfg
     self.cache_cfg = cache
     self.cfg = engine
@@ -119,6 +128,13 @@ class Engine:
     return plan.slot_rows([None if r is None else self.allocator.slot_map(r.seq) for r in rows],
                           width)
 
+  def _lora(self, rows: list[_Row | None]) -> dict:
+    """`lora=` for the driver: each row's adapter (-1 base, and for idle rows)."""
+    if self.lora is None:
+      return {}
+    ids = np.asarray([-1 if r is None else r.req.adapter for r in rows], np.int32)
+    return {"lora": LoraInputs(self.lora, self.driver.put(ids))}
+
   def _note_memory(self) -> None:
     self.metrics.observe_live_slots(self.allocator.num_live_slots)
 
@@ -137,6 +153,9 @@ class Engine:
     limit = self.cache_cfg.max_seq_len
     if n == 0:
       return _error(req, "empty prompt")
+    if req.adapter != -1 and (self.lora is None or not 0 <= req.adapter < self.lora.num_adapters):
+      return _error(req, f"adapter {req.adapter} does not exist (the engine has "
+                         f"{0 if self.lora is None else self.lora.num_adapters})")
     if n + req.sampling.max_tokens > limit:
       return _error(req, f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) "
                          f"exceeds cache.max_seq_len={limit}")
@@ -146,7 +165,7 @@ class Engine:
                          f"{self.cache_cfg.page_size} slots, the pool has "
                          f"{self.cache_cfg.num_pages - 1}; raise cache.num_pages")
     match = None
-    if self.radix is not None:   # the last prompt token is always recomputed (its logits)
+    if self.radix is not None and req.adapter == -1:   # the last prompt token is recomputed
       match = self.radix.match_prefix(req.prompt[:-1], lock=True)
     hit = match.n_matched if match is not None else 0
     need = self._reserve(n - hit, req.sampling.max_tokens, hit)
@@ -190,7 +209,7 @@ class Engine:
     for ch, out in self.driver.prefill(
         segments, chunk=self.cfg.prefill_chunk, max_width=self.cache_cfg.max_seq_len,
         slot_map=lambda w: self._slot_map(rows, w), read="last", sampling=sampling,
-        greedy_only=greedy_only):
+        greedy_only=greedy_only, options=(lambda ch, kw=self._lora(rows): kw)):
       n_tokens += int(ch.count.sum())
       if not ch.ends.any():
         continue
@@ -242,7 +261,8 @@ class Engine:
     slot_map = self._slot_map(rows, plan.width(need, self.cache_cfg.max_seq_len))
     t0 = time.perf_counter()
     res = self.driver.decode(tokens, positions, slot_map, remaining, num_steps=n,
-                             stop_ids=stop_ids, sampling=sampling, greedy_only=greedy_only)
+                             stop_ids=stop_ids, sampling=sampling, greedy_only=greedy_only,
+                             **self._lora(rows))
     out, emitted = distributed.fetch(res.tokens), distributed.fetch(res.emitted)
     dt = time.perf_counter() - t0
     count = 0
@@ -259,7 +279,7 @@ class Engine:
     whose KV it wrote (prompt + every generated token but the last, which was never
     fed back), when the prompt was prefilled whole."""
     if self.radix is not None:
-      if cache and r.prefilled == len(r.req.prompt):
+      if cache and r.prefilled == len(r.req.prompt) and r.req.adapter == -1:
         done = np.asarray(list(r.req.prompt) + r.generated[:-1], np.int64)
         self.radix.insert(done, self.allocator.slot_map(r.seq)[:len(done)])
         if r.req.session is not None:   # hold the turn's path until the next turn / close

@@ -60,8 +60,11 @@ class LLM:
 
   def __init__(self, model: Transformer, tokenizer: Tokenizer,
                cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig(),
-               mesh=None):
+               mesh=None, lora=None, adapters: Sequence[str] = ()):
+    """lora / adapters: a LoRA adapter stack for the batch engine and its names
+    (`Request.adapter` indexes them)."""
     self.model = model
+    self.lora, self.adapters = lora, tuple(adapters)
     self.tokenizer = tokenizer
     self.cache_config, self.engine_config = cache, engine
     self.mesh = mesh   # the batch engine's device mesh (jaxkv.sharding.make_mesh) or None
@@ -76,7 +79,7 @@ class LLM:
   def engine(self) -> Engine:
     if self._engine is None:
       self._engine = Engine(self.model, self.tokenizer.stop_ids, self.cache_config,
-                            self.engine_config, mesh=self.mesh)
+                            self.engine_config, mesh=self.mesh, lora=self.lora)
     return self._engine
 
   @property

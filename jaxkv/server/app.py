@@ -22,10 +22,14 @@ Agent sessions (prefix cache on): `POST /v1/sessions` opens one (or a request's
 /v1/sessions` lists them with the tokens each keeps cached; a session idle for
 `server.session_idle_s` is closed by the loop.
 
+Role adapters (`server.role_adapters`): the model id `<model>:<role>` selects an
+LRAgent role adapter (shared A, per-row B, one batch mixes roles; `GET /v1/models`
+lists them), so a multi-agent framework points each agent at its role's name.
+
 Not yet here (issue 17): IntentKV QueryMemory and pruning state kept across a
-session's turns (pruning runs in `SessionRunner`, not in the batch engine), role
-adapters selected by model name, and the composed pruning / LoRA sharing /
-reuse / MemArt config.
+session's turns (pruning runs in `SessionRunner`, not in the batch engine), the
+decoupled (BaseShared) value cache across roles, and the composed pruning / LoRA
+sharing / reuse / MemArt config.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   created = int(time.time())
   loop = EngineLoop(engine, cfg.server.max_pending, cfg.server.session_idle_s)
   sessions_on = engine.radix is not None
+  # served ids: the base model, and "<model>:<role>" for each role adapter
+  names = {model_name: -1, **{f"{model_name}:{a}": i for i, a in enumerate(llm.adapters)}}
   tokenizer = llm.tokenizer
   cache = llm.cache_config
   prompt_slots = (cache.num_pages - 1) * cache.page_size
@@ -109,7 +115,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
   async def handle(request: HTTPRequest, kind: str):
     try:
-      p = protocol.parse(await body_of(request), kind, models=lambda m: m == model_name,
+      p = protocol.parse(await body_of(request), kind, models=names.get,
                          tokenizer=tokenizer, defaults=cfg.sampling,
                          max_seq_len=cache.max_seq_len, max_prompt_slots=prompt_slots)
     except APIError as e:
@@ -121,7 +127,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     t_created = int(time.time())
     try:
       queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
-                                  session=p.session if sessions_on else None))
+                                  session=p.session if sessions_on else None,
+                                  adapter=p.adapter))
     except QueueFull as e:
       return _error(APIError(503 if not loop.alive else 429, str(e), type="rate_limit_error"
                              if loop.alive else "server_error", code="queue_full"))
@@ -207,9 +214,10 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                        "created": created, "owned_by": "jaxkv",
-                                        "max_model_len": cache.max_seq_len}]}
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "jaxkv",
+         "max_model_len": cache.max_seq_len, "root": model_name,
+         "parent": None if i < 0 else model_name} for name, i in names.items()]}
 
   def need_sessions():
     if not sessions_on:

@@ -68,6 +68,7 @@ class Parsed:
   tools: bool = False            # tool calls in the output are parsed into `tool_calls`
   user: str | None = None
   session: str | None = None     # "session_id" (extra field), else "user"
+  adapter: int = -1              # role adapter the model name selects (-1: base)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -145,15 +146,18 @@ def chat_prompt(tokenizer, messages: Any, tools: list[dict] | None) -> list[int]
   return tokenizer.encode_chat(msgs, tools=native, add_generation_prompt=True)
 
 
-def parse(body: Any, kind: str, *, models: Callable[[str], bool], tokenizer,
+def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenizer,
           defaults: SamplingConfig, max_seq_len: int, max_prompt_slots: int) -> Parsed:
-  """Checks a request body; raises APIError (400, or 404 for an unknown model)."""
+  """Checks a request body; raises APIError (400, or 404 for an unknown model).
+  `models(name)` is the adapter index a served model name selects (-1: the base
+  model), None for a name not served."""
   if not isinstance(body, dict):
     raise _bad("the request body must be a JSON object")
   model = body.get("model")
   if not isinstance(model, str):
     raise _bad("'model' is required (a string)", "model")
-  if not models(model):
+  adapter = models(model)
+  if adapter is None:
     raise APIError(404, f"The model '{model}' does not exist (GET /v1/models lists them)",
                    param="model", code="model_not_found")
   _unsupported(body)
@@ -198,7 +202,7 @@ def parse(body: Any, kind: str, *, models: Callable[[str], bool], tokenizer,
       max_tokens=max_tokens or min(defaults.max_tokens, room))
   return Parsed(kind=kind, model=model, prompt=prompt, sampling=sampling, stream=stream,
                 include_usage=bool(opts.get("include_usage")), stop=_stop(body),
-                tools=tools is not None, user=user, session=session or user)
+                tools=tools is not None, user=user, session=session or user, adapter=adapter)
 
 
 def _completion_prompt(tokenizer, prompt: Any) -> list[int]:
