@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
+
+
+RECENT = 100_000   # requests whose TTFT / latency the medians are taken over
 
 
 @dataclasses.dataclass
@@ -21,8 +25,11 @@ class EngineMetrics:
   wall_s: float = 0.0
   requests: int = 0
   errors: int = 0
-  ttft_s: list = dataclasses.field(default_factory=list)
-  latency_s: list = dataclasses.field(default_factory=list)
+  # the most recent RECENT requests' (a long-running server must not grow without bound)
+  ttft_s: collections.deque = dataclasses.field(
+      default_factory=lambda: collections.deque(maxlen=RECENT))
+  latency_s: collections.deque = dataclasses.field(
+      default_factory=lambda: collections.deque(maxlen=RECENT))
 
   def add_prefill(self, tokens: int, seconds: float) -> None:
     self.prefill_tokens += tokens
