@@ -175,8 +175,10 @@ def test_compile_donation_and_sync_budgets(tiny):
   _, model = tiny
   rng = np.random.default_rng()
   eng = _engine(model, max_batch=2, chunk=32, steps_=4)
-  warm = [Request("w", rng.integers(1, VOCAB, 17).tolist(), SamplingConfig(max_tokens=9))]
-  list(eng.run(warm))
+  warm = [Request(f"w{i}", rng.integers(1, VOCAB, 17).tolist(), SamplingConfig(max_tokens=9))
+          for i in range(3)]
+  list(eng.run(warm[:2]))     # prefill packs its rows: batches of 2 and of 1 compile once
+  list(eng.run(warm[2:]))
   sizes = driver.chunk_step._cache_size(), driver.decode_scan._cache_size()
   calls = []
   inner = eng.driver.decode

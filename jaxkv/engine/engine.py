@@ -122,7 +122,7 @@ class Engine:
   # ------------------------------------------------------------------ helpers
   def _sampling(self, rows: list[_Row | None]) -> tuple[SamplingParams, bool]:
     return SamplingParams.from_configs([None if r is None else r.req.sampling for r in rows],
-                                       self.cfg.max_batch)
+                                       len(rows))
 
   def _slot_map(self, rows: list[_Row | None], width: int) -> np.ndarray:
     return plan.slot_rows([None if r is None else self.allocator.slot_map(r.seq) for r in rows],
@@ -198,14 +198,21 @@ class Engine:
 
   # ------------------------------------------------------------------ phases
   def _prefill(self, rows: list[_Row | None]) -> None:
-    todo = [r if r is not None and r.prefilled < len(r.req.prompt) else None for r in rows]
-    if not any(todo):
+    """Prefills the rows with prompt left, packed: only they run, in a batch of
+    the next power of two (a lone prompt costs one row, not max_batch; under a mesh
+    the rows keep their places, which the data axis shards)."""
+    rows = [r if r is not None and r.prefilled < len(r.req.prompt) else None for r in rows]
+    todo = [r for r in rows if r is not None]
+    if not todo:
       return
+    if self.mesh is None:
+      nb = plan.bucket(len(todo), 1, self.cfg.max_batch, hi=self.cfg.max_batch)
+      rows = todo + [None] * (nb - len(todo))
     sampling, greedy_only = self._sampling(rows)
     t0 = time.perf_counter()
     n_tokens = 0
     segments = [None if r is None else plan.Row(np.asarray(r.req.prompt[r.prefilled:], np.int32),
-                                                r.prefilled) for r in todo]
+                                                r.prefilled) for r in rows]
     for ch, out in self.driver.prefill(
         segments, chunk=self.cfg.prefill_chunk, max_width=self.cache_cfg.max_seq_len,
         slot_map=lambda w: self._slot_map(rows, w), read="last", sampling=sampling,
