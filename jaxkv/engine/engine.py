@@ -209,6 +209,7 @@ class Engine:
       nb = plan.bucket(len(todo), 1, self.cfg.max_batch, hi=self.cfg.max_batch)
       rows = todo + [None] * (nb - len(todo))
     sampling, greedy_only = self._sampling(rows)
+    lora = self._lora(rows)
     t0 = time.perf_counter()
     n_tokens = 0
     segments = [None if r is None else plan.Row(np.asarray(r.req.prompt[r.prefilled:], np.int32),
@@ -216,7 +217,7 @@ class Engine:
     for ch, out in self.driver.prefill(
         segments, chunk=self.cfg.prefill_chunk, max_width=self.cache_cfg.max_seq_len,
         slot_map=lambda w: self._slot_map(rows, w), read="last", sampling=sampling,
-        greedy_only=greedy_only, options=(lambda ch, kw=self._lora(rows): kw)):
+        greedy_only=greedy_only, options=lambda ch: lora):
       n_tokens += int(ch.count.sum())
       if not ch.ends.any():
         continue

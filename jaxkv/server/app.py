@@ -130,8 +130,9 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
                                   session=p.session if sessions_on else None,
                                   adapter=p.adapter))
     except QueueFull as e:
-      return _error(APIError(503 if not loop.alive else 429, str(e), type="rate_limit_error"
-                             if loop.alive else "server_error", code="queue_full"))
+      if not loop.alive:
+        return _error(APIError(503, str(e), type="server_error", code="shutting_down"))
+      return _error(APIError(429, str(e), type="rate_limit_error", code="queue_full"))
     stream = protocol.TextStream(p.stop, hold_calls=p.tools)
     try:
       first = await next_event(queue, request, rid)
@@ -146,16 +147,15 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     event = first
     try:
       while event[0] != "done":
-        _, stopped = stream.update(decode(event[1]), final=False)
-        if stopped:
+        # the text so far matters only to stop strings: decode it only then
+        if p.stop and stream.update(decode(event[1]), final=False)[1]:
           loop.cancel(rid)
           break
         event = await next_event(queue, request, rid)
-      else:
-        if event[1].finish_reason == "error":
-          return _error(APIError(500, event[1].error, type="server_error"))
     except _ClientGone:
       return JSONResponse({}, status_code=499)
+    if event[0] == "done" and event[1].finish_reason == "error":
+      return _error(APIError(500, event[1].error, type="server_error"))
     tokens, cached = _tokens(event)
     _, stopped = stream.update(decode(tokens), final=True)
     finish = "stop" if stopped else _finish(event[1].finish_reason)
