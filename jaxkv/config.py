@@ -367,6 +367,11 @@ class SemShareConfig:
   retain_alpha: float = 0.98    # A.6 exponential decay: retain_l = retain_0 * alpha^l
                                 # (0.98 over 30 layers keeps ~60% on average, near the
                                 # paper's 42% memory saving; value not given)
+  retention: str = "layer"      # which tokens each layer retains: "layer" = ranked by the
+                                # attention they receive at that layer from the tokens it
+                                # computed (layer 0: the last 1 - r_dynamic of the prompt,
+                                # 4.3.4), evicted for decode; "layer0" = every layer ranked
+                                # by layer 0's attention, nested, evicted before the pass
   recent: int = 16              # last prompt tokens always recomputed and retained (the
                                 # readout and the instruction's tail)
   blend_ratio: float = 0.15     # method blend: CacheBlend's recompute share
@@ -382,6 +387,9 @@ class SemShareConfig:
                        f"{self.method!r}")
     if not 0.0 <= self.threshold <= 1.0 or self.max_dist <= 0:
       raise ValueError("semshare.threshold must be in [0, 1] and max_dist > 0")
+    if self.retention not in ("layer", "layer0"):
+      raise ValueError(f"semshare.retention must be 'layer' or 'layer0', got "
+                       f"{self.retention!r}")
     if self.nbits < 32 or self.nbits % 32:
       raise ValueError(f"semshare.nbits must be a positive multiple of 32, got {self.nbits}")
     fracs = (self.hot_threshold, self.w_cold, self.w_hot, self.recomp_alpha_first,

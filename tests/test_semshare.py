@@ -115,7 +115,7 @@ def test_plan_follows_the_paper_schedules():
   rng = np.random.default_rng()
   t, L = 400, 8
   dev, att = rng.uniform(size=t), rng.pareto(1.5, size=t)
-  cfg = SemShareConfig(recent=8)
+  cfg = SemShareConfig(recent=8, retention="layer0")   # the retain mask is the plan's
   p = semshare.plan(dev, att, cfg, L)
   h = int(p.hot.sum())
   assert h == semshare.attention_recovery(att, 0.55) and p.r_dynamic == h / t
@@ -151,6 +151,53 @@ def test_plan_follows_the_paper_schedules():
   assert blend.recompute[1].size <= int(np.ceil(0.15 * t)) + 8
 
 
+def test_observer_attention_equals_dense_numpy():
+  """Mean causal attention from an arbitrary observer set (GQA, padding rows),
+  against dense numpy; tolerance fp32 softmax (1e-5 relative)."""
+  rng = np.random.default_rng()
+  t, r, hq, hkv, d = 300, 70, 6, 2, 16
+  k = rng.standard_normal((t, hkv, d)).astype(np.float32)
+  q = rng.standard_normal((r, hq, d)).astype(np.float32)
+  pos = np.sort(rng.choice(t, r, replace=False)).astype(np.int32)
+  pos[-5:] = -1                                            # padding observers
+  live = rng.uniform(size=t) > 0.1
+  got = np.asarray(semshare.observer_attention(jnp.asarray(q), jnp.asarray(pos),
+                                               jnp.asarray(k), jnp.asarray(live), block=32))
+  kk = np.repeat(k, hq // hkv, axis=1)
+  want = np.zeros(t)
+  for i in np.flatnonzero(pos >= 0):
+    ok = live & (np.arange(t) <= pos[i])
+    logit = np.einsum("hd,thd->ht", q[i], kk) / np.sqrt(d)
+    logit = np.where(ok[None], logit, -np.inf)
+    p = np.exp(logit - logit.max(-1, keepdims=True))
+    want += (p / p.sum(-1, keepdims=True)).sum(0)
+  want /= hq * int((pos >= 0).sum())
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+
+
+def test_layer_retention_keeps_forced_then_each_layers_best():
+  rng = np.random.default_rng()
+  t, L = 300, 6
+  dev, att = rng.uniform(size=t), rng.pareto(1.5, size=t)
+  cfg = SemShareConfig(recent=8)
+  p = semshare.plan(dev, att, cfg, L)
+  assert p.retain.all()                          # "layer": nothing evicted before the pass
+  old = semshare.plan(dev, att, dataclasses.replace(cfg, retention="layer0"), L)
+  np.testing.assert_array_equal(old.retain.sum(axis=1), p.budgets)    # same counts
+  np.testing.assert_array_equal(old.forced, p.forced)
+  layer_scores = rng.uniform(size=(L, t))
+  keep = semshare.layer_retention(p, layer_scores)
+  np.testing.assert_array_equal(keep.sum(axis=1), p.budgets)
+  assert keep[p.forced].all() and keep[:, t - 8:].all() and keep[0, p.hot].all()
+  for l in range(L):
+    kept = np.flatnonzero(keep[l] & ~p.forced[l])
+    dropped = np.flatnonzero(~keep[l])
+    assert dropped.size == 0 or layer_scores[l, kept].min() >= layer_scores[l, dropped].max()
+  o0 = p.observers(0, 8)
+  assert o0[-1] == t - 1 and o0.size == int(np.ceil((1 - p.r_dynamic) * t))
+  np.testing.assert_array_equal(p.observers(3, 8), p.recompute[3])
+
+
 # --------------------------------------------------------------------- runner
 @pytest.fixture(scope="module")
 def llm():
@@ -184,6 +231,30 @@ def test_a_prompt_reused_against_itself_reproduces_full_prefill(llm):
   np.testing.assert_array_equal(toks, want_toks)
   r.release(got.seq)
   r.alloc.check()
+
+
+def test_retention_by_layer_evicts_for_decode_only(llm):
+  """Retention "layer" scores each layer after the pass, so a prompt reused
+  against itself still prefills exactly as in full (1e-5), while the slot map
+  keeps each layer's budget for decode; "layer0" evicts before the pass."""
+  prompt = np.random.default_rng().integers(100, 40000, 150)
+  want, _ = _full(llm, prompt)
+  for retention in ("layer", "layer0"):
+    r = _runner(llm, "semshare", threshold=0.0, retention=retention)
+    r.release(r.prefill(prompt).seq)
+    got = r.prefill(prompt)
+    assert got.reused and got.similarity == 1.0
+    kept = (got.slot_map != 0).sum(axis=1)
+    n0 = int(np.ceil(max(0.8, got.r_dynamic) * prompt.size))
+    assert kept[0] >= n0 and np.all(kept < prompt.size) and got.live_entries == kept.sum()
+    if retention == "layer":
+      np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)
+    else:
+      assert np.abs(got.logits - want.logits).max() > 1e-4
+    toks, _ = r.decode(got, 4)
+    assert toks.size == 4
+    r.release(got.seq)
+    r.alloc.check()
 
 
 def test_below_the_threshold_the_prompt_is_prefilled_in_full(llm):

@@ -20,9 +20,13 @@ One request (`prefill`):
 4. the second pass runs layers 1..L-1 with those sets (`forward.Recompute`, in
    up to `max_passes` windows of their own width) over a slot map with a layer
    axis [L, 1, T]: layer l reads a token's fresh slot where it was recomputed
-   at l, its alias elsewhere, and SENTINEL where layer l evicted it;
-5. the first token's logits are read (TTFT stops); tokens evicted at every
-   layer give their fresh slot back at once.
+   at l, its alias elsewhere (and, under retention "layer0", SENTINEL where
+   layer l evicted it);
+5. retention "layer" (the default): the queries each layer computed score the
+   keys it read (`semshare.observer_attention`), and each layer's evicted
+   entries become SENTINEL for decode; then the first token's logits are read
+   (TTFT stops, the scoring inside it); tokens evicted at every layer give
+   their fresh slot back at once.
 
 The compression baselines (snapkv / pyramidkv / h2o) prefill in full and then
 keep each layer's own tokens (`policies.pruning.layerwise`), through the same
@@ -106,6 +110,17 @@ def _probe_signals(pool, fresh, alias, q, valid):
   dev = semshare.kv_deviation(pool.k[0, fresh], pool.v[0, fresh], pool.k[0, alias],
                               pool.v[0, alias])
   return dev, semshare.column_attention(q, pool.k[0, fresh], valid)
+
+
+@jax.jit
+def _retention_scores(pool, lmap, q, q_pos, live):
+  """[L, C] attention each token receives at each layer from that layer's
+  observers (q [L, R, Hq, D], q_pos [L, R] token indices or -1), the keys read
+  through the layer's slot map lmap [L, C] (fresh or aliased slots)."""
+  def one(args):
+    l, ql, pl = args
+    return semshare.observer_attention(ql, pl, pool.k[l][lmap[l]], live)
+  return jax.lax.map(one, (jnp.arange(lmap.shape[0]), q, q_pos))
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
@@ -202,23 +217,31 @@ class SemShareRunner:
       self.alloc.release(held)
 
   # -------------------------------------------------------------------- prefill
-  def codes(self, ids) -> np.ndarray:
-    """[n, nbits // 32] uint32 E-cache LSH codes of a prompt (no pool touched)."""
+  def codes(self, ids, offset: int = 0) -> np.ndarray:
+    """[n, nbits // 32] uint32 E-cache LSH codes of a prompt whose first token sits
+    at position `offset` (no pool touched)."""
     ids = np.asarray(ids, np.int32)
     c = plan_lib.chunk_len(ids.size)
-    pos = np.where(np.arange(c) < ids.size, np.arange(c), 0).astype(np.int32)
+    pos = np.where(np.arange(c) < ids.size, np.arange(c) + offset, 0).astype(np.int32)
     return np.asarray(_codes(self.graphdef, self.weights, jnp.asarray(_pad(ids, c)),
                              jnp.asarray(pos), self.planes, self.cfg.e_rope_theta))[:ids.size]
+
+  def match(self, reference, target, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(index [T] into the reference, Hamming distance [T]): every target token's
+    nearest reference token, the target placed `offset` positions later than
+    usual (0: what `prefill` matches)."""
+    t, r = self.codes(target, offset), self.codes(reference)
+    w = plan_lib.chunk_len(r.shape[0])
+    idx, dist = semshare.nearest(
+        jnp.asarray(t), jnp.arange(offset, offset + t.shape[0], dtype=jnp.int32),
+        jnp.asarray(_pad(r, w)), jnp.arange(w, dtype=jnp.int32),
+        jnp.asarray(np.arange(w) < r.shape[0]))
+    return np.asarray(idx), np.asarray(dist)
 
   def similarity(self, reference, target) -> float:
     """A.3 similarity of target to reference (what `prefill` would compare to the
     threshold), without serving either: bins pairs the same way for every method."""
-    t, r = self.codes(target), self.codes(reference)
-    w = plan_lib.chunk_len(r.shape[0])
-    _, dist = semshare.nearest(
-        jnp.asarray(t), jnp.arange(t.shape[0], dtype=jnp.int32), jnp.asarray(_pad(r, w)),
-        jnp.arange(w, dtype=jnp.int32), jnp.asarray(np.arange(w) < r.shape[0]))
-    return semshare.similarity(np.asarray(dist), self.cfg.max_dist)
+    return semshare.similarity(self.match(reference, target)[1], self.cfg.max_dist)
 
   def _best(self, codes: np.ndarray, n: int):
     """(key, similarity, index [n], distance [n]) of the most similar reference."""
@@ -308,7 +331,13 @@ class SemShareRunner:
     for l, s in enumerate(p.recompute):
       layer_map[l] = alias
       layer_map[l, s] = fresh[s]
-    layer_map[~p.retain] = SENTINEL
+    by_layer = p.budgets is not None and self.cfg.retention == "layer"
+    if not by_layer:
+      layer_map[~p.retain] = SENTINEL
+    obs_q = [None] * L                    # retention "layer": each layer's observers' q
+    if by_layer:
+      o0 = p.observers(0, self.cfg.recent)
+      obs_q[0] = out0.q[0, 0, o0[0]:o0[-1] + 1]
     # the rest of the layers, as few passes as their widths allow
     lmap = jnp.asarray(np.stack([plan_lib.slot_rows([m], width) for m in layer_map]))
     ws = jnp.asarray(_pad(fresh, c, self.driver.kv.num_slots)[None])
@@ -323,8 +352,15 @@ class SemShareRunner:
                                  read=read if last else None,
                                  window=LayerWindow(hidden_in=x, start=lo, stop=hi),
                                  recompute=Recompute(jnp.asarray(index)),
+                                 capture=Capture(q=by_layer),
                                  return_hidden=not last, return_logits=last)
       x = out.hidden
+      if by_layer:
+        for l in range(lo, hi):
+          obs_q[l] = out.q[l - lo, 0, :p.recompute[l].size]
+    if by_layer:                          # evict for decode, by each layer's own attention
+      p.retain = self._layer_retention(p, layer_map, obs_q, c)
+      layer_map[~p.retain] = SENTINEL
     logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
     ttft = time.perf_counter() - t0
     # after the first token: give back what no layer keeps, hold what is aliased
@@ -343,6 +379,21 @@ class SemShareRunner:
                       flops=self._flops(p.recompute, n), ttft_s=ttft, match_s=match_s,
                       kv_slots=n - gone.size, live_entries=int(p.retain.sum()),
                       shared_entries=int(used.sum()), r_dynamic=p.r_dynamic)
+
+  def _layer_retention(self, p, layer_map, obs_q, c: int) -> np.ndarray:
+    """Retention "layer" (`semshare.layer_retention`) from each layer's observers'
+    queries `obs_q[l]`, scored over the keys its slot map reads."""
+    L, n = layer_map.shape
+    r = plan_lib.chunk_len(max(q.shape[0] for q in obs_q))
+    q = jnp.stack([jnp.pad(x, ((0, r - x.shape[0]), (0, 0), (0, 0))) for x in obs_q])
+    q_pos = np.full((L, r), -1, np.int32)
+    for l in range(L):
+      o = p.observers(l, self.cfg.recent)
+      q_pos[l, :o.size] = o
+    lmap = np.stack([_pad(m, c, SENTINEL) for m in layer_map])
+    got = _retention_scores(self.driver.kv, jnp.asarray(lmap), q, jnp.asarray(q_pos),
+                            jnp.asarray(np.arange(c) < n))
+    return semshare.layer_retention(p, np.asarray(got)[:, :n])
 
   def _budgets(self, n: int) -> jax.Array:
     """[L] tokens each layer keeps under the compression baselines."""

@@ -74,6 +74,8 @@ class LayerWindow:
 class Capture:
   """What the forward pass hands back besides its output (all static)."""
   q: bool = _static(False)              # every run layer's post-RoPE q, as attention reads it
+                                        # (under Recompute: the recomputed rows [.., R, ..]
+                                        # in index order; padding rows are meaningless)
   hidden_at: int | None = _static(None)  # the hidden state entering this layer
   # the hidden states entering each listed layer, start <= l <= stop (l = stop: the
   # window's output before any final norm); segment reuse's multicut boundaries
@@ -104,6 +106,6 @@ class ForwardOutput:
   """What one forward pass returns. Logits: `Transformer.logits(out.hidden)`."""
   hidden: jax.Array                  # [B, C, D]; final-normed when the last layer ran
   kv: kv_state.KVPool | None         # the updated pool (None when run without a cache)
-  q: jax.Array | None = None         # [L', B, C, Hq, D] post-RoPE queries (Capture.q)
+  q: jax.Array | None = None         # [L', B, C or R, Hq, D] post-RoPE queries (Capture.q)
   hidden_at: jax.Array | None = None  # [B, C, D] input of layer Capture.hidden_at
   hidden_cuts: jax.Array | None = None  # [K, B, C, D] inputs of Capture.hidden_cuts

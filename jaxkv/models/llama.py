@@ -227,8 +227,6 @@ class Transformer(nnx.Module):
       raise ValueError(f"capture hidden_cuts={capture.hidden_cuts} outside the window "
                        f"{l0}..{l1}")
     if recompute is not None:
-      if capture.q:
-        raise ValueError("capture q needs every token at every layer (no recompute)")
       if recompute.index.shape[:2] != (cfg.num_layers, b):
         raise ValueError(f"recompute index must be [L={cfg.num_layers}, B={b}, R], got "
                          f"{recompute.index.shape}")

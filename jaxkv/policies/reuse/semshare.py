@@ -26,10 +26,18 @@ token receives (averaged over heads, then over queries). Attention recovery
 recomputes the most deviating w_hot of the hot tokens and w_cold of the cold
 ones; each later layer keeps the most deviating alpha_recomp(l) of the previous
 layer's set (Insight 1: high-deviation tokens stay high-deviation, so one
-ranking serves every layer). Layer 0 retains max(0.8, r_dynamic) of the tokens:
-every hot and recomputed token, then the cold ones by attention; layer l keeps
-retain_0 * alpha^l of them, nested, recomputed ones first. The last `recent`
-tokens are always recomputed and retained (the readout).
+ranking serves every layer). Layer 0 retains max(0.8, r_dynamic) of the tokens,
+layer l retain_0 * alpha^l of them (A.6); the last `recent` tokens are always
+recomputed and retained (the readout). Which ones (`cfg.retention`):
+- "layer" (default): each layer ranks the tokens by the attention they receive
+  at that layer from the tokens it computed ("the lowest attention scores from
+  recent computations"; at layer 0, as 4.3.4 says, the last (1 - r_dynamic) of
+  the prompt), keeping its recomputed tokens (and at layer 0 every hot one)
+  first. The scores exist only once the layer has run, so these evictions act
+  on decode: the prefill pass reads every token (`layer_retention`);
+- "layer0": every layer ranked by layer 0's attention, nested (layer l keeps a
+  subset of layer l-1), applied before the pass, so the recomputed tokens of
+  later layers already attend without the evicted ones (`plan(...).retain`).
 """
 
 from __future__ import annotations
@@ -42,9 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import SemShareConfig
+from jaxkv.policies.pruning import scores as scores_lib
 
 _BLOCK = 256    # target rows per Hamming / attention block
 REUSE_METHODS = ("semshare", "fuzzy_full", "zero", "random", "blend")   # reuse a reference
+RETAIN_METHODS = ("semshare", "zero", "random")                         # and evict (4.3.4)
 
 
 def lsh_planes(dim: int, nbits: int, seed: int) -> np.ndarray:
@@ -171,13 +181,53 @@ def attention_recovery(scores: np.ndarray, thres: float) -> int:
   return int(min(s.size, np.searchsorted(np.cumsum(s), thres * total - 1e-12) + 1))
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
+def observer_attention(q, q_pos, k, live, block: int = _BLOCK) -> jax.Array:
+  """Mean causal attention each key receives from a set of observer queries.
+
+  Args:
+    q: [R, Hq, D] post-RoPE queries of the observers (any tokens of the prompt);
+      q_pos [R] int32 their token indices (-1: padding row).
+    k: [T, Hkv, D] the keys as the layer reads them; live [T] bool.
+  Returns:
+    [T] float32: attention probabilities summed over heads and observers, divided
+    by (heads x observers); a key only counts for observers at or after it.
+  """
+  r, hq, d = q.shape
+  pad = -r % block
+  qb = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, 1, block, hq, d)
+  pb = jnp.pad(q_pos, (0, pad), constant_values=-1).reshape(-1, 1, block)
+
+  def one(args):
+    qs, ps = args
+    w = scores_lib.causal_weights(qs, ps, k[None], live[None])          # [1, Hq, BLK, T]
+    return jnp.sum(w, axis=(0, 1, 2))
+
+  total = jnp.sum(jax.lax.map(one, (qb, pb)), axis=0)
+  return total / (hq * jnp.maximum(jnp.sum(q_pos >= 0), 1))
+
+
 @dataclasses.dataclass
 class Plan:
   """What one reuse computes and keeps, per layer."""
   recompute: list[np.ndarray]   # [L] token indices recomputed at each layer (S_0 = all)
   retain: np.ndarray            # [L, T] bool: the token's KV stays in layer l's slot map
+                                # (retention "layer0"; all True under "layer" until
+                                # `layer_retention` replaces it after the pass)
   hot: np.ndarray               # [T] bool
   r_dynamic: float              # hot share (attention recovery / T)
+  budgets: np.ndarray | None = None   # [L] tokens layer l keeps (methods with retention)
+  forced: np.ndarray | None = None    # [L, T] bool: kept at layer l whatever their score
+
+  def observers(self, layer: int, recent: int) -> np.ndarray:
+    """The tokens whose attention ranks layer `layer`'s keys under retention
+    "layer": those it recomputed; at layer 0 (every token) the last
+    (1 - r_dynamic) of the prompt (4.3.4), at least `recent`."""
+    if layer > 0:
+      return self.recompute[layer]
+    t = self.hot.size
+    n = min(t, max(recent, int(np.ceil((1.0 - self.r_dynamic) * t))))
+    return np.arange(t - n, t)
 
 
 def _top(candidates: np.ndarray, key: np.ndarray, n: int) -> np.ndarray:
@@ -217,16 +267,35 @@ def plan(deviation, attention, cfg: SemShareConfig, num_layers: int) -> Plan:
       prev = sets[-1]
       sets.append(np.union1d(recent, _top(prev, dev, int(np.ceil(alpha * prev.size)))))
   retain = np.ones((L, t), bool)
-  if cfg.method in ("semshare", "zero", "random"):
-    n0 = int(np.ceil(max(cfg.retain_first, n_hot / max(1, t)) * t))
-    kept = every
-    for l in range(L):
-      forced = np.union1d(sets[min(l + 1, L - 1)] if l == 0 else sets[l], recent)
-      if l == 0:
-        forced = np.union1d(forced, every[hot])
-      n = max(int(np.ceil(n0 * cfg.retain_alpha ** l)), forced.size)
+  out = Plan(recompute=sets, retain=retain, hot=hot, r_dynamic=float(n_hot / max(1, t)))
+  if cfg.method not in RETAIN_METHODS:
+    return out
+  n0 = int(np.ceil(max(cfg.retain_first, n_hot / max(1, t)) * t))
+  out.forced = np.zeros((L, t), bool)
+  out.budgets = np.zeros(L, np.int64)
+  kept = every
+  for l in range(L):
+    forced = np.union1d(sets[min(l + 1, L - 1)] if l == 0 else sets[l], recent)
+    if l == 0:
+      forced = np.union1d(forced, every[hot])
+    out.forced[l, forced] = True
+    out.budgets[l] = n = max(int(np.ceil(n0 * cfg.retain_alpha ** l)), forced.size)
+    if cfg.retention == "layer0":
       rest = np.setdiff1d(kept, forced)
       kept = np.union1d(forced, _top(rest, att, n - forced.size))
       retain[l] = False
       retain[l, kept] = True
-  return Plan(recompute=sets, retain=retain, hot=hot, r_dynamic=float(n_hot / max(1, t)))
+  return out
+
+
+def layer_retention(p: Plan, layer_scores) -> np.ndarray:
+  """[L, T] bool retention "layer": each layer keeps its forced tokens, then the
+  highest `layer_scores[l]` (ties: earlier token) up to `p.budgets[l]`."""
+  s = np.asarray(layer_scores, np.float64)
+  L, t = p.forced.shape
+  keep = p.forced.copy()
+  every = np.arange(t)
+  for l in range(L):
+    rest = every[~p.forced[l]]
+    keep[l, _top(rest, s[l], int(p.budgets[l]) - int(p.forced[l].sum()))] = True
+  return keep
