@@ -37,6 +37,7 @@ from jaxkv.config import CacheConfig, SemShareConfig, SEMSHARE_METHODS
 from jaxkv.data import calls
 from jaxkv.data import semshare_pairs as SP
 from jaxkv.engine.semshare import SemShareRunner
+from jaxkv.policies.reuse import semshare as semshare_lib
 
 FLAGS = flags.FLAGS
 SIM_BINS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
@@ -55,6 +56,10 @@ def define_flags():
   flags.DEFINE_string("out", None, "results JSON (rows; resumable)")
   flags.DEFINE_string("plot", "docs/plots/semshare.png", "TTFT and quality plot")
   flags.DEFINE_string("tables_from", None, "print the tables of an existing results JSON")
+  flags.DEFINE_list("shift_probe", [], "instead of the methods: the first pair's target "
+                    "matched against itself placed these many positions later (e.g. "
+                    "0,2,10,30,100): the A.3 similarity and the share of tokens matched to "
+                    "their own twin, with the paper's RoPE E cache")
 
 
 def render(tok, text: str, instruction: str) -> np.ndarray:
@@ -131,6 +136,9 @@ def rows_of(name: str, recs: list[dict]) -> list[dict]:
     groups[("length", _bucket(r["prompt_tokens"]))].append(r)
     k = int(np.searchsorted(SIM_BINS, r["similarity"], side="right")) - 1
     groups[("similarity", SIM_BINS[k])].append(r)
+    kind = (r.get("meta") or {}).get("kind")
+    if kind:
+      groups[("kind", kind)].append(r)
   rows = []
   for (group, key), rs in sorted(groups.items()):
     k, n = sum(r["agree"] for r in rs), FLAGS.gen * len(rs)
@@ -150,14 +158,17 @@ def rows_of(name: str, recs: list[dict]) -> list[dict]:
 def tables(rows: list[dict]) -> list[common.Table]:
   out = []
   for group, title in (("length", "by prompt length (tokens, bucket of 500)"),
-                       ("similarity", "by LSH similarity of the pair (bin lower edge)")):
+                       ("similarity", "by LSH similarity of the pair (bin lower edge)"),
+                       ("kind", "by how the reference was made from the target")):
     rs = [r for r in rows if r["group"] == group]
+    if not rs:
+      continue
     full = {r["key"]: r for r in rs if r["method"] == "full"}
     lines = []
     for r in sorted(rs, key=lambda r: (r["key"], r["method"])):
       f = full.get(r["key"])
       lines.append((
-          f"{r['key']:g}", r["method"], str(r["n_pairs"]), f"{r['prompt_tokens']:.0f}",
+          f"{r['key']:g}" if group != "kind" else r["key"], r["method"], str(r["n_pairs"]), f"{r['prompt_tokens']:.0f}",
           f"{r['similarity']:.2f}", f"{r['reused_share']:.2f}", f"{1000 * r['ttft_s']:.0f}",
           "-" if not f else f"{f['ttft_s'] / r['ttft_s']:.2f}x",
           f"{r['kv_bytes'] / 2 ** 20:.1f}", f"{r['kv_bytes_live'] / 2 ** 20:.1f}",
@@ -201,6 +212,25 @@ def plot(rows: list[dict], path: str) -> str:
   return path
 
 
+def shift_probe(llm, ids: np.ndarray, shifts) -> common.Table:
+  """How position-sensitive the RoPE E cache makes matching: identical text,
+  shifted. `twin` = share of tokens matched to their own copy; `same id` = to
+  any copy of the same token."""
+  runner = SemShareRunner(llm, SemShareConfig(),
+                          cache=CacheConfig(num_pages=8, page_size=16, max_seq_len=64))
+  lines = []
+  for s in (int(x) for x in shifts):
+    idx, dist = runner.match(ids, ids, offset=s)
+    sim = semshare_lib.similarity(dist, runner.cfg.max_dist)
+    lines.append((str(s), f"{sim:.2f}", f"{np.mean(dist):.1f}",
+                  f"{np.mean(idx == np.arange(ids.size)):.2f}",
+                  f"{np.mean(ids[idx] == ids):.2f}"))
+  return common.Table(
+      f"E-cache matching of a {ids.size}-token prompt against itself shifted "
+      f"({runner.cfg.nbits} LSH bits, max_dist {runner.cfg.max_dist:g})",
+      ("shift", "similarity", "mean distance", "twin", "same id"), lines)
+
+
 def main(argv):
   del argv
   if FLAGS.tables_from:
@@ -224,6 +254,9 @@ def main(argv):
     rendered.append(dict(id=p.id, ref=ref, tgt=tgt, answer=ans, target=p.target, meta=p.meta))
   if not rendered:
     raise app.UsageError(f"no pair of {FLAGS.pairs} fits --max_prompt={FLAGS.max_prompt}")
+  if FLAGS.shift_probe:
+    common.print_tables([shift_probe(llm, rendered[0]["tgt"], FLAGS.shift_probe)])
+    return
   # every method's rows are binned by the pair's A.3 similarity (full never matches)
   probe = SemShareRunner(llm, SemShareConfig(), cache=CacheConfig(num_pages=8, page_size=16,
                                                                   max_seq_len=64))

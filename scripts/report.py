@@ -77,6 +77,7 @@ SOURCES = {
     "reuse": "bench/results_reuse.json",
     "semshare": "bench/results_semshare.json",
     "semshare-lengths": "bench/results_semshare_lengths.json",
+    "semshare-curve": "bench/results_semshare_curve.json",
     "memart": "bench/results_memart.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
@@ -158,6 +159,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [t for t in semshare_bench.tables(rows["semshare"]) if "similarity" in t.title])
   out["semshare-lengths"] = rows["semshare-lengths"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-lengths"]) if "length" in t.title])
+  out["semshare-curve"] = rows["semshare-curve"] and _render(
+      [t for t in semshare_bench.tables(rows["semshare-curve"]) if "length" not in t.title])
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   for name in ("kernels-h100", "kernels-h200", "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
@@ -262,6 +265,8 @@ def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.P
            ("semshare", "semshare.png", lambda rows, path: pathlib.Path(
                semshare_bench.plot(rows, str(path)))),
            ("semshare-lengths", "semshare_lengths.png", lambda rows, path: pathlib.Path(
+               semshare_bench.plot(rows, str(path)))),
+           ("semshare-curve", "semshare_curve.png", lambda rows, path: pathlib.Path(
                semshare_bench.plot(rows, str(path)))),
            ("memart", "memart_recall.png", lambda rows, path: pathlib.Path(
                memart_bench.plot(rows, str(path)))))
