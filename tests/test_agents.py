@@ -59,6 +59,7 @@ def _lp(res):
   return np.concatenate([c.logprob for c in res.calls])
 
 
+@pytest.mark.slow
 def test_single_agent_every_scheme_equals_non_shared(llm, traj):
   one = dataclasses.replace(traj, calls=[dataclasses.replace(c, role=0) for c in traj.calls])
   w = _lora(llm, n=1)
@@ -72,6 +73,7 @@ def test_single_agent_every_scheme_equals_non_shared(llm, traj):
   assert sum(c.computed + c.end - c.start - 1 for c in ref.calls) == one.calls[-1].end - 1
 
 
+@pytest.mark.slow
 def test_identical_adapters_make_sharing_exact(llm, traj):
   """Identical hidden states across agents (same B for all): BaseShared, and every
   other scheme, reproduce NonShared."""

@@ -82,6 +82,7 @@ def _serve(*args, cwd=ROOT):
                         capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_serve_probes_fail_in_one_line_before_loading(tmp_path):
   cfg = f"--config={ROOT}/configs/smollm2.py"
   inp = ROOT / "examples/requests.jsonl"

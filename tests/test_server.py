@@ -159,6 +159,7 @@ def test_stop_strings_cut_the_text(served, reference):
   served.llm.engine.allocator.check()
 
 
+@pytest.mark.slow
 def test_32_concurrent_streaming_clients(served, reference):
   """8 prompts x 4 clients at once: every stream complete and equal to the prompt's
   single-request run, and the engine batched them (far fewer steps than 32 alone)."""
@@ -425,6 +426,7 @@ def test_qwen_tool_calls_come_back_as_tool_calls():
     assert r2.choices[0].message.content or r2.choices[0].message.tool_calls
 
 
+@pytest.mark.slow
 def test_load_bench_level_against_the_server(served):
   """bench/server_load.py's level(): bounded, every request counted, latencies sane."""
   import sys
@@ -483,6 +485,7 @@ def test_agent_sessions_hold_their_turns(base):
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_role_adapters_by_model_name(base):
   """server.role_adapters: "<model>:<role>" picks the shipped LRAgent adapter; a batch
   of mixed roles answers each like a single-request run on that adapter."""

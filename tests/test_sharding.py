@@ -154,6 +154,7 @@ def test_serve_on_a_mesh(tmp_path):
   assert "Paris" in rows["capital"]["text"]
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_device():
   """scripts/launch.py: 2 processes x 4 CPU devices (gloo collectives), one mesh over
   all 8; greedy tokens and logits equal the single-device run, within a bounded time."""
