@@ -4,7 +4,8 @@ and CacheBlend's rule on the same fuzzy match, over a prompt-pairs file.
     python bench/semshare.py --pairs=data_local/semshare_pairs.jsonl \
         [--methods=full,semshare,fuzzy_full,zero,random,blend] [--model=smollm2-135m] \
         [--gen=32] [--max_pairs=0] [--out=bench/results_semshare.json] \
-        [--plot=docs/plots/semshare.png]
+        [--plot=docs/plots/semshare.png] [--threshold=0] [--retention=layer0]
+    python bench/semshare.py --pairs=... --shift_probe=0,1,2,5,10,30,100,300
 
 Per pair and method, on one runner: the reference prompt is prefilled in full
 and stored, then the target is served (reused when the LSH similarity reaches
@@ -56,6 +57,8 @@ def define_flags():
   flags.DEFINE_string("out", None, "results JSON (rows; resumable)")
   flags.DEFINE_string("plot", "docs/plots/semshare.png", "TTFT and quality plot")
   flags.DEFINE_string("tables_from", None, "print the tables of an existing results JSON")
+  flags.DEFINE_enum("retention", None, ["layer", "layer0"], "override SemShareConfig."
+                    "retention (rows then read e.g. semshare/layer0)")
   flags.DEFINE_list("shift_probe", [], "instead of the methods: the first pair's target "
                     "matched against itself placed these many positions later (e.g. "
                     "0,2,10,30,100): the A.3 similarity and the share of tokens matched to "
@@ -95,6 +98,8 @@ def run_method(llm, name: str, pairs, ref) -> tuple[list[dict], list[dict]]:
   cfg = SemShareConfig(method=name)
   if FLAGS.threshold is not None:
     cfg = dataclasses.replace(cfg, threshold=FLAGS.threshold)
+  if FLAGS.retention is not None:
+    cfg = dataclasses.replace(cfg, retention=FLAGS.retention)
   runner = SemShareRunner(llm, cfg,
                           cache=CacheConfig(num_pages=pages, page_size=16,
                                             max_seq_len=need + 16))
@@ -123,7 +128,12 @@ def run_method(llm, name: str, pairs, ref) -> tuple[list[dict], list[dict]]:
           f"{'reused' if rec['reused'] else 'full'} ttft={rec['ttft_s']:.2f}s "
           f"rougeL/full={rec['rouge_l_vs_full']:.2f}", flush=True)
   jax.clear_caches()
-  return rows_of(name, recs), recs
+  return rows_of(_label(name), recs), recs
+
+
+def _label(name: str) -> str:
+  """The method's row name: with --retention, e.g. semshare/layer0."""
+  return name if FLAGS.retention is None or name == "full" else f"{name}/{FLAGS.retention}"
 
 
 def _bucket(n: int) -> int:
@@ -272,12 +282,12 @@ def main(argv):
   have = {r["method"] for r in rows}
   ref = None
   for name in ["full"] + [m for m in names if m != "full"]:    # full: every quality reference
-    if name in have and name != "full":
+    if _label(name) in have and name != "full":
       continue
     new, recs = run_method(llm, name, rendered, ref)
     if name == "full":
       ref = recs
-    if name not in have and name in names:
+    if _label(name) not in have and name in names:
       rows += new
       common.write_rows(FLAGS.out, rows)
   if FLAGS.plot:

@@ -214,12 +214,22 @@ def test_recompute_blends_a_spliced_segment():
   assert _rel(np.asarray(blend.k)[2, seg[:3]], np.asarray(full.k)[2, seg[:3]]) < stale[2]
 
 
-def test_recompute_rejects_query_capture_and_bad_shapes():
+def test_recompute_captures_the_recomputed_rows_queries_and_rejects_bad_shapes():
+  """Capture(q) under Recompute hands back the listed rows' queries in index
+  order: with every token listed they equal the plain prefill's (1e-6); with
+  a subset, layer 0's rows equal the plain prefill's rows (same inputs there)."""
   from jaxkv.models.forward import Capture
   model, toks, slots = _setup_segment()
   pool0 = kv_state.init_slots(model.cfg, 32, jnp.float32)
-  with pytest.raises(ValueError, match="capture q"):
-    model(jnp.asarray(toks)[None], jnp.arange(21)[None], pool0, slot_map=jnp.asarray(slots)[None],
-          recompute=Recompute(jnp.zeros((3, 1, 4), jnp.int32)), capture=Capture(q=True))
+  call = lambda rc: model(jnp.asarray(toks)[None], jnp.arange(21)[None], pool0,
+                          slot_map=jnp.asarray(slots)[None], recompute=rc,
+                          capture=Capture(q=True))
+  want = np.asarray(call(None).q)                                 # [L, 1, 21, Hq, D]
+  every = jnp.broadcast_to(jnp.arange(21, dtype=jnp.int32), (3, 1, 21))
+  np.testing.assert_allclose(np.asarray(call(Recompute(every)).q), want, atol=1e-6, rtol=0)
+  index = np.array([0, 5, 20, -1], np.int32)
+  got = np.asarray(call(Recompute(jnp.asarray(np.broadcast_to(index, (3, 1, 4))))).q)
+  assert got.shape == (3, 1, 4) + want.shape[3:]
+  np.testing.assert_allclose(got[0, 0, :3], want[0, 0, index[:3]], atol=1e-6, rtol=0)
   with pytest.raises(ValueError, match="recompute index"):
     _run(model, pool0, toks, 0, slots, Recompute(jnp.zeros((2, 1, 4), jnp.int32)))
