@@ -53,6 +53,8 @@ def define_flags():
   flags.DEFINE_float("threshold", None, "override the similarity threshold (0: always reuse, "
                      "for the similarity-vs-quality curve)")
   flags.DEFINE_integer("max_pairs", 0, "use the first N pairs (0: all)")
+  flags.DEFINE_string("ids", None, "only the pairs whose ids this file lists (one per line, "
+                      "# comments)")
   flags.DEFINE_integer("max_prompt", 6000, "skip pairs whose prompts are longer")
   flags.DEFINE_string("out", None, "results JSON (rows; resumable)")
   flags.DEFINE_string("plot", "docs/plots/semshare.png", "TTFT and quality plot")
@@ -253,6 +255,14 @@ def main(argv):
     pairs = SP.load_pairs(FLAGS.pairs)
   except (SP.PairFormatError, OSError) as e:
     raise app.UsageError(str(e)) from e
+  if FLAGS.ids:
+    with open(FLAGS.ids) as f:
+      wanted = {ln.strip() for ln in f if ln.strip() and not ln.startswith("#")}
+    missing = wanted - {p.id for p in pairs}
+    if missing:
+      raise app.UsageError(f"{len(missing)} ids of {FLAGS.ids} are not in {FLAGS.pairs}, "
+                           f"e.g. {sorted(missing)[0]!r}")
+    pairs = [p for p in pairs if p.id in wanted]
   llm = jaxkv.load(FLAGS.model)
   tok = llm.tokenizer
   rendered = []

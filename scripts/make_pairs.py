@@ -3,7 +3,8 @@ real texts scripts/fetch_texts.py unpacks (never committed).
 
     python scripts/make_pairs.py --texts=data_local/texts --out=data_local/semshare_pairs.jsonl \
         [--sources=austen,docs] [--kinds=eliminate,replace] [--fracs=0.1,0.3,0.5,0.7,0.9] \
-        [--lengths=1000,2000,4000] [--per=1] [--paraphrase=0 --model=smollm2-135m] [--seed=0]
+        [--lengths=1000,2000,4000] [--per=1] [--paraphrase=0 --model=smollm2-135m] [--seed=0] \
+        [--id_prefix=]
 
 Per source, length, kind and fraction, `--per` pairs: an excerpt of about
 `length` tokens (a run of Austen paragraphs, or of Python-doc passages: a
@@ -42,6 +43,8 @@ def define_flags():
   flags.DEFINE_string("model", "smollm2-135m", "the paraphrasing model (preset or path)")
   flags.DEFINE_string("tokenizer_model", "smollm2-135m", "whose tokenizer measures lengths")
   flags.DEFINE_integer("seed", 0, "pair seed")
+  flags.DEFINE_string("id_prefix", "", "prefix of every pair id (files built apart can be "
+                      "concatenated without id clashes)")
 
 
 def _sources(root: str) -> dict[str, list[str]]:
@@ -107,7 +110,7 @@ def main(argv):
         else:
           raise app.UsageError(f"unknown kind {kind!r}")
         meta = dict(source=src, kind=kind, frac=frac, length=length)
-        base = f"{src}/{length}/{kind}/{frac:g}/{len(pairs)}"
+        base = f"{FLAGS.id_prefix}{src}/{length}/{kind}/{frac:g}/{len(pairs)}"
         pairs.append(SP.Pair(base, SP.join(ref), SP.join(paras), SP.SUMMARY, meta=meta))
         if src == "docs":
           q, a = _question(paras, rng)
