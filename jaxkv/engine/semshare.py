@@ -22,9 +22,10 @@ One request (`prefill`):
    axis [L, 1, T]: layer l reads a token's fresh slot where it was recomputed
    at l, its alias elsewhere (and, under retention "layer0", SENTINEL where
    layer l evicted it);
-5. retention "layer" (the default): the queries each layer computed score the
-   keys it read (`semshare.observer_attention`), and each layer's evicted
-   entries become SENTINEL for decode; then the first token's logits are read
+5. retention "layer" (the default): layer 0 ranks the tokens by the probe's
+   attention, each later layer by the attention of its last `recent` queries
+   over the keys it read (`semshare.observer_attention`), and each layer's
+   evicted entries become SENTINEL for decode; then the first token's logits are read
    (TTFT stops, the scoring inside it); tokens evicted at every layer give
    their fresh slot back at once.
 
@@ -114,13 +115,13 @@ def _probe_signals(pool, fresh, alias, q, valid):
 
 @jax.jit
 def _retention_scores(pool, lmap, q, q_pos, live):
-  """[L, C] attention each token receives at each layer from that layer's
-  observers (q [L, R, Hq, D], q_pos [L, R] token indices or -1), the keys read
-  through the layer's slot map lmap [L, C] (fresh or aliased slots)."""
+  """[L - 1, C] attention each token receives at layers 1..L-1 from that layer's
+  observers (q [L - 1, R, Hq, D], q_pos [L - 1, R] token indices or -1), the keys
+  read through the layer's slot map lmap [L - 1, C] (fresh or aliased slots)."""
   def one(args):
     l, ql, pl = args
-    return semshare.observer_attention(ql, pl, pool.k[l][lmap[l]], live)
-  return jax.lax.map(one, (jnp.arange(lmap.shape[0]), q, q_pos))
+    return semshare.observer_attention(ql, pl, pool.k[l][lmap[l - 1]], live)
+  return jax.lax.map(one, (1 + jnp.arange(lmap.shape[0]), q, q_pos))
 
 
 @functools.partial(jax.jit, static_argnames=("method",))
@@ -334,10 +335,7 @@ class SemShareRunner:
     by_layer = p.budgets is not None and self.cfg.retention == "layer"
     if not by_layer:
       layer_map[~p.retain] = SENTINEL
-    obs_q = [None] * L                    # retention "layer": each layer's observers' q
-    if by_layer:
-      o0 = p.observers(0, self.cfg.recent)
-      obs_q[0] = out0.q[0, 0, o0[0]:o0[-1] + 1]
+    obs_q = [None] * L                    # retention "layer": layer l's observers' q
     # the rest of the layers, as few passes as their widths allow
     lmap = jnp.asarray(np.stack([plan_lib.slot_rows([m], width) for m in layer_map]))
     ws = jnp.asarray(_pad(fresh, c, self.driver.kv.num_slots)[None])
@@ -355,11 +353,12 @@ class SemShareRunner:
                                  capture=Capture(q=by_layer),
                                  return_hidden=not last, return_logits=last)
       x = out.hidden
-      if by_layer:
+      if by_layer:                        # the last rows: the recent tokens, recomputed
         for l in range(lo, hi):
-          obs_q[l] = out.q[l - lo, 0, :p.recompute[l].size]
+          m = p.recompute[l].size
+          obs_q[l] = out.q[l - lo, 0, m - min(self.cfg.recent, n):m]
     if by_layer:                          # evict for decode, by each layer's own attention
-      p.retain = self._layer_retention(p, layer_map, obs_q, c)
+      p.retain = self._layer_retention(p, layer_map, obs_q, np.asarray(att)[:n], c)
       layer_map[~p.retain] = SENTINEL
     logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
     ttft = time.perf_counter() - t0
@@ -380,20 +379,20 @@ class SemShareRunner:
                       kv_slots=n - gone.size, live_entries=int(p.retain.sum()),
                       shared_entries=int(used.sum()), r_dynamic=p.r_dynamic)
 
-  def _layer_retention(self, p, layer_map, obs_q, c: int) -> np.ndarray:
-    """Retention "layer" (`semshare.layer_retention`) from each layer's observers'
-    queries `obs_q[l]`, scored over the keys its slot map reads."""
+  def _layer_retention(self, p, layer_map, obs_q, att0, c: int) -> np.ndarray:
+    """Retention "layer" (`semshare.layer_retention`): layer 0 by the probe's
+    attention `att0`, layer l >= 1 by its observers' queries `obs_q[l]` over the
+    keys its slot map reads (one jitted call for layers 1..L-1)."""
     L, n = layer_map.shape
-    r = plan_lib.chunk_len(max(q.shape[0] for q in obs_q))
-    q = jnp.stack([jnp.pad(x, ((0, r - x.shape[0]), (0, 0), (0, 0))) for x in obs_q])
-    q_pos = np.full((L, r), -1, np.int32)
-    for l in range(L):
-      o = p.observers(l, self.cfg.recent)
-      q_pos[l, :o.size] = o
-    lmap = np.stack([_pad(m, c, SENTINEL) for m in layer_map])
+    if L == 1:
+      return semshare.layer_retention(p, att0[None])
+    obs = np.arange(n - obs_q[1].shape[0], n)                        # the recent tokens
+    q = jnp.stack(obs_q[1:])                                         # [L - 1, R, Hq, D]
+    q_pos = np.broadcast_to(obs, (L - 1, obs.size)).astype(np.int32)
+    lmap = np.stack([_pad(m, c, SENTINEL) for m in layer_map[1:]])
     got = _retention_scores(self.driver.kv, jnp.asarray(lmap), q, jnp.asarray(q_pos),
                             jnp.asarray(np.arange(c) < n))
-    return semshare.layer_retention(p, np.asarray(got)[:, :n])
+    return semshare.layer_retention(p, np.concatenate([att0[None], np.asarray(got)[:, :n]]))
 
   def _budgets(self, n: int) -> jax.Array:
     """[L] tokens each layer keeps under the compression baselines."""

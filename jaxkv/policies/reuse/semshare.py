@@ -30,11 +30,14 @@ ranking serves every layer). Layer 0 retains max(0.8, r_dynamic) of the tokens,
 layer l retain_0 * alpha^l of them (A.6); the last `recent` tokens are always
 recomputed and retained (the readout). Which ones (`cfg.retention`):
 - "layer" (default): each layer ranks the tokens by the attention they receive
-  at that layer from the tokens it computed ("the lowest attention scores from
-  recent computations"; at layer 0, as 4.3.4 says, the last (1 - r_dynamic) of
-  the prompt), keeping its recomputed tokens (and at layer 0 every hot one)
-  first. The scores exist only once the layer has run, so these evictions act
-  on decode: the prefill pass reads every token (`layer_retention`);
+  at that layer ("the lowest attention scores from recent computations"): at
+  layer 0 from every token (the probe's signal; 4.3.4 names the last
+  1 - r_dynamic of the prompt, about 90% of it, and a second T x T pass for the
+  difference was not worth its cost), at later layers from the last `recent`
+  tokens, the ones every layer recomputes (SnapKV's observation window); its
+  recomputed tokens (and at layer 0 every hot one) are kept first. The scores
+  exist only once the layer has run, so these evictions act on decode: the
+  prefill pass reads every token (`layer_retention`);
 - "layer0": every layer ranked by layer 0's attention, nested (layer l keeps a
   subset of layer l-1), applied before the pass, so the recomputed tokens of
   later layers already attend without the evicted ones (`plan(...).retain`).
@@ -218,16 +221,6 @@ class Plan:
   r_dynamic: float              # hot share (attention recovery / T)
   budgets: np.ndarray | None = None   # [L] tokens layer l keeps (methods with retention)
   forced: np.ndarray | None = None    # [L, T] bool: kept at layer l whatever their score
-
-  def observers(self, layer: int, recent: int) -> np.ndarray:
-    """The tokens whose attention ranks layer `layer`'s keys under retention
-    "layer": those it recomputed; at layer 0 (every token) the last
-    (1 - r_dynamic) of the prompt (4.3.4), at least `recent`."""
-    if layer > 0:
-      return self.recompute[layer]
-    t = self.hot.size
-    n = min(t, max(recent, int(np.ceil((1.0 - self.r_dynamic) * t))))
-    return np.arange(t - n, t)
 
 
 def _top(candidates: np.ndarray, key: np.ndarray, n: int) -> np.ndarray:
