@@ -78,6 +78,7 @@ SOURCES = {
     "semshare": "bench/results_semshare.json",
     "semshare-lengths": "bench/results_semshare_lengths.json",
     "semshare-curve": "bench/results_semshare_curve.json",
+    "semshare-lengths45": "bench/results_semshare_lengths45.json",
     "memart": "bench/results_memart.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
@@ -159,6 +160,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [t for t in semshare_bench.tables(rows["semshare"]) if "similarity" in t.title])
   out["semshare-lengths"] = rows["semshare-lengths"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-lengths"]) if "length" in t.title])
+  out["semshare-lengths45"] = rows["semshare-lengths45"] and _render(
+      [t for t in semshare_bench.tables(rows["semshare-lengths45"]) if "length" in t.title])
   out["semshare-curve"] = rows["semshare-curve"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-curve"]) if "length" not in t.title])
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
