@@ -54,6 +54,7 @@ import numpy as np
 
 from jaxkv.config import SemShareConfig
 from jaxkv.policies.pruning import scores as scores_lib
+from jaxkv.policies.pruning import select as select_lib
 
 _BLOCK = 256    # target rows per Hamming / attention block
 REUSE_METHODS = ("semshare", "fuzzy_full", "zero", "random", "blend")   # reuse a reference
@@ -142,37 +143,12 @@ def kv_deviation(k_a, v_a, k_b, v_b) -> jax.Array:
   return dk + dv
 
 
-@jax.jit
 def column_attention(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.Array:
-  """Mean causal attention each key receives (Insight 2's T vector).
-
-  Args:
-    q: [C, Hq, D] post-RoPE queries of one layer; k: [C, Hkv, D] its keys
-      (GQA: Hq = g * Hkv); valid: [C] bool (padding rows neither attend nor
-      are attended).
-  Returns:
-    [C] float32: the attention probabilities summed over heads and valid
-    queries, divided by (heads x valid queries); zero on padding.
-  """
-  c, hq, dh = q.shape
-  g = hq // k.shape[1]
-  kk = jnp.repeat(k.astype(jnp.float32), g, axis=1)                     # [C, Hq, D]
-  pad = -c % _BLOCK
-  qb = jnp.pad(q.astype(jnp.float32), ((0, pad), (0, 0), (0, 0))).reshape(-1, _BLOCK, hq, dh)
-  rows = jnp.arange(c + pad).reshape(-1, _BLOCK)
-  vpad = jnp.pad(valid, (0, pad))
-  cols = jnp.arange(c)
-
-  def block(args):
-    qs, r = args
-    logits = jnp.einsum("qhd,khd->hqk", qs, kk) / jnp.sqrt(jnp.float32(dh))
-    mask = (cols[None, :] <= r[:, None]) & valid[None, :] & vpad[r][:, None]
-    logits = jnp.where(mask[None], logits, -jnp.inf)
-    p = jax.nn.softmax(logits, axis=-1)
-    return jnp.sum(jnp.where(mask[None], p, 0.0), axis=(0, 1))           # [C]
-
-  total = jnp.sum(jax.lax.map(block, (qb, rows)), axis=0)
-  return jnp.where(valid, total / (hq * jnp.maximum(jnp.sum(valid), 1)), 0.0)
+  """Mean causal attention each key receives (Insight 2's T vector): every valid
+  row of q [C, Hq, D] observing the keys k [C, Hkv, D] (`observer_attention`);
+  [C] float32, zero on padding."""
+  pos = jnp.where(valid, jnp.arange(q.shape[0], dtype=jnp.int32), -1)
+  return jnp.where(valid, observer_attention(q, pos, k, valid), 0.0)
 
 
 def attention_recovery(scores: np.ndarray, thres: float) -> int:
@@ -283,12 +259,9 @@ def plan(deviation, attention, cfg: SemShareConfig, num_layers: int) -> Plan:
 
 def layer_retention(p: Plan, layer_scores) -> np.ndarray:
   """[L, T] bool retention "layer": each layer keeps its forced tokens, then the
-  highest `layer_scores[l]` (ties: earlier token) up to `p.budgets[l]`."""
-  s = np.asarray(layer_scores, np.float64)
-  L, t = p.forced.shape
-  keep = p.forced.copy()
-  every = np.arange(t)
-  for l in range(L):
-    rest = every[~p.forced[l]]
-    keep[l, _top(rest, s[l], int(p.budgets[l]) - int(p.forced[l].sum()))] = True
-  return keep
+  highest `layer_scores[l]` (ties: earlier token) up to `p.budgets[l]`
+  (`select.keep_mask`, one row per layer)."""
+  keep = select_lib.keep_mask(jnp.asarray(layer_scores, jnp.float32),
+                              jnp.ones(p.forced.shape, bool), jnp.asarray(p.forced),
+                              jnp.asarray(p.budgets, jnp.int32))
+  return np.asarray(keep)
