@@ -481,14 +481,34 @@ class ServerConfig:
   # "" off; "shipped" the ones in artifacts/ for the model; or a folder of PEFT adapters
   # (scripts/train_lora.py). One batch mixes them (shared A, per-row B).
   role_adapters: str = ""
+  # Session kinds served (jaxkv.server.backends), the first the default for a session
+  # that does not name one: "prefix" (the batch engine's prefix cache; needs
+  # engine.prefix_cache), "pruned" (SessionRunner with `pruning`: IntentKV's
+  # QueryMemory kept per session), "memart" (history in MemArt memory, `memart`),
+  # "reuse" (segment reuse across prompts, `reuse`); e.g. "pruned,memart,reuse,prefix".
+  sessions: str = "prefix"
 
   def __post_init__(self):
+    session_kinds(self.sessions)
     if not 0 <= self.port < 65536:
       raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
     if self.max_pending < 1:
       raise ValueError(f"server.max_pending must be >= 1, got {self.max_pending}")
     if self.session_idle_s <= 0:
       raise ValueError(f"server.session_idle_s must be > 0, got {self.session_idle_s}")
+
+
+SESSION_KINDS = ("prefix", "pruned", "memart", "reuse")
+
+
+def session_kinds(spec: str) -> tuple[str, ...]:
+  """`server.sessions` ("pruned,memart,...") -> kinds, the default first."""
+  kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+  bad = [k for k in kinds if k not in SESSION_KINDS]
+  if not kinds or bad or len(set(kinds)) != len(kinds):
+    raise ValueError(f"server.sessions must list distinct kinds of {', '.join(SESSION_KINDS)} "
+                     f"(the first is the default), got {spec!r}")
+  return kinds
 
 
 SERVE_MODES = ("requests", "sessions", "reuse", "semshare", "memart")

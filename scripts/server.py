@@ -18,6 +18,11 @@ answers 429. Sampling defaults come from `--config.sampling.*` and each request
 may override temperature, top_p, top_k, seed, max_tokens and stop. Ctrl-C / SIGTERM
 stops accepting, lets running requests finish for up to --graceful_s, then
 cancels the rest. See jaxkv/server/app.py for what is not served yet.
+
+Every KV mechanism in one server: `--config=configs/smollm2_agents.py` (role
+adapters by model name, and agent sessions pruned by IntentKV, kept in MemArt
+memory, or reusing earlier prompts' segments; `examples/agent_sessions.py` drives
+them all and prints what each did).
 """
 
 from __future__ import annotations

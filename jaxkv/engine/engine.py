@@ -64,6 +64,7 @@ class Result:
   finish_reason: str     # "stop" | "length" | "error" | "cancelled"
   error: str | None = None
   cached_tokens: int = 0  # prompt tokens served by the prefix cache (not prefilled)
+  extra: dict | None = None  # what a KV mechanism did (the server's usage["jaxkv"])
 
 
 @dataclasses.dataclass

@@ -81,9 +81,11 @@ class TurnMetrics:
   evidence_candidates_kept: int = 0   # ... that the policy kept
   memory_cos: float = float("nan")    # IntentKV: cos(M_t, Enc(q_t)), mean over layers / heads
   kept: np.ndarray | None = dataclasses.field(default=None, repr=False)  # [N] kept prompt mask
+  reply_ids: list[int] | None = dataclasses.field(default=None, repr=False)  # generated ids
 
   def to_json(self) -> dict:
-    return {k: v for k, v in dataclasses.asdict(self).items() if k != "kept"}
+    return {k: v for k, v in dataclasses.asdict(self).items()
+            if k not in ("kept", "reply_ids")}
 
 
 def _row(x, width: int, dtype=np.int32) -> jax.Array:
@@ -158,10 +160,10 @@ class SessionRunner:
       self.inv_freq = delta_frequencies(self.cfg.rope, self.cfg.head_dim)
 
   # ---------------------------------------------------------------- prompts
-  def prepare(self, messages: Sequence[dict], tools, i: int) -> dict:
-    """Prompt (messages[:i]), gold reply (messages[i]), spans and evidence labels
-    (`labels.prepare_turn`)."""
-    return labels.prepare_turn(self.tok, messages, tools, i)
+  def prepare(self, messages: Sequence[dict], tools, i: int, reply: bool = True) -> dict:
+    """Prompt (messages[:i]), gold reply (messages[i], with `reply`), spans and
+    evidence labels (`labels.prepare_turn`)."""
+    return labels.prepare_turn(self.tok, messages, tools, i, reply=reply)
 
   # ---------------------------------------------------------------- device steps
   def _run_chunks(self, seq: int, toks: np.ndarray, start: int, stop: int, p0: int,
@@ -206,8 +208,11 @@ class SessionRunner:
     (with `generate`): a host-side check of the reply so far, every 16 tokens;
     True ends the reply there (e.g. once the call it writes is complete)."""
     t0 = time.perf_counter()
-    p = self.prepare(messages, tools, i)
-    prompt, gold = np.asarray(p["ids"], np.int32), np.asarray(p["gold"], np.int32)
+    if not 0 < i <= len(messages) - (0 if generate and not forced_reply else 1):
+      raise ValueError(f"turn {i} of a {len(messages)}-message session: the prompt is "
+                       "messages[:i] and a gold reply needs messages[i]")
+    p = self.prepare(messages, tools, i, reply=i < len(messages))
+    prompt, gold = np.asarray(p["ids"], np.int32), np.asarray(p.get("gold", []), np.int32)
     if forced_reply:
       if not generate or not 0 < forced_reply < gold.size:
         raise ValueError(f"forced_reply needs generate and 0 < forced_reply < {gold.size} "
@@ -278,6 +283,7 @@ class SessionRunner:
     ev = p["evidence"]
     return TurnMetrics(
         session=session_id, turn=i, prompt_tokens=n, reply_tokens=g, hit_tokens=hit,
+        reply_ids=toks[n:n + g].tolist() if generate else None,
         live_before=live_before, live_after=live_after, pruned=pruned, pt=n + steps_,
         eff_live_kv=live_after + steps_, raw_reads=steps_ * n + tri,
         eff_reads=steps_ * live_after + tri, nll=nll, evidence=int(ev.sum()),
@@ -350,6 +356,14 @@ class SessionRunner:
     return new
 
   # ---------------------------------------------------------------- sessions
+  def close_session(self, session_id: str) -> bool:
+    """Forgets a session: its QueryMemory, processed-token count and radix path (the
+    KV it cached stays, unheld, for the LRU to evict). False if it had no state."""
+    key = intentkv.session_key(session_id=session_id)
+    had = self.memories.pop(key) is not None
+    had |= self.seen.pop(session_id, None) is not None
+    return self.paths.pop(session_id, None) is not None or had
+
   def run_session(self, session_id: str, messages: Sequence[dict], tools=None, *,
                   generate: bool = False, max_tokens: int = 128) -> list[TurnMetrics]:
     """Every assistant turn after the first message, in order: teacher-forced replay,

@@ -17,19 +17,25 @@ A client that disconnects (mid-stream, or while a non-streamed request runs) has
 its request cancelled; the next engine step frees its KV slots. The engine loop
 starts with the app and, on shutdown, cancels what is left and stops.
 
-Agent sessions (prefix cache on): `POST /v1/sessions` opens one (or a request's
-`session_id` / `user` does), `DELETE /v1/sessions/{id}` closes it, `GET
-/v1/sessions` lists them with the tokens each keeps cached; a session idle for
-`server.session_idle_s` is closed by the loop.
+Agent sessions: `POST /v1/sessions` opens one (`{"kind": ...}` picks how its KV
+is kept, `jaxkv.server.backends`: prefix cache holds, pruning with IntentKV's
+QueryMemory, MemArt memory, segment reuse; or a request's `session_id` / `user`
+opens one of the default kind), `DELETE /v1/sessions/{id}` closes it, `GET
+/v1/sessions` lists them with their kind and the tokens each keeps cached; a
+session idle for `server.session_idle_s` is closed by the loop. What a mechanism
+did comes back in `usage["jaxkv"]` (session kind, pruned tokens, QueryMemory
+cosine, retrieved blocks, reused tokens, role adapter) and sums up in `/metrics`.
 
 Role adapters (`server.role_adapters`): the model id `<model>:<role>` selects an
 LRAgent role adapter (shared A, per-row B, one batch mixes roles; `GET /v1/models`
 lists them), so a multi-agent framework points each agent at its role's name.
 
-Not yet here (issue 17): IntentKV QueryMemory and pruning state kept across a
-session's turns (pruning runs in `SessionRunner`, not in the batch engine), the
-decoupled (BaseShared) value cache across roles, and the composed pruning / LoRA
-sharing / reuse / MemArt config.
+One config turns every mechanism on (`configs/smollm2_agents.py`): role adapters
+in the batch engine, and a session kind each for pruning, MemArt and reuse. Not
+yet here (issue 17): one session combining several kinds (e.g. MemArt blocks
+spliced into a pruned session's context), continuous batching inside the
+non-prefix kinds (they are batch-1 runners between engine steps), and the
+decoupled (BaseShared) value cache across roles.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+import traceback
 import uuid
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -46,9 +54,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from jaxkv.config import ServeConfig
 from jaxkv.engine.engine import Request
 from jaxkv.server import protocol
+from jaxkv.server.backends import SessionBackends
 from jaxkv.server.loop import EngineLoop, QueueFull
 from jaxkv.server.protocol import APIError
 
+log = logging.getLogger("jaxkv.server")
 DISCONNECT_POLL_S = 0.25   # how often a waiting non-streamed request checks its client
 
 
@@ -76,8 +86,10 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   engine = llm.engine
   model_name = cfg.server.model_name or cfg.model
   created = int(time.time())
-  loop = EngineLoop(engine, cfg.server.max_pending, cfg.server.session_idle_s)
-  sessions_on = engine.radix is not None
+  backends = SessionBackends(llm, cfg)
+  loop = EngineLoop(engine, cfg.server.max_pending, cfg.server.session_idle_s,
+                    expire=backends.expire)
+  sessions_on = engine.radix is not None or backends.kinds != ("prefix",)
   # served ids: the base model, and "<model>:<role>" for each role adapter
   names = {model_name: -1, **{f"{model_name}:{a}": i for i, a in enumerate(llm.adapters)}}
   tokenizer = llm.tokenizer
@@ -91,7 +103,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     await asyncio.to_thread(loop.stop)
 
   app = FastAPI(title="jaxkv", lifespan=lifespan)
-  app.state.loop = loop
+  app.state.loop, app.state.backends = loop, backends
 
   async def body_of(request: HTTPRequest):
     raw = await request.body()
@@ -125,14 +137,30 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
                              "with --config.engine.prefix_cache=true", param="session_id"))
     rid = protocol.new_id(kind)
     t_created = int(time.time())
-    try:
-      queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
-                                  session=p.session if sessions_on else None,
-                                  adapter=p.adapter))
-    except QueueFull as e:
-      if not loop.alive:
-        return _error(APIError(503, str(e), type="server_error", code="shutting_down"))
-      return _error(APIError(429, str(e), type="rate_limit_error", code="queue_full"))
+    skind = backends.kind_of(p.session) if sessions_on and p.session is not None else None
+    if skind not in (None, "prefix"):
+      try:   # a batch-1 runner on the loop thread, between engine steps
+        res = await asyncio.wrap_future(loop.call(
+            lambda: backends.run(skind, p.session, p, rid)))
+      except ValueError as e:
+        return _error(APIError(400, str(e), param="session_id"))
+      except Exception as e:  # noqa: BLE001 -- isolated like a failing engine step
+        log.error("session %s (%s) failed:\n%s", p.session, skind, traceback.format_exc())
+        return _error(APIError(500, f"the '{skind}' session runner failed this request: "
+                               f"{type(e).__name__}: {e}", type="server_error"))
+      queue = asyncio.Queue()
+      queue.put_nowait(("done", res))
+    else:
+      try:
+        queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
+                                    session=p.session if skind == "prefix" else None,
+                                    adapter=p.adapter))
+      except QueueFull as e:
+        if not loop.alive:
+          return _error(APIError(503, str(e), type="server_error", code="shutting_down"))
+        return _error(APIError(429, str(e), type="rate_limit_error", code="queue_full"))
+      if p.adapter >= 0:
+        backends.stats.adapter_requests[llm.adapters[p.adapter]] += 1
     stream = protocol.TextStream(p.stop, hold_calls=p.tools)
     try:
       first = await next_event(queue, request, rid)
@@ -160,7 +188,20 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     _, stopped = stream.update(decode(tokens), final=True)
     finish = "stop" if stopped else _finish(event[1].finish_reason)
     return JSONResponse(protocol.response(p, rid, t_created, stream.text, finish,
-                                          protocol.usage(len(p.prompt), len(tokens), cached)))
+                                          usage(p, event, tokens, cached)))
+
+  def usage(p, event, tokens, cached) -> dict:
+    """OpenAI usage, plus what the KV mechanisms did as "jaxkv" (`Result.extra`, the
+    role adapter, the prefix session) when any of them took part."""
+    out = protocol.usage(len(p.prompt), len(tokens), cached)
+    extra = dict(event[1].extra or {}) if event[0] == "done" else {}
+    if p.adapter >= 0:
+      extra["adapter"] = llm.adapters[p.adapter]
+    if "session_kind" not in extra and p.session is not None and engine.radix is not None:
+      extra["session_kind"] = "prefix"
+    if extra:
+      out["jaxkv"] = extra
+    return out
 
   async def sse(p, rid, t_created, queue, event, stream):
     done = False
@@ -192,8 +233,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
           yield data(protocol.chunk(p, rid, t_created, text=content))
       yield data(protocol.chunk(p, rid, t_created, tool_calls=made or None, finish=reason))
       if p.include_usage:
-        yield data(protocol.chunk(p, rid, t_created, use=protocol.usage(
-            len(p.prompt), len(tokens), cached)))
+        yield data(protocol.chunk(p, rid, t_created, use=usage(p, event, tokens, cached)))
       yield "data: [DONE]\n\n"
       done = True
     finally:
@@ -222,34 +262,45 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   def need_sessions():
     if not sessions_on:
       raise APIError(400, "sessions keep KV in the prefix cache: start the server with "
-                     "--config.engine.prefix_cache=true")
+                     "--config.engine.prefix_cache=true (or list session kinds in "
+                     "--config.server.sessions)")
 
   @app.post("/v1/sessions")
   async def open_session(request: HTTPRequest):
-    """Opens a session ({"session_id": optional}); its id goes in later requests'
-    "session_id" (or "user")."""
+    """Opens a session ({"session_id": optional, "kind": optional, one of
+    server.sessions}); its id goes in later requests' "session_id" (or "user")."""
     need_sessions()
     raw = await request.body()
     body = await body_of(request) if raw.strip() else {}
-    sid = body.get("session_id") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+      raise APIError(400, "the request body must be a JSON object")
+    sid, want = body.get("session_id"), body.get("kind")
     if sid is not None and (not isinstance(sid, str) or not sid):
       raise APIError(400, "'session_id' must be a non-empty string", param="session_id")
+    if want is not None and want not in backends.kinds:
+      raise APIError(400, f"'kind' must be one of {', '.join(backends.kinds)} "
+                     "(server.sessions)", param="kind")
     sid = sid or f"sess-{uuid.uuid4().hex[:24]}"
-    await asyncio.wrap_future(loop.call(lambda: engine.open_session(sid)))
-    return {"id": sid, "object": "session"}
+    try:
+      got = await asyncio.wrap_future(loop.call(lambda: backends.open(sid, want)))
+    except ValueError as e:
+      raise APIError(400, str(e), param="kind") from e
+    return {"id": sid, "object": "session", "kind": got}
 
   @app.get("/v1/sessions")
   async def list_sessions():
     need_sessions()
-    held = await asyncio.wrap_future(loop.call(lambda: engine.sessions))
-    return {"object": "list", "data": [{"id": k, "object": "session", "held_tokens": n}
-                                       for k, n in sorted(held.items())]}
+    held = await asyncio.wrap_future(loop.call(lambda: backends.sessions))
+    return {"object": "list", "data": [
+        {"id": k, "object": "session", "kind": kd, "held_tokens": n}
+        for k, (kd, n) in sorted(held.items())]}
 
   @app.delete("/v1/sessions/{sid}")
   async def close_session(sid: str):
-    """Closes a session: its hold on the cached KV is released (LRU evictable)."""
+    """Closes a session: its hold on the cached KV is released (LRU evictable) and
+    its runner forgets it (QueryMemory, MemArt memory)."""
     need_sessions()
-    if not await asyncio.wrap_future(loop.call(lambda: engine.close_session(sid))):
+    if await asyncio.wrap_future(loop.call(lambda: backends.close(sid))) is None:
       raise APIError(404, f"no open session '{sid}'", param="session_id",
                      code="session_not_found")
     return {"id": sid, "object": "session", "deleted": True}
@@ -262,7 +313,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
   @app.get("/metrics")
   async def metrics():
-    return PlainTextResponse(prometheus(loop, model_name), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(prometheus(loop, model_name, backends),
+                             media_type="text/plain; version=0.0.4")
 
   return app
 
@@ -295,8 +347,9 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
       raise RuntimeError("the server did not shut down within 60 s")
 
 
-def prometheus(loop: EngineLoop, model: str) -> str:
-  """The engine's counters and gauges in Prometheus' text format."""
+def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = None) -> str:
+  """The engine's (and the session runners') counters and gauges in Prometheus'
+  text format."""
   engine, m, s = loop.engine, loop.engine.metrics, loop.stats
   alloc = engine.allocator
   lab = f'model="{model}"'
@@ -316,19 +369,54 @@ def prometheus(loop: EngineLoop, model: str) -> str:
       ("jaxkv_kv_peak_bytes", "gauge", "peak KV bytes in use", m.peak_kv_bytes),
   ]
   if engine.radix is not None:
-    held = engine.sessions   # read from the server thread: a snapshot, may be a step old
     rows += [("jaxkv_prefix_cache_hit_tokens_total", "counter",
               "prompt tokens adopted from the prefix cache (not prefilled)", m.cached_tokens),
              ("jaxkv_prefix_cache_tokens", "gauge", "tokens held by the prefix cache",
-              engine.radix.num_cached_tokens),
-             ("jaxkv_sessions_open", "gauge", "open agent sessions", len(held)),
+              engine.radix.num_cached_tokens)]
+  labelled = {"finish_reason": ("jaxkv_requests_finished_total", "finished requests by "
+                                "finish reason", s.finished)}
+  if backends is not None:
+    held = backends.sessions   # read from the server thread: a snapshot, may be a step old
+    b = backends.stats
+    rows += [("jaxkv_sessions_open", "gauge", "open agent sessions", len(held)),
              ("jaxkv_session_held_tokens", "gauge", "tokens the open sessions keep cached",
-              sum(held.values()))]
+              sum(n for _, n in held.values()))]
+    if backends.pruned is not None:
+      rows += [("jaxkv_pruning_events_total", "counter", "requests whose KV was pruned",
+                b.pruning_events),
+               ("jaxkv_pruned_tokens_total", "counter", "live prompt KV entries pruned away",
+                b.pruned_tokens),
+               ("jaxkv_pruning_kept_tokens_total", "counter",
+                "live prompt KV entries kept by pruned requests", b.kept_tokens)]
+    if backends.memart is not None:
+      rows += [("jaxkv_memart_blocks_written_total", "counter", "memory blocks written",
+                b.memart_blocks_written),
+               ("jaxkv_memart_blocks_retrieved_total", "counter",
+                "memory blocks spliced into answers", b.memart_blocks_retrieved),
+               ("jaxkv_memart_prefill_tokens_total", "counter",
+                "tokens memart requests prefilled", b.memart_prefill_tokens),
+               ("jaxkv_memart_chat_tokens_total", "counter",
+                "tokens the same chats hold as plain prompts", b.memart_chat_tokens)]
+    if backends.reuse is not None:
+      rows += [("jaxkv_reuse_reused_tokens_total", "counter",
+                "prompt tokens spliced from stored segments", b.reuse_reused_tokens),
+               ("jaxkv_reuse_prefix_tokens_total", "counter",
+                "prompt tokens adopted from the reuse prefix cache", b.reuse_prefix_tokens)]
+    if engine.lora is not None:   # LRAgent's shared A: one down-projection for every role
+      a_bytes = sum(a.nbytes for a in engine.lora.a.values())
+      rows += [("jaxkv_lora_adapters", "gauge", "role adapters served",
+                engine.lora.num_adapters),
+               ("jaxkv_lora_shared_a_saved_bytes", "gauge", "adapter bytes the shared A "
+                "saves over one A per role", a_bytes * (engine.lora.num_adapters - 1))]
+    labelled["kind"] = ("jaxkv_session_requests_total", "requests by session kind "
+                        "(non-prefix kinds)", b.requests)
+    labelled["adapter"] = ("jaxkv_adapter_requests_total", "requests by role adapter",
+                           b.adapter_requests)
   out = []
   for name, kind, help_, value in rows:
     out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{lab}}} {value}"]
-  out += ["# HELP jaxkv_requests_finished_total finished requests by finish reason",
-          "# TYPE jaxkv_requests_finished_total counter"]
-  for reason, n in sorted(s.finished.items()):
-    out.append(f'jaxkv_requests_finished_total{{{lab},finish_reason="{reason}"}} {n}')
+  for key, (name, help_, counts) in labelled.items():
+    out += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
+    for v, n in sorted(counts.copy().items()):
+      out.append(f'{name}{{{lab},{key}="{v}"}} {n}')
   return "\n".join(out) + "\n"

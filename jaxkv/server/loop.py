@@ -66,8 +66,14 @@ class LoopStats:
 class EngineLoop:
   """Owns the engine; the only thread that calls `Engine.step`."""
 
-  def __init__(self, engine: Engine, max_pending: int = 256, session_idle_s: float = 600.0):
+  def __init__(self, engine: Engine, max_pending: int = 256, session_idle_s: float = 600.0,
+               expire=None):
+    """expire(idle_s): closes sessions idle that long (default: the engine's own,
+    with its prefix cache); called on the loop thread about once a second."""
     self.engine = engine
+    if expire is None and engine.radix is not None:
+      expire = engine.expire_sessions
+    self._expire = expire
     self.max_pending = max_pending
     self.session_idle_s = session_idle_s
     self._ops: collections.deque = collections.deque()   # (fn, future) run on the loop thread
@@ -128,9 +134,9 @@ class EngineLoop:
         fut.set_result(fn())
       except Exception as e:  # handed to the caller
         fut.set_exception(e)
-    if self.engine.radix is not None and time.monotonic() - self._expired_at > 1.0:
+    if self._expire is not None and time.monotonic() - self._expired_at > 1.0:
       self._expired_at = time.monotonic()
-      self.engine.expire_sessions(self.session_idle_s)
+      self._expire(self.session_idle_s)
 
   def stop(self, timeout: float = 30.0) -> None:
     """Cancels every queued and running request, lets the loop retire them, joins."""

@@ -69,6 +69,7 @@ class Parsed:
   user: str | None = None
   session: str | None = None     # "session_id" (extra field), else "user"
   adapter: int = -1              # role adapter the model name selects (-1: base)
+  chat: tuple | None = None      # (messages, tools) as the template takes them (chat kind)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -132,9 +133,18 @@ def _tools(body: dict) -> list[dict] | None:
 
 def chat_prompt(tokenizer, messages: Any, tools: list[dict] | None) -> list[int]:
   """Token ids of an OpenAI chat in the form the model's template renders."""
+  msgs, native = chat_messages(tokenizer, messages, tools)
+  return tokenizer.encode_chat(msgs, tools=native, add_generation_prompt=True)
+
+
+def chat_messages(tokenizer, messages: Any,
+                  tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+  """(messages, tools) of an OpenAI chat as the model's template takes them: the
+  request's own when the template renders tool calls, else the traces module's
+  rendering of calls and schemas into text (raises ValueError on a malformed chat)."""
   chat = validate_messages(messages)
   if tools is None or traces.template_renders_tool_calls(tokenizer):
-    return tokenizer.encode_chat(chat, tools=tools, add_generation_prompt=True)
+    return chat, tools
   turns = [] if chat[0]["role"] == "system" else [traces.Turn("system", "")]
   for m in chat:
     made = tuple(traces.ToolCall(c["function"]["name"], dict(c["function"]["arguments"]))
@@ -142,8 +152,7 @@ def chat_prompt(tokenizer, messages: Any, tools: list[dict] | None) -> list[int]
     turns.append(traces.Turn(m["role"], str(m.get("content") or ""), made, m.get("name")))
   session = traces.Session("request", "request",
                            tuple(turns), tuple(t["function"] for t in tools))
-  msgs, native = traces.session_chat(session, tokenizer)
-  return tokenizer.encode_chat(msgs, tools=native, add_generation_prompt=True)
+  return traces.session_chat(session, tokenizer)
 
 
 def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenizer,
@@ -173,11 +182,12 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
   session = body.get("session_id")
   if session is not None and (not isinstance(session, str) or not session):
     raise _bad("'session_id' must be a non-empty string", "session_id")
-  tools = None
+  tools = chat = None
   try:
     if kind == "chat":
       tools = _tools(body)
-      prompt = chat_prompt(tokenizer, body.get("messages"), tools)
+      chat = chat_messages(tokenizer, body.get("messages"), tools)
+      prompt = tokenizer.encode_chat(chat[0], tools=chat[1], add_generation_prompt=True)
     else:
       prompt = _completion_prompt(tokenizer, body.get("prompt"))
   except ValueError as e:
@@ -202,7 +212,8 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
       max_tokens=max_tokens or min(defaults.max_tokens, room))
   return Parsed(kind=kind, model=model, prompt=prompt, sampling=sampling, stream=stream,
                 include_usage=bool(opts.get("include_usage")), stop=_stop(body),
-                tools=tools is not None, user=user, session=session or user, adapter=adapter)
+                tools=tools is not None, user=user, session=session or user, adapter=adapter,
+                chat=chat)
 
 
 def _completion_prompt(tokenizer, prompt: Any) -> list[int]:

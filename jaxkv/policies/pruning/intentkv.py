@@ -187,6 +187,10 @@ class QueryMemoryStore:
       self._items.move_to_end(key)
     return m
 
+  def pop(self, key) -> jax.Array | None:
+    """Removes and returns key's memory (None if absent)."""
+    return self._items.pop(key, None)
+
   def put(self, key, memory: jax.Array) -> None:
     self._items[key] = memory
     self._items.move_to_end(key)

@@ -1,0 +1,229 @@
+"""Session kinds served beside the batch engine: each agent session picks how its
+KV is kept, and all of them run in one server (`server.sessions`).
+
+    prefix   the batch engine with its radix prefix cache: the session's latest
+             turn stays locked in the cache (continuous batching, role adapters)
+    pruned   `SessionRunner`: the radix cache with persistent dead-slot holes, and
+             the configured pruning policy (`ServeConfig.pruning`; IntentKV keeps
+             its QueryMemory M_t per session across turns)
+    memart   `MemArtSessions`: the history lives in MemArt memory blocks, only the
+             new question is prefilled (`ServeConfig.memart`)
+    reuse    `ReuseRunner`: segments of earlier prompts (tool outputs, documents)
+             are spliced at their new positions (`ServeConfig.reuse`; the segment
+             store is shared by every reuse session)
+
+A session names its kind when it is opened (`POST /v1/sessions {"kind": ...}`);
+one first seen in a request gets the first listed kind. The non-prefix kinds are
+batch-1 runners with pools of their own (`ServeConfig.cache` each): their calls
+run on the engine loop thread between engine steps (`EngineLoop.call`), so engine
+and runners never run at once and the runners need no locks. They decode
+greedily; a streamed reply arrives in one piece once it is complete.
+
+What each mechanism did comes back in `usage["jaxkv"]` and is summed in
+`BackendStats` for `/metrics`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from jaxkv.config import ServeConfig, session_kinds
+from jaxkv.engine.engine import Result
+
+
+@dataclasses.dataclass
+class BackendStats:
+  """Counters for /metrics (one writer: the loop thread)."""
+  requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  adapter_requests: collections.Counter = dataclasses.field(    # written by the server
+      default_factory=collections.Counter)                       # thread (role -> count)
+  pruning_events: int = 0       # pruned requests
+  pruned_tokens: int = 0        # live prompt tokens dropped by pruning
+  kept_tokens: int = 0          # live prompt tokens after pruning (every pruned request)
+  memart_blocks_written: int = 0
+  memart_blocks_retrieved: int = 0
+  memart_prefill_tokens: int = 0   # tokens memart requests prefilled (the question)
+  memart_chat_tokens: int = 0      # tokens the same chats hold as plain prompts
+  reuse_reused_tokens: int = 0     # prompt tokens spliced from stored segments
+  reuse_prefix_tokens: int = 0     # prompt tokens adopted from the reuse radix cache
+
+
+class SessionBackends:
+  """The runners behind the non-prefix kinds and the sessions open on them.
+
+  Every method runs on the engine loop thread (`EngineLoop.call`).
+  """
+
+  def __init__(self, llm, cfg: ServeConfig):
+    self.kinds = session_kinds(cfg.server.sessions)
+    self.engine = llm.engine
+    if "prefix" in self.kinds and self.engine.radix is None and len(self.kinds) > 1:
+      raise ValueError("server.sessions: 'prefix' sessions keep KV in the engine's prefix "
+                       "cache: set engine.prefix_cache=True or leave 'prefix' out")
+    self.tok = llm.tokenizer
+    self.stats = BackendStats()
+    self._open: dict[str, list] = {}     # session -> [kind, last use]
+    impl = cfg.engine.attention_impl
+    self.pruned = self.memart = self.reuse = None
+    if "pruned" in self.kinds:
+      from jaxkv.engine.sessions import SessionRunner
+      self.pruned = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
+                                  prefill_chunk=cfg.engine.prefill_chunk, attn_impl=impl)
+    if "memart" in self.kinds:
+      from jaxkv.engine.memart import MemArtSessions
+      self.memart = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
+                                   attn_impl=impl)
+    if "reuse" in self.kinds:
+      from jaxkv.engine.reuse import ReuseRunner
+      self.reuse = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl)
+
+  @property
+  def default(self) -> str:
+    return self.kinds[0]
+
+  # ------------------------------------------------------------------ sessions
+  def open(self, session: str, kind: str | None = None) -> str:
+    """The session's kind, opening it on `kind` (None: the default) if it is new;
+    naming another kind than an open session's is refused. "prefix" sessions
+    live in the engine (`Engine.open_session`), the others here."""
+    if kind is not None and kind not in self.kinds:
+      raise ValueError(f"session kind {kind!r} is not served here (server.sessions = "
+                       f"{','.join(self.kinds)})")
+    have = self._open.get(session)
+    if have is None and self.engine.radix is not None and session in self.engine.sessions:
+      have = ["prefix"]
+    if have is not None:
+      if kind is not None and kind != have[0]:
+        raise ValueError(f"session {session!r} is open as {have[0]!r}, not {kind!r}: close "
+                         "it first or use another id")
+      if have[0] != "prefix":
+        have[1] = time.monotonic()
+      return have[0]
+    kind = kind or self.default
+    if kind == "prefix":
+      self.engine.open_session(session)
+    else:
+      self._open[session] = [kind, time.monotonic()]
+    return kind
+
+  def close(self, session: str) -> str | None:
+    """Frees what the session holds (its runner's state, or its engine hold);
+    returns its kind (None: unknown)."""
+    entry = self._open.pop(session, None)
+    if entry is None:
+      return "prefix" if self.engine.radix is not None and self.engine.close_session(
+          session) else None
+    kind = entry[0]
+    if kind == "pruned":
+      self.pruned.close_session(session)
+    elif kind == "memart" and session in self.memart.sessions:
+      self.memart.close(session)
+    return kind
+
+  def expire(self, idle_s: float) -> list[str]:
+    """Closes the sessions (every kind) unused for more than `idle_s` seconds."""
+    now = time.monotonic()
+    old = [k for k, (_, used) in self._open.items() if now - used > idle_s]
+    for k in old:
+      self.close(k)
+    if self.engine.radix is not None:
+      old += self.engine.expire_sessions(idle_s)
+    return old
+
+  def kind_of(self, session: str) -> str:
+    """The kind a request of `session` runs on: its own if open, else the default
+    (read-only, so the server thread may ask without waiting for the loop)."""
+    have = self._open.get(session)
+    if have is not None:
+      return have[0]
+    if self.engine.radix is not None and session in self.engine.sessions:
+      return "prefix"
+    return self.default
+
+  @property
+  def sessions(self) -> dict[str, tuple[str, int]]:
+    """Open sessions -> (kind, tokens kept for it: the engine hold of a prefix
+    session, 0 otherwise). A copy: the server thread reads it as a snapshot."""
+    out = {k: (v[0], 0) for k, v in self._open.copy().items()}
+    if self.engine.radix is not None:
+      out.update({k: ("prefix", n) for k, n in self.engine.sessions.items()})
+    return out
+
+  # ------------------------------------------------------------------ requests
+  def run(self, kind: str, session: str, p, rid: str) -> Result:
+    """Answers the parsed request `p` (`protocol.Parsed`) on the session's runner.
+    Raises ValueError for a request this kind cannot take (the server's 400)."""
+    if p.sampling.temperature > 0:
+      raise ValueError(f"'{kind}' sessions decode greedily: send temperature 0")
+    if p.adapter >= 0:
+      raise ValueError("role adapters run in the batch engine: use a 'prefix' session "
+                       "or no session")
+    if kind in ("pruned", "memart") and p.chat is None:
+      raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
+    self.open(session, kind)
+    t0 = time.perf_counter()
+    max_tokens = p.sampling.max_tokens
+    if kind == "pruned":
+      ids, ttft, cached, extra = self._pruned(session, p, max_tokens)
+    elif kind == "memart":
+      ids, ttft, cached, extra = self._memart(session, p, max_tokens)
+    else:
+      ids, ttft, cached, extra = self._reuse(p, max_tokens)
+    self.stats.requests[kind] += 1
+    stop = set(self.tok.stop_ids)
+    finish = "stop" if ids and ids[-1] in stop else "length"
+    if finish == "stop":
+      ids = ids[:-1]
+    return Result(id=rid, tokens=[int(t) for t in ids], prompt_tokens=len(p.prompt),
+                  completion_tokens=len(ids), ttft_s=ttft,
+                  latency_s=time.perf_counter() - t0, finish_reason=finish,
+                  cached_tokens=cached, extra={"session_kind": kind, **extra})
+
+  def _pruned(self, session, p, max_tokens):
+    msgs, tools = p.chat
+    t = self.pruned.run_turn(session, msgs, tools, len(msgs), generate=True,
+                             max_tokens=max_tokens)
+    cfg = self.pruned.pruning
+    s = self.stats
+    if t.pruned:
+      s.pruning_events += 1
+      s.pruned_tokens += t.live_before - t.live_after
+      s.kept_tokens += t.live_after
+    extra = {"pruning": cfg.method, "budget": cfg.budget, "pruned": bool(t.pruned),
+             "kv_live_before": t.live_before, "kv_live_after": t.live_after}
+    if cfg.method == "intentkv":
+      extra["query_memory_cos"] = round(t.memory_cos, 6)
+    return t.reply_ids, t.wall_s, t.hit_tokens, extra
+
+  def _memart(self, session, p, max_tokens):
+    msgs, tools = p.chat
+    if tools:
+      raise ValueError("'memart' sessions keep text history: tools are not supported")
+    ans, info = self.memart.ask(session, msgs, max_tokens)
+    s = self.stats
+    s.memart_blocks_written += info["blocks_written"]
+    s.memart_blocks_retrieved += int(ans.blocks.size)
+    s.memart_prefill_tokens += ans.prefill_tokens
+    s.memart_chat_tokens += len(p.prompt)
+    extra = {"prefill_tokens": ans.prefill_tokens, "retrieved_blocks": int(ans.blocks.size),
+             "decode_kv_len": ans.decode_kv_len, **info}
+    return ans.tokens.tolist(), ans.ttft_s, 0, extra
+
+  def _reuse(self, p, max_tokens):
+    r = self.reuse
+    pre = r.prefill(np.asarray(p.prompt, np.int32))
+    try:
+      toks, _ = r.decode(pre, max_tokens, stop_ids=self.tok.stop_ids)
+    finally:
+      r.release(pre.seq)
+    reused = sum(run.n for run in pre.runs if run.tier != "reject")
+    self.stats.reuse_reused_tokens += reused
+    self.stats.reuse_prefix_tokens += pre.prefix_hit
+    extra = {"reuse": r.reuse.method, "reused_tokens": int(reused),
+             "prefill_tokens": round(pre.prefill_tokens, 1),
+             "tiers": sorted({run.tier for run in pre.runs})}
+    return toks.tolist(), pre.ttft_s, pre.prefix_hit, extra

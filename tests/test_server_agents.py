@@ -1,0 +1,171 @@
+"""One server config with every KV mechanism on (configs/smollm2_agents.py): role
+adapters, pruned (IntentKV) sessions, MemArt sessions and reuse sessions, each
+reporting what it did in `usage["jaxkv"]` and `/metrics`.
+
+Real SmolLM2 weights and the shipped role adapters; the config's pools and budgets
+are shrunk so the short chats here get pruned and fit a small pool. The pruned
+session's first reply is checked against a `SessionRunner` of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+import runpy
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from jaxkv import cli  # noqa: E402
+from jaxkv.config import CacheConfig, EngineConfig, ServeConfig, from_config_dict  # noqa: E402
+from jaxkv.engine.sessions import SessionRunner  # noqa: E402
+from jaxkv.policies.pruning import intentkv  # noqa: E402
+from jaxkv.server.app import create_app, serve_in_thread  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+SYSTEM = "You are a travel agent. Answer briefly."
+DETAILS = ("My booking: reservation 8JX2QK, flight HA204 from Honolulu to Seattle on May 14, "
+           "seat 31C, one checked bag, basic economy fare.")
+TURNS = ["Can I move my flight to May 16 and keep seat 31C?",
+         "What does the change cost on a basic economy fare?"]
+
+
+def composed_config() -> ServeConfig:
+  cd = runpy.run_path(str(ROOT / "configs/smollm2_agents.py"))["get_config"]()
+  cfg = from_config_dict(ServeConfig, cd)
+  return dataclasses.replace(
+      cfg, cache=CacheConfig(num_pages=128, page_size=16, max_seq_len=1024),
+      engine=dataclasses.replace(cfg.engine, max_batch=4, prefill_chunk=128, decode_steps=8),
+      pruning=dataclasses.replace(cfg.pruning, budget=48),
+      memart=dataclasses.replace(cfg.memart, top_k=4))
+
+
+@pytest.fixture(scope="module")
+def served():
+  cfg = composed_config()
+  llm = cli.load_llm(cfg)
+  app = create_app(llm, cfg)
+  with serve_in_thread(app) as server:
+    server.cfg, server.llm, server.app_backends = cfg, llm, app.state.backends
+    server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    yield server
+
+
+def metric(url: str, name: str, **labels) -> float:
+  text = httpx.get(url + "/metrics").text
+  lab = ",".join([f'model="{MODEL}"'] + [f'{k}="{v}"' for k, v in labels.items()])
+  m = re.search(rf"^{name}{{{re.escape(lab)}}} (\S+)$", text, re.M)
+  return float(m.group(1)) if m else 0.0
+
+
+def usage(r) -> dict:
+  return r.usage.model_extra["jaxkv"]
+
+
+def test_role_adapter_reports_itself(served):
+  r = served.client.chat.completions.create(
+      model=f"{MODEL}:plan", messages=[{"role": "user", "content": "Plan a trip."}], max_tokens=4)
+  assert usage(r) == {"adapter": "plan"}
+  assert metric(served.url, "jaxkv_adapter_requests_total", adapter="plan") == 1
+  assert metric(served.url, "jaxkv_lora_shared_a_saved_bytes") > 0
+
+
+def test_pruned_session_keeps_query_memory_across_turns(served):
+  """The default kind: turn 1 is pruned to the budget and equals a SessionRunner of
+  its own; turn 2 adopts turn 1 from the radix cache and its QueryMemory carries
+  turn 1's queries (cosine < 1 against its own); closing forgets the memory."""
+  client, cfg = served.client, served.cfg
+  msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DETAILS},
+          {"role": "assistant", "content": "Noted."}, {"role": "user", "content": TURNS[0]}]
+  r1 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, user="agent-1")
+  u1 = usage(r1)
+  assert u1["session_kind"] == "pruned" and u1["pruning"] == "intentkv" and u1["pruned"]
+  assert u1["kv_live_after"] < u1["kv_live_before"] == r1.usage.prompt_tokens
+  assert r1.usage.prompt_tokens_details.cached_tokens == 0
+  assert math.isclose(u1["query_memory_cos"], 1.0, abs_tol=1e-5)   # M_1 = Enc(q_1)
+  ref = SessionRunner(served.llm, cfg.pruning, cache=cfg.cache, prefill_chunk=128)
+  t = ref.run_turn("ref", msgs, None, len(msgs), generate=True, max_tokens=12)
+  assert r1.choices[0].message.content == served.llm.tokenizer.decode(
+      [i for i in t.reply_ids if i not in served.llm.tokenizer.stop_ids])
+  assert (t.live_before, t.live_after) == (u1["kv_live_before"], u1["kv_live_after"])
+
+  msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+           {"role": "user", "content": TURNS[1]}]
+  r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, user="agent-1")
+  u2 = usage(r2)
+  assert r2.usage.prompt_tokens_details.cached_tokens > 0           # turn 1's path, holes kept
+  assert u2["pruned"] and 0 < u2["query_memory_cos"] < 0.9999      # M_2 mixes turn 1's queries
+  key = intentkv.session_key(session_id="agent-1")
+  backends = served.app_backends
+  assert key in backends.pruned.memories
+  listed = {d["id"]: d["kind"] for d in httpx.get(served.url + "/v1/sessions").json()["data"]}
+  assert listed["agent-1"] == "pruned"
+  assert httpx.delete(served.url + "/v1/sessions/agent-1").json()["deleted"]
+  assert key not in backends.pruned.memories
+  assert metric(served.url, "jaxkv_pruning_events_total") >= 2
+  assert metric(served.url, "jaxkv_pruned_tokens_total") >= (
+      u1["kv_live_before"] - u1["kv_live_after"])
+  # streamed, and refusals: sampling, role adapters
+  s = client.chat.completions.create(model=MODEL, messages=msgs[:4], max_tokens=12,
+                                     user="agent-2", stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == (
+      r1.choices[0].message.content)
+  for body in ({"temperature": 0.7}, {"model": f"{MODEL}:plan"}):
+    bad = httpx.post(served.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs[:4], "user": "agent-2", **body})
+    assert bad.status_code == 400, bad.text
+  backends.pruned.alloc.check()
+
+
+@pytest.mark.slow
+def test_memart_session_prefills_only_the_question(served):
+  url = served.url
+  sid = httpx.post(url + "/v1/sessions", json={"kind": "memart"}).json()["id"]
+  history = []
+  for i, fact in enumerate(["My sister Ana lives in Lisbon and teaches piano.",
+                            "I adopted a grey cat called Biscuit last spring.",
+                            "Our team ships the billing service every Tuesday.",
+                            "The spare key is under the blue flower pot."]):
+    history += [{"role": "user", "content": fact}, {"role": "assistant", "content": "Noted."}]
+  msgs = history + [{"role": "user", "content": "Where is the spare key?"}]
+  r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8,
+                                            extra_body={"session_id": sid})
+  u = usage(r)
+  assert u["session_kind"] == "memart" and u["blocks_written"] > 0
+  assert 0 < u["retrieved_blocks"] <= 4 and u["memory_blocks"] == u["blocks_written"]
+  assert u["prefill_tokens"] < r.usage.prompt_tokens / 3
+  assert metric(url, "jaxkv_memart_blocks_retrieved_total") == u["retrieved_blocks"]
+  assert metric(url, "jaxkv_memart_chat_tokens_total") == r.usage.prompt_tokens
+  assert httpx.post(url + "/v1/sessions", json={"session_id": sid, "kind": "pruned"}
+                    ).status_code == 400                        # open as memart already
+  assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
+  assert sid not in served.app_backends.memart.sessions
+
+
+@pytest.mark.slow
+def test_reuse_session_splices_segments_of_earlier_prompts(served):
+  url = served.url
+  lines = (ROOT / "examples/reuse_requests.jsonl").read_text().splitlines()[:2]
+  sid = httpx.post(url + "/v1/sessions", json={"kind": "reuse"}).json()["id"]
+  got = []
+  for line in lines:
+    req = json.loads(line)
+    r = served.client.chat.completions.create(model=MODEL, messages=req["messages"],
+                                              max_tokens=8, extra_body={"session_id": sid})
+    got.append(usage(r))
+  assert got[0]["session_kind"] == "reuse" and got[0]["reused_tokens"] == 0
+  assert got[1]["reused_tokens"] > 32 and got[1]["prefill_tokens"] < r.usage.prompt_tokens
+  assert metric(url, "jaxkv_reuse_reused_tokens_total") == got[1]["reused_tokens"]
+  assert metric(url, "jaxkv_session_requests_total", kind="reuse") == 2
+  bad = httpx.post(url + "/v1/sessions", json={"kind": "semshare"})
+  assert bad.status_code == 400 and bad.json()["error"]["param"] == "kind"
+  served.app_backends.reuse.alloc.check()
+  assert np.isfinite(metric(url, "jaxkv_sessions_open"))
