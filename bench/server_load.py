@@ -6,7 +6,8 @@
 
 For each `--prefix_cache` setting (`engine.prefix_cache` off / on), starts the
 server in this process on a free loopback port (`--url` points at a running one
-instead, once), warms the compiled shapes up, then for each concurrency level c
+instead, once), warms the compiled shapes up (2c requests at c = 1, 2, 4, ..., 16:
+each prefill batch size the engine packs rows into), then for each concurrency level c
 runs `--requests` streamed chat requests (default max(c, 8)) with at most c in
 flight: c client tasks each send their next request as soon as the last one
 finished. Every request is an agent-style chat: one shared system prompt (the
@@ -245,11 +246,13 @@ def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict
       return asyncio.run(level(url, model, c, n, FLAGS.max_tokens, FLAGS.max_s, texts,
                                system, first_id=sent - n))
 
-    warm = min(max(levels), 16)
-    print(f"prefix cache {prefix_cache}: warm-up, {warm} requests at concurrency {warm}",
-          file=sys.stderr)
-    run(warm, warm)
-    run(1, 2)
+    # prefill packs the rows with prompt left into a batch of 1, 2, 4, ... rows, so every
+    # such batch size meets its first (compiling) call here, not inside a level
+    sizes = [k for k in (1, 2, 4, 8, 16) if k <= min(max(levels), 16)]
+    print(f"prefix cache {prefix_cache}: warm-up, 2 x c requests at concurrency c = "
+          f"{', '.join(map(str, sizes))}", file=sys.stderr)
+    for k in sizes:
+      run(k, 2 * k)
     for c in levels:
       r = run(c, FLAGS.requests or max(c, 8))
       r.update(device=device, jax=jax.__version__, prefix_cache=prefix_cache)

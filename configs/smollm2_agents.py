@@ -14,10 +14,15 @@ One server, one model, one config:
     question is prefilled over the 32 blocks it retrieves;
   - "reuse": segments earlier prompts contained (tool outputs, documents) are
     spliced at their new positions (tiered admission, int8 store);
+  - "agents": LRAgent's multi-LoRA sharing: requests naming a role
+    ("smollm2-135m:plan", ...) extend one trajectory, and under base_lr_shared
+    each role reads the base + low-rank KV the others computed (a session first
+    seen in a role request gets this kind);
   - "prefix": the batch engine, the session's latest turn locked in its cache.
 Each request's `usage["jaxkv"]` says what its mechanism did; `/metrics` sums it.
-The three session runners have pools of their own (`cache` each: ~0.75 GB apiece
-for SmolLM2 in float32 at 1,024 pages).
+The pruned / memart / reuse runners have pools of their own (`cache` each: ~0.75 GB
+apiece for SmolLM2 in float32 at 1,024 pages); each agents session holds a pool of
+`server.agent_max_tokens` (4,096 tokens: ~0.19 GB).
 """
 
 from jaxkv.config import (CacheConfig, EngineConfig, MemArtConfig, PruningConfig, ReuseConfig,
@@ -35,5 +40,6 @@ def get_config():
                             intent_mode="memory"),
       memart=MemArtConfig(block_size=16, top_k=32),
       reuse=ReuseConfig(method="tiered", storage="int8"),
-      server=ServerConfig(role_adapters="shipped", sessions="pruned,memart,reuse,prefix"),
+      server=ServerConfig(role_adapters="shipped",
+                          sessions="pruned,memart,reuse,agents,prefix"),
   ))

@@ -3,10 +3,12 @@ r"""Every KV mechanism of one jaxkv server, driven by the `openai` client.
     python scripts/server.py --config=configs/smollm2_agents.py --port=8000 &
     python examples/agent_sessions.py --base_url=http://127.0.0.1:8000/v1
 
-One agent workflow: a planner on the "plan" role adapter, an executor session
-whose growing history (tool schemas, tool results) is pruned by IntentKV, a
-memory session that answers from MemArt blocks, and a second executor whose
-prompt repeats the first one's tool schemas in another order (segment reuse).
+One agent workflow: a planner on the "plan" role adapter, then an LRAgent
+session where the plan and action roles extend one trajectory (the action role
+reads the KV the plan role computed), an executor session whose growing history
+(tool schemas, tool results) is pruned by IntentKV, a memory session that
+answers from MemArt blocks, and a second executor whose prompt repeats the first
+one's tool schemas in another order (segment reuse).
 Prints what `usage["jaxkv"]` says each mechanism did, then the server's
 mechanism counters from /metrics.
 """
@@ -57,6 +59,12 @@ def main() -> None:
   plan = ask("planner (role adapter)", [{"role": "user", "content":
                                          "Plan the steps to cancel order #W2378156."}],
              model=f"{args.model}:plan")
+  team = [{"role": "user", "content": "Plan the steps to cancel order #W2378156."}]
+  for role in ("plan", "action"):   # two roles, one shared trajectory
+    said = ask(f"{role} role (agents)", team, model=f"{args.model}:{role}", session="team",
+               kind="agents" if role == "plan" else None)
+    team += [{"role": "assistant", "content": said},
+             {"role": "user", "content": "Carry out the first step."}]
   chat = [{"role": "system", "content": system},
           {"role": "user", "content": "Please cancel order #W2378156, I ordered it by mistake."}]
   for turn in range(3):   # the executor: tool results make the history grow
@@ -80,6 +88,7 @@ def main() -> None:
   print("\n".join(line for line in metrics.decode().splitlines()
                   if line.startswith(("jaxkv_pruned", "jaxkv_pruning", "jaxkv_memart",
                                       "jaxkv_reuse", "jaxkv_adapter", "jaxkv_lora",
+                                      "jaxkv_agents",
                                       "jaxkv_session"))))
 
 

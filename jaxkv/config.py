@@ -485,11 +485,22 @@ class ServerConfig:
   # that does not name one: "prefix" (the batch engine's prefix cache; needs
   # engine.prefix_cache), "pruned" (SessionRunner with `pruning`: IntentKV's
   # QueryMemory kept per session), "memart" (history in MemArt memory, `memart`),
-  # "reuse" (segment reuse across prompts, `reuse`); e.g. "pruned,memart,reuse,prefix".
+  # "reuse" (segment reuse across prompts, `reuse`), "agents" (LRAgent: the role
+  # adapters extend one shared trajectory under `agent_scheme`; needs role_adapters);
+  # e.g. "pruned,memart,reuse,agents,prefix".
   sessions: str = "prefix"
+  agent_scheme: str = "base_lr_shared"  # LRAgent sharing scheme of "agents" sessions
+  agent_max_tokens: int = 4096  # an "agents" session's trajectory cap (its pool is this long)
+  agent_sessions: int = 4       # "agents" sessions open at once (each holds its own pool)
 
   def __post_init__(self):
     session_kinds(self.sessions)
+    if self.agent_scheme not in ("non_shared", "full_shared", "base_shared", "base_lr_shared"):
+      raise ValueError("server.agent_scheme must be non_shared, full_shared, base_shared or "
+                       f"base_lr_shared (droidspeak needs a profiled window), got "
+                       f"{self.agent_scheme!r}")
+    if self.agent_max_tokens < 16 or self.agent_sessions < 1:
+      raise ValueError("server.agent_max_tokens must be >= 16 and server.agent_sessions >= 1")
     if not 0 <= self.port < 65536:
       raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
     if self.max_pending < 1:
@@ -498,7 +509,7 @@ class ServerConfig:
       raise ValueError(f"server.session_idle_s must be > 0, got {self.session_idle_s}")
 
 
-SESSION_KINDS = ("prefix", "pruned", "memart", "reuse")
+SESSION_KINDS = ("prefix", "pruned", "memart", "reuse", "agents")
 
 
 def session_kinds(spec: str) -> tuple[str, ...]:

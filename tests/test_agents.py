@@ -219,3 +219,51 @@ def test_call_accuracy_counts_calls_greedy_reproduces(llm, traj, distinct):
   acc = call_accuracy(dataclasses.replace(ref, calls=calls), traj)
   assert acc == dict(action_exact=n_action - 1, action_n=n_action, reflect_exact=1,
                      reflect_n=1)
+
+
+@pytest.mark.parametrize("scheme", ["non_shared", "base_lr_shared"])
+def test_respond_serves_a_live_trajectory(llm, scheme):
+  """start / respond (the server's "agents" sessions): every reply under non_shared,
+  and the first under base_lr_shared, equals the engine's greedy run of that adapter
+  on the same prompt (a role's own cached prefix is reused exactly); under
+  base_lr_shared a later role reads the KV an earlier one wrote (shared tokens), and
+  a prompt that leaves the trajectory rolls the caches back to where it left."""
+  from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
+  from jaxkv.engine.engine import Request
+  from jaxkv.engine.llm import LLM
+  w = _lora(llm)
+  eng = LLM(llm.model, llm.tokenizer, CacheConfig(num_pages=128, page_size=16, max_seq_len=512),
+            EngineConfig(max_batch=1, prefill_chunk=64), lora=w, adapters=agents.ROLES)
+  tok, stops = llm.tokenizer, llm.tokenizer.stop_ids
+
+  def ref(ids, role):
+    return next(eng.stream([Request("r", list(ids), SamplingConfig(max_tokens=8),
+                                    adapter=role)])).tokens
+
+  r = AgentRunner(llm, w, scheme, max_tokens=256, chunk=64)
+  r.start()
+  chat = [{"role": "user", "content": "Plan a trip to Lisbon in three steps."}]
+  got = []
+  for turn, role in enumerate((0, 1, 0)):
+    ids = tok.encode_chat(chat, add_generation_prompt=True)
+    reply, info = r.respond(ids, role, 8, stops)
+    got.append((len(ids), info))
+    assert info["computed"] + info["shared"] == len(ids)
+    if scheme == "non_shared" or turn == 0:
+      assert reply.tolist() == ref(ids, role), (scheme, turn)
+    text = tok.decode([t for t in reply.tolist() if t not in stops])
+    chat = chat + [{"role": "assistant", "content": text},
+                   {"role": "user", "content": f"Now step {turn + 2}, briefly."}]
+  (n0, i0), (n1, i1), (n2, i2) = got
+  assert i0["shared"] == 0
+  if scheme == "non_shared":   # role 1 runs everything; role 0 only what is new to it
+    assert i1["shared"] == 0 and 0 < i2["computed"] < n2 - n0 + 16
+  else:                        # role 1 reads role 0's turn
+    assert i1["shared"] >= n0 and i2["shared"] >= n1
+  other = tok.encode_chat([{"role": "user", "content": "Something else entirely."}],
+                          add_generation_prompt=True)
+  lcp = next(i for i, (a, b) in enumerate(zip(other, ids)) if a != b)   # the template head
+  held = r.held.size
+  _, back = r.respond(other, 2, 4, stops)
+  assert back["shared"] == (0 if scheme == "non_shared" else lcp) and lcp < held
+  assert r.held[:len(other)].tolist() == other

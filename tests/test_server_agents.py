@@ -1,6 +1,7 @@
 """One server config with every KV mechanism on (configs/smollm2_agents.py): role
-adapters, pruned (IntentKV) sessions, MemArt sessions and reuse sessions, each
-reporting what it did in `usage["jaxkv"]` and `/metrics`.
+adapters, pruned (IntentKV) sessions, MemArt sessions, reuse sessions and LRAgent
+sessions whose roles share one trajectory, each reporting what it did in
+`usage["jaxkv"]` and `/metrics`.
 
 Real SmolLM2 weights and the shipped role adapters; the config's pools and budgets
 are shrunk so the short chats here get pruned and fit a small pool. The pruned
@@ -169,3 +170,35 @@ def test_reuse_session_splices_segments_of_earlier_prompts(served):
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "kind"
   served.app_backends.reuse.alloc.check()
   assert np.isfinite(metric(url, "jaxkv_sessions_open"))
+
+
+@pytest.mark.slow
+def test_agents_session_shares_one_trajectory_across_roles(served):
+  """LRAgent in the server: the plan role's first turn equals the engine's adapter
+  run (it computes everything), the action role's turn reads the plan turn's KV
+  (base_lr_shared) and says so; the base model is refused in such a session."""
+  url, client = served.url, served.client
+  sid = httpx.post(url + "/v1/sessions", json={"kind": "agents"}).json()["id"]
+  msgs = [{"role": "user", "content": "Plan the steps to cancel order #W2378156."}]
+  r1 = client.chat.completions.create(model=f"{MODEL}:plan", messages=msgs, max_tokens=12,
+                                      extra_body={"session_id": sid})
+  alone = client.chat.completions.create(model=f"{MODEL}:plan", messages=msgs, max_tokens=12)
+  assert r1.choices[0].message.content == alone.choices[0].message.content
+  u1 = usage(r1)
+  assert u1["session_kind"] == "agents" and u1["scheme"] == "base_lr_shared"
+  assert u1["role"] == "plan" and u1["shared_tokens"] == 0
+  assert u1["kv_bytes"] < u1["kv_bytes_non_shared"]
+  msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+           {"role": "user", "content": "Do the first step."}]
+  r2 = client.chat.completions.create(model=f"{MODEL}:action", messages=msgs, max_tokens=8,
+                                      extra_body={"session_id": sid})
+  u2 = usage(r2)
+  assert u2["role"] == "action" and u2["shared_tokens"] >= r1.usage.prompt_tokens
+  assert r2.usage.prompt_tokens_details.cached_tokens == u2["shared_tokens"]
+  assert u2["computed_tokens"] + u2["shared_tokens"] == r2.usage.prompt_tokens
+  assert metric(url, "jaxkv_agents_shared_tokens_total") == u2["shared_tokens"]
+  base = httpx.post(url + "/v1/chat/completions", json={
+      "model": MODEL, "messages": msgs, "session_id": sid})
+  assert base.status_code == 400 and "role model name" in base.json()["error"]["message"]
+  assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
+  assert sid not in served.app_backends.agents

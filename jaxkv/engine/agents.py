@@ -259,6 +259,64 @@ class AgentRunner:
     return RunResult(self.scheme, len(traj), calls, kvb, self.window)
 
 
+  # -- serving: one live trajectory that requests extend (jaxkv.server.backends)
+  def start(self) -> None:
+    """Fresh caches for a live trajectory, extended request by request (`respond`)."""
+    if self.scheme == "droidspeak":
+      raise ValueError("droidspeak needs a profiled critical-layer window per model: "
+                       "serve one of the other schemes")
+    self._reset()
+    self.held = np.zeros(0, np.int32)      # the tokens whose KV the caches hold, in order
+
+  def respond(self, ids, role: int, max_tokens: int, stop_ids) -> tuple[np.ndarray, dict]:
+    """Role `role` answers the prompt `ids` (the whole trajectory so far) greedily,
+    its reply joining the trajectory every role reads under the scheme.
+
+    Tokens the caches hold for a prefix of `ids` are not recomputed: under a shared
+    scheme whoever wrote them first (any role), under non_shared / base_shared this
+    role's own earlier work. A prompt that leaves the held trajectory (an edited
+    message, a reply re-tokenised differently) rolls every cache back to where it
+    left. Returns (reply tokens, ending with a stop token if one came; what it cost:
+    `computed` prompt tokens this role ran, `shared` prompt tokens it read without
+    running, `ttft_s`)."""
+    ids = np.asarray(ids, np.int32)
+    n = ids.size
+    if not 0 <= role < self.n_agents:
+      raise ValueError(f"role {role} of {self.n_agents} role adapters")
+    if n < 1 or n + max_tokens > self.size:
+      raise ValueError(f"{n} prompt + {max_tokens} reply tokens exceed the trajectory "
+                       f"cap {self.size}")
+    m = min(n, self.held.size)
+    same = np.flatnonzero(ids[:m] != self.held[:m])
+    keep = int(same[0]) if same.size else m
+    self.written, self.seen = min(self.written, keep), [min(x, keep) for x in self.seen]
+    lo = self.seen[role] if self.scheme in ("non_shared", "base_shared") else self.written
+    lo = min(lo, n - 1)
+    t0 = time.perf_counter()
+    self._swap_in(role)
+    _, first = self._prefill(ids, role, lo, n)
+    reply = [int(first)]
+    ttft = time.perf_counter() - t0
+    stops = np.asarray(sorted(stop_ids) or [-1], np.int32)
+    if reply[0] not in stop_ids and max_tokens > 1:
+      steps = max_tokens - 1
+      width = plan.width(n + max_tokens)
+      own = self._slots(self._region(role), np.arange(min(width, self.size)))
+      out = self.driver.decode(
+          [reply[0]], [n], self._view(role, width), [steps],
+          num_steps=plan.bucket(steps, 8, plan.CHUNK_FINE), stop_ids=jnp.asarray(stops),
+          write_map=jnp.asarray(plan.slot_rows([own], width)), lora=self._lora(role))
+      reply += np.asarray(out.tokens)[np.asarray(out.emitted)[:, 0], 0].tolist()
+    self._swap_out(role)
+    reply = np.asarray(reply, np.int32)
+    held = n + reply.size - 1              # the last reply token has no KV yet
+    self.held = np.concatenate([ids, reply[:-1]])
+    self.seen[role] = held
+    if self.scheme != "non_shared":
+      self.written = max(self.written, held)
+    return reply, dict(computed=n - lo, shared=lo, ttft_s=ttft)
+
+
 def fidelity(result: RunResult, reference: RunResult) -> dict:
   """Delta-NLL of the gold tokens and greedy agreement vs the reference (non_shared)."""
   lp = np.concatenate([c.logprob for c in result.calls])

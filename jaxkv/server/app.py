@@ -19,8 +19,8 @@ starts with the app and, on shutdown, cancels what is left and stops.
 
 Agent sessions: `POST /v1/sessions` opens one (`{"kind": ...}` picks how its KV
 is kept, `jaxkv.server.backends`: prefix cache holds, pruning with IntentKV's
-QueryMemory, MemArt memory, segment reuse; or a request's `session_id` / `user`
-opens one of the default kind), `DELETE /v1/sessions/{id}` closes it, `GET
+QueryMemory, MemArt memory, segment reuse, LRAgent roles sharing one trajectory;
+or a request's `session_id` / `user` opens one of the default kind), `DELETE /v1/sessions/{id}` closes it, `GET
 /v1/sessions` lists them with their kind and the tokens each keeps cached; a
 session idle for `server.session_idle_s` is closed by the loop. What a mechanism
 did comes back in `usage["jaxkv"]` (session kind, pruned tokens, QueryMemory
@@ -31,11 +31,11 @@ LRAgent role adapter (shared A, per-row B, one batch mixes roles; `GET /v1/model
 lists them), so a multi-agent framework points each agent at its role's name.
 
 One config turns every mechanism on (`configs/smollm2_agents.py`): role adapters
-in the batch engine, and a session kind each for pruning, MemArt and reuse. Not
+in the batch engine, and a session kind each for pruning, MemArt, reuse and LRAgent
+sharing. Not
 yet here (issue 17): one session combining several kinds (e.g. MemArt blocks
 spliced into a pruned session's context), continuous batching inside the
-non-prefix kinds (they are batch-1 runners between engine steps), and the
-decoupled (BaseShared) value cache across roles.
+non-prefix kinds (they are batch-1 runners between engine steps).
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
                              "with --config.engine.prefix_cache=true", param="session_id"))
     rid = protocol.new_id(kind)
     t_created = int(time.time())
-    skind = backends.kind_of(p.session) if sessions_on and p.session is not None else None
+    skind = (backends.kind_of(p.session, role=p.adapter >= 0)
+             if sessions_on and p.session is not None else None)
     if skind not in (None, "prefix"):
       try:   # a batch-1 runner on the loop thread, between engine steps
         res = await asyncio.wrap_future(loop.call(
@@ -402,6 +403,11 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
                 "prompt tokens spliced from stored segments", b.reuse_reused_tokens),
                ("jaxkv_reuse_prefix_tokens_total", "counter",
                 "prompt tokens adopted from the reuse prefix cache", b.reuse_prefix_tokens)]
+    if "agents" in backends.kinds:
+      rows += [("jaxkv_agents_shared_tokens_total", "counter", "prompt tokens a role read "
+                "from KV another role (or its own earlier turn) computed", b.agents_shared_tokens),
+               ("jaxkv_agents_computed_tokens_total", "counter",
+                "prompt tokens roles computed in agents sessions", b.agents_computed_tokens)]
     if engine.lora is not None:   # LRAgent's shared A: one down-projection for every role
       a_bytes = sum(a.nbytes for a in engine.lora.a.values())
       rows += [("jaxkv_lora_adapters", "gauge", "role adapters served",
@@ -410,7 +416,8 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
                 "saves over one A per role", a_bytes * (engine.lora.num_adapters - 1))]
     labelled["kind"] = ("jaxkv_session_requests_total", "requests by session kind "
                         "(non-prefix kinds)", b.requests)
-    labelled["adapter"] = ("jaxkv_adapter_requests_total", "requests by role adapter",
+    labelled["adapter"] = ("jaxkv_adapter_requests_total", "batch-engine requests by role "
+                           "adapter (agents sessions count under their kind)",
                            b.adapter_requests)
   out = []
   for name, kind, help_, value in rows:

@@ -11,6 +11,12 @@ KV is kept, and all of them run in one server (`server.sessions`).
     reuse    `ReuseRunner`: segments of earlier prompts (tool outputs, documents)
              are spliced at their new positions (`ServeConfig.reuse`; the segment
              store is shared by every reuse session)
+    agents   `AgentRunner`: LRAgent's multi-LoRA sharing. Each request names a role
+             adapter (`<model>:<role>`) and extends the session's one trajectory;
+             under `server.agent_scheme` (base_lr_shared by default) a role reads
+             the KV other roles computed instead of prefilling it again. One pool
+             per session (`server.agent_max_tokens` long), at most
+             `server.agent_sessions` open
 
 A session names its kind when it is opened (`POST /v1/sessions {"kind": ...}`);
 one first seen in a request gets the first listed kind. The non-prefix kinds are
@@ -33,6 +39,7 @@ import numpy as np
 
 from jaxkv.config import ServeConfig, session_kinds
 from jaxkv.engine.engine import Result
+from jaxkv.policies.sharing import lragent
 
 
 @dataclasses.dataclass
@@ -50,6 +57,8 @@ class BackendStats:
   memart_chat_tokens: int = 0      # tokens the same chats hold as plain prompts
   reuse_reused_tokens: int = 0     # prompt tokens spliced from stored segments
   reuse_prefix_tokens: int = 0     # prompt tokens adopted from the reuse radix cache
+  agents_shared_tokens: int = 0    # prompt tokens a role read from KV it did not compute
+  agents_computed_tokens: int = 0  # prompt tokens roles computed
 
 
 class SessionBackends:
@@ -69,6 +78,11 @@ class SessionBackends:
     self._open: dict[str, list] = {}     # session -> [kind, last use]
     impl = cfg.engine.attention_impl
     self.pruned = self.memart = self.reuse = None
+    self.server_cfg, self.llm = cfg.server, llm
+    self.agents: dict[str, object] = {}   # "agents" session -> its AgentRunner
+    if "agents" in self.kinds and llm.lora is None:
+      raise ValueError("server.sessions: 'agents' sessions run the role adapters: set "
+                       "server.role_adapters")
     if "pruned" in self.kinds:
       from jaxkv.engine.sessions import SessionRunner
       self.pruned = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
@@ -104,9 +118,19 @@ class SessionBackends:
         have[1] = time.monotonic()
       return have[0]
     kind = kind or self.default
-    if kind == "prefix":
+    if kind == "prefix":   # (its requests open it in the engine themselves)
       self.engine.open_session(session)
-    else:
+    elif kind == "agents":
+      if len(self.agents) >= self.server_cfg.agent_sessions:
+        raise ValueError(f"{len(self.agents)} 'agents' sessions are open (server."
+                         "agent_sessions): close one first")
+      from jaxkv.engine.agents import AgentRunner
+      runner = AgentRunner(self.llm, self.llm.lora, self.server_cfg.agent_scheme,
+                           max_tokens=self.server_cfg.agent_max_tokens,
+                           attn_impl=self.engine.attn_impl)
+      runner.start()
+      self.agents[session] = runner
+    if kind != "prefix":
       self._open[session] = [kind, time.monotonic()]
     return kind
 
@@ -122,6 +146,8 @@ class SessionBackends:
       self.pruned.close_session(session)
     elif kind == "memart" and session in self.memart.sessions:
       self.memart.close(session)
+    elif kind == "agents":
+      del self.agents[session]            # its pool goes with it
     return kind
 
   def expire(self, idle_s: float) -> list[str]:
@@ -134,14 +160,17 @@ class SessionBackends:
       old += self.engine.expire_sessions(idle_s)
     return old
 
-  def kind_of(self, session: str) -> str:
-    """The kind a request of `session` runs on: its own if open, else the default
+  def kind_of(self, session: str, role: bool = False) -> str:
+    """The kind a request of `session` runs on: its own if open, else the default,
+    or for a request naming a role adapter the first of agents / prefix served
     (read-only, so the server thread may ask without waiting for the loop)."""
     have = self._open.get(session)
     if have is not None:
       return have[0]
     if self.engine.radix is not None and session in self.engine.sessions:
       return "prefix"
+    if role:
+      return next((k for k in self.kinds if k in ("agents", "prefix")), self.default)
     return self.default
 
   @property
@@ -159,9 +188,10 @@ class SessionBackends:
     Raises ValueError for a request this kind cannot take (the server's 400)."""
     if p.sampling.temperature > 0:
       raise ValueError(f"'{kind}' sessions decode greedily: send temperature 0")
-    if p.adapter >= 0:
-      raise ValueError("role adapters run in the batch engine: use a 'prefix' session "
-                       "or no session")
+    if (p.adapter >= 0) != (kind == "agents"):
+      raise ValueError("'agents' sessions need a role model name (<model>:<role>)"
+                       if kind == "agents" else "role adapters run in the batch engine or in "
+                       "'agents' sessions: use one of those or no session")
     if kind in ("pruned", "memart") and p.chat is None:
       raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
     self.open(session, kind)
@@ -171,6 +201,8 @@ class SessionBackends:
       ids, ttft, cached, extra = self._pruned(session, p, max_tokens)
     elif kind == "memart":
       ids, ttft, cached, extra = self._memart(session, p, max_tokens)
+    elif kind == "agents":
+      ids, ttft, cached, extra = self._agents(session, p, max_tokens)
     else:
       ids, ttft, cached, extra = self._reuse(p, max_tokens)
     self.stats.requests[kind] += 1
@@ -212,6 +244,23 @@ class SessionBackends:
     extra = {"prefill_tokens": ans.prefill_tokens, "retrieved_blocks": int(ans.blocks.size),
              "decode_kv_len": ans.decode_kv_len, **info}
     return ans.tokens.tolist(), ans.ttft_s, 0, extra
+
+  def _agents(self, session, p, max_tokens):
+    runner = self.agents[session]
+    reply, info = runner.respond(p.prompt, p.adapter, max_tokens, self.tok.stop_ids)
+    self.stats.agents_shared_tokens += info["shared"]
+    self.stats.agents_computed_tokens += info["computed"]
+    m, n = runner.cfg, runner.held.size
+    kv = {s: lragent.kv_bytes(s, n, num_layers=m.num_layers, d_kv=m.d_kv,
+                              hidden=m.hidden_size, rank=runner.lora.rank,
+                              num_agents=runner.n_agents,
+                              bytes_per_elem=np.dtype(runner.dtype).itemsize)
+          for s in (runner.scheme, "non_shared")}
+    extra = {"scheme": runner.scheme, "role": self.llm.adapters[p.adapter],
+             "computed_tokens": info["computed"], "shared_tokens": info["shared"],
+             "trajectory_tokens": int(n), "kv_bytes": kv[runner.scheme],
+             "kv_bytes_non_shared": kv["non_shared"]}
+    return reply.tolist(), info["ttft_s"], info["shared"], extra
 
   def _reuse(self, p, max_tokens):
     r = self.reuse
