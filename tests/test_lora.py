@@ -218,7 +218,8 @@ def test_engine_serves_mixed_adapters_like_peft_generate(tmp_path):
   """The batch engine with an adapter stack: requests on adapters [2, 0, 1, -1, 0] run
   in one batch (chunked prefill + scanned decode) and each greedy continuation equals
   peft's `generate` with that adapter active; with the prefix cache on, a repeated
-  base request adopts its cached prompt while adapter requests never do."""
+  request adopts its cached prompt from its own adapter's tree (and still equals
+  peft), never from another adapter's or the base's."""
   from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
   from jaxkv.engine.engine import Engine, Request
   hf = _peft_model("llama", ("q", "v"), tmp_path)
@@ -249,12 +250,18 @@ def test_engine_serves_mixed_adapters_like_peft_generate(tmp_path):
   for i, ref in enumerate(refs):
     assert got[str(i)].tokens == ref, (i, adapters[i])
   assert len({tuple(refs[1]), tuple(hf_greedy(prompts[1], -1))}) == 2   # adapters matter
-  again = {r.id: r for r in eng.run([Request("b", prompts[3], SamplingConfig(max_tokens=6)),
-                                     Request("a", prompts[1], SamplingConfig(max_tokens=6),
-                                             adapter=0)])}
+  again = {r.id: r for r in eng.run([
+      Request("b", prompts[3], SamplingConfig(max_tokens=6)),
+      Request("a", prompts[1], SamplingConfig(max_tokens=6), adapter=0),
+      Request("other", prompts[1], SamplingConfig(max_tokens=6), adapter=1),
+      Request("base", prompts[4], SamplingConfig(max_tokens=6))])}
   assert again["b"].cached_tokens == len(prompts[3]) - 1 and again["b"].tokens == refs[3]
-  assert again["a"].cached_tokens == 0 and again["a"].tokens == refs[1]
+  assert again["a"].cached_tokens == len(prompts[1]) - 1 and again["a"].tokens == refs[1]
+  assert again["other"].cached_tokens == 0 and again["other"].tokens == hf_greedy(prompts[1], 1)
+  assert again["base"].cached_tokens == 0 and again["base"].tokens == hf_greedy(prompts[4], -1)
   bad = next(iter(eng.run([Request("x", prompts[0], adapter=3)])))
   assert bad.finish_reason == "error" and "adapter 3" in bad.error
   eng.allocator.check()
-  eng.radix.check()
+  for tree in eng.caches:
+    tree.check()
+  assert len(eng.caches) == 4

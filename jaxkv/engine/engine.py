@@ -89,8 +89,9 @@ class Engine:
     weights, the pool and the batch rows on (None: one device).
     lora: a `jaxkv.models.lora.LoraWeights` adapter stack (LRAgent's shared-A role
     adapters); each request picks one with `Request.adapter` (-1: the base model),
-    and one batch mixes them. The prefix cache serves base-model requests only: an
-    adapter's K/V differ from the base's, so its requests neither adopt nor cache."""
+    and one batch mixes them. The prefix cache keeps one radix tree per adapter (an
+    adapter's K/V differ from the base's), all on the one pool: a request adopts and
+    caches in its own adapter's tree, and eviction takes from every tree."""
     if lora is not None and mesh is not None:
       raise ValueError("LoRA adapters on a device mesh are not supported yet")
     self.lora = lora
@@ -104,8 +105,10 @@ class Engine:
     self.stop_ids = sorted(set(int(t) for t in stop_ids))
     self.driver: Driver | None = None     # the pool is allocated on the first run
     self.allocator = PagedAllocator(cache.num_pages, cache.page_size)
-    self.radix = RadixCache(self.allocator) if engine.prefix_cache else None
-    # open sessions: id -> [lock on the path of its latest turn or None, last use time]
+    self.radix = RadixCache(self.allocator) if engine.prefix_cache else None  # the base's
+    self._adapter_radix: dict[int, RadixCache] = {}    # adapter -> its tree (on first use)
+    # open sessions: id -> [lock on the path of its latest turn or None, last use time,
+    #                       the tree that lock is in]
     self._sessions: dict[str, list] = {}
     self.metrics = EngineMetrics(
         bytes_per_slot=2 * model.cfg.num_layers * model.cfg.d_kv * jnp.dtype(cache.dtype).itemsize)
@@ -115,6 +118,19 @@ class Engine:
     self._waiting: collections.deque[Request] = collections.deque()
     self._rows: list[_Row | None] = [None] * engine.max_batch
     self._cancelled: set[str] = set()
+
+  def cache_for(self, adapter: int) -> RadixCache | None:
+    """The prefix cache (radix tree) of requests on `adapter` (-1: the base model)."""
+    if self.radix is None or adapter < 0:
+      return self.radix
+    if adapter not in self._adapter_radix:
+      self._adapter_radix[adapter] = RadixCache(self.allocator)
+    return self._adapter_radix[adapter]
+
+  @property
+  def caches(self) -> list[RadixCache]:
+    """Every prefix-cache tree (base first); empty without the prefix cache."""
+    return [] if self.radix is None else [self.radix, *self._adapter_radix.values()]
 
   @property
   def kv(self) -> kv_state.KVPool | None:
@@ -166,8 +182,9 @@ class Engine:
                          f"{self.cache_cfg.page_size} slots, the pool has "
                          f"{self.cache_cfg.num_pages - 1}; raise cache.num_pages")
     match = None
-    if self.radix is not None and req.adapter == -1:   # the last prompt token is recomputed
-      match = self.radix.match_prefix(req.prompt[:-1], lock=True)
+    cache = self.cache_for(req.adapter)
+    if cache is not None:                          # the last prompt token is recomputed
+      match = cache.match_prefix(req.prompt[:-1], lock=True)
     hit = match.n_matched if match is not None else 0
     need = self._reserve(n - hit, req.sampling.max_tokens, hit)
     outstanding = sum(self._reserve(len(r.req.prompt) - r.cached, r.req.sampling.max_tokens,
@@ -175,14 +192,16 @@ class Engine:
                       - self._pages(self.allocator.length(r.seq) - r.cached)
                       for r in rows if r is not None)
     short = need + outstanding - self.allocator.num_free_pages
-    while short > 0 and self.radix is not None and self.radix.evictable_tokens:
-      # finished requests' cached KV goes first, least recently used first
-      if not self.radix.evict(short * self.cache_cfg.page_size):
-        break
-      short = need + outstanding - self.allocator.num_free_pages
+    for tree in sorted(self.caches, key=lambda t: -t.evictable_tokens):
+      # finished requests' cached KV goes first, least recently used first per tree,
+      # the tree with the most evictable KV first
+      while short > 0 and tree.evictable_tokens:
+        if not tree.evict(short * self.cache_cfg.page_size):
+          break
+        short = need + outstanding - self.allocator.num_free_pages
     if short > 0:
       if match is not None:
-        self.radix.release_lock(match)
+        cache.release_lock(match)
       raise OutOfSlotsError(f"{need} pages needed, {self.allocator.num_free_pages} free, "
                             f"{outstanding} reserved by running requests")
     seq = self.allocator.new_sequence()
@@ -287,19 +306,19 @@ class Engine:
     """Frees the row's sequence; with the prefix cache on, first caches the tokens
     whose KV it wrote (prompt + every generated token but the last, which was never
     fed back), when the prompt was prefilled whole."""
-    if self.radix is not None:
-      if cache and r.prefilled == len(r.req.prompt) and r.req.adapter == -1:
+    tree = self.cache_for(r.req.adapter)
+    if tree is not None:
+      if cache and r.prefilled == len(r.req.prompt):
         done = np.asarray(list(r.req.prompt) + r.generated[:-1], np.int64)
-        self.radix.insert(done, self.allocator.slot_map(r.seq)[:len(done)])
+        tree.insert(done, self.allocator.slot_map(r.seq)[:len(done)])
         if r.req.session is not None:   # hold the turn's path until the next turn / close
           self.open_session(r.req.session)
           entry = self._sessions[r.req.session]
           if entry[0] is not None:
-            self.radix.release_lock(entry[0])
-          entry[0] = self.radix.match_prefix(done, lock=True)
-          entry[1] = time.monotonic()
+            entry[2].release_lock(entry[0])
+          entry[:] = [tree.match_prefix(done, lock=True), time.monotonic(), tree]
       if r.lock is not None:
-        self.radix.release_lock(r.lock)
+        tree.release_lock(r.lock)
     self.allocator.free_sequence(r.seq)
 
   def _retire(self, r: _Row, now: float) -> Result:
@@ -421,19 +440,19 @@ class Engine:
     """Registers `session` (idempotent). Needs `EngineConfig.prefix_cache`."""
     if self.radix is None:
       raise ValueError("sessions keep KV in the prefix cache: set engine.prefix_cache=True")
-    self._sessions.setdefault(session, [None, time.monotonic()])
+    self._sessions.setdefault(session, [None, time.monotonic(), self.radix])
 
   def close_session(self, session: str) -> bool:
     """Releases the session's hold (its KV stays cached, evictable); False if unknown."""
     entry = self._sessions.pop(session, None)
     if entry is not None and entry[0] is not None:
-      self.radix.release_lock(entry[0])
+      entry[2].release_lock(entry[0])
     return entry is not None
 
   def expire_sessions(self, idle_s: float) -> list[str]:
     """Closes the sessions unused for more than `idle_s` seconds; returns their ids."""
     now = time.monotonic()
-    old = [k for k, (_, used) in self._sessions.items() if now - used > idle_s]
+    old = [k for k, (_, used, _) in self._sessions.items() if now - used > idle_s]
     for k in old:
       self.close_session(k)
     return old
@@ -443,7 +462,7 @@ class Engine:
     """Open sessions -> tokens their hold keeps cached (from a copy: another thread
     may read it as a snapshot)."""
     return {k: (lock.n_matched if lock is not None else 0)
-            for k, (lock, _) in self._sessions.copy().items()}
+            for k, (lock, _, _) in self._sessions.copy().items()}
 
   def abort(self, error: str) -> list[Result]:
     """Fails every queued and running request with `error` and frees their slots:

@@ -372,8 +372,9 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
   if engine.radix is not None:
     rows += [("jaxkv_prefix_cache_hit_tokens_total", "counter",
               "prompt tokens adopted from the prefix cache (not prefilled)", m.cached_tokens),
-             ("jaxkv_prefix_cache_tokens", "gauge", "tokens held by the prefix cache",
-              engine.radix.num_cached_tokens)]
+             ("jaxkv_prefix_cache_tokens", "gauge",
+              "tokens held by the prefix cache (every adapter's tree)",
+              sum(t.num_cached_tokens for t in engine.caches))]
   labelled = {"finish_reason": ("jaxkv_requests_finished_total", "finished requests by "
                                 "finish reason", s.finished)}
   if backends is not None:
