@@ -197,6 +197,9 @@ def test_agents_session_shares_one_trajectory_across_roles(served):
   assert r2.usage.prompt_tokens_details.cached_tokens == u2["shared_tokens"]
   assert u2["computed_tokens"] + u2["shared_tokens"] == r2.usage.prompt_tokens
   assert metric(url, "jaxkv_agents_shared_tokens_total") == u2["shared_tokens"]
+  listed = {d["id"]: d for d in httpx.get(url + "/v1/sessions").json()["data"]}
+  assert listed[sid]["kind"] == "agents"
+  assert listed[sid]["held_tokens"] == u2["trajectory_tokens"]
   base = httpx.post(url + "/v1/chat/completions", json={
       "model": MODEL, "messages": msgs, "session_id": sid})
   assert base.status_code == 400 and "role model name" in base.json()["error"]["message"]

@@ -90,6 +90,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   loop = EngineLoop(engine, cfg.server.max_pending, cfg.server.session_idle_s,
                     expire=backends.expire)
   sessions_on = engine.radix is not None or backends.kinds != ("prefix",)
+  inflight = [0]   # session-runner requests waiting for or on the loop (count toward 429)
   # served ids: the base model, and "<model>:<role>" for each role adapter
   names = {model_name: -1, **{f"{model_name}:{a}": i for i, a in enumerate(llm.adapters)}}
   tokenizer = llm.tokenizer
@@ -140,6 +141,14 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     skind = (backends.kind_of(p.session, role=p.adapter >= 0)
              if sessions_on and p.session is not None else None)
     if skind not in (None, "prefix"):
+      if not loop.alive:
+        return _error(APIError(503, "the server is shutting down", type="server_error",
+                               code="shutting_down"))
+      if loop.pending + inflight[0] >= cfg.server.max_pending:
+        return _error(APIError(429, f"{loop.pending + inflight[0]} requests queued or running "
+                               f"(server.max_pending={cfg.server.max_pending})",
+                               type="rate_limit_error", code="queue_full"))
+      inflight[0] += 1
       try:   # a batch-1 runner on the loop thread, between engine steps
         res = await asyncio.wrap_future(loop.call(
             lambda: backends.run(skind, p.session, p, rid)))
@@ -149,6 +158,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         log.error("session %s (%s) failed:\n%s", p.session, skind, traceback.format_exc())
         return _error(APIError(500, f"the '{skind}' session runner failed this request: "
                                f"{type(e).__name__}: {e}", type="server_error"))
+      finally:
+        inflight[0] -= 1
       queue = asyncio.Queue()
       queue.put_nowait(("done", res))
     else:

@@ -176,8 +176,11 @@ class SessionBackends:
   @property
   def sessions(self) -> dict[str, tuple[str, int]]:
     """Open sessions -> (kind, tokens kept for it: the engine hold of a prefix
-    session, 0 otherwise). A copy: the server thread reads it as a snapshot."""
-    out = {k: (v[0], 0) for k, v in self._open.copy().items()}
+    session, the trajectory of an agents session, 0 otherwise). A copy: the server
+    thread reads it as a snapshot."""
+    agents = self.agents.copy()
+    out = {k: (v[0], int(agents[k].held.size) if k in agents else 0)
+           for k, v in self._open.copy().items()}
     if self.engine.radix is not None:
       out.update({k: ("prefix", n) for k, n in self.engine.sessions.items()})
     return out
