@@ -25,9 +25,11 @@ whole parameter table at import.
 Only placement lives here: jit propagates these shardings through the model
 (computation follows data), so outputs equal the single-device run up to
 float reassociation in the sharded reductions. Pool slots sharded on `data`
-keep jaxkv's global slot numbering (slot 0 stays the one SENTINEL); the
-allocator is not shard-aware yet, so a row's pages may live on another data
-shard (correct, with cross-shard gathers).
+keep jaxkv's global slot numbering (slot 0 stays the SENTINEL of slot maps);
+the engine's allocator is shard-aware (`PagedAllocator(shards=)`: one page range
+per data shard, its first page reserved as the shard's sentinel page, each batch
+row allocating on its own shard), so a row's own KV lives with its row; adopted
+prefix-cache slots may come from another shard (correct, with cross-shard gathers).
 """
 
 from __future__ import annotations

@@ -46,11 +46,26 @@ def tiny_model():
 
 
 def greedy(model, prompts, mesh, max_tokens):
+  """Greedy tokens of every prompt; the engine records, for every allocation, the
+  sequence's data shard and the shards of the slots it got (`eng.placed`)."""
   eng = Engine(model, [], CACHE, EngineConfig(max_batch=8, prefill_chunk=32, decode_steps=8),
                mesh=mesh)
+  alloc, extend, eng.placed = eng.allocator, eng.allocator.extend, []
+
+  def placed_extend(seq, n):
+    slots = extend(seq, n)
+    eng.placed.append((alloc._seqs[seq].shard, sorted(set(alloc.shard_of(slots).tolist()))))
+    return slots
+  alloc.extend = placed_extend
   reqs = [Request(str(i), p, SamplingConfig(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
   out = {r.id: r.tokens for r in eng.run(reqs)}
   return [out[str(i)] for i in range(len(prompts))], eng
+
+
+def slot_blocks(kv) -> list[tuple[int, int]]:
+  """The distinct [start, stop) ranges of pool slots the devices hold."""
+  idx = kv.k.sharding.devices_indices_map(kv.k.shape).values()
+  return sorted({(i[1].start or 0, i[1].stop or kv.k.shape[1]) for i in idx})
 
 
 def logits(model, prompts, mesh):
@@ -109,6 +124,10 @@ def main():
         "wq_spec": str(next(x.sharding.spec for p, x in wq
                             if sharding._leaf_name(p) == "wq")),
         "allocator_check": eng.allocator.check() is None,
+        "alloc_shards": eng.shards,
+        "rows_local": all(got == [own] for own, got in eng.placed if got),
+        "shards_used": sorted({own for own, _ in eng.placed}),
+        "pool_slot_blocks": slot_blocks(eng.kv),
     }), flush=True)
 
 

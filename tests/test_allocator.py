@@ -240,13 +240,41 @@ def test_check_detects_corruption():
   with pytest.raises(AssertionError, match="refcount mismatch"):
     a.check()
   a._ref[4] -= 1
-  a._free.append(a._free[0])
+  a._free[0].append(a._free[0][0])
   with pytest.raises(AssertionError, match="duplicate"):
     a.check()
-  a._free.pop()
-  a._free.append(0)
+  a._free[0].pop()
+  a._free[0].append(0)
   with pytest.raises(AssertionError):
     a.check()
+
+
+def test_shards_keep_each_sequence_in_its_page_range():
+  """shards=4 over 16 pages: each shard's first page is reserved (never handed out,
+  never referenced), a sequence's fresh pages come from its own shard only, a full
+  shard refuses even while others have room, and freed pages go back to their shard."""
+  a = PagedAllocator(16, 4, shards=4)
+  assert a.num_free_pages == 12 and a.num_used_pages == 0
+  assert all(p % 4 for p in a.free_pages())                     # pages 0, 4, 8, 12 reserved
+  seqs = {d: a.new_sequence(shard=d) for d in range(4)}
+  for d, s in seqs.items():
+    slots = a.extend(s, 9)                                      # 3 pages: the whole shard
+    assert set(a.shard_of(slots)) == {d} and not np.any(slots % 16 < 4)
+    assert a.shard_free_pages(d) == 0
+  with pytest.raises(OutOfSlotsError, match="in shard 1"):
+    a.extend(seqs[1], 4)
+  child = a.fork(seqs[2])
+  a.free_sequence(seqs[2])
+  a.free_sequence(child)
+  assert a.shard_free_pages(2) == 3 and a.num_free_pages == 3
+  b = a.new_sequence(shard=2)
+  a.adopt(b, a.slot_map(seqs[0])[:2])                            # adopting across shards is fine
+  assert set(a.shard_of(a.extend(b, 5))) == {2}
+  a.check()
+  with pytest.raises(ValueError, match="multiple of shards"):
+    PagedAllocator(10, 4, shards=4)
+  with pytest.raises(ValueError, match="shard 4 of 4"):
+    a.new_sequence(shard=4)
 
 
 # ---------------------------------------------------------- state machine

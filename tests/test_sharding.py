@@ -102,13 +102,20 @@ def _worker(*args, timeout, processes=0):
 
 def test_meshes_equal_one_device_tiny_model():
   """1x8, 2x4, 4x2, 8x1: greedy tokens identical, every logit within 1e-5, the
-  pool and weights really spread over the 8 devices, the allocator consistent."""
+  pool and weights really spread over the 8 devices, the allocator consistent and
+  shard-aware: one page range per data shard, exactly the pool slots that shard's
+  devices hold, and every row's fresh slots in its own shard's range."""
   rows = _worker("--model=tiny", "--meshes=1x8,2x4,4x2,8x1", timeout=600)
   assert [r["mesh"] for r in rows] == [[1, 8], [2, 4], [4, 2], [8, 1]]
   for r in rows:
     assert r["tokens_equal"], r
     assert r["max_logit_diff"] <= 1e-5, r
     assert r["pool_devices"] == 8 and r["allocator_check"]
+    d = r["mesh"][0]
+    slots = 64 * 16 // d                       # CACHE: 64 pages of 16
+    assert r["alloc_shards"] == d and r["rows_local"], r
+    assert r["pool_slot_blocks"] == [[k * slots, (k + 1) * slots] for k in range(d)], r
+    assert r["shards_used"] == list(range(d)), r   # 8 prompts spread over every shard
   specs = {tuple(r["mesh"]): r for r in rows}
   assert specs[(4, 2)]["pool_k_spec"] == "P(None, 'data', 'model')"
   assert specs[(2, 4)]["pool_k_spec"] == "P(None, 'data')"   # 2 KV heads on 4

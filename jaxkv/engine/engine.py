@@ -104,7 +104,13 @@ class Engine:
       self.weights = sharding.shard_weights(self.weights, mesh, model.cfg)
     self.stop_ids = sorted(set(int(t) for t in stop_ids))
     self.driver: Driver | None = None     # the pool is allocated on the first run
-    self.allocator = PagedAllocator(cache.num_pages, cache.page_size)
+    # with the pool's slots split on the mesh's "data" axis, each data shard's rows
+    # allocate from that shard's pages (and the shard's first page is its sentinel)
+    data = 1 if mesh is None else mesh.shape["data"]
+    self.shards = data if (data > 1 and engine.max_batch % data == 0
+                           and cache.num_pages % data == 0
+                           and cache.num_pages >= 2 * data) else 1
+    self.allocator = PagedAllocator(cache.num_pages, cache.page_size, shards=self.shards)
     self.radix = RadixCache(self.allocator) if engine.prefix_cache else None  # the base's
     self._adapter_radix: dict[int, RadixCache] = {}    # adapter -> its tree (on first use)
     # open sessions: id -> [lock on the path of its latest turn or None, last use time,
@@ -159,8 +165,14 @@ class Engine:
   def _pages(self, n: int) -> int:
     return -(-n // self.cache_cfg.page_size)
 
-  def _admit(self, req: Request, now: float, rows: list[_Row | None]) -> _Row | Result:
-    """Allocates the prompt's slots, or raises OutOfSlotsError to make it wait.
+  def _row_shard(self, i: int) -> int:
+    """The data shard that holds batch row i (rows split evenly, in order)."""
+    return i // (self.cfg.max_batch // self.shards)
+
+  def _admit(self, req: Request, now: float, rows: list[_Row | None],
+             shard: int = 0) -> _Row | Result:
+    """Allocates the prompt's slots on `shard`'s pages, or raises OutOfSlotsError
+    to make it wait.
 
     Admission reserves each row's worst case (prompt + max_tokens) in pages, so
     a running row can always grow during decode and nothing is preempted;
@@ -177,10 +189,12 @@ class Engine:
       return _error(req, f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) "
                          f"exceeds cache.max_seq_len={limit}")
     need = self._pages(n + req.sampling.max_tokens)
-    if need > self.cache_cfg.num_pages - 1:
+    room = self.cache_cfg.num_pages // self.shards - 1
+    if need > room:
+      where = f" per data shard ({self.shards})" if self.shards > 1 else ""
       return _error(req, f"KV pool too small for this request: it needs {need} pages of "
-                         f"{self.cache_cfg.page_size} slots, the pool has "
-                         f"{self.cache_cfg.num_pages - 1}; raise cache.num_pages")
+                         f"{self.cache_cfg.page_size} slots, the pool has {room}{where}; "
+                         f"raise cache.num_pages")
     match = None
     cache = self.cache_for(req.adapter)
     if cache is not None:                          # the last prompt token is recomputed
@@ -190,21 +204,22 @@ class Engine:
     outstanding = sum(self._reserve(len(r.req.prompt) - r.cached, r.req.sampling.max_tokens,
                                     r.cached)
                       - self._pages(self.allocator.length(r.seq) - r.cached)
-                      for r in rows if r is not None)
-    short = need + outstanding - self.allocator.num_free_pages
+                      for i, r in enumerate(rows)
+                      if r is not None and self._row_shard(i) == shard)
+    short = need + outstanding - self.allocator.shard_free_pages(shard)
     for tree in sorted(self.caches, key=lambda t: -t.evictable_tokens):
       # finished requests' cached KV goes first, least recently used first per tree,
       # the tree with the most evictable KV first
       while short > 0 and tree.evictable_tokens:
         if not tree.evict(short * self.cache_cfg.page_size):
           break
-        short = need + outstanding - self.allocator.num_free_pages
+        short = need + outstanding - self.allocator.shard_free_pages(shard)
     if short > 0:
       if match is not None:
         cache.release_lock(match)
-      raise OutOfSlotsError(f"{need} pages needed, {self.allocator.num_free_pages} free, "
-                            f"{outstanding} reserved by running requests")
-    seq = self.allocator.new_sequence()
+      raise OutOfSlotsError(f"{need} pages needed, {self.allocator.shard_free_pages(shard)} "
+                            f"free, {outstanding} reserved by running requests")
+    seq = self.allocator.new_sequence(shard=shard)
     if hit:
       self.allocator.adopt(seq, match.slots)
     self.allocator.extend(seq, n - hit)
@@ -383,9 +398,10 @@ class Engine:
     that does not fit while rows run waits at the head of the queue."""
     out = []
     with self._lock:
-      for i in range(len(self._rows)):
-        if self._rows[i] is not None:
-          continue
+      # empty rows of the shard with the most free pages first
+      empty = sorted((i for i, r in enumerate(self._rows) if r is None),
+                     key=lambda i: (-self.allocator.shard_free_pages(self._row_shard(i)), i))
+      for i in empty:
         while self._waiting:
           req = self._waiting[0]
           if req.id in self._cancelled:
@@ -394,7 +410,7 @@ class Engine:
             out.append(_cancelled(req))
             continue
           try:
-            got = self._admit(req, now, self._rows)
+            got = self._admit(req, now, self._rows, self._row_shard(i))
           except OutOfSlotsError as e:
             if any(r is not None for r in self._rows):
               return out           # wait for a row to retire and free its slots

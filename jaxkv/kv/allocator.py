@@ -22,6 +22,14 @@ Invariants (docs/architecture.md):
   are handed out again by that sequence's next `extend`. A forked child has no
   tail page, so it never appends into the parent's page.
 
+Shards (`shards` > 1, a pool split on a mesh's "data" axis): the pages form
+`shards` equal contiguous ranges, one per data shard; the first page of each
+range is reserved like page 0 (the shard's own sentinel page, so a shard-local
+slot index 0 never holds a token), and a sequence created on shard d takes its
+fresh pages from range d only, so a batch row's own KV lives on the device that
+holds its row. `SENTINEL` (global slot 0, in shard 0's reserved page) still marks
+"absent" in slot maps; adopted / forked slots may come from any shard.
+
 Every operation costs O(slots touched) (plus O(pages touched)); `check()` is
 the O(num_slots + total map length) audit used by tests.
 """
@@ -55,9 +63,10 @@ class OutOfSlotsError(RuntimeError):
 
 class _Sequence:
   """One sequence's slot map (growable int32 buffer) and its open tail page."""
-  __slots__ = ("buf", "size", "tail_page", "tail_next")
+  __slots__ = ("buf", "size", "tail_page", "tail_next", "shard")
 
-  def __init__(self, slots: np.ndarray = _EMPTY):
+  def __init__(self, slots: np.ndarray = _EMPTY, shard: int = 0):
+    self.shard = shard    # the page range its fresh pages come from
     self.buf = np.zeros((max(16, 2 * len(slots)),), np.int32)
     self.buf[:len(slots)] = slots
     self.size = len(slots)
@@ -109,22 +118,28 @@ class PagedAllocator:
     _held: [S] int32 external holds (`retain` minus `release`).
     _page_live: [P] int32 number of slots with refcount > 0 in each page.
     _tail_owner: [P] int64 sequence whose open tail page this is, -1: none.
-    _free: deque of free page ids (FIFO); _is_free: [P] bool mirror of it.
+    _free: per shard, a deque of its free page ids (FIFO); _is_free: [P] bool.
   """
 
-  def __init__(self, num_pages: int, page_size: int):
-    """Creates an empty pool; page 0 (the sentinel page) is never free.
+  def __init__(self, num_pages: int, page_size: int, shards: int = 1):
+    """Creates an empty pool; page 0 (the sentinel page) is never free, nor is the
+    first page of any other shard's range.
 
     Args:
-      num_pages: P >= 2 (page 0 is reserved).
+      num_pages: P >= 2 * shards (each shard's first page is reserved), a
+        multiple of `shards`.
       page_size: slots per page, >= 1.
+      shards: page ranges (data shards) sequences allocate from (module docstring).
     """
     num_pages = _index(num_pages, "num_pages")
     page_size = _index(page_size, "page_size")
-    if num_pages < 2:
-      raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+    shards = _index(shards, "shards")
+    if shards < 1 or num_pages % shards or num_pages < 2 * shards:
+      raise ValueError(f"num_pages must be a multiple of shards = {shards} with at least 2 "
+                       f"pages per shard (the first is reserved), got {num_pages}")
     if page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {page_size}")
+    self._shards, self._shard_pages = shards, num_pages // shards
     self._num_pages = num_pages
     self._page_size = page_size
     self._num_slots = num_pages * page_size
@@ -132,9 +147,10 @@ class PagedAllocator:
     self._held = np.zeros((self._num_slots,), np.int32)
     self._page_live = np.zeros((num_pages,), np.int32)
     self._tail_owner = np.full((num_pages,), -1, np.int64)
-    self._free = collections.deque(range(1, num_pages))
+    q = self._shard_pages
+    self._free = [collections.deque(range(d * q + 1, (d + 1) * q)) for d in range(shards)]
     self._is_free = np.ones((num_pages,), bool)
-    self._is_free[0] = False
+    self._is_free[::q] = False          # the reserved (sentinel) page of every shard
     self._seqs: dict[int, _Sequence] = {}
     self._next_id = 0
     self._num_live = 0
@@ -158,13 +174,25 @@ class PagedAllocator:
     return self._num_slots
 
   @property
+  def shards(self) -> int:
+    return self._shards
+
+  @property
   def num_free_pages(self) -> int:
-    return len(self._free)
+    return sum(len(f) for f in self._free)
+
+  def shard_free_pages(self, shard: int) -> int:
+    """Free pages in `shard`'s range."""
+    return len(self._free[shard])
+
+  def shard_of(self, slots) -> np.ndarray:
+    """The shard whose page range holds each slot."""
+    return np.asarray(slots) // (self._shard_pages * self._page_size)
 
   @property
   def num_used_pages(self) -> int:
-    """Pages out of the free list (page 0 excluded), open tail pages included."""
-    return self._num_pages - 1 - len(self._free)
+    """Pages out of the free lists (reserved pages excluded), open tail pages included."""
+    return self._num_pages - self._shards - self.num_free_pages
 
   @property
   def num_live_slots(self) -> int:
@@ -193,15 +221,19 @@ class PagedAllocator:
     return int(self._held[self._slot(slot)])
 
   def free_pages(self) -> np.ndarray:
-    """[num_free_pages] int32 free page ids, in the order they will be handed out."""
-    return np.fromiter(self._free, np.int32, len(self._free))
+    """[num_free_pages] int32 free page ids, shard by shard, each in the order it
+    will be handed out."""
+    return np.fromiter((p for f in self._free for p in f), np.int32, self.num_free_pages)
 
   # -------------------------------------------------------------- mutations
-  def new_sequence(self) -> int:
-    """Registers an empty sequence and returns its id (ids are never reused)."""
+  def new_sequence(self, shard: int = 0) -> int:
+    """Registers an empty sequence whose fresh pages come from `shard`'s range and
+    returns its id (ids are never reused)."""
+    if not 0 <= shard < self._shards:
+      raise ValueError(f"shard {shard} of {self._shards}")
     seq = self._next_id
     self._next_id += 1
-    self._seqs[seq] = _Sequence()
+    self._seqs[seq] = _Sequence(shard=shard)
     return seq
 
   def extend(self, seq: int, n: int) -> np.ndarray:
@@ -229,11 +261,13 @@ class PagedAllocator:
     from_tail = min(n, room)
     rest = n - from_tail
     pages_needed = -(-rest // ps)
-    if pages_needed > len(self._free):
-      available = room + len(self._free) * ps
+    free = self._free[s.shard]
+    if pages_needed > len(free):
+      available = room + len(free) * ps
+      where = f" in shard {s.shard}" if self._shards > 1 else ""
       raise OutOfSlotsError(
           f"out of KV slots: sequence {seq} asked for {n} slot(s) but only {available} "
-          f"are free ({len(self._free)} free page(s) x page_size {ps} + {room} left in "
+          f"are free{where} ({len(free)} free page(s) x page_size {ps} + {room} left in "
           f"its tail page); raise cache.num_pages (now {self._num_pages}) or free / "
           f"evict sequences", requested=n, available=available)
     parts = []
@@ -246,7 +280,7 @@ class PagedAllocator:
         self._tail_owner[s.tail_page] = -1
         s.tail_page, s.tail_next = -1, 0
     for _ in range(pages_needed):
-      page = self._free.popleft()
+      page = free.popleft()
       self._is_free[page] = False
       take = min(ps, rest)
       rest -= take
@@ -292,7 +326,7 @@ class PagedAllocator:
     np.add.at(self._ref, live, 1)
     child = self._next_id
     self._next_id += 1
-    self._seqs[child] = _Sequence(m)
+    self._seqs[child] = _Sequence(m, shard=self._seqs[seq].shard)
     return child
 
   def retain(self, slots) -> None:
@@ -458,7 +492,7 @@ class PagedAllocator:
   def _maybe_free_page(self, page: int) -> None:
     if (self._page_live[page] == 0 and self._tail_owner[page] < 0
         and not self._is_free[page]):
-      self._free.append(page)
+      self._free[page // self._shard_pages].append(page)
       self._is_free[page] = True
 
   # ------------------------------------------------------------------ audit
@@ -481,8 +515,11 @@ class PagedAllocator:
       if np.any((m < 0) | (m >= self._num_slots)):
         fail(f"sequence {seq} maps to out-of-range slots")
       np.add.at(expected, m[m != SENTINEL], 1)
-    if np.any(expected[:ps] != 0) or np.any(self._ref[:ps] != 0):
-      fail("the sentinel page (page 0) is referenced")
+    reserved = np.zeros((num_pages,), bool)
+    reserved[::self._shard_pages] = True
+    by_page = lambda x: x.reshape(num_pages, ps)   # noqa: E731
+    if np.any(by_page(expected)[reserved] != 0) or np.any(by_page(self._ref)[reserved] != 0):
+      fail("a reserved page (page 0, or a shard's first page) is referenced")
     diff = np.flatnonzero(expected != self._ref)
     if diff.size:
       slot = int(diff[0])
@@ -496,11 +533,14 @@ class PagedAllocator:
            f"recomputed {int(live[page])}")
     if int(live.sum()) != self._num_live:
       fail(f"num_live_slots is {self._num_live}, recomputed {int(live.sum())}")
-    free = list(self._free)
+    free = [p for f in self._free for p in f]
     if len(set(free)) != len(free):
       fail(f"duplicate pages in the free list {sorted(free)}")
-    if any(not 1 <= p < num_pages for p in free):
-      fail(f"free list holds page 0 or an out-of-range page: {sorted(free)}")
+    if any(not 0 <= p < num_pages or reserved[p] for p in free):
+      fail(f"free list holds a reserved or out-of-range page: {sorted(free)}")
+    for d, f in enumerate(self._free):
+      if any(p // self._shard_pages != d for p in f):
+        fail(f"shard {d}'s free list holds another shard's page: {sorted(f)}")
     is_free = np.zeros((num_pages,), bool)
     is_free[free] = True
     if np.any(is_free != self._is_free):
@@ -510,7 +550,7 @@ class PagedAllocator:
       if s.tail_page < 0:
         continue
       p, nxt = s.tail_page, s.tail_next
-      if not 1 <= p < num_pages or not 0 <= nxt < ps:
+      if not 0 <= p < num_pages or reserved[p] or not 0 <= nxt < ps:
         fail(f"sequence {seq} has a bad tail (page {p}, next offset {nxt})")
       if tails[p] >= 0:
         fail(f"page {p} is the tail page of sequences {int(tails[p])} and {seq}")
@@ -530,6 +570,6 @@ class PagedAllocator:
       if tails[p] >= 0:
         fail(f"free page {p} is the tail page of sequence {int(tails[p])}")
     in_use = (live > 0) | (tails >= 0)
-    leaked = np.flatnonzero(~in_use[1:] & ~is_free[1:]) + 1
+    leaked = np.flatnonzero(~in_use & ~is_free & ~reserved)
     if leaked.size:
       fail(f"pages {leaked.tolist()} are neither free nor in use (leak)")

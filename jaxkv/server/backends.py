@@ -73,13 +73,12 @@ class SessionBackends:
     if "prefix" in self.kinds and self.engine.radix is None and len(self.kinds) > 1:
       raise ValueError("server.sessions: 'prefix' sessions keep KV in the engine's prefix "
                        "cache: set engine.prefix_cache=True or leave 'prefix' out")
-    self.tok = llm.tokenizer
+    self.tok, self.llm, self.server_cfg = llm.tokenizer, llm, cfg.server
     self.stats = BackendStats()
-    self._open: dict[str, list] = {}     # session -> [kind, last use]
+    self._open: dict[str, list] = {}     # session -> [kind, last use] (not prefix ones)
+    self.agents: dict[str, object] = {}   # "agents" session -> its AgentRunner
     impl = cfg.engine.attention_impl
     self.pruned = self.memart = self.reuse = None
-    self.server_cfg, self.llm = cfg.server, llm
-    self.agents: dict[str, object] = {}   # "agents" session -> its AgentRunner
     if "agents" in self.kinds and llm.lora is None:
       raise ValueError("server.sessions: 'agents' sessions run the role adapters: set "
                        "server.role_adapters")
@@ -118,7 +117,7 @@ class SessionBackends:
         have[1] = time.monotonic()
       return have[0]
     kind = kind or self.default
-    if kind == "prefix":   # (its requests open it in the engine themselves)
+    if kind == "prefix":
       self.engine.open_session(session)
     elif kind == "agents":
       if len(self.agents) >= self.server_cfg.agent_sessions:
