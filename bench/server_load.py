@@ -121,6 +121,7 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: fl
 
   await asyncio.gather(*[worker() for _ in range(c)])
   wall = time.perf_counter() - t0
+  await client.close()     # inside this event loop (asyncio.run closes it next)
   ttft = [d["ttft_s"] for d in done]
   itl = [d["itl_s"] for d in done if d["itl_s"] is not None]
   q = lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
