@@ -26,6 +26,7 @@ def _session():
   return traces.parse_entry(hf_util.tool_session_entry())
 
 
+@pytest.mark.slow
 def test_each_call_turn_is_scored_against_its_own_gold(llm, monkeypatch):
   s = _session()
   assert agent_eval.call_turns(s) == [2, 4, 6]

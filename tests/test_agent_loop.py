@@ -113,6 +113,7 @@ def test_turn_cap_empty_and_overflow_are_not_completed(llm, monkeypatch):
     agent_loop.run_episode(runner, CountingEnv(), "count/0", max_turns=0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tau2") is None, reason="tau2 not installed")
 def test_tau2_episode_with_the_gold_calls_is_correct(llm, monkeypatch):
   """The loop's parsing, execution and grading end to end on a real tau2 task: an agent

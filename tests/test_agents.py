@@ -84,6 +84,7 @@ def test_identical_adapters_make_sharing_exact(llm, traj):
     np.testing.assert_allclose(_lp(res), _lp(ref), atol=TOL, rtol=0, err_msg=scheme)
 
 
+@pytest.mark.slow
 def test_distinct_adapters_separate_the_schemes(llm, traj, distinct):
   w, ref = distinct
   res = {s: _run(llm, w, s, traj, window=(0, 1)) for s in lragent.SCHEMES[1:]}
@@ -107,6 +108,7 @@ def test_droidspeak_recomputing_every_layer_is_non_shared(llm, traj, distinct):
   np.testing.assert_allclose(_lp(res), _lp(ref), atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_base_lr_shared_through_the_flash_lora_kernel(llm, traj):
   """BaseLRShared attention through Flash-LoRA-Attention (Pallas, interpreted)
   equals the materialise-then-attend reference."""

@@ -93,6 +93,7 @@ def test_examples_and_batches(llm):
   assert lora_train.make_batch(exs[1], role=-1)["adapter"].tolist() == [-1]
 
 
+@pytest.mark.slow
 def test_training_lowers_loss_resumes_and_writes_peft(llm, tmp_path):
   sessions = [_session("a"), _session("b", "Your trip is kept.")]
   trajs = agents.build_all(sessions, llm.tokenizer, negative_rate=0.5, seed=0)

@@ -71,6 +71,7 @@ def usage(r) -> dict:
   return r.usage.model_extra["jaxkv"]
 
 
+@pytest.mark.slow
 def test_role_adapter_reports_itself(served):
   r = served.client.chat.completions.create(
       model=f"{MODEL}:plan", messages=[{"role": "user", "content": "Plan a trip."}], max_tokens=4)

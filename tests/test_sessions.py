@@ -179,6 +179,7 @@ def test_evidence_labels_count_copied_ids(llm):
   assert not p["evidence"][p["qs"]:].any()
 
 
+@pytest.mark.slow
 def test_learnable_mode_with_fresh_head_equals_phase1(llm):
   """A fresh residual head (fc2 = 0) keeps exactly what Phase-1 memory mode keeps;
   the -residual ablation does too with a randomised head."""

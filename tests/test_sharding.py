@@ -100,6 +100,7 @@ def _worker(*args, timeout, processes=0):
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_meshes_equal_one_device_tiny_model():
   """1x8, 2x4, 4x2, 8x1: greedy tokens identical, every logit within 1e-5, the
   pool and weights really spread over the 8 devices, the allocator consistent and

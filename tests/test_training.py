@@ -87,6 +87,7 @@ def _dense_qk(llm, ids):
   return fwd(llm.weights, pool)
 
 
+@pytest.mark.slow
 def test_features_match_a_dense_replay(llm):
   """Chunked, prefix-cached extraction == one dense forward of the last prompt (prompts
   extend each other, so its causal q / k rows are every earlier row's too)."""
@@ -123,6 +124,7 @@ def test_features_match_a_dense_replay(llm):
   np.testing.assert_allclose(feat["kbar"], np.asarray(residual.mean_keys(k))[0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_rows_equal_what_the_pruning_event_receives(llm, monkeypatch):
   """The row the extractor stores for a turn is what `select_kept` feeds the head when
   that turn prunes in serving: same rule scores, k_bar, m_bar (the memory advanced
@@ -291,6 +293,7 @@ def test_reservoir_sample_is_deterministic_and_in_replay_order():
   assert len(train.epoch_rows(rows, 100, 42, 0)) == 30
 
 
+@pytest.mark.slow
 def test_checkpoint_roundtrip_and_resume(tmp_path):
   cfg = dataclasses.replace(CFG, out_dir=str(tmp_path / "run"), epochs=1, examples_per_epoch=4,
                             grad_accum=2, recall_budget=8)
