@@ -258,7 +258,6 @@ class AgentRunner:
                            bytes_per_elem=jnp.dtype(self.dtype).itemsize)
     return RunResult(self.scheme, len(traj), calls, kvb, self.window)
 
-
   # -- serving: one live trajectory that requests extend (jaxkv.server.backends)
   def start(self) -> None:
     """Fresh caches for a live trajectory, extended request by request (`respond`)."""

@@ -359,10 +359,9 @@ class SessionRunner:
   def close_session(self, session_id: str) -> bool:
     """Forgets a session: its QueryMemory, processed-token count and radix path (the
     KV it cached stays, unheld, for the LRU to evict). False if it had no state."""
-    key = intentkv.session_key(session_id=session_id)
-    had = self.memories.pop(key) is not None
-    had |= self.seen.pop(session_id, None) is not None
-    return self.paths.pop(session_id, None) is not None or had
+    gone = (self.memories.pop(intentkv.session_key(session_id=session_id)),
+            self.seen.pop(session_id, None), self.paths.pop(session_id, None))
+    return any(x is not None for x in gone)
 
   def run_session(self, session_id: str, messages: Sequence[dict], tools=None, *,
                   generate: bool = False, max_tokens: int = 128) -> list[TurnMetrics]:
