@@ -67,6 +67,10 @@ def define_flags():
   flags.DEFINE_list("ks", ["4", "8", "16", "32", "64"], "k of the recall@k ablation")
   flags.DEFINE_list("block_sizes", ["16", "8"], "block sizes (the first: generation runs)")
   flags.DEFINE_list("box_keys", ["raw", "rope"], "boxes over de-rotated / stored keys")
+  flags.DEFINE_integer("rerank", 4, "ablation rows 'exact' (every block scored by its keys' "
+                       "exact content-only max q.k, the quantity eq. 3 bounds: an upper "
+                       "bound) and 'rerank' (the top rerank x k blocks by the bound, "
+                       "re-scored exactly); 0: neither")
   flags.DEFINE_enum("voters", "question", ["question", "tail"], "whose queries score blocks: "
                     "the question's tokens, or the whole tail (instruction + template too)")
   flags.DEFINE_integer("max_questions", 0, "first N questions per conversation (0: all)")
@@ -261,13 +265,22 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
         ra.write(ma, ids, tag=i)
       for qi, qa in enumerate(qas):
         pr = ra.probe(*tail_ids(tok, lay, qa.question, FLAGS.voters))
+        picks = {}                                     # strategy -> k -> blocks
         for norm, agg in STRATEGIES:
           sc = ra.scores(ma, pr, norm=norm, agg=agg)
+          picks[f"{norm}-{agg}"] = lambda kk, sc=sc: ra.select(ma, sc, kk)
+        if FLAGS.rerank and box == "raw":              # the config's softmax-max, exactly
+          ex, sc = ra.exact_scores(ma, pr), ra.scores(ma, pr)
+          picks["exact softmax-max"] = lambda kk: ra.select(ma, ex, kk)
+          picks[f"rerank{FLAGS.rerank}x softmax-max"] = lambda kk: ra.select(ma, np.where(
+              np.isin(np.arange(ex.size), ra.select(ma, sc, FLAGS.rerank * kk)), ex, -np.inf),
+              kk)
+        for strat, pick in picks.items():
           for k in ks:
             kk = max(1, k * bs0 // bs)                 # equal tokens across block sizes
-            rows = ra.select(ma, sc, kk)
+            rows = pick(kk)
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
-                            strategy=f"{norm}-{agg}", top_k=kk, tokens=kk * bs,
+                            strategy=strat, top_k=kk, tokens=kk * bs,
                             hits=sum(covered(ma, rows, spans, e) for e in qa.evidence),
                             n=len(qa.evidence)))
         live = np.flatnonzero(ma.live)                   # the recency baseline at each k

@@ -23,6 +23,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             prompt length (tables, curves)
   bench/results_memart.json        bench/memart.py          MemArt vs baselines (Tables 2 /
                                                             3), recall@k ablation and curve
+  bench/results_memart_exact.json  bench/memart.py          recall@k: eq. 3 bound vs exact
+                                                            block maxima vs re-ranking
   bench/results_kernels_h200*.json bench/kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
@@ -80,6 +82,7 @@ SOURCES = {
     "semshare-curve": "bench/results_semshare_curve.json",
     "semshare-lengths45": "bench/results_semshare_lengths45.json",
     "memart": "bench/results_memart.json",
+    "memart-exact": "bench/results_memart_exact.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
@@ -165,6 +168,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["semshare-curve"] = rows["semshare-curve"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-curve"]) if "length" not in t.title])
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
+  out["memart-exact"] = rows["memart-exact"] and _render(
+      [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
   for name in ("kernels-h100", "kernels-h200", "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
   out["server-load"] = rows["server-load"] and _render(server_load.tables(rows["server-load"]))

@@ -177,3 +177,27 @@ def json_sample():
       "speaker_a": "Ann", "speaker_b": "Bob", "session_1": turns(1, 5),
       "session_1_date_time": "1:00 pm on 1 May, 2023", "session_2": turns(2, 4),
       "session_2_date_time": "2:00 pm on 2 May, 2023"}, "qa": []}]
+
+
+def test_exact_scores_equal_the_bound_for_one_token_blocks(llm):
+  """With 1-token blocks a box is its key (lo = hi = k), so eq. 3's bound is the
+  exact content-only q.k: `exact_scores` (every block's keys read) must equal
+  `scores` (boxes only); with 16-token blocks the bound's scores differ."""
+  head = _ids(llm, "<|im_start|>user\n")
+  rng = np.random.default_rng()
+  for bs in (1, 16):
+    r = MemArtRunner(llm, MemArtConfig(block_size=bs), head,
+                     cache=CacheConfig(num_pages=1024 // bs, page_size=bs, max_seq_len=1024),
+                     attn_impl="reference")
+    mem = r.new_memory()
+    for i, n in enumerate((37, 52)):
+      r.write(mem, rng.integers(100, 40000, n).astype(np.int32), tag=i)
+    pr = r.probe(rng.integers(100, 40000, 9).astype(np.int32))
+    for agg in ("max", "sum"):
+      exact, bound = r.exact_scores(mem, pr, agg=agg), r.scores(mem, pr, agg=agg)
+      live = mem.live
+      assert np.all(np.isinf(exact[~live])) and np.all(np.isfinite(exact[live]))
+      if bs == 1:
+        np.testing.assert_allclose(exact[live], bound[live], rtol=1e-5, atol=1e-7)
+      else:
+        assert not np.allclose(exact[live], bound[live], rtol=1e-3)

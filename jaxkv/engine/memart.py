@@ -73,6 +73,21 @@ def _retrieve(q, positions, valid, lo, hi, live, times, inv_freq, *, k, norm, ag
                          scale=scale, rr_c=rr_c)
 
 
+@functools.partial(jax.jit, static_argnames=("norm", "agg", "scale", "rr_c"),
+                   compiler_options=COMPILER_OPTIONS)
+def _exact(q, positions, valid, pool_k, slots, block_pos, live, inv_freq, *, norm, agg,
+           scale, rr_c):
+  """Aggregated scores [cap] from each block's exact content-only max q.k (the
+  quantity eq. 3 bounds): q [L, 1, C, Hq, D] post-RoPE at positions [C]; the blocks'
+  keys at slots / block_pos [cap, BS] (SENTINEL: unused entry)."""
+  qd = memart.derotate(q[:, 0], positions, inv_freq)
+  cap, bs = slots.shape
+  k = memart.derotate(pool_k[:, slots.reshape(-1)], block_pos.reshape(-1), inv_freq)
+  k = k.reshape((k.shape[0], cap, bs) + k.shape[2:])
+  exact = memart.exact_block_max(qd, k, slots != SENTINEL)             # [L, C, Hq, cap]
+  return memart.aggregate(memart.normalise(exact, live, norm, scale, rr_c), agg, valid)
+
+
 @dataclasses.dataclass
 class Memory:
   """One conversation's memory: block rows (host) and their boxes (device)."""
@@ -279,6 +294,19 @@ class MemArtRunner:
     """Aggregated block scores [cap] of a probe (dead rows -inf): one jitted
     call; `select` then takes any k on the host (the recall@k ablation)."""
     return np.where(mem.live, np.asarray(self._score(mem, probe, 1, norm, agg)[1]), -np.inf)
+
+  def exact_scores(self, mem: Memory, probe, *, norm: str | None = None,
+                   agg: str | None = None) -> np.ndarray:
+    """`scores` with each block's exact content-only max q.k in place of its eq. 3
+    bound (the same normalisation and aggregation): what the boxes approximate,
+    read from every block's keys (the retrieval ablation's upper bound)."""
+    q, pos = probe
+    scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
+    got = _exact(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), self.driver.kv.k,
+                 jnp.asarray(mem.slots), jnp.asarray(mem.positions), jnp.asarray(mem.live),
+                 self.inv_freq, norm=norm or self.cfg.norm, agg=agg or self.cfg.agg,
+                 scale=float(scale), rr_c=float(self.cfg.rr_c))
+    return np.where(mem.live, np.asarray(got), -np.inf)
 
   @staticmethod
   def select(mem: Memory, scores: np.ndarray, k: int) -> np.ndarray:
