@@ -20,9 +20,10 @@ starts with the app and, on shutdown, cancels what is left and stops.
 Agent sessions: `POST /v1/sessions` opens one (`{"kind": ...}` picks how its KV
 is kept, `jaxkv.server.backends`: prefix cache holds, pruning with IntentKV's
 QueryMemory, MemArt memory, segment reuse, LRAgent roles sharing one trajectory;
-or a request's `session_id` / `user` opens one of the default kind), `DELETE /v1/sessions/{id}` closes it, `GET
-/v1/sessions` lists them with their kind and the tokens each keeps cached; a
-session idle for `server.session_idle_s` is closed by the loop. What a mechanism
+or a request's `session_id` / `user` opens one of the default kind), `DELETE
+/v1/sessions/{id}` closes it, `GET /v1/sessions` lists them with their kind and
+the tokens each keeps cached; a session idle for `server.session_idle_s` is
+closed by the loop. Session-runner requests count toward `server.max_pending`. What a mechanism
 did comes back in `usage["jaxkv"]` (session kind, pruned tokens, QueryMemory
 cosine, retrieved blocks, reused tokens, role adapter) and sums up in `/metrics`.
 
@@ -32,8 +33,7 @@ lists them), so a multi-agent framework points each agent at its role's name.
 
 One config turns every mechanism on (`configs/smollm2_agents.py`): role adapters
 in the batch engine, and a session kind each for pruning, MemArt, reuse and LRAgent
-sharing. Not
-yet here (issue 17): one session combining several kinds (e.g. MemArt blocks
+sharing. Not yet here: one session combining several kinds (e.g. MemArt blocks
 spliced into a pruned session's context), continuous batching inside the
 non-prefix kinds (they are batch-1 runners between engine steps).
 """
@@ -90,7 +90,6 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   loop = EngineLoop(engine, cfg.server.max_pending, cfg.server.session_idle_s,
                     expire=backends.expire)
   sessions_on = engine.radix is not None or backends.kinds != ("prefix",)
-  inflight = [0]   # session-runner requests waiting for or on the loop (count toward 429)
   # served ids: the base model, and "<model>:<role>" for each role adapter
   names = {model_name: -1, **{f"{model_name}:{a}": i for i, a in enumerate(llm.adapters)}}
   tokenizer = llm.tokenizer
@@ -140,39 +139,31 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     t_created = int(time.time())
     skind = (backends.kind_of(p.session, role=p.adapter >= 0)
              if sessions_on and p.session is not None else None)
-    if skind not in (None, "prefix"):
+    runner = skind not in (None, "prefix")   # a batch-1 session runner, between engine steps
+    try:
+      if runner:
+        fut = loop.call(lambda: backends.run(skind, p.session, p, rid), counted=True)
+      else:
+        queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
+                                    session=p.session if skind == "prefix" else None,
+                                    adapter=p.adapter))
+    except QueueFull as e:
       if not loop.alive:
-        return _error(APIError(503, "the server is shutting down", type="server_error",
-                               code="shutting_down"))
-      if loop.pending + inflight[0] >= cfg.server.max_pending:
-        return _error(APIError(429, f"{loop.pending + inflight[0]} requests queued or running "
-                               f"(server.max_pending={cfg.server.max_pending})",
-                               type="rate_limit_error", code="queue_full"))
-      inflight[0] += 1
-      try:   # a batch-1 runner on the loop thread, between engine steps
-        res = await asyncio.wrap_future(loop.call(
-            lambda: backends.run(skind, p.session, p, rid)))
+        return _error(APIError(503, str(e), type="server_error", code="shutting_down"))
+      return _error(APIError(429, str(e), type="rate_limit_error", code="queue_full"))
+    if runner:
+      try:
+        res = await asyncio.wrap_future(fut)
       except ValueError as e:
         return _error(APIError(400, str(e), param="session_id"))
       except Exception as e:  # noqa: BLE001 -- isolated like a failing engine step
         log.error("session %s (%s) failed:\n%s", p.session, skind, traceback.format_exc())
         return _error(APIError(500, f"the '{skind}' session runner failed this request: "
                                f"{type(e).__name__}: {e}", type="server_error"))
-      finally:
-        inflight[0] -= 1
       queue = asyncio.Queue()
       queue.put_nowait(("done", res))
-    else:
-      try:
-        queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
-                                    session=p.session if skind == "prefix" else None,
-                                    adapter=p.adapter))
-      except QueueFull as e:
-        if not loop.alive:
-          return _error(APIError(503, str(e), type="server_error", code="shutting_down"))
-        return _error(APIError(429, str(e), type="rate_limit_error", code="queue_full"))
-      if p.adapter >= 0:
-        backends.stats.adapter_requests[llm.adapters[p.adapter]] += 1
+    elif p.adapter >= 0:
+      backends.stats.adapter_requests[llm.adapters[p.adapter]] += 1
     stream = protocol.TextStream(p.stop, hold_calls=p.tools)
     try:
       first = await next_event(queue, request, rid)
@@ -182,7 +173,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
       return _error(APIError(500, first[1].error or "the engine failed this request",
                              type="server_error"))
     if p.stream:
-      return StreamingResponse(sse(p, rid, t_created, queue, first, stream),
+      return StreamingResponse(sse(p, rid, t_created, queue, first, stream, skind),
                                media_type="text/event-stream")
     event = first
     try:
@@ -200,22 +191,22 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     _, stopped = stream.update(decode(tokens), final=True)
     finish = "stop" if stopped else _finish(event[1].finish_reason)
     return JSONResponse(protocol.response(p, rid, t_created, stream.text, finish,
-                                          usage(p, event, tokens, cached)))
+                                          usage(p, event, tokens, cached, skind)))
 
-  def usage(p, event, tokens, cached) -> dict:
-    """OpenAI usage, plus what the KV mechanisms did as "jaxkv" (`Result.extra`, the
-    role adapter, the prefix session) when any of them took part."""
+  def usage(p, event, tokens, cached, skind) -> dict:
+    """OpenAI usage, plus what the KV mechanisms did as "jaxkv" (the session kind,
+    `Result.extra` of a session runner, the role adapter) when any took part."""
     out = protocol.usage(len(p.prompt), len(tokens), cached)
-    extra = dict(event[1].extra or {}) if event[0] == "done" else {}
+    extra = {} if skind is None else {"session_kind": skind}
+    if event[0] == "done":
+      extra.update(event[1].extra or {})
     if p.adapter >= 0:
       extra["adapter"] = llm.adapters[p.adapter]
-    if "session_kind" not in extra and p.session is not None and engine.radix is not None:
-      extra["session_kind"] = "prefix"
     if extra:
       out["jaxkv"] = extra
     return out
 
-  async def sse(p, rid, t_created, queue, event, stream):
+  async def sse(p, rid, t_created, queue, event, stream, skind):
     done = False
 
     def data(obj) -> str:
@@ -245,7 +236,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
           yield data(protocol.chunk(p, rid, t_created, text=content))
       yield data(protocol.chunk(p, rid, t_created, tool_calls=made or None, finish=reason))
       if p.include_usage:
-        yield data(protocol.chunk(p, rid, t_created, use=usage(p, event, tokens, cached)))
+        yield data(protocol.chunk(p, rid, t_created, use=usage(p, event, tokens, cached, skind)))
       yield "data: [DONE]\n\n"
       done = True
     finally:

@@ -215,7 +215,7 @@ class SessionBackends:
     return Result(id=rid, tokens=[int(t) for t in ids], prompt_tokens=len(p.prompt),
                   completion_tokens=len(ids), ttft_s=ttft,
                   latency_s=time.perf_counter() - t0, finish_reason=finish,
-                  cached_tokens=cached, extra={"session_kind": kind, **extra})
+                  cached_tokens=cached, extra=extra)
 
   def _pruned(self, session, p, max_tokens):
     msgs, tools = p.chat

@@ -76,7 +76,8 @@ class EngineLoop:
     self._expire = expire
     self.max_pending = max_pending
     self.session_idle_s = session_idle_s
-    self._ops: collections.deque = collections.deque()   # (fn, future) run on the loop thread
+    self._ops: collections.deque = collections.deque()   # (fn, future, counted): loop thread
+    self._counted = 0   # counted calls (session-runner requests) queued or running
     self.stats = LoopStats()
     self._waiters: dict[str, _Waiter] = {}
     self._lock = threading.Lock()
@@ -96,18 +97,23 @@ class EngineLoop:
 
   @property
   def pending(self) -> int:
-    return len(self._waiters)
+    """Requests queued or running: engine requests and counted calls."""
+    return len(self._waiters) + self._counted
+
+  def _check_room(self) -> None:
+    """Raises QueueFull while stopping or past max_pending (hold self._lock)."""
+    if self._stopping:
+      raise QueueFull("the server is shutting down")
+    if self.pending >= self.max_pending:
+      self.stats.rejected_full += 1
+      raise QueueFull(f"{self.pending} requests queued or running "
+                      f"(server.max_pending={self.max_pending})")
 
   def submit(self, req: Request) -> asyncio.Queue:
     """Queues `req`; its events arrive on the returned queue (call from the event loop)."""
     aloop = asyncio.get_running_loop()
     with self._lock:
-      if self._stopping:
-        raise QueueFull("the server is shutting down")
-      if len(self._waiters) >= self.max_pending:
-        self.stats.rejected_full += 1
-        raise QueueFull(f"{len(self._waiters)} requests queued or running "
-                        f"(server.max_pending={self.max_pending})")
+      self._check_room()
       waiter = _Waiter(aloop, asyncio.Queue())
       self._waiters[req.id] = waiter
       self.engine.submit(req)
@@ -119,21 +125,31 @@ class EngineLoop:
     if self.engine.cancel(request_id):
       self._wake.set()
 
-  def call(self, fn) -> concurrent.futures.Future:
+  def call(self, fn, *, counted: bool = False) -> concurrent.futures.Future:
     """Runs `fn()` on the loop thread between steps (engine state such as sessions
-    is only touched there); the future carries its result or exception."""
+    is only touched there); the future carries its result or exception. `counted`:
+    `fn` is a request (a session runner's turn): it counts toward max_pending like
+    a submitted one and raises QueueFull past it or while stopping."""
+    if counted:
+      with self._lock:
+        self._check_room()
+        self._counted += 1
     fut = concurrent.futures.Future()
-    self._ops.append((fn, fut))
+    self._ops.append((fn, fut, counted))
     self._wake.set()
     return fut
 
   def _run_ops(self) -> None:
     while self._ops:
-      fn, fut = self._ops.popleft()
+      fn, fut, counted = self._ops.popleft()
       try:
         fut.set_result(fn())
       except Exception as e:  # handed to the caller
         fut.set_exception(e)
+      finally:
+        if counted:
+          with self._lock:
+            self._counted -= 1
     if self._expire is not None and time.monotonic() - self._expired_at > 1.0:
       self._expired_at = time.monotonic()
       self._expire(self.session_idle_s)
