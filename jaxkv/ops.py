@@ -22,7 +22,8 @@ Semantics of paged attention (shared by reference and kernels):
   a padding query with a negative position) returns zeros, never NaN.
 The kernels compact each row's live tokens first and loop over visible live key
 blocks only: pruned tokens and keys after the last query are never read and cost
-no iteration.
+no iteration. That set-up depends on the slot map alone: `attention_plan` builds
+it once for all the layers of a pass that share one slot map.
 """
 
 from __future__ import annotations
@@ -53,8 +54,21 @@ def resolve_impl(impl: str) -> str:
   return impl
 
 
+def attention_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int,
+                   impl: str = "auto", lora: bool = False):
+  """The kernels' per-call set-up (live-token compaction, live-block tables) for
+  one slot map and query positions, to build once and pass to every layer of a
+  pass (`plan=`); None where `impl` resolves to the reference, which needs none.
+  `lora`: for `flash_lora_attention` (its own key-block width)."""
+  if resolve_impl(impl) == "reference":
+    return None
+  make = _fla.make_plan if lora else _pa.make_plan
+  return make(slot_map, q_positions, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
 def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
-                    scale=None, impl: str = "auto", key_shift=None, shift_freq=None):
+                    scale=None, impl: str = "auto", key_shift=None, shift_freq=None,
+                    plan=None):
   """Paged attention; see the module docstring and `paged_attention_reference`.
 
   q [B, Tq, Hq, D]; k_pool, v_pool [S, Hkv, D] or [L, S, Hkv, D] with `layer`;
@@ -65,6 +79,9 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
   so a slot written at position p can be aliased at position p + shift without a
   copy (MemArt's decoupled positions). It runs the reference path whatever
   `impl` says: the Pallas kernels do not rotate on read yet.
+
+  plan: `attention_plan(slot_map, q_positions, ...)` built once for the layers
+  sharing this slot map (optional; the kernels build it per call otherwise).
   """
   if key_shift is not None:
     if shift_freq is None:
@@ -79,15 +96,16 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
       return paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,
                                        layer=layer, scale=scale)
     return _pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
-                               scale=scale, interpret=impl == "interpret")
+                               scale=scale, plan=plan, interpret=impl == "interpret")
 
 
 def flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positions, *,
-                         layer=None, scale=None, impl: str = "auto"):
+                         layer=None, scale=None, impl: str = "auto", plan=None):
   """Paged attention with a low-rank value term: V = V_base + V_lr B_i (LRAgent).
 
   vlr_pool [S, r] (or [L, S, r]) is the shared rank-r value cache; lora_b
   [B, r, Hkv, D] each sequence's B_i. See pallas_kernels/flash_lora_attention.py.
+  plan: `attention_plan(..., lora=True)`, as for `paged_attention`.
   """
   impl = resolve_impl(impl)
   with jax.named_scope(f"flash_lora_attention_{impl}"):
@@ -95,5 +113,5 @@ def flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positi
       return flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map,
                                             q_positions, layer=layer, scale=scale)
     return _fla.flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map,
-                                     q_positions, layer=layer, scale=scale,
+                                     q_positions, layer=layer, scale=scale, plan=plan,
                                      interpret=impl == "interpret")

@@ -45,7 +45,7 @@ from pallas_kernels import paged_attention as pa
 # Keys per block. Smaller than paged attention's 64: each block also carries the
 # [block_k, r_pad] V_lr gather and a third accumulator. On an H100 (bf16, batch 8
 # x 16k, r 8): block_k 32 took 0.39 ms, 64 took 0.57 ms, 128 took 6.5 ms (spills);
-# `python bench/kernels.py --tune` re-measures it.
+# `python bench/attention_kernels.py --tune` re-measures it.
 DEFAULT_BLOCK_K = 32
 
 
@@ -103,17 +103,29 @@ def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_r
   l_ref[...] = l
 
 
+def make_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int, block_k=None,
+              **kw) -> pa.Plan:
+  """`pa.make_plan` with this kernel's default block_k (its tiles hold a third
+  accumulator, so it runs best on narrower key blocks than paged attention)."""
+  return pa.make_plan(slot_map, q_positions, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      block_k=block_k or DEFAULT_BLOCK_K, **kw)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "scale", "block_r", "block_k", "k_splits", "num_warps", "num_stages", "contiguous",
     "interpret"))
 def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          vlr_pool: jax.Array, lora_b: jax.Array, slot_map: jax.Array,
                          q_positions: jax.Array, *, layer: jax.Array | int | None = None,
-                         scale: float | None = None, block_r: int | None = None,
+                         scale: float | None = None, plan: pa.Plan | None = None, block_r: int | None = None,
                          block_k: int | None = None, k_splits: int | None = None,
                          num_warps: int = 4, num_stages: int = 2, contiguous: bool = True,
                          interpret: bool = False) -> jax.Array:
-  """Pallas Flash-LoRA-Attention; same result as `flash_lora_attention_reference`."""
+  """Pallas Flash-LoRA-Attention; same result as `flash_lora_attention_reference`.
+
+  Tiling knobs as `pa.paged_attention` (default block_k DEFAULT_BLOCK_K); `plan`:
+  a `make_plan` result shared by the layers of one pass.
+  """
   b, tq, hq, d = q.shape
   k_flat, offset = pa.flat_pool(k_pool, layer)
   v_flat, _ = pa.flat_pool(v_pool, layer)
@@ -130,10 +142,11 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     raise ValueError(f"LoRA rank {rank} must be a power of two (Triton tile shapes)")
   scale = d ** -0.5 if scale is None else scale
   r_pad = max(pa.MIN_DOT, rank)
-  block_k = block_k or DEFAULT_BLOCK_K
+  if plan is None:
+    block_k = block_k or DEFAULT_BLOCK_K
   b_rows = jnp.pad(lora_b, ((0, 0), (0, r_pad - rank), (0, 0), (0, 0)))   # zero rows
-  tiling, inputs = pa.prepare(q, q_positions, slot_map, hkv, block_r=block_r, block_k=block_k,
-                              k_splits=k_splits, contiguous=contiguous)
+  tiling, inputs = pa.prepare(q, q_positions, slot_map, hkv, plan=plan, block_r=block_r,
+                              block_k=block_k, k_splits=k_splits, contiguous=contiguous)
   block_r, block_k, k_splits, rows_p, t_p = tiling
   out_dtype = q.dtype if k_splits == 1 else jnp.float32
   o, m, l = pl.pallas_call(

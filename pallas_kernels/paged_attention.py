@@ -42,6 +42,7 @@ This file imports only jax (DESIGN.md); SENTINEL is slot 0 as in jaxkv.kv.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -213,13 +214,21 @@ class Tiling(NamedTuple):
   t_p: int        # slot-map width padded to block_k
 
 
-def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=None) -> Tiling:
+FILL_PROGRAMS = 256   # decode programs that keep an H100 / H200 busy (132 SMs; measured, README)
+MAX_SPLITS = 64       # flash-decoding splits at most; each keeps >= SPLIT_TOKENS context tokens
+SPLIT_TOKENS = 512
+
+
+def choose_tiling(rows: int, t: int, *, programs: int = 1, block_r=None, block_k=None,
+                  k_splits=None) -> Tiling:
   """Static tiling for `rows` folded query rows over a slot map of width `t`.
 
   Defaults: block_r = 64 rows for prefill, the next power of two >= 16 for
-  decode; block_k = 64 keys; decode (a single row block) over long contexts
-  splits its live key blocks into up to 16 equal shares of >= 512 context
-  tokens, so B * Hkv small programs still fill the GPU.
+  decode; block_k = 64 keys. Decode (a single row block) over long contexts
+  splits its live key blocks into equal shares of >= SPLIT_TOKENS context
+  tokens (flash-decoding): 16 shares, or more when the `programs` (batch x KV
+  heads) are too few to fill the GPU, up to FILL_PROGRAMS programs in all
+  (batch 1 x 8 KV heads at 32k: 32 shares instead of 16).
   """
   block_r = block_r or min(64, _pow2_at_least(rows))
   block_k = block_k or 64
@@ -227,7 +236,8 @@ def choose_tiling(rows: int, t: int, *, block_r=None, block_k=None, k_splits=Non
     raise ValueError(f"block_r={block_r} and block_k={block_k} must be >= {MIN_DOT}")
   rows_p = -(-rows // block_r) * block_r
   if k_splits is None:
-    k_splits = 1 if rows_p > block_r else max(1, min(16, t // 512))
+    fill = max(16, -(-FILL_PROGRAMS // max(programs, 1)))
+    k_splits = 1 if rows_p > block_r else max(1, min(MAX_SPLITS, fill, t // SPLIT_TOKENS))
   return Tiling(block_r, block_k, k_splits, rows_p, -(-max(t, 1) // block_k) * block_k)
 
 
@@ -306,16 +316,19 @@ def live_block_tables(cslots: jax.Array, cpos: jax.Array, row_pos: jax.Array, *,
   return table, bounds.astype(jnp.int32)
 
 
+def fold_positions(q_positions: jax.Array, g: int, rows_p: int) -> jax.Array:
+  """q_positions [B, Tq] -> folded row positions [B, R_p] (padding rows -1)."""
+  pos = jnp.repeat(q_positions.astype(jnp.int32), g, axis=1)
+  return jnp.pad(pos, ((0, 0), (0, rows_p - pos.shape[1])), constant_values=-1)
+
+
 def fold_rows(q: jax.Array, q_positions: jax.Array, hkv: int, rows_p: int):
   """q [B, Tq, Hq, D] -> rows [B, Hkv, R_p, D] and row positions [B, R_p] (pad -1)."""
   tq, hq = q.shape[1:3]
   g = hq // hkv
   rows = einops.rearrange(q, "b t (h g) d -> b h (t g) d", h=hkv)
-  pos = jnp.repeat(q_positions.astype(jnp.int32), g, axis=1)
-  pad = rows_p - tq * g
-  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
-  pos = jnp.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
-  return rows, pos
+  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, rows_p - tq * g), (0, 0)))
+  return rows, fold_positions(q_positions, g, rows_p)
 
 
 def unfold_rows(o: jax.Array, tq: int, hq: int) -> jax.Array:
@@ -415,18 +428,66 @@ def row_specs(t_p: int, block_r: int, d: int, block_k: int) -> list:
   ]
 
 
-def prepare(q, q_positions, slot_map, hkv: int, *, block_r, block_k, k_splits, contiguous):
-  """The wrappers' shared set-up: tiling, folded rows, compacted slot map, live-block
-  tables. Returns (Tiling, kernel inputs after the offset)."""
-  tq, hq = q.shape[1:3]
-  tiling = choose_tiling(tq * (hq // hkv), slot_map.shape[1], block_r=block_r,
+@functools.partial(jax.tree_util.register_dataclass, data_fields=(
+    "slots", "positions", "row_pos", "table", "bounds"), meta_fields=("tiling",))
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a kernel call walks, computed from the slot map alone (`make_plan`).
+
+  It depends on the slot map and query positions, not on the layer, so a forward
+  pass whose layers share one slot map builds it once and passes it to every
+  layer's call (`plan=`) instead of compacting and tabling per layer. A pytree:
+  arrays are leaves, the static `tiling` is in the treedef.
+  """
+  tiling: Tiling
+  slots: jax.Array       # [B, t_p] compacted live slots (`compact_live`)
+  positions: jax.Array   # [B, t_p] their logical positions
+  row_pos: jax.Array     # [B, rows_p] folded query-row positions (pad -1)
+  table: jax.Array       # [B, t_p // block_k] live-block table
+  bounds: jax.Array      # [B, row blocks, k_splits, 4] per-program ranges
+
+
+def make_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
+              num_kv_heads: int, block_r=None, block_k=None, k_splits=None,
+              contiguous: bool = True) -> Plan:
+  """Tiling, compacted slot map and live-block tables for queries of `num_heads`
+  heads at q_positions [B, Tq] over slot_map [B, T] (`choose_tiling`,
+  `compact_live`, `live_block_tables`). Pure jnp: call it inside the caller's jit."""
+  if num_heads % num_kv_heads:
+    raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
+  b, tq = q_positions.shape
+  rows = tq * (num_heads // num_kv_heads)
+  block_r0 = block_r or min(64, _pow2_at_least(rows))
+  programs = b * num_kv_heads * -(-rows // block_r0)
+  tiling = choose_tiling(rows, slot_map.shape[1], programs=programs, block_r=block_r,
                          block_k=block_k, k_splits=k_splits)
-  rows, row_pos = fold_rows(q, q_positions, hkv, tiling.rows_p)
+  row_pos = fold_positions(q_positions, num_heads // num_kv_heads, tiling.rows_p)
   cslots, cpos = compact_live(slot_map, tiling.t_p)
   table, bounds = live_block_tables(cslots, cpos, row_pos, block_r=tiling.block_r,
                                     block_k=tiling.block_k, k_splits=tiling.k_splits,
                                     contiguous=contiguous)
-  return tiling, (cslots, cpos, row_pos, rows, table, bounds)
+  return Plan(tiling, cslots, cpos, row_pos, table, bounds)
+
+
+def prepare(q, q_positions, slot_map, hkv: int, *, plan: Plan | None = None, block_r=None,
+            block_k=None, k_splits=None, contiguous=True):
+  """The wrappers' shared set-up: the plan (given, or made here) and the folded
+  query rows. Returns (Tiling, kernel inputs after the offset)."""
+  b, tq, hq, _ = q.shape
+  if plan is None:
+    plan = make_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv, block_r=block_r,
+                     block_k=block_k, k_splits=k_splits, contiguous=contiguous)
+  elif (block_r, block_k, k_splits, contiguous) != (None, None, None, True):
+    raise ValueError("pass tiling knobs to make_plan, not beside a plan")
+  tiling = plan.tiling
+  t_p = -(-max(slot_map.shape[1], 1) // tiling.block_k) * tiling.block_k
+  if (plan.row_pos.shape != (b, tiling.rows_p) or tiling.rows_p < tq * (hq // hkv)
+      or plan.slots.shape != (b, t_p)):
+    raise ValueError(f"plan (rows {plan.row_pos.shape}, slots {plan.slots.shape}) was not "
+                     f"made for q {q.shape} with {hkv} KV heads over a slot map "
+                     f"{slot_map.shape}")
+  rows, _ = fold_rows(q, q_positions, hkv, tiling.rows_p)
+  return tiling, (plan.slots, plan.positions, plan.row_pos, rows, plan.table, plan.bounds)
 
 
 def out_specs(block_r: int, d: int) -> list:
@@ -484,7 +545,7 @@ def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_r
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                     slot_map: jax.Array, q_positions: jax.Array, *,
                     layer: jax.Array | int | None = None, scale: float | None = None,
-                    block_r: int | None = None, block_k: int | None = None,
+                    plan: Plan | None = None, block_r: int | None = None, block_k: int | None = None,
                     k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
                     contiguous: bool = True, interpret: bool = False) -> jax.Array:
   """Pallas paged attention; same arguments and result as `paged_attention_reference`.
@@ -493,6 +554,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   keys per step (>= 16), `k_splits` key splits (flash-decoding), Triton
   `num_warps` / `num_stages`; `contiguous=False` sends every live block down
   the gather path (for A/B timing). `interpret=True` runs the kernel on CPU.
+  `plan`: a `make_plan` result for this slot map and these query positions
+  (then the tiling knobs go to `make_plan`), shared by the layers of one pass.
   """
   b, tq, hq, d = q.shape
   k_flat, offset = flat_pool(k_pool, layer)
@@ -503,8 +566,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
     raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
   scale = d ** -0.5 if scale is None else scale
-  tiling, inputs = prepare(q, q_positions, slot_map, hkv, block_r=block_r, block_k=block_k,
-                           k_splits=k_splits, contiguous=contiguous)
+  tiling, inputs = prepare(q, q_positions, slot_map, hkv, plan=plan, block_r=block_r,
+                           block_k=block_k, k_splits=k_splits, contiguous=contiguous)
   block_r, block_k, k_splits, rows_p, t_p = tiling
   out_dtype = q.dtype if k_splits == 1 else jnp.float32
   o, m, l = pl.pallas_call(
@@ -530,5 +593,5 @@ def cost(batch: int, q_len: int, live_tokens: int, num_heads: int, num_kv_heads:
   return {"flops": flops, "bytes": kv + qo + 4 * batch * live_tokens}
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "attention_mask",
+__all__ = ["paged_attention", "paged_attention_reference", "make_plan", "Plan", "attention_mask",
            "masked_softmax_weights", "live_block_tables", "cost", "SENTINEL"]

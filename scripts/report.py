@@ -25,7 +25,7 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             3), recall@k ablation and curve
   bench/results_memart_exact.json  bench/memart.py          recall@k: eq. 3 bound vs exact
                                                             block maxima vs re-ranking
-  bench/results_kernels_h200*.json bench/kernels.py (GPU)   attention kernels side by side
+  bench/results_kernels_h200*.json bench/attention_kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
@@ -51,7 +51,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 
 import agent_eval      # noqa: E402  (bench/)
 import common          # noqa: E402
-import kernels as kernels_bench   # noqa: E402
+import attention_kernels as kernels_bench   # noqa: E402
 import lragent as lragent_bench   # noqa: E402
 import memart as memart_bench   # noqa: E402
 import plot_training   # noqa: E402  (scripts/)
@@ -86,6 +86,9 @@ SOURCES = {
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
+    "kernels-h100-plan": "bench/results_kernels_h100_plan.json",
+    "kernels-h100-splits": "bench/results_kernels_h100_splits.json",
+    "throughput-h100": "bench/results_throughput_h100.json",
     "throughput-h200": "bench/results_throughput_h200.json",
     "server-load": "bench/results_server_load.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
@@ -170,11 +173,15 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   out["memart-exact"] = rows["memart-exact"] and _render(
       [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
-  for name in ("kernels-h100", "kernels-h200", "kernels-h200-grid"):
+  for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
+               "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
   out["server-load"] = rows["server-load"] and _render(server_load.tables(rows["server-load"]))
   out["throughput-h200"] = rows["throughput-h200"] and _render(
       [throughput.table(rows["throughput-h200"])], titles=False)
+  out["throughput-h100"] = rows["throughput-h100"] and _render([
+      throughput.table([r for r in rows["throughput-h100"] if r["model"] == m], title=m)
+      for m in dict.fromkeys(r["model"] for r in rows["throughput-h100"])])
   out["role-adapters"] = rows["role-adapters"] and _render(
       [role_adapter_table(rows["role-adapters"])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(

@@ -1,4 +1,4 @@
-"""bench/kernels.py compares like with like: JAX's dense-layout paged attention on
+"""bench/attention_kernels.py compares like with like: JAX's dense-layout paged attention on
 our pool converted to its layout, and the materialise-then-attend LoRA baseline,
 give the same result as our references (run by the Pallas interpreter here)."""
 
@@ -14,7 +14,7 @@ from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import kernels as bench  # noqa: E402
+import attention_kernels as bench  # noqa: E402
 
 
 def test_jax_dense_layout_matches_our_reference():
@@ -51,22 +51,27 @@ def test_materialize_then_attend_matches_flash_lora_reference():
   np.testing.assert_allclose(got, want, atol=2e-5)
 
 
-def test_bench_runs_and_writes_rows(tmp_path):
+def _run_bench(tmp_path, *argv) -> list[dict]:
+  """bench.main on argv; the script's flags exist only for this call. Its rows."""
+  import json
   from absl import flags
   out = tmp_path / "rows.json"
   before = set(flags.FLAGS)
   bench.define_flags()
   added = set(flags.FLAGS) - before
-  try:                          # the script's flags exist only for this call
-    flags.FLAGS(["kernels.py", "--contexts=128", "--batches=2", "--groups=3", "--dead=0,0.5",
-                 "--prefill_contexts=512", "--lora_contexts=128", "--lora_batch=2", "--iters=2",
-                 f"--out={out}"])
+  try:
+    flags.FLAGS(["attention_kernels.py", *argv, f"--out={out}"])
     bench.main([])
   finally:
     for name in added:
       delattr(flags.FLAGS, name)
-  import json
-  rows = json.loads(out.read_text())
+  return json.loads(out.read_text())
+
+
+def test_bench_runs_and_writes_rows(tmp_path):
+  rows = _run_bench(tmp_path, "--contexts=128", "--batches=2", "--groups=3", "--dead=0,0.5",
+                    "--prefill_contexts=512", "--lora_contexts=128", "--lora_batch=2",
+                    "--iters=2")
   assert {r["bench"] for r in rows} == {"decode", "prefill", "flash_lora"}
   assert all(r["time_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
   decode = [r for r in rows if r["bench"] == "decode"]
@@ -75,3 +80,17 @@ def test_bench_runs_and_writes_rows(tmp_path):
                                                         (0.5, "pages")}
   dense = next(r for r in decode if r["dead"] == 0 and r["impl"] == "xla_reference")
   assert all(r["bytes"] < 0.9 * dense["bytes"] for r in decode if r["dead"])
+
+
+def test_pallas_rows_run_in_the_interpreter(tmp_path):
+  """Every GPU row of the script (per-call and planned kernels, JAX's kernel, the
+  split probe, Flash-LoRA planned) runs through the interpreter, so a GPU run
+  does not meet them for the first time."""
+  rows = _run_bench(tmp_path, "--interpret", "--contexts=256", "--batches=1", "--groups=3",
+                    "--dead=0", "--prefill_contexts=", "--lora_contexts=64", "--lora_batch=2",
+                    "--iters=1", "--split_probe=1,2", "--knobs=block_k=16,num_warps=4")
+  impls = {(r["bench"], r["impl"]) for r in rows}
+  assert {("decode", "jaxkv_pallas"), ("decode", "jaxkv_planned"),
+          ("decode", "jax_pallas_ops_gpu"), ("splits", "jaxkv_k1"), ("splits", "jaxkv_k2"),
+          ("flash_lora", "jaxkv_flash_lora_planned")} <= impls, impls
+  assert bench.parse_knobs("block_k=128,num_stages=2") == {"block_k": 128, "num_stages": 2}

@@ -70,7 +70,8 @@ def test_engine_runs_the_pallas_kernels(tiny):
 
 
 def test_prefill_and_decode_steps_lower_for_cuda_with_pallas(tiny):
-  """The engine's jitted steps with attn_impl="pallas" lower for a CUDA GPU."""
+  """The engine's jitted steps with attn_impl="pallas" lower for a CUDA GPU, with
+  the kernels' set-up built once per step for all layers."""
   _, model = tiny
   graphdef, ws = nnx.split(model)
   eng = _engine(model)
@@ -90,8 +91,14 @@ def test_prefill_and_decode_steps_lower_for_cuda_with_pallas(tiny):
   decode = jax.export.export(driver.decode_scan, platforms=["cuda"], disabled_checks=disabled)(
       graphdef, ws_s, kv_s, i32(b), i32(b), i32(b, t), i32(b), stop_ids=i32(2), sampling=samp,
       num_steps=4, attn_impl="pallas", greedy_only=True)
+  assert model.cfg.num_layers >= 2
   for exp in (prefill, decode):
-    assert "__gpu$xla.gpu.triton" in exp.mlir_module()
+    text = exp.mlir_module()
+    assert "__gpu$xla.gpu.triton" in text
+    # The layers share one plan: the live-block table (its sort) is built once per
+    # step, outside the per-layer kernel wrapper, not inside it for every layer.
+    wrapper = text.split("func.func private @paged_attention(")[1].split("func.func")[0]
+    assert "sort" not in wrapper and text.count("call @sort(") == 1
 
 
 def test_batch_composition_does_not_change_results(tiny):

@@ -327,6 +327,62 @@ def test_bad_shapes_raise_clear_errors():
                         layer=0, impl="triton")
 
 
+@pytest.mark.parametrize("fla_kernel", [False, True])
+def test_one_plan_serves_every_layer(fla_kernel):
+  """A plan made once (what a forward pass shares across its layers) gives each
+  layer the same result as the per-call set-up, and the reference's."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.4, q_len=3, max_len=90,
+                  rank=8 if fla_kernel else None)
+  kernel, reference, mod = ((fla.flash_lora_attention, fla.flash_lora_attention_reference, fla)
+                            if fla_kernel else (pa.paged_attention, pa.paged_attention_reference,
+                                                pa))
+  hq, hkv = a["q"].shape[2], a["k_pool"].shape[2]
+  plan = mod.make_plan(a["slot_map"], a["q_positions"], num_heads=hq, num_kv_heads=hkv,
+                       k_splits=2)
+  assert isinstance(plan, pa.Plan) and plan.tiling.k_splits == 2
+  if fla_kernel:
+    assert plan.tiling.block_k == fla.DEFAULT_BLOCK_K
+  for layer in range(NUM_LAYERS):
+    got = kernel(**a, layer=layer, plan=plan, interpret=INTERPRET)
+    _check(seed, got, _ref(reference, **a, layer=layer))
+    per_call = kernel(**a, layer=layer, k_splits=2, block_k=plan.tiling.block_k,
+                      interpret=INTERPRET)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(per_call), rtol=0, atol=1e-6)
+
+
+def test_plan_mismatch_and_knobs_beside_a_plan_raise():
+  _, a = _case(page_size=16, head_dim=64, groups=3, dead=0.0, q_len=2)
+  hq, hkv = a["q"].shape[2], a["k_pool"].shape[2]
+  plan = pa.make_plan(a["slot_map"][:2], a["q_positions"][:2], num_heads=hq, num_kv_heads=hkv)
+  with pytest.raises(ValueError, match="was not made for"):
+    pa.paged_attention(**a, layer=0, plan=plan, interpret=True)
+  plan = pa.make_plan(a["slot_map"], a["q_positions"], num_heads=hq, num_kv_heads=hkv)
+  with pytest.raises(ValueError, match="tiling knobs"):
+    pa.paged_attention(**a, layer=0, plan=plan, block_k=32, interpret=True)
+  with pytest.raises(ValueError, match="not a multiple"):
+    pa.make_plan(a["slot_map"], a["q_positions"], num_heads=5, num_kv_heads=2)
+  assert ops.attention_plan(a["slot_map"], a["q_positions"], num_heads=hq, num_kv_heads=hkv,
+                            impl="reference") is None
+
+
+@pytest.mark.parametrize("batch,hkv,t,want", [
+    (1, 8, 32768, 32),    # 8 programs: split until ~256 programs run
+    (1, 2, 65536, 64),    # ... at most MAX_SPLITS
+    (1, 8, 8192, 16),     # >= 512 context tokens per split
+    (8, 8, 32768, 16),    # 64 programs: the 16-split default already fills the GPU
+    (64, 8, 32768, 16),
+    (1, 2, 300, 1),       # short contexts are not split
+])
+def test_decode_splits_fill_the_gpu_at_small_batch(batch, hkv, t, want):
+  sm = jnp.ones((batch, t), jnp.int32)
+  qp = jnp.full((batch, 1), t - 1, jnp.int32)
+  plan = jax.eval_shape(lambda s, p: pa.make_plan(s, p, num_heads=7 * hkv, num_kv_heads=hkv),
+                        sm, qp)
+  assert plan.tiling.k_splits == want
+  prefill = pa.choose_tiling(7 * 256, t, programs=batch * hkv)
+  assert prefill.k_splits == 1      # several row blocks: no splits
+
+
 def test_ops_dispatch():
   assert ops.resolve_impl("auto") == ("pallas" if jax.default_backend() == "gpu"
                                       else "reference")
@@ -369,3 +425,19 @@ def test_kernels_lower_for_cuda(dtype, q_len, head_dim, groups):
   text = export_for_cuda(lambda *x: fla.flash_lora_attention(*x[:7], layer=x[7]),
                          q, pool, pool, lr, lb, sm, qp, layer)
   assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_mosaic_gpu_backend_cannot_take_this_kernel(monkeypatch):
+  """Why the kernels are Triton-only (README, issue 18): lowered with the Mosaic GPU
+  backend, the whole-array pool operands are staged in shared memory (Mosaic copies
+  every operand block in with TMA, which moves rectangular tiles, not the per-token
+  gathers this kernel reads). If JAX ever lowers it, a Mosaic variant is worth timing."""
+  plmgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  monkeypatch.setattr(pa, "compiler_params", lambda *_: plmgpu.CompilerParams())
+  b, hkv, g, d, slots, t = 2, 2, 7, 128, 8192, 4096
+  args = (S((b, 1, hkv * g, d), jnp.bfloat16), S((4, slots, hkv, d), jnp.bfloat16),
+          S((4, slots, hkv, d), jnp.bfloat16), S((b, t), jnp.int32), S((b, 1), jnp.int32),
+          S((), jnp.int32))
+  with pytest.raises(Exception, match="shared memory"):
+    jax.export.export(jax.jit(lambda *x: pa.paged_attention(*x[:5], layer=x[5])),
+                      platforms=["cuda"])(*args)

@@ -252,6 +252,12 @@ class Transformer(nnx.Module):
         raise ValueError("key_shift is not supported with decoupled (Flash-LoRA) attention")
       shift_freq = delta_frequencies(cfg.rope, dh)      # refuses dynamic NTK
     targets = () if lora is None else lora.weights.targets
+    # The kernels' compaction and live-block tables depend on the slot map and
+    # positions only: built once here when every layer reads the same ones.
+    plan = None
+    if not per_layer_map and recompute is None and key_shift is None:
+      plan = ops.attention_plan(slot_map, positions, num_heads=h, num_kv_heads=k,
+                                impl=attn_impl, lora=decoupled)
     lr_ws = write_slots if lora is None or lora.lr_write_slots is None else lora.lr_write_slots
 
     def layer(carry, xs):
@@ -296,10 +302,10 @@ class Transformer(nnx.Module):
                                        lora_lib.down(y, lw["a"]["v"], lora.weights.scale))
           b_v = rows_b["v"].reshape(b, -1, k, dh)                  # [B, r, Hkv, D]
           o = ops.flash_lora_attention(q, pool_k, pool_v, pool_vlr, b_v, lmap, pos,
-                                       layer=idx, impl=attn_impl)
+                                       layer=idx, impl=attn_impl, plan=plan)
         else:
           o = ops.paged_attention(q, pool_k, pool_v, lmap, pos, layer=idx, impl=attn_impl,
-                                  key_shift=key_shift, shift_freq=shift_freq)
+                                  key_shift=key_shift, shift_freq=shift_freq, plan=plan)
         o = o.reshape(b, n, h * dh)
         xin = xin + adapt("o", o, o @ p["wo"])
       with jax.named_scope("mlp"):

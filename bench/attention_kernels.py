@@ -1,6 +1,6 @@
 """Attention kernels: the floor (FLOPs, bytes), then measured time, side by side.
 
-    python bench/kernels.py [--contexts=1024,8192,32768] [--batches=1,8,64] [--groups=3,7]
+    python bench/attention_kernels.py [--contexts=1024,8192,32768] [--batches=1,8,64] [--groups=3,7]
         [--dead=0,0.5,0.9] [--lora_contexts=4096,...,65536] [--tune] [--out=rows.json]
 
 One layer of attention with 8 KV heads of dimension 128 and G = Hq / Hkv query
@@ -187,19 +187,47 @@ def floor_s(cost, bw_gbs, tflops):
   return max(cost["bytes"] / (bw_gbs * 1e9), cost["flops"] / (tflops * 1e12))
 
 
-def decode_impls(gpu: bool, knobs: dict):
-  """(name, prepare(a) -> x (untimed), fn(x, layer) (timed), dense only) per decode row."""
+PLAN_KNOBS = ("block_r", "block_k", "k_splits", "contiguous")
+
+
+def split_knobs(knobs: dict) -> tuple[dict, dict]:
+  """Tiling knobs -> (make_plan's, the kernel call's own: num_warps, num_stages)."""
+  return ({k: v for k, v in knobs.items() if k in PLAN_KNOBS},
+          {k: v for k, v in knobs.items() if k not in PLAN_KNOBS})
+
+
+def planned(a, make=pa.make_plan, **plan_kw):
+  """a + the plan its slot map needs, built once (untimed): what a forward pass
+  does for all of its layers that share one slot map."""
+  plan = jax.jit(functools.partial(make, num_heads=a["q"].shape[2],
+                                   num_kv_heads=a["k_pool"].shape[-2], **plan_kw))(
+                                       a["slot_map"], a["q_positions"])
+  return {**a, "plan": plan}
+
+
+def decode_impls(kernels: bool, knobs: dict):
+  """(name, prepare(a) -> x (untimed), fn(x, layer) (timed), dense only) per decode row.
+
+  jaxkv_pallas builds its plan (compaction + live-block tables) in every call, as
+  one layer alone would; jaxkv_planned takes it built once, as the layers of one
+  forward pass share it (`ops.attention_plan`)."""
   keys = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
   same = lambda a: a
   ours = lambda **kw: lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l, **kw)
+  plan_kw, call_kw = split_knobs(knobs)
   impls = [("xla_reference", same,
-            lambda a, l: pa.paged_attention_reference(*(a[k] for k in keys), layer=l), gpu),
+            lambda a, l: pa.paged_attention_reference(*(a[k] for k in keys), layer=l), kernels),
            ("materialise_then_attend", same,
             lambda a, l: dense_then_attend(*(a[k] for k in keys), layer=l), True)]
-  if gpu:
+  if kernels:
     impls = [("jaxkv_pallas", same, ours(**knobs), False),
+             ("jaxkv_planned", functools.partial(planned, **plan_kw),
+              lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l, plan=a["plan"],
+                                              **call_kw), False),
              ("jaxkv_gather_only", same, ours(**knobs, contiguous=False), True),
-             ("jax_pallas_ops_gpu", jax_dense_paged, jax_paged_call, True)] + impls
+             ("jax_pallas_ops_gpu", jax_dense_paged,
+              functools.partial(jax_paged_call, interpret=knobs.get("interpret", False)),
+              True)] + impls
   return impls
 
 
@@ -213,7 +241,7 @@ def add_ratios(rows):
       continue
     groups.setdefault((r["bench"], r["batch"], r["context"], r["groups"]), []).append(r)
   for group in groups.values():
-    base = next((r for r in group if r["impl"] in ("jaxkv_pallas", "jaxkv_flash_lora")
+    base = next((r for r in group if r["impl"] in ("jaxkv_pallas", "jaxkv_flash_lora", "jaxkv_k16")
                  and not r["dead"]), group[0])
     for r in group:
       r["vs_jaxkv"] = r["time_ms"] / base["time_ms"]
@@ -236,18 +264,38 @@ def define_flags():
   flags.DEFINE_integer("lora_batch", 8, "Flash-LoRA decode batch")
   flags.DEFINE_integer("iters", 20, "calls per timed loop")
   flags.DEFINE_boolean("tune", False, "pick the kernel's tiling at 32k x 8 x G7 first")
+  flags.DEFINE_string("knobs", None, "paged-attention tiling instead of tuning, e.g. "
+                      "block_k=128,num_warps=4,num_stages=2")
+  flags.DEFINE_string("split_probe", None, "batch-1 decode at the largest context with "
+                      "these k_splits (plan built once), e.g. 16,32,64,128 (default: none)")
   flags.DEFINE_string("dtype", None, "default bfloat16 on GPU, float32 on CPU")
+  flags.DEFINE_boolean("interpret", False, "run the Pallas rows in the interpreter (checks "
+                       "the script's kernel paths on a CPU; its times mean nothing)")
   flags.DEFINE_string("out", None, "write JSON rows here")
 
 
 def _ints(csv, default):
-  return [int(c) for c in (csv or default).split(",")]
+  """'1,2' -> [1, 2]; None -> the default; '' -> [] (skip that part)."""
+  csv = default if csv is None else csv
+  return [int(c) for c in csv.split(",") if c]
+
+
+def parse_knobs(text: str | None) -> dict:
+  """'block_k=128,num_warps=4' -> {'block_k': 128, 'num_warps': 4}."""
+  out = {}
+  for item in filter(None, (text or "").split(",")):
+    k, _, v = item.partition("=")
+    if k not in PLAN_KNOBS + ("num_warps", "num_stages") or not v.lstrip("-").isdigit():
+      raise app.UsageError(f"--knobs: bad item {item!r}")
+    out[k] = int(v)
+  return out
 
 
 def main(argv):
   del argv
   args = FLAGS
   gpu = jax.default_backend() == "gpu"
+  kernels_on = gpu or args.interpret     # Pallas rows: compiled on a GPU, else interpreted
   dtype = jnp.dtype(args.dtype or ("bfloat16" if gpu else "float32"))
   contexts = _ints(args.contexts, "1024,8192,32768" if gpu else "256,1024")
   batches = _ints(args.batches, "1,8,64" if gpu else "1,2")
@@ -298,8 +346,10 @@ def main(argv):
     print(f"tuned {name}: {best[1] if best else 'defaults'}", flush=True)
     return best[1] if best else {}
 
-  knobs, lora_knobs = {}, {}
-  if args.tune and gpu:
+  knobs, lora_knobs = parse_knobs(args.knobs), {}
+  if args.interpret:
+    knobs, lora_knobs = {**knobs, "interpret": True}, {"interpret": True}
+  if args.tune and gpu and not knobs:
     a = make_inputs(8, 32768, 1, 7, dtype, layers=2)
     knobs = tune("paged_attention", lambda a, l, **kn: pa.paged_attention(
         a["q"], a["k_pool"], a["v_pool"], a["slot_map"], a["q_positions"], layer=l, **kn),
@@ -311,7 +361,7 @@ def main(argv):
           *(a[k] for k in LORA_KEYS), layer=l, **kn), a, 2, LORA_TUNE)
       del a
 
-  impls = decode_impls(gpu, knobs)
+  impls = decode_impls(kernels_on, knobs)
   for ctx, batch, g in itertools.product(contexts, batches, groups):
     one = 2 * batch * ctx * HKV * D * isz
     layers = layers_for(one, cap)
@@ -333,6 +383,23 @@ def main(argv):
       flush()
       del a
 
+  if args.split_probe and kernels_on:
+    ctx, g = max(contexts), 7
+    plan_kw, call_kw = split_knobs(knobs)
+    a = make_inputs(1, ctx, 1, g, dtype, layers=layers_for(2 * ctx * HKV * D * isz, cap))
+    layers = a["k_pool"].shape[0]
+    cost = pa.cost(1, 1, ctx, HKV * g, HKV, D, isz, isz)
+    keys = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
+    for ks in _ints(args.split_probe, ""):
+      x = planned(a, **{**plan_kw, "k_splits": ks})
+      t = timed(lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l,
+                                                plan=a["plan"], **call_kw), x, layers)
+      if t:
+        record("splits", f"jaxkv_k{ks}", 1, ctx, 1, g, 0.0, "-", cost, t, k_splits=ks)
+        print(f"splits k={ks} ctx={ctx} B=1: {1e3 * t:.4f} ms", flush=True)
+      flush()
+    del a
+
   for ctx in prefill_contexts:
     g = 7
     a = make_inputs(1, ctx, 512, g, dtype, layers=layers_for(2 * ctx * HKV * D * isz, cap))
@@ -341,7 +408,7 @@ def main(argv):
     keys = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
     t_ref = timed(lambda a, l: pa.paged_attention_reference(*(a[k] for k in keys), layer=l),
                   a, layers)
-    if gpu:
+    if kernels_on:
       t = timed(lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l, **knobs),
                 a, layers)
       if t:
@@ -359,16 +426,21 @@ def main(argv):
     layers = a["k_pool"].shape[0]
     cost = fla.cost(b, 1, ctx, HKV * LORA_G, HKV, D, RANK, isz, isz)
     methods = [("xla_reference", lambda a, l: fla.flash_lora_attention_reference(
-        *(a[k] for k in LORA_KEYS), layer=l))]
-    if gpu:
+        *(a[k] for k in LORA_KEYS), layer=l), a)]
+    if kernels_on:
+      lplan_kw, lcall_kw = split_knobs(lora_knobs)
       methods = [("jaxkv_flash_lora", lambda a, l: fla.flash_lora_attention(
-                      *(a[k] for k in LORA_KEYS), layer=l, **lora_knobs)),
+                      *(a[k] for k in LORA_KEYS), layer=l, **lora_knobs), a),
+                 ("jaxkv_flash_lora_planned", lambda a, l: fla.flash_lora_attention(
+                      *(a[k] for k in LORA_KEYS), layer=l, plan=a["plan"], **lcall_kw),
+                  planned(a, make=fla.make_plan, **lplan_kw)),
                  ("materialise_then_attend", lambda a, l: materialize_then_attend(
-                      *(a[k] for k in LORA_KEYS), layer=l, **knobs))] + methods
-    for name, fn in methods:
-      t = timed(fn, a, layers)
+                      *(a[k] for k in LORA_KEYS), layer=l, **knobs), a)] + methods
+    for name, fn, x in methods:
+      t = timed(fn, x, layers)
       if t:
         record("flash_lora", name, b, ctx, 1, LORA_G, 0.0, "-", cost, t)
+    del methods
     print(f"flash_lora ctx={ctx}: " + ", ".join(
         f"{r['impl']} {r['time_ms']:.4f} ms" for r in rows if r["bench"] == "flash_lora"
         and r["context"] == ctx), flush=True)
@@ -379,7 +451,7 @@ def main(argv):
         f"measured copy bandwidth {bw:.0f} GB/s, matmul {tflops:.1f} TFLOP/s; "
         f"Hkv={HKV} D={D} page={PAGE} r={RANK}; paged-attention knobs {knobs or 'defaults'}, "
         f"Flash-LoRA knobs {lora_knobs or 'defaults'}")
-  if not gpu:
+  if not kernels_on:
     print("No GPU: Pallas kernels were not timed (interpret mode is not a speed path); "
           "reference rows only.")
   common.print_table(*table(add_ratios(rows)))
