@@ -226,9 +226,9 @@ def choose_tiling(rows: int, t: int, *, programs: int = 1, block_r=None, block_k
   Defaults: block_r = 64 rows for prefill, the next power of two >= 16 for
   decode; block_k = 64 keys. Decode (a single row block) over long contexts
   splits its live key blocks into equal shares of >= SPLIT_TOKENS context
-  tokens (flash-decoding): 16 shares, or more when the `programs` (batch x KV
-  heads) are too few to fill the GPU, up to FILL_PROGRAMS programs in all
-  (batch 1 x 8 KV heads at 32k: 32 shares instead of 16).
+  tokens (flash-decoding): 16 shares, or more when its `programs` (batch x KV
+  heads: one row block each) are too few to fill the GPU, up to FILL_PROGRAMS
+  programs in all (batch 1 x 8 KV heads at 32k: 32 shares instead of 16).
   """
   block_r = block_r or min(64, _pow2_at_least(rows))
   block_k = block_k or 64
@@ -457,9 +457,7 @@ def make_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
     raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
   b, tq = q_positions.shape
   rows = tq * (num_heads // num_kv_heads)
-  block_r0 = block_r or min(64, _pow2_at_least(rows))
-  programs = b * num_kv_heads * -(-rows // block_r0)
-  tiling = choose_tiling(rows, slot_map.shape[1], programs=programs, block_r=block_r,
+  tiling = choose_tiling(rows, slot_map.shape[1], programs=b * num_kv_heads, block_r=block_r,
                          block_k=block_k, k_splits=k_splits)
   row_pos = fold_positions(q_positions, num_heads // num_kv_heads, tiling.rows_p)
   cslots, cpos = compact_live(slot_map, tiling.t_p)
