@@ -18,6 +18,8 @@ session). Per question:
   does: head + history + question; TTFT and latency include the history prefill);
 - memart: probe, retrieval of --top_k blocks (--block_sizes[0] tokens), splice
   without copies, prefill of the question only;
+- memart_rerank: the same with `MemArtConfig.rerank` = --rerank (the bound's top
+  rerank x top_k blocks re-scored by their keys' exact content-only max q.k);
 - recent: the --top_k most recent blocks of the same memory (no retrieval);
 - plaintext: turns embedded by all-MiniLM-L6-v2 (mean pooling, unit norm), the
   best turns by cosine until top_k x BS tokens, in chronological order,
@@ -49,7 +51,7 @@ from jaxkv.data import conversations as C
 from jaxkv.engine.memart import MemArtRunner
 
 FLAGS = flags.FLAGS
-METHODS = ("full", "memart", "plaintext", "recent")
+METHODS = ("full", "memart", "memart_rerank", "plaintext", "recent")
 STRATEGIES = (("softmax", "max"), ("softmax", "sum"), ("rr", "max"), ("rr", "sum"))
 # LoCoMo's own QA prompt (task_eval), the question kept as asked.
 QA_PROMPT = ("Based on the above conversations, write an answer in the form of a short phrase "
@@ -201,14 +203,15 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
           latency, recall = full_write_s + out.latency_s, 1.0
           extra["ttft"] = full_write_s + out.ttft_s       # no prefix cache: the paper's count
           mem_bytes = int(np.sum(full_mem.tokens[full_mem.live])) * r.slot_bytes
-        elif name in ("memart", "recent"):
+        elif name in ("memart", "memart_rerank", "recent"):
           m = mem
           if name == "recent":
             live = np.flatnonzero(mem.live)
             blocks = np.sort(live[np.argsort(mem.time[live])[-FLAGS.top_k:]])
             out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
           else:
-            out = r.answer(m, tail, FLAGS.gen, stop_ids=tok.stop_ids, voters=voters)
+            out = r.answer(m, tail, FLAGS.gen, stop_ids=tok.stop_ids, voters=voters,
+                           rerank=FLAGS.rerank if name == "memart_rerank" else 0)
             blocks = out.blocks
           pre_tokens, latency = out.prefill_tokens, out.latency_s
           recall = np.mean([covered(m, blocks, spans, e) for e in qa.evidence]) \
@@ -270,11 +273,11 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
           sc = ra.scores(ma, pr, norm=norm, agg=agg)
           picks[f"{norm}-{agg}"] = lambda kk, sc=sc: ra.select(ma, sc, kk)
         if FLAGS.rerank and box == "raw":              # the config's softmax-max, exactly
-          ex, sc = ra.exact_scores(ma, pr), ra.scores(ma, pr)
+          ex = ra.exact_scores(ma, pr)
           picks["exact softmax-max"] = lambda kk: ra.select(ma, ex, kk)
-          picks[f"rerank{FLAGS.rerank}x softmax-max"] = lambda kk: ra.select(ma, np.where(
-              np.isin(np.arange(ex.size), ra.select(ma, sc, FLAGS.rerank * kk)), ex, -np.inf),
-              kk)
+          # the runner's own option (MemArtConfig.rerank): candidates normalised alone
+          picks[f"rerank{FLAGS.rerank}x softmax-max"] = lambda kk: ra.rank(
+              ma, pr, kk, rerank=FLAGS.rerank)
         for strat, pick in picks.items():
           for k in ks:
             kk = max(1, k * bs0 // bs)                 # equal tokens across block sizes
@@ -302,7 +305,8 @@ def rows_of(recs: list[dict], abl: list[dict]) -> list[dict]:
     hit = int(round(sum(ev)))
     mean = lambda f, sel=rs: float(np.mean([r[f] for r in sel])) if sel else float("nan")
     rows.append(dict(
-        kind="method", method=name, strategy="softmax-max" if name == "memart" else "-",
+        kind="method", method=name, strategy={"memart": "softmax-max", "memart_rerank": (
+            f"rerank{FLAGS.rerank}x softmax-max")}.get(name, "-"),
         block_size=int(FLAGS.block_sizes[0]), top_k=FLAGS.top_k, evidence_recall=mean("recall"),
         recall_ci=list(calls.wilson(hit, len(ev))), f1=mean("f1"), bleu1=mean("bleu1"),
         f1_recall=mean("f1", [r for r in rs if not r["synthetic"]]),

@@ -38,7 +38,7 @@ def get_config():
       sampling=SamplingConfig(temperature=0.0, max_tokens=128),
       pruning=PruningConfig(method="intentkv", layout="dead_slot", budget=1024,
                             intent_mode="memory"),
-      memart=MemArtConfig(block_size=16, top_k=32),
+      memart=MemArtConfig(block_size=16, top_k=32, rerank=4),   # blocks = the engine's pages
       reuse=ReuseConfig(method="tiered", storage="int8"),
       server=ServerConfig(role_adapters="shipped",
                           sessions="pruned,memart,reuse,agents,prefix"),

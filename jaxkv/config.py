@@ -427,6 +427,10 @@ class MemArtConfig:
                                 # in the fast-rotating dimensions); rope: the ablation
   byte_budget: int = 1 << 30    # memory blocks (K/V + boxes); past it the least-retrieved
                                 # blocks are evicted (ties: the oldest)
+  rerank: int = 0               # 0: the eq. 3 bound picks the k blocks (the paper); R > 0:
+                                # it picks R x k candidates, re-scored by their keys' exact
+                                # content-only max q.k (the quantity the bound bounds; the
+                                # boxes are the loss, README MemArt), the best k kept
 
   def __post_init__(self):
     if self.norm not in MEMART_NORMS or self.agg not in MEMART_AGGS:
@@ -438,8 +442,9 @@ class MemArtConfig:
     if self.block_size < 1 or self.top_k < 1:
       raise ValueError(f"memart needs block_size >= 1 and top_k >= 1, got "
                        f"{self.block_size} / {self.top_k}")
-    if self.rr_c < 0 or self.softmax_scale < 0 or self.byte_budget < 0:
-      raise ValueError("memart needs rr_c >= 0, softmax_scale >= 0 and byte_budget >= 0")
+    if self.rr_c < 0 or self.softmax_scale < 0 or self.byte_budget < 0 or self.rerank < 0:
+      raise ValueError("memart needs rr_c >= 0, softmax_scale >= 0, byte_budget >= 0 and "
+                       "rerank >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,7 @@ SOURCES = {
     "semshare-lengths45": "bench/results_semshare_lengths45.json",
     "memart": "bench/results_memart.json",
     "memart-exact": "bench/results_memart_exact.json",
+    "memart-rerank": "bench/results_memart_rerank.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
@@ -173,6 +174,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   out["memart-exact"] = rows["memart-exact"] and _render(
       [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
+  out["memart-rerank"] = rows["memart-rerank"] and _render(memart_bench.tables(rows["memart-rerank"]))
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
                "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))

@@ -138,7 +138,7 @@ def test_derotate_inverts_rope_and_tightens_boxes():
 
 def test_config_rejects_bad_values():
   for bad in (dict(norm="mean"), dict(agg="avg"), dict(box_keys="post"), dict(top_k=0),
-              dict(block_size=0), dict(rr_c=-1.0)):
+              dict(block_size=0), dict(rr_c=-1.0), dict(rerank=-1)):
     with pytest.raises(ValueError):
       MemArtConfig(**bad)
 

@@ -124,16 +124,23 @@ def test_empty_memory_still_answers(llm):
   r.alloc.check()
 
 
+def _random_memory(llm, cfg, *, spans: int, dead: int):
+  """A runner whose memory holds `spans` random spans of 20-60 tokens, row `dead`
+  evicted (a dead row in the middle): (runner, memory, rng)."""
+  r = MemArtRunner(llm, cfg, _ids(llm, "<|im_start|>user\n"), cache=CACHE,
+                   attn_impl="reference")
+  mem = r.new_memory()
+  rng = np.random.default_rng()
+  for i in range(spans):
+    r.write(mem, rng.integers(100, 40000, int(rng.integers(20, 60))).astype(np.int32), tag=i)
+  r.evict(mem, dead)
+  return r, mem, rng
+
+
 def test_host_select_equals_jitted_rank(llm):
   """The bench's host top-k (`select` over `scores`) = the jitted `rank` for
   every strategy and several k."""
-  head = _ids(llm, "<|im_start|>user\n")
-  r = MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, attn_impl="reference")
-  mem = r.new_memory()
-  rng = np.random.default_rng()
-  for i in range(4):
-    r.write(mem, rng.integers(100, 40000, int(rng.integers(20, 60))).astype(np.int32), tag=i)
-  r.evict(mem, 2)                                      # a dead row in the middle
+  r, mem, rng = _random_memory(llm, MemArtConfig(), spans=4, dead=2)
   pr = r.probe(rng.integers(100, 40000, 12).astype(np.int32))
   for norm, agg in (("softmax", "max"), ("softmax", "sum"), ("rr", "max"), ("rr", "sum")):
     sc = r.scores(mem, pr, norm=norm, agg=agg)
@@ -201,3 +208,26 @@ def test_exact_scores_equal_the_bound_for_one_token_blocks(llm):
         np.testing.assert_allclose(exact[live], bound[live], rtol=1e-5, atol=1e-7)
       else:
         assert not np.allclose(exact[live], bound[live], rtol=1e-3)
+
+
+def test_rerank_rescores_the_bounds_candidates_exactly(llm):
+  """`rerank=R`: the result lies in the bound's top R x k; when R x k covers every
+  live block it is the exact-score top k (`select` over `exact_scores`), for each
+  strategy; answering with it splices those blocks and leaks nothing."""
+  r, mem, rng = _random_memory(llm, MemArtConfig(rerank=2, top_k=3), spans=5, dead=3)
+  pr = r.probe(rng.integers(100, 40000, 10).astype(np.int32))
+  live = int(mem.live.sum())
+  for norm, agg in (("softmax", "max"), ("rr", "sum")):
+    exact = r.exact_scores(mem, pr, norm=norm, agg=agg)
+    for k in (1, 2, 4):
+      got = r.rank(mem, pr, k, norm=norm, agg=agg, rerank=live)      # every block a candidate
+      np.testing.assert_array_equal(got, r.select(mem, exact, k))
+  cand = set(r.rank(mem, pr, 6, rerank=0).tolist())
+  got = r.rank(mem, pr)                                # the config: rerank 2 x top_k 3
+  assert got.size == 3 and set(got.tolist()) <= cand
+  assert (np.diff(mem.time[got]) > 0).all()           # chronological
+  tail = rng.integers(100, 40000, 10).astype(np.int32)
+  out = r.answer(mem, tail, 3)
+  np.testing.assert_array_equal(out.blocks, r.retrieve(mem, tail))
+  r.forget(mem)
+  r.alloc.check()

@@ -73,6 +73,23 @@ def _retrieve(q, positions, valid, lo, hi, live, times, inv_freq, *, k, norm, ag
                          scale=scale, rr_c=rr_c)
 
 
+@functools.partial(jax.jit, static_argnames=("k", "r", "norm", "agg", "scale", "rr_c", "raw"),
+                   compiler_options=COMPILER_OPTIONS)
+def _retrieve_rerank(q, positions, valid, lo, hi, live, times, pool_k, slots, block_pos,
+                     inv_freq, *, k, r, norm, agg, scale, rr_c, raw: bool):
+  """`_retrieve` for r x k candidates, then their exact re-scoring (`memart.rerank`):
+  only the candidates' keys are gathered. -> (blocks [k], candidates' scores)."""
+  cand, _ = _retrieve(q, positions, valid, lo, hi, live, times, inv_freq, k=r * k, norm=norm,
+                      agg=agg, scale=scale, rr_c=rr_c, raw=raw)
+  qd = memart.derotate(q[:, 0], positions, inv_freq)
+  rows = jnp.maximum(cand, 0)
+  cs, cp = slots[rows], block_pos[rows]                                 # [R, BS]
+  keys = memart.derotate(pool_k[:, cs.reshape(-1)], cp.reshape(-1), inv_freq)
+  keys = keys.reshape((keys.shape[0],) + cs.shape + keys.shape[2:])
+  return memart.rerank(qd, valid, cand, keys, cs != SENTINEL, times, k=k, norm=norm, agg=agg,
+                       scale=scale, rr_c=rr_c)
+
+
 @functools.partial(jax.jit, static_argnames=("norm", "agg", "scale", "rr_c"),
                    compiler_options=COMPILER_OPTIONS)
 def _exact(q, positions, valid, pool_k, slots, block_pos, live, inv_freq, *, norm, agg,
@@ -271,22 +288,32 @@ class MemArtRunner:
       pos = np.where(v, pos, -1)
     return q, pos
 
-  def _score(self, mem: Memory, probe, k: int, norm: str | None, agg: str | None):
-    """One jitted retrieval over the memory: (blocks [k] padded -1, scores [cap])."""
+  def _score(self, mem: Memory, probe, k: int, norm: str | None, agg: str | None,
+             rerank: int = 0):
+    """One jitted retrieval over the memory: (blocks [k] padded -1, scores: [cap] of
+    every block by the bound, or [rerank x k] of the re-scored candidates)."""
     q, pos = probe
     scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
+    if rerank:
+      return _retrieve_rerank(
+          q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
+          jnp.asarray(mem.live), jnp.asarray(mem.time), self.driver.kv.k, jnp.asarray(mem.slots),
+          jnp.asarray(mem.positions), self.inv_freq, k=k, r=rerank, norm=norm or self.cfg.norm,
+          agg=agg or self.cfg.agg, scale=float(scale), rr_c=float(self.cfg.rr_c),
+          raw=self.cfg.box_keys == "raw")
     return _retrieve(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
                      jnp.asarray(mem.live), jnp.asarray(mem.time), self.inv_freq, k=k,
                      norm=norm or self.cfg.norm, agg=agg or self.cfg.agg, scale=float(scale),
                      rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw")
 
   def rank(self, mem: Memory, probe, top_k: int | None = None, *, norm: str | None = None,
-           agg: str | None = None) -> np.ndarray:
-    """Memory rows for a probe's queries (eq. 3, Table 1), chronological (no -1);
-    norm / agg override the config (the strategy ablation)."""
+           agg: str | None = None, rerank: int | None = None) -> np.ndarray:
+    """Memory rows for a probe's queries (eq. 3, Table 1; `cfg.rerank`), chronological
+    (no -1); norm / agg / rerank override the config (the ablations)."""
     if not mem.live.any():
       return np.zeros(0, np.int32)
-    blocks = np.asarray(self._score(mem, probe, top_k or self.cfg.top_k, norm, agg)[0])
+    rerank = self.cfg.rerank if rerank is None else rerank
+    blocks = np.asarray(self._score(mem, probe, top_k or self.cfg.top_k, norm, agg, rerank)[0])
     return blocks[blocks >= 0]
 
   def scores(self, mem: Memory, probe, *, norm: str | None = None,
@@ -317,21 +344,22 @@ class MemArtRunner:
     return best[np.argsort(mem.time[best], kind="stable")].astype(np.int32)
 
   def retrieve(self, mem: Memory, tail_ids, top_k: int | None = None,
-               voters=None) -> np.ndarray:
+               voters=None, rerank: int | None = None) -> np.ndarray:
     """`rank` of the tail's `probe`."""
     if not mem.live.any():
       return np.zeros(0, np.int32)
-    return self.rank(mem, self.probe(tail_ids, voters), top_k)
+    return self.rank(mem, self.probe(tail_ids, voters), top_k, rerank=rerank)
 
   def answer(self, mem: Memory, tail_ids, max_tokens: int, *, blocks=None, forced=None,
-             stop_ids=None, top_k: int | None = None, voters=None) -> Answer:
-    """Retrieves (unless `blocks` is given; `voters` as in `probe`), splices and
-    answers the tail."""
+             stop_ids=None, top_k: int | None = None, voters=None,
+             rerank: int | None = None) -> Answer:
+    """Retrieves (unless `blocks` is given; `voters` as in `probe`, `rerank` overrides
+    the config's), splices and answers the tail."""
     t0 = time.perf_counter()
     tail = np.asarray(tail_ids, np.int32)
     probe = 0
     if blocks is None:
-      blocks = self.retrieve(mem, tail, top_k, voters)
+      blocks = self.retrieve(mem, tail, top_k, voters, rerank)
       probe = tail.size if mem.live.any() else 0
     blocks = np.asarray(blocks, np.int32)
     mem.hits[blocks] += 1

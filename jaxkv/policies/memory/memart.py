@@ -152,6 +152,25 @@ def retrieve(q: jax.Array, query_valid: jax.Array, lo: jax.Array, hi: jax.Array,
   return select_blocks(agg_scores, live, block_time, k), agg_scores
 
 
+def rerank(q: jax.Array, query_valid: jax.Array, candidates: jax.Array, keys: jax.Array,
+           key_valid: jax.Array, block_time: jax.Array, *, k: int, norm: str, agg: str,
+           scale: float, rr_c: float) -> tuple[jax.Array, jax.Array]:
+  """Re-scores candidate blocks by their keys' exact max q.k and keeps the best k.
+
+  q [L, T, H, D] content-only queries; candidates [R] memory rows (-1: none);
+  keys [L, R, BS, Hkv, D] their content-only keys, key_valid [R, BS];
+  block_time [NB]. Normalised (`norm`) over the candidates alone and
+  aggregated (`agg`) as `retrieve` does. Returns (rows [k] int32, chronological,
+  -1 padded; the candidates' aggregated exact scores [R]).
+  """
+  ok = candidates >= 0
+  rows = jnp.maximum(candidates, 0)
+  exact = exact_block_max(q, keys, key_valid & ok[:, None])            # [L, T, H, R]
+  s = aggregate(normalise(exact, ok, norm, scale, rr_c), agg, query_valid)
+  pick = select_blocks(s, ok, block_time[rows], k)
+  return jnp.where(pick >= 0, rows[jnp.maximum(pick, 0)], -1).astype(jnp.int32), s
+
+
 def exact_block_max(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.Array:
   """max over a block's keys of q.k, the quantity eq. 3 bounds: q [L, T, H, D],
   k [L, NB, BS, Hkv, D], valid [NB, BS] -> [L, T, H, NB] (tests, tightness)."""
