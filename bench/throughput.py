@@ -231,14 +231,15 @@ def main(argv):
       agree = None if system == "hf" else float(np.mean([   # HF vs itself: 1 by construction
           np.mean(np.array(toks[k][:16]) == np.array(h_tok[k][:16])) for k in toks]))
       warm = getattr(runners[system], "warmup_s", None)
-      rows.append({"model": FLAGS.model, "system": system, "batch": batch, "prefill_tok_s": round(pre, 1),
-                   "decode_tok_s": round(dec, 1), "prefill_ratio": round(pre / h_pre, 3),
-                   "decode_ratio": round(dec / h_dec, 3), "prefill_roof_tok_s": round(pre_roof),
+      rows.append({"model": FLAGS.model, "system": system, "batch": batch,
+                   "prefill_tok_s": round(pre, 1), "decode_tok_s": round(dec, 1),
+                   "prefill_ratio": round(pre / h_pre, 3), "decode_ratio": round(dec / h_dec, 3), "prefill_roof_tok_s": round(pre_roof),
                    "decode_roof_tok_s": round(dec_roof, 1), "greedy_agree16": agree,
                    "warmup_s": None if warm is None else round(warm, 1)})
 
-  print(f"\n{FLAGS.model} ({cfg.architecture}, {cfg.num_layers} layers) fp32, greedy, {FLAGS.new_tokens} new tokens, median of {FLAGS.reps} "
-        f"alternating runs, jax {jax.__version__} on {jax.devices()[0].platform}, torch "
+  print(f"\n{FLAGS.model} ({cfg.architecture}, {cfg.num_layers} layers) fp32, greedy, "
+        f"{FLAGS.new_tokens} new tokens, median of {FLAGS.reps} alternating runs, jax "
+        f"{jax.__version__} on {jax.devices()[0].platform}, torch "
         f"{torch.__version__} on {hf_device} ({torch.get_num_threads()} threads); "
         f"{jax.devices()[0].device_kind}; measured bandwidth "
         f"{bw:.1f} GB/s (copy {bw_copy:.1f}, mat-vec read {bw_gemv:.1f}), fp32 matmul peak "

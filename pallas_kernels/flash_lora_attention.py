@@ -117,8 +117,9 @@ def make_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int, block
 def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          vlr_pool: jax.Array, lora_b: jax.Array, slot_map: jax.Array,
                          q_positions: jax.Array, *, layer: jax.Array | int | None = None,
-                         scale: float | None = None, plan: pa.Plan | None = None, block_r: int | None = None,
-                         block_k: int | None = None, k_splits: int | None = None,
+                         scale: float | None = None, plan: pa.Plan | None = None,
+                         block_r: int | None = None, block_k: int | None = None,
+                         k_splits: int | None = None,
                          num_warps: int = 4, num_stages: int = 2, contiguous: bool = True,
                          interpret: bool = False) -> jax.Array:
   """Pallas Flash-LoRA-Attention; same result as `flash_lora_attention_reference`.

@@ -543,8 +543,9 @@ def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_r
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                     slot_map: jax.Array, q_positions: jax.Array, *,
                     layer: jax.Array | int | None = None, scale: float | None = None,
-                    plan: Plan | None = None, block_r: int | None = None, block_k: int | None = None,
-                    k_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                    plan: Plan | None = None, block_r: int | None = None,
+                    block_k: int | None = None, k_splits: int | None = None,
+                    num_warps: int = 4, num_stages: int = 2,
                     contiguous: bool = True, interpret: bool = False) -> jax.Array:
   """Pallas paged attention; same arguments and result as `paged_attention_reference`.
 

@@ -174,7 +174,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   out["memart-exact"] = rows["memart-exact"] and _render(
       [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
-  out["memart-rerank"] = rows["memart-rerank"] and _render(memart_bench.tables(rows["memart-rerank"]))
+  out["memart-rerank"] = rows["memart-rerank"] and _render(
+      memart_bench.tables(rows["memart-rerank"]))
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
                "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
