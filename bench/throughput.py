@@ -233,7 +233,8 @@ def main(argv):
       warm = getattr(runners[system], "warmup_s", None)
       rows.append({"model": FLAGS.model, "system": system, "batch": batch,
                    "prefill_tok_s": round(pre, 1), "decode_tok_s": round(dec, 1),
-                   "prefill_ratio": round(pre / h_pre, 3), "decode_ratio": round(dec / h_dec, 3), "prefill_roof_tok_s": round(pre_roof),
+                   "prefill_ratio": round(pre / h_pre, 3), "decode_ratio": round(dec / h_dec, 3),
+                   "prefill_roof_tok_s": round(pre_roof),
                    "decode_roof_tok_s": round(dec_roof, 1), "greedy_agree16": agree,
                    "warmup_s": None if warm is None else round(warm, 1)})
 
