@@ -40,6 +40,7 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
@@ -413,6 +414,10 @@ def main(argv):
       print(f"{conv.sample_id}: already in {side}, skipped")
       continue
     rc, ab = run_conversation(llm, conv, names, minilm)
+    # Each compiled XLA:CPU executable holds memory mappings; one conversation's
+    # shapes took ~44k of the 65,530 a process may hold (vm.max_map_count), and the
+    # second conversation then died in LLVM ("Cannot allocate memory"). Free them.
+    jax.clear_caches()
     state["recs"] += rc
     state["abl"] += ab
     rows = rows_of(state["recs"], state["abl"])
