@@ -1,14 +1,18 @@
 """Attention kernels: the floor (FLOPs, bytes), then measured time, side by side.
 
-    python bench/attention_kernels.py [--contexts=1024,8192,32768] [--batches=1,8,64] [--groups=3,7]
-        [--dead=0,0.5,0.9] [--lora_contexts=4096,...,65536] [--tune] [--out=rows.json]
+    python bench/attention_kernels.py [--contexts=1024,8192,32768] [--batches=1,8,64]
+        [--groups=3,7] [--dead=0,0.5,0.9] [--lora_contexts=4096,...,65536]
+        [--tune | --knobs=block_k=128,...] [--split_probe=16,32,64] [--interpret]
+        [--out=rows.json]
 
 One layer of attention with 8 KV heads of dimension 128 and G = Hq / Hkv query
 heads per KV head (GQA 3 and 7), page size 16, over a paged pool whose pages
 are laid end to end (what a fresh sequence gets). Rows, one run, same inputs:
 
 - decode (one query per row) at every context x batch x G x dead fraction:
-  jaxkv's Pallas kernel | the same kernel with every block on the gather path
+  jaxkv's Pallas kernel (its plan, compaction + live-block tables, built in every
+  call) | the same with the plan built once outside the timed loop, as a forward
+  pass shares it across layers | the kernel with every block on the gather path
   (`contiguous=False`) | the XLA reference (gather + masked softmax) |
   materialise-then-attend (gather K/V dense, then `jax.nn.dot_product_attention`)
   | JAX's own `pallas.ops.gpu.paged_attention` (block tables over
@@ -24,8 +28,7 @@ are laid end to end (what a fresh sequence gets). Rows, one run, same inputs:
 Timing: each call runs `--iters` times inside one jitted `fori_loop`, each time
 on another layer of a stacked pool (the kernels read layer l in place), with
 enough layers that the bytes cycled exceed 4x the L2 cache, so no call is served
-from L2; the median of 5 such runs over `--iters` is the time per call, the
-live-block table set-up included. "bw %" is live bytes moved per second (K/V
+from L2; the median of 5 such runs over `--iters` is the time per call. "bw %" is live bytes moved per second (K/V
 of live tokens read once, q read, o written, slot ids) over the measured device
 copy bandwidth (a 4 GiB float32 array incremented in place 20 times in one
 jitted loop, bytes read + written); the floor is
@@ -34,7 +37,8 @@ max(bytes / bandwidth, FLOPs / measured matmul peak).
 `--tune` first times a few (block_k, num_warps, num_stages, k_splits) settings
 at 32k x batch 8 x G 7 and runs the sweep with the fastest; Flash-LoRA is tuned on
 its own at 16k x batch 8 (on an H100, paged attention's best, block_k 128, made
-Flash-LoRA 12x slower than its default block_k 64). On a CPU-only machine
+Flash-LoRA 12x slower than block_k 64; its default is 32). `--split_probe` times
+batch-1 decode at the largest context with the plan built once and each k_splits. On a CPU-only machine
 the Pallas kernels cannot run natively (the interpreter is a correctness tool):
 only the reference rows are timed and the table says so.
 """

@@ -322,13 +322,11 @@ def fold_positions(q_positions: jax.Array, g: int, rows_p: int) -> jax.Array:
   return jnp.pad(pos, ((0, 0), (0, rows_p - pos.shape[1])), constant_values=-1)
 
 
-def fold_rows(q: jax.Array, q_positions: jax.Array, hkv: int, rows_p: int):
-  """q [B, Tq, Hq, D] -> rows [B, Hkv, R_p, D] and row positions [B, R_p] (pad -1)."""
-  tq, hq = q.shape[1:3]
-  g = hq // hkv
+def fold_rows(q: jax.Array, hkv: int, rows_p: int) -> jax.Array:
+  """q [B, Tq, Hq, D] -> rows [B, Hkv, R_p, D] (zero padding rows; their positions
+  come from `fold_positions`)."""
   rows = einops.rearrange(q, "b t (h g) d -> b h (t g) d", h=hkv)
-  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, rows_p - tq * g), (0, 0)))
-  return rows, fold_positions(q_positions, g, rows_p)
+  return jnp.pad(rows, ((0, 0), (0, 0), (0, rows_p - rows.shape[2]), (0, 0)))
 
 
 def unfold_rows(o: jax.Array, tq: int, hq: int) -> jax.Array:
@@ -484,7 +482,7 @@ def prepare(q, q_positions, slot_map, hkv: int, *, plan: Plan | None = None, blo
     raise ValueError(f"plan (rows {plan.row_pos.shape}, slots {plan.slots.shape}) was not "
                      f"made for q {q.shape} with {hkv} KV heads over a slot map "
                      f"{slot_map.shape}")
-  rows, _ = fold_rows(q, q_positions, hkv, tiling.rows_p)
+  rows = fold_rows(q, hkv, tiling.rows_p)
   return tiling, (plan.slots, plan.positions, plan.row_pos, rows, plan.table, plan.bounds)
 
 

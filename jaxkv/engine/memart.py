@@ -83,11 +83,16 @@ def _retrieve_rerank(q, positions, valid, lo, hi, live, times, pool_k, slots, bl
                       agg=agg, scale=scale, rr_c=rr_c, raw=raw)
   qd = memart.derotate(q[:, 0], positions, inv_freq)
   rows = jnp.maximum(cand, 0)
-  cs, cp = slots[rows], block_pos[rows]                                 # [R, BS]
-  keys = memart.derotate(pool_k[:, cs.reshape(-1)], cp.reshape(-1), inv_freq)
-  keys = keys.reshape((keys.shape[0],) + cs.shape + keys.shape[2:])
+  cs = slots[rows]                                                      # [R, BS]
+  keys = _block_keys(pool_k, cs, block_pos[rows], inv_freq)
   return memart.rerank(qd, valid, cand, keys, cs != SENTINEL, times, k=k, norm=norm, agg=agg,
                        scale=scale, rr_c=rr_c)
+
+
+def _block_keys(pool_k, slots, block_pos, inv_freq):
+  """Content-only keys [L, n, BS, Hkv, D] of the blocks at slots / block_pos [n, BS]."""
+  k = memart.derotate(pool_k[:, slots.reshape(-1)], block_pos.reshape(-1), inv_freq)
+  return k.reshape((k.shape[0],) + slots.shape + k.shape[2:])
 
 
 @functools.partial(jax.jit, static_argnames=("norm", "agg", "scale", "rr_c"),
@@ -98,9 +103,7 @@ def _exact(q, positions, valid, pool_k, slots, block_pos, live, inv_freq, *, nor
   quantity eq. 3 bounds): q [L, 1, C, Hq, D] post-RoPE at positions [C]; the blocks'
   keys at slots / block_pos [cap, BS] (SENTINEL: unused entry)."""
   qd = memart.derotate(q[:, 0], positions, inv_freq)
-  cap, bs = slots.shape
-  k = memart.derotate(pool_k[:, slots.reshape(-1)], block_pos.reshape(-1), inv_freq)
-  k = k.reshape((k.shape[0], cap, bs) + k.shape[2:])
+  k = _block_keys(pool_k, slots, block_pos, inv_freq)
   exact = memart.exact_block_max(qd, k, slots != SENTINEL)             # [L, C, Hq, cap]
   return memart.aggregate(memart.normalise(exact, live, norm, scale, rr_c), agg, valid)
 
