@@ -83,6 +83,16 @@ def test_completed_call_takes_the_first_json_value_after_a_forced_head():
     assert calls.completed_call("t", junk) == ()
 
 
+def test_mcnemar_exact():
+  # 8 vs 2 discordant pairs: 2 * P(X <= 2), X ~ Bin(10, 1/2) = 2 * 56 / 1024
+  assert abs(calls.mcnemar(8, 2) - 112 / 1024) < 1e-12
+  assert calls.mcnemar(2, 8) == calls.mcnemar(8, 2)
+  assert calls.mcnemar(0, 0) == 1.0 and calls.mcnemar(3, 3) == 1.0
+  assert abs(calls.mcnemar(12, 0) - 2 / 4096) < 1e-12
+  with pytest.raises(ValueError):
+    calls.mcnemar(-1, 2)
+
+
 def test_wilson_interval():
   lo, hi = calls.wilson(8, 10)
   assert lo == pytest.approx(0.4902, abs=1e-4) and hi == pytest.approx(0.9433, abs=1e-4)

@@ -88,6 +88,34 @@ def test_all_blocks_in_order_reproduce_full_context(llm):
   r2.alloc.check()
 
 
+def test_chunked_prefill_equals_one_chunk(llm):
+  """A long span written (and a tail prefilled) in chunks of 7 tokens, chunk edges off
+  the 16-token pages: the same logits and tokens as one chunk; a probe longer than a
+  chunk is refused."""
+  head = _ids(llm, "<|im_start|>user\n")
+  hist = _ids(llm, "Alice said the train leaves at nine from platform four. Bob said he "
+                   "would bring the tickets and two umbrellas. Carol asked about May.")
+  tail = _ids(llm, " When does the train leave?<|im_end|>\n<|im_start|>assistant\n")
+  want, _, _ = _full(llm, np.concatenate([head, hist, tail]))
+  r = MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, attn_impl="reference",
+                   prefill_chunk=7)
+  mem = r.new_memory()
+  rows = r.write(mem, hist)
+  np.testing.assert_array_equal(mem.positions[rows][mem.slots[rows] != SENTINEL],
+                                head.size + np.arange(hist.size))
+  got = r.answer(mem, tail, 4, blocks=rows)
+  np.testing.assert_allclose(got.logits, want, atol=1e-4, rtol=1e-4)
+  assert int(got.tokens[0]) == int(np.argmax(want))
+  with pytest.raises(ValueError, match="prefill_chunk"):
+    r.answer(mem, tail, 4)
+  r.forget(mem)
+  r.close()
+  r.alloc.check()
+  assert r.alloc.num_used_pages == 0                  # the refused probe held nothing
+  with pytest.raises(ValueError, match="prefill_chunk"):
+    MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, prefill_chunk=0)
+
+
 def test_budget_holds_least_retrieved_go_first_and_nothing_leaks(llm):
   head = _ids(llm, "<|im_start|>user\n")
   r = MemArtRunner(llm, MemArtConfig(byte_budget=0), head, cache=CACHE, attn_impl="reference")
@@ -168,6 +196,12 @@ def test_bench_layout_spans_hold_each_turn(llm):
   ids, voters = bench.tail_ids(tok, lay, "Where is it?")
   assert "Question: Where is it?" in tok.decode(ids.tolist())
   assert tok.decode(ids[voters].tolist()).strip() == "Where is it?"
+  head = bench.layout(tok, conv, "head")                 # the instruction held in the head
+  assert "conversations below" in tok.decode(head.head.tolist())
+  np.testing.assert_array_equal(head.history(), lay.history())
+  h_ids, h_voters = bench.tail_ids(tok, head, "Where is it?")
+  assert "Based on" not in tok.decode(h_ids.tolist()) and h_ids.size < ids.size - 20
+  assert tok.decode(h_ids[h_voters].tolist()).strip() == "Where is it?"
   r = MemArtRunner(llm, MemArtConfig(), lay.head, cache=CACHE, attn_impl="reference")
   mem = r.new_memory()
   rows = np.concatenate([r.write(mem, ids, tag=i) for i, (ids, _) in enumerate(lay.sessions)])

@@ -162,3 +162,16 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
   mid = (p + z * z / (2 * n)) / den
   half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
   return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def mcnemar(b: int, c: int) -> float:
+  """Exact two-sided McNemar p-value of paired outcomes: b pairs only the first
+  method got right, c only the second (a binomial(b + c, 1/2) test); 1.0 when
+  no pair is discordant."""
+  if b < 0 or c < 0:
+    raise ValueError(f"mcnemar: need counts >= 0, got {b}, {c}")
+  n = b + c
+  if n == 0:
+    return 1.0
+  tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
+  return min(1.0, 2 * tail)

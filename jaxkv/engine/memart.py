@@ -154,11 +154,13 @@ class MemArtRunner:
   def __init__(self, llm, cfg: MemArtConfig, head_ids, *,
                cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16,
                                                 max_seq_len=8192),
-               attn_impl: str = "auto"):
+               attn_impl: str = "auto", prefill_chunk: int = 2048):
     if cache.page_size != cfg.block_size:
       raise ValueError(f"MemArt blocks are pool pages: cache.page_size {cache.page_size} must "
                        f"equal memart.block_size {cfg.block_size}")
-    self.cfg, self.mcfg = cfg, llm.config
+    if prefill_chunk < 1:
+      raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+    self.cfg, self.mcfg, self.prefill_chunk = cfg, llm.config, prefill_chunk
     self.graphdef, self.weights = llm.graphdef, llm.weights
     self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.mcfg, cache),
                          attn_impl=attn_impl)
@@ -178,23 +180,31 @@ class MemArtRunner:
   # ----------------------------------------------------------------- plumbing
   def _prefill(self, seq: int, ids: np.ndarray, start: int, *, capture_q: bool = False,
                key_shift: np.ndarray | None = None):
-    """ids at positions start.. appended to `seq` (fresh slots) in one chunk:
-    (new slots, logits [V] of the last token, q or None)."""
+    """ids at positions start.. appended to `seq` (fresh slots), in chunks of at
+    most `prefill_chunk` tokens (a long history's attention scores stay
+    chunk x context, not context^2): (new slots, logits [V] of the last token,
+    q or None, the last chunk's padded positions)."""
     n = ids.size
-    slots = self.alloc.extend(seq, n)
-    c = plan_lib.chunk_len(n)
-    w = plan_lib.width(start + n)
-    pos = np.where(np.arange(c) < n, start + np.arange(c), -1).astype(np.int32)
-    smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
-    extra = {}
-    if key_shift is not None:
-      extra["key_shift"] = jnp.asarray(_pad(key_shift[:w], w)[None])
-    out, self.driver.kv = chunk_step(
-        self.graphdef, self.weights, self.driver.kv, jnp.asarray(_pad(ids, c)[None]),
-        jnp.asarray(pos[None]), jnp.asarray(smap), read=jnp.asarray([[n - 1]], np.int32),
-        capture=Capture(q=capture_q), attn_impl=self.driver.attn_impl, return_logits=True,
-        **extra)
-    return slots, np.asarray(out.logits[0, 0], np.float32), (out.q if capture_q else None), pos
+    assert not (capture_q and n > self.prefill_chunk), "probe checks its length"
+    slots = []
+    for lo in range(0, n, self.prefill_chunk):
+      piece = ids[lo:lo + self.prefill_chunk]
+      m, at = piece.size, start + lo
+      slots.append(self.alloc.extend(seq, m))
+      c = plan_lib.chunk_len(m)
+      w = plan_lib.width(at + m)
+      pos = np.where(np.arange(c) < m, at + np.arange(c), -1).astype(np.int32)
+      smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
+      extra = {}
+      if key_shift is not None:
+        extra["key_shift"] = jnp.asarray(_pad(key_shift[:w], w)[None])
+      out, self.driver.kv = chunk_step(
+          self.graphdef, self.weights, self.driver.kv, jnp.asarray(_pad(piece, c)[None]),
+          jnp.asarray(pos[None]), jnp.asarray(smap), read=jnp.asarray([[m - 1]], np.int32),
+          capture=Capture(q=capture_q), attn_impl=self.driver.attn_impl, return_logits=True,
+          **extra)
+    return (np.concatenate(slots), np.asarray(out.logits[0, 0], np.float32),
+            (out.q if capture_q else None), pos)
 
   def _adopt_head(self, seq: int) -> None:
     self.alloc.adopt(seq, self.head_slots)
@@ -250,10 +260,11 @@ class MemArtRunner:
       self.evict(mem, live[np.lexsort((mem.time[live], mem.hits[live]))[0]])
     seq = self.alloc.new_sequence()
     self._adopt_head(seq)
-    slots, _, _, pos = self._prefill(seq, ids, self.head.size)
+    slots = self._prefill(seq, ids, self.head.size)[0]
+    pos = self.head.size + np.arange(ids.size, dtype=np.int32)
     pad = nb * bs - ids.size
     slots_b = np.r_[slots, np.full(pad, SENTINEL, np.int32)].reshape(nb, bs)
-    pos_b = np.r_[pos[:ids.size], np.zeros(pad, np.int32)].reshape(nb, bs)
+    pos_b = np.r_[pos, np.zeros(pad, np.int32)].reshape(nb, bs)
     self.alloc.retain(slots)                                # the memory's hold
     self.alloc.free_sequence(seq)
     free = np.flatnonzero(~mem.live)
@@ -281,6 +292,9 @@ class MemArtRunner:
     `voters` ([n] bool, default all) picks the tail tokens whose queries score
     blocks (e.g. the question without the instruction around it)."""
     tail = np.asarray(tail_ids, np.int32)
+    if tail.size > self.prefill_chunk:
+      raise ValueError(f"a probe of {tail.size} tokens exceeds prefill_chunk "
+                       f"{self.prefill_chunk}")
     seq = self.alloc.new_sequence()
     self._adopt_head(seq)
     _, _, q, pos = self._prefill(seq, tail, self.head.size, capture_q=True)
