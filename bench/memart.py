@@ -4,11 +4,18 @@ r"""MemArt (seed 003) side by side with full context, plaintext retrieval memory
     python bench/memart.py --conversations=data_local/conversations.json \
         [--methods=full,memart,plaintext,recent] [--top_k=32] [--gen=24] \
         [--ks=4,8,16,32,64] [--block_sizes=16,8] [--box_keys=raw,rope] \
+        [--prompt=head|tail] [--nogenerate] [--model=smollm2-135m] \
         [--max_questions=0] [--out=bench/results_memart.json] \
         [--plot=docs/plots/memart_recall.png]
 
 Rows are rewritten after each conversation, and every question's record goes to
 <out>_records.json as it is scored; a rerun skips the conversations already there.
+
+Prompt (--prompt): `head` (default) holds LoCoMo's QA instruction in the head
+before the history, prefilled once like a system prompt, so a request is
+"Question: ... Short answer:" and the template (the paper's 32-37-token requests);
+`tail` puts the whole LoCoMo prompt after the history (the earlier runs' layout).
+Long spans are prefilled in 2,048-token chunks (`MemArtRunner(prefill_chunk=)`).
 
 Per conversation the history is written once: `full` as one span (the whole
 history after the chat head, what full-context inference computes), `memart`
@@ -30,7 +37,9 @@ stopping at the end of turn), the gold answer's NLL (teacher-forced, nats per
 token), evidence recall (an evidence turn counts as retrieved when a retrieved
 block overlaps it; Wilson 95% interval). The retrieval ablation (no
 generation): recall@k for Table 1's four strategies x block sizes x boxes over
-raw (de-rotated) or post-RoPE keys.
+raw (de-rotated) or post-RoPE keys, plus plaintext at the same token budgets (first
+block size); a paired table counts the evidence turns only one of two methods
+retrieved (exact McNemar p). --nogenerate runs that ablation alone.
 """
 
 from __future__ import annotations
@@ -54,10 +63,16 @@ from jaxkv.engine.memart import MemArtRunner
 FLAGS = flags.FLAGS
 METHODS = ("full", "memart", "memart_rerank", "plaintext", "recent")
 STRATEGIES = (("softmax", "max"), ("softmax", "sum"), ("rr", "max"), ("rr", "sum"))
-# LoCoMo's own QA prompt (task_eval), the question kept as asked.
+# LoCoMo's own QA prompt (task_eval), the question kept as asked. --prompt=tail puts
+# it after the history, as LoCoMo does; --prompt=head moves the (fixed) instruction
+# into the held head before the history, so a request is the question alone.
 QA_PROMPT = ("Based on the above conversations, write an answer in the form of a short phrase "
              "for the following question. Answer with exact words from the conversations "
              "whenever possible.\n\nQuestion: {} Short answer:")
+HEAD_PROMPT = ("Based on the conversations below, write an answer in the form of a short "
+               "phrase for the question that follows them. Answer with exact words from the "
+               "conversations whenever possible.\n\n")
+QUESTION = "Question: {} Short answer:"
 _MARK = "\x00MEMORY\x00"
 
 
@@ -76,6 +91,11 @@ def define_flags():
                        "re-scored exactly); 0: neither")
   flags.DEFINE_enum("voters", "question", ["question", "tail"], "whose queries score blocks: "
                     "the question's tokens, or the whole tail (instruction + template too)")
+  flags.DEFINE_enum("prompt", "head", ["head", "tail"], "where LoCoMo's QA instruction "
+                    "goes: the held head before the history (a request is the question "
+                    "alone, as the paper's) or after the history with the question")
+  flags.DEFINE_bool("generate", True, "answer with every method; --nogenerate runs the "
+                    "retrieval ablation alone (recall@k, plaintext included)")
   flags.DEFINE_integer("max_questions", 0, "first N questions per conversation (0: all)")
   flags.DEFINE_string("out", None, "results JSON (rows; resumable by conversation)")
   flags.DEFINE_string("plot", "docs/plots/memart_recall.png", "recall-vs-k plot")
@@ -88,15 +108,18 @@ class Layout:
   head: np.ndarray
   sessions: list            # [(ids, {dia_id: (lo, hi)})]
   tail_text: str
+  prompt: str = "tail"      # where the QA instruction sits: "head" or "tail"
 
   def history(self) -> np.ndarray:
     return np.concatenate([s for s, _ in self.sessions])
 
 
-def layout(tok, conv: C.Conversation) -> Layout:
+def layout(tok, conv: C.Conversation, prompt: str = "tail") -> Layout:
   enc = lambda s: tok.encode(s, add_bos=False)
   head_text, tail_text = tok.render_chat([{"role": "user", "content": _MARK}],
                                          add_generation_prompt=True).split(_MARK)
+  if prompt == "head":
+    head_text += HEAD_PROMPT
   sessions = []
   for s in conv.sessions:
     ids, spans = enc(f"DATE: {s.date_time}\nCONVERSATION:\n"), {}
@@ -105,14 +128,14 @@ def layout(tok, conv: C.Conversation) -> Layout:
       spans[t.dia_id] = (len(ids), len(ids) + len(e))
       ids = ids + e
     sessions.append((np.asarray(ids, np.int32), spans))
-  return Layout(np.asarray(enc(head_text), np.int32), sessions, tail_text)
+  return Layout(np.asarray(enc(head_text), np.int32), sessions, tail_text, prompt)
 
 
 def tail_ids(tok, lay: Layout, question: str,
              voters: str = "question") -> tuple[np.ndarray, np.ndarray]:
   """The tail's ids and its voters: the question's own tokens (--voters=question)
   or all of them (--voters=tail)."""
-  pre, post = ("\n" + QA_PROMPT).split("{}")
+  pre, post = ("\n" + (QA_PROMPT if lay.prompt == "tail" else QUESTION)).split("{}")
   parts = [tok.encode(x, add_bos=False) for x in (pre, question, post + lay.tail_text)]
   ids = np.asarray(sum(parts, []), np.int32)
   mask = np.zeros(ids.size, bool)
@@ -154,6 +177,20 @@ def covered(mem, rows, spans_by_session, dia_id: str) -> bool:
   return False
 
 
+def plain_pick(sim: np.ndarray, turn_rows, spans, budget: int) -> list[int]:
+  """Mem0-style pick: turns by cosine similarity, best first, until `budget`
+  tokens; their indices in chronological order."""
+  chosen, used = [], 0
+  for j in np.argsort(-sim, kind="stable"):
+    si, t = turn_rows[j]
+    lo, hi = spans[si][t.dia_id]
+    if used + hi - lo > budget:
+      break
+    chosen.append(int(j))
+    used += hi - lo
+  return sorted(chosen)
+
+
 def _runner(llm, lay: Layout, bs: int, box: str, need: int) -> MemArtRunner:
   pages = 2 * (need // bs) + 64
   cfg = MemArtConfig(block_size=bs, top_k=FLAGS.top_k, box_keys=box)
@@ -169,7 +206,7 @@ def _score(tok, out, qa) -> dict:
 
 def run_conversation(llm, conv, names, minilm) -> list[dict]:
   tok = llm.tokenizer
-  lay = layout(tok, conv)
+  lay = layout(tok, conv, FLAGS.prompt)
   qas = list(conv.qa[:FLAGS.max_questions or None])
   spans = [sp for _, sp in lay.sessions]
   hist = lay.history()
@@ -184,14 +221,17 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
   for i, (ids, _) in enumerate(lay.sessions):
     r.write(mem, ids, tag=i)
   write_s = time.perf_counter() - t0
+  print(f"  memory write {write_s:.1f} s ({mem.num_blocks} blocks)", flush=True)
   full_mem = r.new_memory()
-  t0 = time.perf_counter()
-  full_rows = r.write(full_mem, hist, tag=-1)
-  full_write_s = time.perf_counter() - t0
+  if FLAGS.generate and "full" in names:
+    t0 = time.perf_counter()
+    full_rows = r.write(full_mem, hist, tag=-1)
+    full_write_s = time.perf_counter() - t0
+    print(f"  full history prefill {full_write_s:.1f} s ({hist.size} tokens)", flush=True)
   turn_rows = [(si, t) for si, s in enumerate(conv.sessions) for t in s.turns]
-  if "plaintext" in names:
-    emb = minilm([t.text for _, t in turn_rows])
-  for qi, qa in enumerate(qas):
+  emb = minilm([t.text for _, t in turn_rows]) if minilm else None
+  qvecs = minilm([qa.question for qa in qas]) if minilm else None
+  for qi, qa in enumerate(qas if FLAGS.generate else ()):
     tail, voters = tail_ids(tok, lay, qa.question, FLAGS.voters)
     ans = np.asarray(tok.encode(" " + qa.answer, add_bos=False), np.int32)[:48]
     base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer)
@@ -220,16 +260,8 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
           mem_bytes = mem.nbytes
         else:                                          # plaintext retrieval, re-prefilled
           t0 = time.perf_counter()
-          sim = emb @ minilm([qa.question])[0]
-          budget, chosen, used = FLAGS.top_k * bs0, [], 0
-          for j in np.argsort(-sim, kind="stable"):
-            si, t = turn_rows[j]
-            lo, hi = spans[si][t.dia_id]
-            if used + hi - lo > budget:
-              break
-            chosen.append(j)
-            used += hi - lo
-          chosen.sort()
+          chosen = plain_pick(emb @ minilm([qa.question])[0], turn_rows, spans,
+                              FLAGS.top_k * bs0)
           ids = np.concatenate([lay.sessions[turn_rows[j][0]][0][slice(*spans[turn_rows[j][0]][
               turn_rows[j][1].dia_id])] for j in chosen]) if chosen else np.zeros(0, np.int32)
           m = r.new_memory()
@@ -253,19 +285,17 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
     print(f"  {conv.sample_id} q{qi + 1}/{len(qas)} " + " ".join(
         f"{x['method']}:f1={x['f1']:.2f},rec={x['recall']:.2f}" for x in recs[-len(names):]),
           flush=True)
-  print(f"  memory write {write_s:.1f} s ({mem.num_blocks} blocks), full history prefill "
-        f"{full_write_s:.1f} s", flush=True)
-  r.forget(mem)
   r.forget(full_mem)
   # ---- retrieval ablation (no generation)
   abl = []
   ks = [int(k) for k in FLAGS.ks]
   for bs in (int(b) for b in FLAGS.block_sizes):
     for box in FLAGS.box_keys:
-      ra = r if (bs, box) == (bs0, "raw") else _runner(llm, lay, bs, box, need)
+      first = (bs, box) == (bs0, "raw")
+      ra = r if first else _runner(llm, lay, bs, box, need)
       ra.alloc.check()
-      ma = ra.new_memory()
-      for i, (ids, _) in enumerate(lay.sessions):
+      ma = mem if first else ra.new_memory()             # the generation runs' memory
+      for i, (ids, _) in enumerate(lay.sessions if not first else ()):
         ra.write(ma, ids, tag=i)
       for qi, qa in enumerate(qas):
         pr = ra.probe(*tail_ids(tok, lay, qa.question, FLAGS.voters))
@@ -279,22 +309,27 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
           # the runner's own option (MemArtConfig.rerank): candidates normalised alone
           picks[f"rerank{FLAGS.rerank}x softmax-max"] = lambda kk: ra.rank(
               ma, pr, kk, rerank=FLAGS.rerank)
+        live = np.flatnonzero(ma.live)                   # the recency baseline at each k
+        picks["recent"] = lambda kk: np.sort(live[np.argsort(ma.time[live])[-kk:]])
         for strat, pick in picks.items():
           for k in ks:
             kk = max(1, k * bs0 // bs)                 # equal tokens across block sizes
             rows = pick(kk)
+            hit = [bool(covered(ma, rows, spans, e)) for e in qa.evidence]
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
-                            strategy=strat, top_k=kk, tokens=kk * bs,
-                            hits=sum(covered(ma, rows, spans, e) for e in qa.evidence),
-                            n=len(qa.evidence)))
-        live = np.flatnonzero(ma.live)                   # the recency baseline at each k
-        for k in ks:
-          kk = max(1, k * bs0 // bs)
-          rows = np.sort(live[np.argsort(ma.time[live])[-kk:]])
-          abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
-                          strategy="recent", top_k=kk, tokens=kk * bs,
-                          hits=sum(covered(ma, rows, spans, e) for e in qa.evidence),
-                          n=len(qa.evidence)))
+                            strategy=strat, top_k=kk, tokens=kk * bs, hits=sum(hit),
+                            hit=hit, n=len(qa.evidence)))
+        if first and emb is not None:                  # plaintext at the same token budgets
+          for k in ks:
+            got = {turn_rows[j][1].dia_id for j in plain_pick(emb @ qvecs[qi], turn_rows,
+                                                              spans, k * bs0)}
+            hit = [e in got for e in qa.evidence]
+            abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
+                            strategy="plaintext", top_k=k, tokens=k * bs0, hits=sum(hit),
+                            hit=hit, n=len(qa.evidence)))
+      if not first:
+        ra.forget(ma)
+  r.forget(mem)
   return recs, abl
 
 
@@ -320,11 +355,42 @@ def rows_of(recs: list[dict], abl: list[dict]) -> list[dict]:
     sel = [a for a in abl if (a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) ==
            (strat, bs, box, tokens)]
     hits, n = sum(a["hits"] for a in sel), sum(a["n"] for a in sel)
-    rows.append(dict(kind="ablation", method="memart" if strat != "recent" else "recent",
+    rows.append(dict(kind="ablation", method=strat if strat in ("recent", "plaintext") else
+                     "memart",
                      strategy=strat, block_size=bs, box_keys=box, top_k=sel[0]["top_k"],
                      tokens=tokens, evidence_recall=hits / max(n, 1),
                      recall_ci=list(calls.wilson(hits, n)), n_questions=len(sel)))
-  return rows
+  return rows + paired(abl)
+
+
+def paired(abl: list[dict]) -> list[dict]:
+  """Evidence-level paired comparisons at equal retrieved tokens (first block size,
+  raw boxes): turns one method retrieved and the other missed, both ways, and the
+  exact McNemar p. Records from before per-evidence hits were kept are skipped."""
+  bs0 = int(FLAGS.block_sizes[0])
+  hit = {}
+  for a in abl:
+    if "hit" in a and (a["block_size"], a["box_keys"]) == (bs0, "raw"):
+      hit[(a["strategy"], a["tokens"], a["conv"], a["q"])] = a["hit"]
+  strats = {k[0] for k in hit}
+  rerank = next((x for x in sorted(strats) if x.startswith("rerank")), None)
+  pairs = [(x, y) for x, y in ((rerank, "plaintext"), ("softmax-max", "plaintext"),
+                               (rerank, "softmax-max"), (rerank, "recent"))
+           if x in strats and y in strats]
+  out = []
+  for x, y in pairs:
+    for tokens in sorted({k[1] for k in hit if k[0] == x}):
+      b = c = n = 0
+      for (s_, t, conv, q), hx in hit.items():
+        hy = hit.get((y, tokens, conv, q))
+        if s_ != x or t != tokens or hy is None:
+          continue
+        n += len(hx)
+        b += sum(u and not v for u, v in zip(hx, hy))
+        c += sum(v and not u for u, v in zip(hx, hy))
+      out.append(dict(kind="paired", first=x, second=y, tokens=tokens, n_evidence=n,
+                      first_only=b, second_only=c, p_mcnemar=calls.mcnemar(b, c)))
+  return out
 
 
 def tables(rows: list[dict]) -> list[common.Table]:
@@ -360,7 +426,13 @@ def tables(rows: list[dict]) -> list[common.Table]:
                     "decode KV len", "TTFT s", "latency s", "memory MiB"), t3),
       common.Table("Retrieval ablation: evidence recall@k by block size, boxes (raw = "
                    "de-rotated keys) and strategy; columns = retrieved history tokens",
-                   ("BS", "boxes", "strategy") + tuple(str(t) for t in tok_cols), t4)]
+                   ("BS", "boxes", "strategy") + tuple(str(t) for t in tok_cols), t4),
+      common.Table("Paired evidence recall at equal retrieved tokens: evidence turns only "
+                   "the first / only the second method retrieved, exact McNemar p",
+                   ("first", "second", "tokens", "evidence", "first only", "second only",
+                    "p"), [(r["first"], r["second"], str(r["tokens"]), str(r["n_evidence"]),
+                            str(r["first_only"]), str(r["second_only"]),
+                            f"{r['p_mcnemar']:.3g}") for r in rows if r["kind"] == "paired"])]
 
 
 def plot(rows: list[dict], path: str) -> str:
