@@ -415,7 +415,7 @@ def tables(rows: list[dict]) -> list[common.Table]:
   t4 = [(str(bs), box, strat) + tuple(
       f"{g[t]['evidence_recall']:.2f}" if t in g else "-" for t in tok_cols)
         for (bs, box, strat), g in grid.items()]
-  return [
+  return [t for t in [
       common.Table("MemArt vs baselines (Table 2's shape): LoCoMo F1 / BLEU-1 x 100 of the "
                    "greedy answer, answer NLL (nats/token), evidence recall [95% CI]",
                    ("method", "strategy", "questions", "F1", "F1 vs full", "F1 recall q",
@@ -433,6 +433,7 @@ def tables(rows: list[dict]) -> list[common.Table]:
                     "p"), [(r["first"], r["second"], str(r["tokens"]), str(r["n_evidence"]),
                             str(r["first_only"]), str(r["second_only"]),
                             f"{r['p_mcnemar']:.3g}") for r in rows if r["kind"] == "paired"])]
+          if t.lines]                                  # --nogenerate / older files: no rows
 
 
 def plot(rows: list[dict], path: str) -> str:
