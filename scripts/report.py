@@ -25,6 +25,10 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             3), recall@k ablation and curve
   bench/results_memart_exact.json  bench/memart.py          recall@k: eq. 3 bound vs exact
                                                             block maxima vs re-ranking
+  bench/results_memart_qwen.json   bench/memart.py          question-only requests over
+                                                            24k-token histories (Qwen)
+  bench/results_memart_recall.json bench/memart.py          recall@k with plaintext and
+                                                            paired tests (140 questions)
   bench/results_kernels_h200*.json bench/attention_kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
@@ -84,6 +88,8 @@ SOURCES = {
     "memart": "bench/results_memart.json",
     "memart-exact": "bench/results_memart_exact.json",
     "memart-rerank": "bench/results_memart_rerank.json",
+    "memart-qwen": "bench/results_memart_qwen.json",
+    "memart-recall": "bench/results_memart_recall.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
@@ -174,8 +180,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   out["memart-exact"] = rows["memart-exact"] and _render(
       [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
-  out["memart-rerank"] = rows["memart-rerank"] and _render(
-      memart_bench.tables(rows["memart-rerank"]))
+  for name in ("memart-rerank", "memart-qwen", "memart-recall"):
+    out[name] = rows[name] and _render(memart_bench.tables(rows[name]))
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
                "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
