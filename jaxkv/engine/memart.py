@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, MemArtConfig
-from jaxkv.engine.driver import Driver, chunk_step, continue_one
+from jaxkv.engine.driver import Driver, continue_one
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import PagedAllocator
@@ -186,25 +186,21 @@ class MemArtRunner:
     q or None, the last chunk's padded positions)."""
     n = ids.size
     assert not (capture_q and n > self.prefill_chunk), "probe checks its length"
-    slots = []
-    for lo in range(0, n, self.prefill_chunk):
-      piece = ids[lo:lo + self.prefill_chunk]
-      m, at = piece.size, start + lo
-      slots.append(self.alloc.extend(seq, m))
-      c = plan_lib.chunk_len(m)
-      w = plan_lib.width(at + m)
-      pos = np.where(np.arange(c) < m, at + np.arange(c), -1).astype(np.int32)
-      smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
-      extra = {}
-      if key_shift is not None:
-        extra["key_shift"] = jnp.asarray(_pad(key_shift[:w], w)[None])
-      out, self.driver.kv = chunk_step(
-          self.graphdef, self.weights, self.driver.kv, jnp.asarray(_pad(piece, c)[None]),
-          jnp.asarray(pos[None]), jnp.asarray(smap), read=jnp.asarray([[m - 1]], np.int32),
-          capture=Capture(q=capture_q), attn_impl=self.driver.attn_impl, return_logits=True,
-          **extra)
-    return (np.concatenate(slots), np.asarray(out.logits[0, 0], np.float32),
-            (out.q if capture_q else None), pos)
+    slots = self.alloc.extend(seq, n)
+    extra = dict(capture=Capture(q=capture_q), return_logits=True)
+
+    def options(ch):
+      if key_shift is None:
+        return extra
+      w = plan_lib.width(ch.need)
+      return dict(extra, key_shift=jnp.asarray(_pad(key_shift[:w], w)[None]))
+
+    for ch, out in self.driver.prefill(
+        [plan_lib.Row(ids, start)], chunk=self.prefill_chunk,
+        slot_map=lambda w: plan_lib.slot_rows([self.alloc.slot_map(seq)], w), options=options):
+      pass
+    return (slots, np.asarray(out.logits[0, 0], np.float32), (out.q if capture_q else None),
+            ch.positions[0])
 
   def _adopt_head(self, seq: int) -> None:
     self.alloc.adopt(seq, self.head_slots)
