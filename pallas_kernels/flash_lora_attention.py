@@ -72,17 +72,18 @@ def _read_lr(vlr_ref, rows, cols, live, block_k: int):
 def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_ref, b_ref, k_ref,
             v_ref, vlr_ref, o_ref, m_ref, l_ref, *, block_k: int, scale: float, rank: int):
   h = pl.program_id(1)
-  q = q_ref[...]                                   # [block_r, D]
+  ct = pa.compute_dtype(q_ref, k_ref)
+  q = q_ref[...].astype(ct)                        # [block_r, D]
   qpos = qpos_ref[...]
-  prec = pa.dot_precision(q.dtype)
+  prec = pa.dot_precision(ct)
   r_pad = b_ref.shape[0]
   cols = jnp.minimum(lax.broadcasted_iota(jnp.int32, (r_pad,), 0), rank - 1)
 
   def visit(carry, rows, live, key_pos):
     acc, acc_lr, ml = carry
-    k = pa.read_rows(k_ref, rows, h, live)
-    v = pa.read_rows(v_ref, rows, h, live)
-    v_lr = _read_lr(vlr_ref, rows, cols, live, block_k)                # [block_k, r_pad]
+    k = pa.read_rows(k_ref, rows, h, live).astype(ct)
+    v = pa.read_rows(v_ref, rows, h, live).astype(ct)
+    v_lr = _read_lr(vlr_ref, rows, cols, live, block_k).astype(ct)     # [block_k, r_pad]
     s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
     p, corr, ml = pa.online_softmax_update(ml, s, pa.key_mask(key_pos, qpos, live))
     pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)

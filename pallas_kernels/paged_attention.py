@@ -407,6 +407,13 @@ def read_rows(pool_ref, rows, h, live):
   return plgpu.load(pool_ref.at[rows[:, None], h, cols], mask=live[:, None], other=0)
 
 
+def compute_dtype(q_ref, pool_ref):
+  """The dtype the dots run in: queries and pool promoted (a bf16 model over an
+  fp32 pool, or the reverse), as the reference's jnp arithmetic does; only the
+  tiles are cast, never the pool. Equal dtypes: no cast."""
+  return jnp.promote_types(q_ref.dtype, pool_ref.dtype)
+
+
 def dot_precision(dtype):
   """IEEE fp32 for fp32 inputs (no silent TF32); native tensor-core path otherwise."""
   return lax.Precision.HIGHEST if dtype == jnp.float32 else None
@@ -512,14 +519,15 @@ def compiler_params(num_warps: int, num_stages: int):
 def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_ref, k_ref,
             v_ref, o_ref, m_ref, l_ref, *, block_k: int, scale: float):
   h = pl.program_id(1)
-  q = q_ref[...]                                   # [block_r, D]
+  ct = compute_dtype(q_ref, k_ref)
+  q = q_ref[...].astype(ct)                        # [block_r, D]
   qpos = qpos_ref[...]                             # [block_r]
-  prec = dot_precision(q.dtype)
+  prec = dot_precision(ct)
 
   def visit(carry, rows, live, key_pos):
     acc, ml = carry
-    k = read_rows(k_ref, rows, h, live)            # [block_k, D]
-    v = read_rows(v_ref, rows, h, live)
+    k = read_rows(k_ref, rows, h, live).astype(ct)  # [block_k, D]
+    v = read_rows(v_ref, rows, h, live).astype(ct)
     s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
     p, corr, ml = online_softmax_update(ml, s, key_mask(key_pos, qpos, live))
     pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)

@@ -134,6 +134,30 @@ def _check_bf16(seed, got, reference, a, layer):
       f"seed={seed}: kernel error {err} > 2 x bf16 reference error {ref_err}")
 
 
+@pytest.mark.parametrize("q_dtype,pool_dtype", [(jnp.bfloat16, jnp.float32),
+                                                 (jnp.float32, jnp.bfloat16)])
+def test_mixed_query_and_pool_dtypes(q_dtype, pool_dtype):
+  """A bf16 model over an fp32 pool (CacheConfig.dtype's default) and the reverse:
+  both kernels promote the tiles as the reference's jnp arithmetic does (this
+  failed in the CUDA lowering before: Triton's dot takes one element type).
+  Tolerance: the fp32 reference of the same (promoted) inputs, within one output
+  rounding of q's dtype (2^-7 relative for bf16) + 1e-5."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=5, rank=8,
+                  dtype=pool_dtype)
+  a = dict(a, q=a["q"].astype(q_dtype), lora_b=a["lora_b"].astype(q_dtype))
+  up = {k: (v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v) for k, v in a.items()}
+  paged = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
+  cases = [(pa.paged_attention, pa.paged_attention_reference, paged),
+           (fla.flash_lora_attention, fla.flash_lora_attention_reference, None)]
+  for kernel, reference, keys in cases:
+    pick = (lambda d, keys=keys: {k: d[k] for k in keys} if keys else d)
+    got = kernel(**pick(a), layer=1, interpret=INTERPRET)
+    assert got.dtype == q_dtype, f"seed={seed}: output {got.dtype}, queries {q_dtype}"
+    want = np.asarray(_ref(reference, **pick(up), layer=1), np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2 ** -7, atol=1e-5,
+                               err_msg=f"seed={seed}: {kernel.__name__}")
+
+
 SWEEP = list(itertools.product([1, 16], [64, 128], [1, 3, 7], [0.0, 0.5, 1.0]))
 
 
@@ -422,6 +446,21 @@ def test_kernels_lower_for_cuda(dtype, q_len, head_dim, groups):
                          q, pool, pool, sm, qp, layer)
   assert text.count("__gpu$xla.gpu.triton") == 1
   lr, lb = S((layers, slots, 8), dtype), S((b, 8, hkv, head_dim), dtype)
+  text = export_for_cuda(lambda *x: fla.flash_lora_attention(*x[:7], layer=x[7]),
+                         q, pool, pool, lr, lb, sm, qp, layer)
+  assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_kernels_lower_for_cuda_mixed_dtypes():
+  """bf16 queries over an fp32 pool (a bf16 model with CacheConfig's default
+  pool) lower for CUDA: the tiles are promoted, Triton's dot sees one type."""
+  b, hkv, g, d, layers, slots, t = 2, 2, 7, 128, 4, 8192, 4096
+  q, pool = S((b, 1, hkv * g, d), jnp.bfloat16), S((layers, slots, hkv, d), jnp.float32)
+  sm, qp, layer = S((b, t), jnp.int32), S((b, 1), jnp.int32), S((), jnp.int32)
+  text = export_for_cuda(lambda *x: pa.paged_attention(*x[:5], layer=x[5]),
+                         q, pool, pool, sm, qp, layer)
+  assert text.count("__gpu$xla.gpu.triton") == 1
+  lr, lb = S((layers, slots, 8), jnp.float32), S((b, 8, hkv, d), jnp.bfloat16)
   text = export_for_cuda(lambda *x: fla.flash_lora_attention(*x[:7], layer=x[7]),
                          q, pool, pool, lr, lb, sm, qp, layer)
   assert text.count("__gpu$xla.gpu.triton") == 1
