@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from jaxkv.data import calls
@@ -91,6 +92,23 @@ def test_mcnemar_exact():
   assert abs(calls.mcnemar(12, 0) - 2 / 4096) < 1e-12
   with pytest.raises(ValueError):
     calls.mcnemar(-1, 2)
+
+
+def test_ratio_ci_bootstrap():
+  rng = np.random.default_rng(3)
+  y = rng.uniform(0.2, 1.0, 400)
+  point, lo, hi = calls.ratio_ci(0.8 * y, y)              # x = 0.8 y exactly: every resample
+  assert point == pytest.approx(0.8) and lo == pytest.approx(0.8) and hi == pytest.approx(0.8)
+  x = y + rng.normal(0, 0.3, y.size)                      # noisy: the interval holds the point
+  point, lo, hi = calls.ratio_ci(x, y)
+  assert lo < point < hi and hi - lo < 0.2
+  assert calls.ratio_ci(x, y, seed=1) != calls.ratio_ci(x, y, seed=2)
+  assert calls.ratio_ci(x, y) == calls.ratio_ci(x, y)     # fixed seed: reproducible
+  p1, lo1, hi1 = calls.ratio_ci([1.0], [2.0])
+  assert p1 == 0.5 and math.isnan(lo1) and math.isnan(hi1)
+  assert math.isnan(calls.ratio_ci([1.0, 0.0], [0.0, 0.0])[0])
+  with pytest.raises(ValueError):
+    calls.ratio_ci([1.0, 2.0], [1.0])
 
 
 def test_wilson_interval():

@@ -38,6 +38,8 @@ import math
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxkv.data.traces import ToolCall, parse_react
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -162,6 +164,29 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
   mid = (p + z * z / (2 * n)) / den
   half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
   return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def ratio_ci(x, y, reps: int = 2000, seed: int = 0,
+             level: float = 0.95) -> tuple[float, float, float]:
+  """mean(x) / mean(y) of paired per-item scores and its percentile bootstrap
+  interval (items resampled with replacement, `reps` times, fixed seed): how a
+  method's mean F1 compares with full context's on the same questions. The
+  interval is (nan, nan) when fewer than two pairs, or a resample's mean(y) is 0."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if x.shape != y.shape or x.ndim != 1:
+    raise ValueError(f"ratio_ci: need two paired 1-d score lists, got {x.shape}, {y.shape}")
+  if not 0 < level < 1 or reps < 1:
+    raise ValueError(f"ratio_ci: need 0 < level < 1 and reps >= 1, got {level}, {reps}")
+  point = float(x.mean() / y.mean()) if x.size and y.mean() else math.nan
+  if x.size < 2:
+    return point, math.nan, math.nan
+  idx = np.random.default_rng(seed).integers(0, x.size, (reps, x.size))
+  den = y[idx].mean(1)
+  if np.any(den == 0):
+    return point, math.nan, math.nan
+  r = x[idx].mean(1) / den
+  lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
+  return point, float(lo), float(hi)
 
 
 def mcnemar(b: int, c: int) -> float:
