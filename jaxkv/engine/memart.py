@@ -390,6 +390,8 @@ class MemArtRunner:
     new_pos = h + np.arange(spliced.size, dtype=np.int32)
     shift = np.r_[np.zeros(h, np.int32), new_pos - written,
                   np.zeros(tail.size + max_tokens, np.int32)].astype(np.int32)
+    if not shift.any():             # nothing moved (full context): the kernels' path
+      shift = None
     _, logits, _, _ = self._prefill(seq, tail, start, key_shift=shift)
     ttft = time.perf_counter() - t0
     n = start + tail.size
@@ -397,7 +399,8 @@ class MemArtRunner:
     self.alloc.extend(seq, max_tokens)
     smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
     toks, lp = continue_one(self.driver, logits, n, smap, max_tokens, forced=forced,
-                            stop_ids=stop_ids, key_shift=_pad(shift[:w], w)[None])
+                            stop_ids=stop_ids,
+                            key_shift=None if shift is None else _pad(shift[:w], w)[None])
     kv_len = int(np.sum(self.alloc.slot_map(seq)[:n] != SENTINEL)) + len(toks)
     self.alloc.free_sequence(seq)
     return Answer(toks, lp, logits, blocks, tail.size, probe, kv_len, ttft, time.perf_counter() - t0)
