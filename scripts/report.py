@@ -29,6 +29,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             24k-token histories (Qwen)
   bench/results_memart_recall.json bench/memart.py          recall@k with plaintext and
                                                             paired tests (140 questions)
+  bench/results_memart_h100.json   bench/memart.py (GPU)    TTFT / latency over a 25k-token
+                                                            history on an H100 (timings only)
   bench/results_kernels_h200*.json bench/attention_kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
@@ -90,6 +92,7 @@ SOURCES = {
     "memart-rerank": "bench/results_memart_rerank.json",
     "memart-qwen": "bench/results_memart_qwen.json",
     "memart-recall": "bench/results_memart_recall.json",
+    "memart-h100": "bench/results_memart_h100.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
@@ -180,6 +183,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   out["memart-exact"] = rows["memart-exact"] and _render(
       [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
+  out["memart-h100"] = rows["memart-h100"] and _render(      # random weights: timings only
+      [t for t in memart_bench.tables(rows["memart-h100"]) if "Efficiency" in t.title])
   for name in ("memart-rerank", "memart-qwen", "memart-recall"):
     out[name] = rows[name] and _render(memart_bench.tables(rows[name]))
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
