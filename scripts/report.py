@@ -31,6 +31,10 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             paired tests (140 questions)
   bench/results_memart_h100.json   bench/memart.py (GPU)    TTFT / latency over a 25k-token
                                                             history on an H100 (timings only)
+  bench/results_memart_qwen_r16.json bench/memart.py        re-ranking R = 4 / 8 / 16 over
+                                                            24k-token histories (Qwen)
+  bench/results_memart_recall_f1.json bench/memart.py       answers (F1 vs full, paired) on
+                                                            the 5-6k recall conversations
   bench/results_kernels_h200*.json bench/attention_kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
@@ -93,6 +97,8 @@ SOURCES = {
     "memart-qwen": "bench/results_memart_qwen.json",
     "memart-recall": "bench/results_memart_recall.json",
     "memart-h100": "bench/results_memart_h100.json",
+    "memart-qwen-r16": "bench/results_memart_qwen_r16.json",
+    "memart-recall-f1": "bench/results_memart_recall_f1.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
@@ -185,7 +191,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
   out["memart-h100"] = rows["memart-h100"] and _render(      # random weights: timings only
       [t for t in memart_bench.tables(rows["memart-h100"]) if "Efficiency" in t.title])
-  for name in ("memart-rerank", "memart-qwen", "memart-recall"):
+  for name in ("memart-rerank", "memart-qwen", "memart-recall", "memart-qwen-r16",
+               "memart-recall-f1"):
     out[name] = rows[name] and _render(memart_bench.tables(rows[name]))
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
                "kernels-h200-grid"):
