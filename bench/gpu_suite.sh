@@ -21,7 +21,7 @@
 # Every stage runs under its own time limit and logs to OUTDIR/<stage>.log; a failing
 # stage does not stop the next. PYTHON picks the interpreter (default python3).
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_suite.sh OUTDIR [tests|kernels|throughput ...]}
+out=${1:?usage: bash bench/gpu_suite.sh OUTDIR [tests|kernels|throughput|memart ...]}
 shift
 stages=${*:-tests kernels throughput}
 py=${PYTHON:-python3}
