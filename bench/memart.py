@@ -60,9 +60,9 @@ import numpy as np
 from absl import app, flags
 
 import common
+from memart_tables import plot, rows_of, tables
 import jaxkv
 from jaxkv.config import CacheConfig, MemArtConfig
-from jaxkv.data import calls
 from jaxkv.data import conversations as C
 from jaxkv.engine.memart import MemArtRunner
 
@@ -249,6 +249,12 @@ def _merge(reuse: list[dict], recs: list[dict], conv: str) -> list[dict]:
   return out
 
 
+def _rows(recs: list[dict], abl: list[dict]) -> list[dict]:
+  """`memart_tables.rows_of` labelled with this run's flags."""
+  return rows_of(recs, abl, block_size=int(FLAGS.block_sizes[0]), top_k=FLAGS.top_k,
+                 rerank=(_reranks() or [0])[0])
+
+
 def _runner(llm, lay: Layout, bs: int, box: str, need: int) -> MemArtRunner:
   pages = 2 * (need // bs) + 64
   cfg = MemArtConfig(block_size=bs, top_k=FLAGS.top_k, box_keys=box)
@@ -394,163 +400,6 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
   return recs, abl
 
 
-def rows_of(recs: list[dict], abl: list[dict]) -> list[dict]:
-  rows = []
-  full_f1 = {(r["conv"], r["q"]): r["f1"] for r in recs if r["method"] == "full"}
-  for name in dict.fromkeys(r["method"] for r in recs):
-    rs = [r for r in recs if r["method"] == name]
-    ev = [r["recall"] for r in rs if not np.isnan(r["recall"])]
-    hit = int(round(sum(ev)))
-    mean = lambda f, sel=rs: float(np.mean([r[f] for r in sel])) if sel else float("nan")
-    rows.append(dict(
-        kind="method", method=name, strategy={"memart": "softmax-max", "memart_rerank": (
-            f"rerank{_reranks()[0] if _reranks() else 0}x softmax-max")}.get(name, "-"),
-        block_size=int(FLAGS.block_sizes[0]), top_k=FLAGS.top_k, evidence_recall=mean("recall"),
-        recall_ci=list(calls.wilson(hit, len(ev))), f1=mean("f1"), bleu1=mean("bleu1"),
-        f1_recall=mean("f1", [r for r in rs if not r["synthetic"]]),
-        f1_planted=mean("f1", [r for r in rs if r["synthetic"]]), answer_nll=mean("nll"),
-        prefill_tokens=mean("prefill_tokens"), probe_tokens=mean("probe_tokens"),
-        decode_kv_len=mean("decode_kv_len"), latency_s=mean("latency_s"), ttft_s=mean("ttft_s"),
-        memory_bytes=mean("memory_bytes"), n_questions=len(rs), **_vs_full(rs, full_f1)))
-  keys = sorted({(a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) for a in abl})
-  for strat, bs, box, tokens in keys:
-    sel = [a for a in abl if (a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) ==
-           (strat, bs, box, tokens)]
-    hits, n = sum(a["hits"] for a in sel), sum(a["n"] for a in sel)
-    rows.append(dict(kind="ablation", method=strat if strat in ("recent", "plaintext") else
-                     "memart",
-                     strategy=strat, block_size=bs, box_keys=box, top_k=sel[0]["top_k"],
-                     tokens=tokens, evidence_recall=hits / max(n, 1),
-                     recall_ci=list(calls.wilson(hits, n)), n_questions=len(sel)))
-  return rows + paired(abl)
-
-
-def _vs_full(rs: list[dict], full_f1: dict) -> dict:
-  """Mean F1 over full context's on the questions both answered, with a paired
-  bootstrap 95% interval (questions resampled; `calls.ratio_ci`)."""
-  both = [(r["f1"], full_f1[(r["conv"], r["q"])]) for r in rs if (r["conv"], r["q"]) in full_f1]
-  if not both:
-    return {}
-  ratio, lo, hi = calls.ratio_ci(*zip(*both))
-  return dict(f1_vs_full=ratio, f1_vs_full_ci=[lo, hi], n_vs_full=len(both))
-
-
-def paired(abl: list[dict]) -> list[dict]:
-  """Evidence-level paired comparisons at equal retrieved tokens (first block size,
-  raw boxes): turns one method retrieved and the other missed, both ways, and the
-  exact McNemar p. Records from before per-evidence hits were kept are skipped."""
-  bs0 = int(FLAGS.block_sizes[0])
-  hit = {}
-  for a in abl:
-    if "hit" in a and (a["block_size"], a["box_keys"]) == (bs0, "raw"):
-      hit[(a["strategy"], a["tokens"], a["conv"], a["q"])] = a["hit"]
-  strats = {k[0] for k in hit}
-  reranks = sorted((x for x in strats if x.startswith("rerank")),
-                   key=lambda x: int(x[6:x.index("x")]))
-  pairs = [(x, y) for x, y in [(r, "plaintext") for r in reranks] +
-           [("softmax-max", "plaintext")] + [(r, "softmax-max") for r in reranks] +
-           [(r, "recent") for r in reranks] if x in strats and y in strats]
-  out = []
-  for x, y in pairs:
-    for tokens in sorted({k[1] for k in hit if k[0] == x}):
-      b = c = n = 0
-      for (s_, t, conv, q), hx in hit.items():
-        hy = hit.get((y, tokens, conv, q))
-        if s_ != x or t != tokens or hy is None:
-          continue
-        n += len(hx)
-        b += sum(u and not v for u, v in zip(hx, hy))
-        c += sum(v and not u for u, v in zip(hx, hy))
-      out.append(dict(kind="paired", first=x, second=y, tokens=tokens, n_evidence=n,
-                      first_only=b, second_only=c, p_mcnemar=calls.mcnemar(b, c)))
-  return out
-
-
-def _secs(x: float) -> str:
-  """Seconds: milliseconds kept below 1 s (a GPU's TTFTs)."""
-  return f"{x:.3f}" if x < 1 else f"{x:.2f}"
-
-
-def _ratio_cell(r: dict, full: dict | None) -> str:
-  """F1 vs full: paired over the questions both answered, with its bootstrap
-  interval (and n when fewer than all); older files: the ratio of the means."""
-  if "f1_vs_full" in r:
-    lo, hi = r["f1_vs_full_ci"]
-    cell = f"{100 * r['f1_vs_full']:.0f}%"
-    if r["method"] != "full" and not np.isnan(lo):
-      cell += f" [{100 * lo:.0f}, {100 * hi:.0f}]"
-    return cell + (f" (n {r['n_vs_full']})" if r["n_vs_full"] != r["n_questions"] else "")
-  return "-" if not full or not full["f1"] else f"{100 * r['f1'] / full['f1']:.0f}%"
-
-
-def tables(rows: list[dict]) -> list[common.Table]:
-  ms = [r for r in rows if r["kind"] == "method"]
-  full = next((r for r in ms if r["method"] == "full"), None)
-  t2 = [(r["method"], r["strategy"], str(r["n_questions"]), f"{100 * r['f1']:.1f}",
-         _ratio_cell(r, full),
-         f"{100 * r['f1_recall']:.1f}", f"{100 * r['f1_planted']:.1f}", f"{100 * r['bleu1']:.1f}",
-         f"{r['answer_nll']:.3f}",
-         f"{r['evidence_recall']:.2f} [{r['recall_ci'][0]:.2f}, {r['recall_ci'][1]:.2f}]")
-        for r in ms]
-  t3 = [(r["method"], f"{r['prefill_tokens']:.0f}", f"{r['probe_tokens']:.0f}",
-         "-" if not full else f"{full['prefill_tokens'] / max(r['prefill_tokens'], 1):.0f}x",
-         f"{r['decode_kv_len']:.0f}", _secs(r["ttft_s"]), _secs(r["latency_s"]),
-         f"{r['memory_bytes'] / 2 ** 20:.1f}") for r in ms]
-  ab = sorted((r for r in rows if r["kind"] == "ablation"),
-              key=lambda r: (r["block_size"], r["box_keys"], r["strategy"], r["tokens"]))
-  tok_cols = sorted({r["tokens"] for r in ab})
-  grid = {}
-  for r in ab:
-    grid.setdefault((r["block_size"], r["box_keys"], r["strategy"]), {})[r["tokens"]] = r
-  t4 = [(str(bs), box, strat) + tuple(
-      f"{g[t]['evidence_recall']:.2f}" if t in g else "-" for t in tok_cols)
-        for (bs, box, strat), g in grid.items()]
-  return [t for t in [
-      common.Table("MemArt vs baselines (Table 2's shape): LoCoMo F1 / BLEU-1 x 100 of the "
-                   "greedy answer, answer NLL (nats/token), evidence recall [95% CI]",
-                   ("method", "strategy", "questions", "F1", "F1 vs full [95% CI]",
-                    "F1 recall q",
-                    "F1 planted q", "BLEU-1", "answer NLL", "evidence recall"), t2),
-      common.Table("Efficiency (Table 3's shape): prefill tokens per request (+ MemArt's "
-                   "retrieval probe), decode KV length, TTFT and latency (s), memory MiB",
-                   ("method", "prefill tokens", "probe tokens", "fewer than full",
-                    "decode KV len", "TTFT s", "latency s", "memory MiB"), t3),
-      common.Table("Retrieval ablation: evidence recall@k by block size, boxes (raw = "
-                   "de-rotated keys) and strategy; columns = retrieved history tokens",
-                   ("BS", "boxes", "strategy") + tuple(str(t) for t in tok_cols), t4),
-      common.Table("Paired evidence recall at equal retrieved tokens: evidence turns only "
-                   "the first / only the second method retrieved, exact McNemar p",
-                   ("first", "second", "tokens", "evidence", "first only", "second only",
-                    "p"), [(r["first"], r["second"], str(r["tokens"]), str(r["n_evidence"]),
-                            str(r["first_only"]), str(r["second_only"]),
-                            f"{r['p_mcnemar']:.3g}") for r in rows if r["kind"] == "paired"])]
-          if t.lines]                                  # --nogenerate / older files: no rows
-
-
-def plot(rows: list[dict], path: str) -> str:
-  import matplotlib   # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
-  ab = [r for r in rows if r["kind"] == "ablation"]
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  strategies = sorted({r["strategy"] for r in ab})
-  for key in sorted({(r["block_size"], r["box_keys"], r["strategy"]) for r in ab}):
-    rs = sorted((r for r in ab if (r["block_size"], r["box_keys"], r["strategy"]) == key),
-                key=lambda r: r["tokens"])
-    ax.plot([r["tokens"] for r in rs], [r["evidence_recall"] for r in rs],
-            color=f"C{strategies.index(key[2])}", ls="-" if key[0] == 16 else "--",
-            marker="o" if key[1] == "raw" else "x", lw=1.5 if key[1] == "raw" else 0.8,
-            label=f"BS{key[0]} {key[1]} {key[2]}")
-  ax.set(xscale="log", xlabel="retrieved history tokens (k x BS)", ylabel="evidence recall",
-         title="MemArt retrieval: recall vs k")
-  ax.legend(fontsize=6, ncol=2)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
-
-
 def main(argv):
   del argv
   if FLAGS.tables_from:
@@ -561,7 +410,7 @@ def main(argv):
       raise app.UsageError("--rows_from_records rebuilds --out: give --out")
     with open(os.path.splitext(FLAGS.out)[0] + "_records.json") as f:
       state = json.load(f)
-    rows = rows_of(state["recs"], state["abl"])
+    rows = _rows(state["recs"], state["abl"])
     common.write_rows(FLAGS.out, rows)
     common.print_tables(tables(rows))
     return
@@ -584,7 +433,7 @@ def main(argv):
     with open(side) as f:
       state = json.load(f)
   done = {r["conv"] for r in state["recs"]}
-  rows = rows_of(state["recs"], state["abl"])
+  rows = _rows(state["recs"], state["abl"])
   for conv in convs:
     if conv.sample_id in done:
       print(f"{conv.sample_id}: already in {side}, skipped")
@@ -597,7 +446,7 @@ def main(argv):
     jax.clear_caches()
     state["recs"] += rc
     state["abl"] += ab
-    rows = rows_of(state["recs"], state["abl"])
+    rows = _rows(state["recs"], state["abl"])
     common.write_rows(FLAGS.out, rows)
     if side:
       with open(side, "w") as f:

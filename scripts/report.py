@@ -63,7 +63,7 @@ import agent_eval      # noqa: E402  (bench/)
 import common          # noqa: E402
 import attention_kernels as kernels_bench   # noqa: E402
 import lragent as lragent_bench   # noqa: E402
-import memart as memart_bench   # noqa: E402
+import memart_tables as memart_bench   # noqa: E402
 import plot_training   # noqa: E402  (scripts/)
 import pruning         # noqa: E402
 import reuse as reuse_bench   # noqa: E402

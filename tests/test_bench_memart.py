@@ -10,6 +10,7 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import memart as bench   # noqa: E402  pylint: disable=wrong-import-position
+import memart_tables   # noqa: E402  pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 
@@ -50,22 +51,22 @@ def test_f1_vs_full_pairs_questions(parsed):
   recs = [rec("full", q, f) for q, f in enumerate([0.5, 0.4, 0.2, 0.6])]
   recs += [rec("memart_rerank", q, f) for q, f in enumerate([0.25, 0.2, 0.1, 0.3])]
   recs += [rec("recent", 0, 0.5), rec("recent", 0, 0.1, conv="c1")]   # one paired: no CI
-  rows = {r["method"]: r for r in bench.rows_of(recs, []) if r["kind"] == "method"}
+  rows = {r["method"]: r for r in bench._rows(recs, []) if r["kind"] == "method"}
   assert rows["memart_rerank"]["f1_vs_full"] == pytest.approx(0.5)
   assert rows["memart_rerank"]["f1_vs_full_ci"] == pytest.approx([0.5, 0.5])   # x = y / 2
   assert rows["memart_rerank"]["strategy"] == "rerank16x softmax-max"     # the first R
   assert rows["recent"]["n_vs_full"] == 1 and np.isnan(rows["recent"]["f1_vs_full_ci"][0])
-  cell = bench._ratio_cell(rows["recent"], rows["full"])
+  cell = memart_tables._ratio_cell(rows["recent"], rows["full"])
   assert cell == "100% (n 1)"
 
 
-def test_paired_table_has_every_rerank(parsed):
+def test_paired_table_has_every_rerank():
   abl = []
   for strat, hit in (("rerank4x softmax-max", [True, False]), ("rerank16x softmax-max",
                      [True, True]), ("plaintext", [False, True])):
     abl.append(dict(conv="c0", q=0, block_size=8, box_keys="raw", strategy=strat, top_k=64,
                     tokens=512, hits=sum(hit), hit=hit, n=2))
-  out = {(r["first"], r["second"]): r for r in bench.paired(abl)}
+  out = {(r["first"], r["second"]): r for r in memart_tables.paired(abl, 8)}
   assert set(out) == {("rerank4x softmax-max", "plaintext"),
                       ("rerank16x softmax-max", "plaintext")}
   assert (out[("rerank4x softmax-max", "plaintext")]["first_only"],
