@@ -277,6 +277,7 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
   need = lay.head.size + hist.size + max(tail_ids(tok, lay, q.question)[0].size for q in qas) \
       + FLAGS.gen + 64
   bs0 = int(FLAGS.block_sizes[0])
+  reranks = _reranks()
   recs = []
   # ---- memory (memart, recent, ablation) and full context
   r = _runner(llm, lay, bs0, "raw", need)
@@ -320,7 +321,7 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
             out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
           else:
             out = r.answer(m, tail, FLAGS.gen, stop_ids=tok.stop_ids, voters=voters,
-                           rerank=_reranks()[0] if name == "memart_rerank" else 0)
+                           rerank=reranks[0] if name == "memart_rerank" else 0)
             blocks = out.blocks
           pre_tokens, latency = out.prefill_tokens, out.latency_s
           recall = np.mean([covered(m, blocks, spans, e) for e in qa.evidence]) \
@@ -371,10 +372,10 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
         for norm, agg in STRATEGIES:
           sc = ra.scores(ma, pr, norm=norm, agg=agg)
           picks[f"{norm}-{agg}"] = lambda kk, sc=sc: ra.select(ma, sc, kk)
-        if _reranks() and box == "raw":                # the config's softmax-max, exactly
+        if reranks and box == "raw":                   # the config's softmax-max, exactly
           ex = ra.exact_scores(ma, pr)
           picks["exact softmax-max"] = lambda kk: ra.select(ma, ex, kk)
-          for rr in _reranks():     # the runner's option (MemArtConfig.rerank): R x k re-scored
+          for rr in reranks:        # the runner's option (MemArtConfig.rerank): R x k re-scored
             picks[f"rerank{rr}x softmax-max"] = lambda kk, rr=rr: ra.rank(ma, pr, kk, rerank=rr)
         live = np.flatnonzero(ma.live)                   # the recency baseline at each k
         picks["recent"] = lambda kk: np.sort(live[np.argsort(ma.time[live])[-kk:]])
@@ -408,8 +409,12 @@ def main(argv):
   if FLAGS.rows_from_records:
     if not FLAGS.out:
       raise app.UsageError("--rows_from_records rebuilds --out: give --out")
-    with open(os.path.splitext(FLAGS.out)[0] + "_records.json") as f:
-      state = json.load(f)
+    side = os.path.splitext(FLAGS.out)[0] + "_records.json"
+    try:
+      with open(side) as f:
+        state = json.load(f)
+    except (OSError, ValueError) as e:
+      raise app.UsageError(f"--rows_from_records: cannot read {side}: {e}") from e
     rows = _rows(state["recs"], state["abl"])
     common.write_rows(FLAGS.out, rows)
     common.print_tables(tables(rows))

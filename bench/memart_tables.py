@@ -63,10 +63,9 @@ def paired(abl: list[dict], block_size: int) -> list[dict]:
   """Evidence-level paired comparisons at equal retrieved tokens (first block size,
   raw boxes): turns one method retrieved and the other missed, both ways, and the
   exact McNemar p. Records from before per-evidence hits were kept are skipped."""
-  bs0 = block_size
   hit = {}
   for a in abl:
-    if "hit" in a and (a["block_size"], a["box_keys"]) == (bs0, "raw"):
+    if "hit" in a and (a["block_size"], a["box_keys"]) == (block_size, "raw"):
       hit[(a["strategy"], a["tokens"], a["conv"], a["q"])] = a["hit"]
   strats = {k[0] for k in hit}
   reranks = sorted((x for x in strats if x.startswith("rerank")),

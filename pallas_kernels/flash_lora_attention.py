@@ -73,6 +73,8 @@ def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_r
             v_ref, vlr_ref, o_ref, m_ref, l_ref, *, block_k: int, scale: float, rank: int):
   h = pl.program_id(1)
   ct = pa.compute_dtype(q_ref, k_ref)
+  ct_lr = jnp.promote_types(ct, vlr_ref.dtype)     # the low-rank dot: never narrower than V_lr
+  prec_lr = pa.dot_precision(ct_lr)
   q = q_ref[...].astype(ct)                        # [block_r, D]
   qpos = qpos_ref[...]
   prec = pa.dot_precision(ct)
@@ -83,11 +85,11 @@ def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_r
     acc, acc_lr, ml = carry
     k = pa.read_rows(k_ref, rows, h, live).astype(ct)
     v = pa.read_rows(v_ref, rows, h, live).astype(ct)
-    v_lr = _read_lr(vlr_ref, rows, cols, live, block_k).astype(ct)     # [block_k, r_pad]
+    v_lr = _read_lr(vlr_ref, rows, cols, live, block_k).astype(ct_lr)  # [block_k, r_pad]
     s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
     p, corr, ml = pa.online_softmax_update(ml, s, pa.key_mask(key_pos, qpos, live))
     pv = jnp.dot(p.astype(v.dtype), v, precision=prec, preferred_element_type=jnp.float32)
-    pv_lr = jnp.dot(p.astype(v_lr.dtype), v_lr, precision=prec,
+    pv_lr = jnp.dot(p.astype(ct_lr), v_lr, precision=prec_lr,
                     preferred_element_type=jnp.float32)
     return corr[:, None] * acc + pv, corr[:, None] * acc_lr + pv_lr, ml
 
