@@ -5,7 +5,7 @@ r"""MemArt (seed 003) side by side with full context, plaintext retrieval memory
         [--methods=full,memart,plaintext,recent] [--top_k=32] [--gen=24] \
         [--ks=4,8,16,32,64] [--block_sizes=16,8] [--box_keys=raw,rope] \
         [--prompt=head|tail] [--nogenerate] [--noablation] [--model=smollm2-135m] \
-        [--rerank=4[,8,...]] [--dtype=float32] [--warm] [--max_questions=0] \
+        [--rerank=4[,8,...]] [--neighbors=0] [--dtype=float32] [--warm] [--max_questions=0] \
         [--reuse_records=EARLIER_records.json] [--out=bench/results_memart.json] \
         [--plot=docs/plots/memart_recall.png]
 
@@ -32,6 +32,8 @@ session). Per question:
   without copies, prefill of the question only;
 - memart_rerank: the same with `MemArtConfig.rerank` = --rerank (the bound's top
   rerank x top_k blocks re-scored by their keys' exact content-only max q.k);
+  --neighbors=N (both): windows of 2N + 1 blocks around the best (`MemArtConfig.
+  neighbors`); each record names its strategy;
 - recent: the --top_k most recent blocks of the same memory (no retrieval);
 - plaintext: turns embedded by all-MiniLM-L6-v2 (mean pooling, unit norm), the
   best turns by cosine until top_k x BS tokens, in chronological order,
@@ -60,7 +62,7 @@ import numpy as np
 from absl import app, flags
 
 import common
-from memart_tables import plot, rows_of, tables
+from memart_tables import plot, rows_of, strategy_label, tables
 import jaxkv
 from jaxkv.config import CacheConfig, MemArtConfig
 from jaxkv.data import conversations as C
@@ -95,6 +97,9 @@ def define_flags():
                     "rows 'rerank' (each: the top R x k blocks by the bound, re-scored "
                     "exactly), with a row 'exact' (every block scored by its keys' exact "
                     "content-only max q.k, the quantity eq. 3 bounds); 0: neither")
+  flags.DEFINE_integer("neighbors", 0, "MemArtConfig.neighbors of memart and memart_rerank: "
+                       "each block scored by the best within N blocks of it, so top_k "
+                       "takes windows of 2N + 1 blocks (0: the paper's blocks alone)")
   flags.DEFINE_bool("warm", False, "run every question, and the full-context history "
                     "prefill, once untimed first: a GPU's compile times would swamp its "
                     "millisecond TTFTs (default: question 0 alone is repeated)")
@@ -320,9 +325,11 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
             blocks = np.sort(live[np.argsort(mem.time[live])[-FLAGS.top_k:]])
             out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
           else:
+            rr = reranks[0] if name == "memart_rerank" else 0
             out = r.answer(m, tail, FLAGS.gen, stop_ids=tok.stop_ids, voters=voters,
-                           rerank=reranks[0] if name == "memart_rerank" else 0)
+                           rerank=rr, neighbors=FLAGS.neighbors)
             blocks = out.blocks
+            extra["strategy"] = strategy_label(rr, FLAGS.neighbors)
           pre_tokens, latency = out.prefill_tokens, out.latency_s
           recall = np.mean([covered(m, blocks, spans, e) for e in qa.evidence]) \
               if qa.evidence else np.nan
@@ -350,7 +357,8 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
                        nll=float(-np.mean(forced.logprobs)), prefill_tokens=int(pre_tokens),
                        probe_tokens=int(out.probe_tokens), decode_kv_len=int(out.decode_kv_len),
                        latency_s=float(latency), ttft_s=float(extra.get("ttft", out.ttft_s)),
-                       memory_bytes=int(mem_bytes), **_score(tok, out, qa)))
+                       memory_bytes=int(mem_bytes), **_score(tok, out, qa),
+                       **({"strategy": extra["strategy"]} if "strategy" in extra else {})))
     print(f"  {conv.sample_id} q{qi + 1}/{len(qas)} " + " ".join(
         f"{x['method']}:f1={x['f1']:.2f},rec={x['recall']:.2f}" for x in recs[-len(names):]),
           flush=True)

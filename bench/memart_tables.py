@@ -14,10 +14,18 @@ import common
 from jaxkv.data import calls
 
 
+def strategy_label(rerank: int = 0, neighbors: int = 0) -> str:
+  """A MemArt method's retrieval: Softmax-Max over the bound, re-ranked R x k
+  (`rerank`), in windows of 2n + 1 blocks (`neighbors`)."""
+  return (f"rerank{rerank}x " if rerank else "") + "softmax-max" + (
+      f" +{neighbors}nb" if neighbors else "")
+
+
 def rows_of(recs: list[dict], abl: list[dict], *, block_size: int, top_k: int,
             rerank: int) -> list[dict]:
   """Result rows of a run's records: one per method (the generation runs' block
-  size, top_k and memart_rerank's R label them), one per ablation cell, and the
+  size and top_k label them; a MemArt method's strategy is its records' own,
+  older records without one: this run's R), one per ablation cell, and the
   paired comparisons (`paired`)."""
   rows = []
   full_f1 = {(r["conv"], r["q"]): r["f1"] for r in recs if r["method"] == "full"}
@@ -27,8 +35,8 @@ def rows_of(recs: list[dict], abl: list[dict], *, block_size: int, top_k: int,
     hit = int(round(sum(ev)))
     mean = lambda f, sel=rs: float(np.mean([r[f] for r in sel])) if sel else float("nan")
     rows.append(dict(
-        kind="method", method=name, strategy={"memart": "softmax-max", "memart_rerank": (
-            f"rerank{rerank}x softmax-max")}.get(name, "-"),
+        kind="method", method=name, strategy=rs[0].get("strategy") or {
+            "memart": strategy_label(), "memart_rerank": strategy_label(rerank)}.get(name, "-"),
         block_size=block_size, top_k=top_k, evidence_recall=mean("recall"),
         recall_ci=list(calls.wilson(hit, len(ev))), f1=mean("f1"), bleu1=mean("bleu1"),
         f1_recall=mean("f1", [r for r in rs if not r["synthetic"]]),

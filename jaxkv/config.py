@@ -431,6 +431,11 @@ class MemArtConfig:
                                 # it picks R x k candidates, re-scored by their keys' exact
                                 # content-only max q.k (the quantity the bound bounds; the
                                 # boxes are the loss, README MemArt), the best k kept
+  neighbors: int = 0            # 0: the top-k blocks alone (the paper); n > 0: each block
+                                # scored by the best within n blocks of it in its span, so
+                                # top-k takes windows of 2n + 1 blocks (policies.memory.
+                                # memart.dilate: a block cut mid-sentence comes with its
+                                # context; README MemArt)
 
   def __post_init__(self):
     if self.norm not in MEMART_NORMS or self.agg not in MEMART_AGGS:
@@ -442,9 +447,10 @@ class MemArtConfig:
     if self.block_size < 1 or self.top_k < 1:
       raise ValueError(f"memart needs block_size >= 1 and top_k >= 1, got "
                        f"{self.block_size} / {self.top_k}")
-    if self.rr_c < 0 or self.softmax_scale < 0 or self.byte_budget < 0 or self.rerank < 0:
-      raise ValueError("memart needs rr_c >= 0, softmax_scale >= 0, byte_budget >= 0 and "
-                       "rerank >= 0")
+    if (self.rr_c < 0 or self.softmax_scale < 0 or self.byte_budget < 0 or self.rerank < 0
+        or self.neighbors < 0):
+      raise ValueError("memart needs rr_c >= 0, softmax_scale >= 0, byte_budget >= 0, "
+                       "rerank >= 0 and neighbors >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

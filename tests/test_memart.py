@@ -109,6 +109,56 @@ def test_retrieve_equals_brute_force_scoring(norm, agg):
     assert np.all(live[sel])
 
 
+def _dilate_brute(scores, live, times, segment, n):
+  out = np.full(scores.size, -np.inf, np.float32)
+  by_time = {int(times[j]): j for j in np.flatnonzero(live)}
+  for j in np.flatnonzero(live):
+    best = scores[j]
+    for step in (1, -1):                # walk while the neighbour is live, adjacent, same span
+      for d in range(1, n + 1):
+        i = by_time.get(int(times[j]) + step * d)
+        if i is None or segment[i] != segment[j]:
+          break
+        best = max(best, scores[i])
+    out[j] = best
+  return out
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_dilate_equals_brute_force(n):
+  """`dilate`: a live block's score is the best within n chronological, live,
+  same-span neighbours (an evicted block or another span stops the window)."""
+  rng = np.random.default_rng()
+  nb = 40
+  times = rng.permutation(nb).astype(np.int32)                   # rows out of time order
+  cuts = np.sort(rng.choice(np.arange(1, nb), 6, replace=False))
+  segment = np.searchsorted(cuts, times, side="right").astype(np.int32)  # runs in time
+  live = rng.random(nb) < 0.8
+  scores = rng.standard_normal(nb).astype(np.float32)
+  got = np.asarray(memart.dilate(jnp.asarray(scores), jnp.asarray(live), jnp.asarray(times),
+                                 jnp.asarray(segment), n))
+  np.testing.assert_array_equal(got, _dilate_brute(scores, live, times, segment, n))
+
+
+def test_neighbors_take_windows_around_the_best_blocks():
+  """With neighbors n, top-k = the best block's window of 2n + 1 blocks, cut at
+  its span's edge; the window then goes on to the next best block's."""
+  times = np.arange(12, dtype=np.int32)
+  segment = np.array([0] * 5 + [1] * 7, np.int32)
+  live = np.ones(12, bool)
+  live[9] = False                                                  # evicted
+  scores = np.zeros(12, np.float32)
+  scores[[4, 8, 2]] = [3.0, 2.0, 1.0]
+  d = memart.dilate(jnp.asarray(scores), jnp.asarray(live), jnp.asarray(times),
+                    jnp.asarray(segment), 1)
+  pick = lambda k: set(np.asarray(memart.select_blocks(
+      d, jnp.asarray(live), jnp.asarray(times), k, tie=jnp.asarray(scores))).tolist())
+  assert pick(2) == {3, 4}                       # 5 is another span: the window stops
+  assert pick(3) == {3, 4, 8}                    # a window's ties: its best block first
+  assert pick(4) == {3, 4, 7, 8}                 # 9 is evicted
+  assert pick(5) == {2, 3, 4, 7, 8}
+
+
 def test_softmax_weights_sum_to_one_over_live_blocks():
   rng = np.random.default_rng()
   s = jnp.asarray(rng.standard_normal((3, 10)), jnp.float32)
@@ -138,7 +188,8 @@ def test_derotate_inverts_rope_and_tightens_boxes():
 
 def test_config_rejects_bad_values():
   for bad in (dict(norm="mean"), dict(agg="avg"), dict(box_keys="post"), dict(top_k=0),
-              dict(block_size=0), dict(rr_c=-1.0), dict(rerank=-1)):
+              dict(block_size=0), dict(rr_c=-1.0), dict(rerank=-1),
+              dict(neighbors=-1)):
     with pytest.raises(ValueError):
       MemArtConfig(**bad)
 

@@ -17,6 +17,7 @@ from jaxkv.kv import plan as plan_lib
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.splice import rerotate
 from jaxkv.kv.state import SENTINEL
+from jaxkv.policies.memory import memart
 
 CACHE = CacheConfig(num_pages=128, page_size=16, max_seq_len=1024)
 
@@ -263,5 +264,32 @@ def test_rerank_rescores_the_bounds_candidates_exactly(llm):
   tail = rng.integers(100, 40000, 10).astype(np.int32)
   out = r.answer(mem, tail, 3)
   np.testing.assert_array_equal(out.blocks, r.retrieve(mem, tail))
+  r.forget(mem)
+  r.alloc.check()
+
+
+def test_neighbors_through_the_runner(llm):
+  """`neighbors=1` in `rank`: the bound's scores (or, re-ranked over every live
+  block, the exact ones) `dilate`d over the memory's spans, then top-k, the
+  window's best block first; the picks come in windows (each next to another
+  pick of its span, or a window cut to one block by k or an edge)."""
+  r, mem, rng = _random_memory(llm, MemArtConfig(top_k=5, neighbors=1), spans=4, dead=2)
+  pr = r.probe(rng.integers(100, 40000, 10).astype(np.int32))
+  live = int(mem.live.sum())
+
+  def want(scores, k):
+    d = memart.dilate(jnp.asarray(scores), jnp.asarray(mem.live), jnp.asarray(mem.time),
+                      jnp.asarray(mem.segment), 1)
+    got = np.asarray(memart.select_blocks(d, jnp.asarray(mem.live), jnp.asarray(mem.time), k,
+                                          tie=jnp.asarray(scores)))
+    return got[got >= 0]
+
+  for k in (2, 5, 9):
+    np.testing.assert_array_equal(r.rank(mem, pr, k), want(r.scores(mem, pr), k))
+    np.testing.assert_array_equal(r.rank(mem, pr, k, rerank=live),
+                                  want(r.exact_scores(mem, pr), k))
+  np.testing.assert_array_equal(r.rank(mem, pr), want(r.scores(mem, pr), 5))  # the config
+  out = r.answer(mem, rng.integers(100, 40000, 10).astype(np.int32), 2)
+  assert out.blocks.size == 5 and (np.diff(mem.time[out.blocks]) > 0).all()
   r.forget(mem)
   r.alloc.check()

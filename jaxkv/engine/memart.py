@@ -61,32 +61,36 @@ def _boxes(pool_k, slots, valid, positions, inv_freq, *, raw: bool):
   return memart.block_boxes(k.reshape((l, nb, bs) + k.shape[2:]), valid)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "norm", "agg", "scale", "rr_c", "raw"),
-                   compiler_options=COMPILER_OPTIONS)
-def _retrieve(q, positions, valid, lo, hi, live, times, inv_freq, *, k, norm, agg, scale,
-              rr_c, raw: bool):
+_STATIC = ("k", "norm", "agg", "scale", "rr_c", "raw", "neighbors")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, compiler_options=COMPILER_OPTIONS)
+def _retrieve(q, positions, valid, lo, hi, live, times, segment, inv_freq, *, k, norm, agg,
+              scale, rr_c, raw: bool, neighbors: int = 0):
   """q [L, 1, C, Hq, D] post-RoPE at positions [C] -> (blocks [k], scores)."""
   q = q[:, 0]
   if raw:
     q = memart.derotate(q, positions, inv_freq)
   return memart.retrieve(q, valid, lo, hi, live, times, k=k, norm=norm, agg=agg,
-                         scale=scale, rr_c=rr_c)
+                         scale=scale, rr_c=rr_c, segment=segment, neighbors=neighbors)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "r", "norm", "agg", "scale", "rr_c", "raw"),
-                   compiler_options=COMPILER_OPTIONS)
-def _retrieve_rerank(q, positions, valid, lo, hi, live, times, pool_k, slots, block_pos,
-                     inv_freq, *, k, r, norm, agg, scale, rr_c, raw: bool):
-  """`_retrieve` for r x k candidates, then their exact re-scoring (`memart.rerank`):
-  only the candidates' keys are gathered. -> (blocks [k], candidates' scores)."""
-  cand, _ = _retrieve(q, positions, valid, lo, hi, live, times, inv_freq, k=r * k, norm=norm,
-                      agg=agg, scale=scale, rr_c=rr_c, raw=raw)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("r",), compiler_options=COMPILER_OPTIONS)
+def _retrieve_rerank(q, positions, valid, lo, hi, live, times, segment, pool_k, slots,
+                     block_pos, inv_freq, *, k, r, norm, agg, scale, rr_c, raw: bool,
+                     neighbors: int = 0):
+  """`_retrieve` for r x k candidates (no neighbours yet), then their exact
+  re-scoring (`memart.rerank`, neighbours there): only the candidates' keys are
+  gathered. -> (blocks [k], candidates' scores)."""
+  cand, _ = _retrieve(q, positions, valid, lo, hi, live, times, segment, inv_freq, k=r * k,
+                      norm=norm, agg=agg, scale=scale, rr_c=rr_c, raw=raw)
   qd = memart.derotate(q[:, 0], positions, inv_freq)
   rows = jnp.maximum(cand, 0)
   cs = slots[rows]                                                      # [R, BS]
   keys = _block_keys(pool_k, cs, block_pos[rows], inv_freq)
   return memart.rerank(qd, valid, cand, keys, cs != SENTINEL, times, k=k, norm=norm, agg=agg,
-                       scale=scale, rr_c=rr_c)
+                       scale=scale, rr_c=rr_c, live=live, segment=segment,
+                       neighbors=neighbors)
 
 
 def _block_keys(pool_k, slots, block_pos, inv_freq):
@@ -117,12 +121,14 @@ class Memory:
   live: np.ndarray        # [cap] bool
   time: np.ndarray        # [cap] int32 chronological order
   hits: np.ndarray        # [cap] int32 times retrieved (eviction: fewest first)
+  segment: np.ndarray     # [cap] int32 the write (span) each block came from
   spans: list             # [cap] (start, end) of each block in its span's token ids
   tags: list              # [cap] whatever the writer attached (the span id)
   lo: jax.Array           # [L, cap, Hkv, D]
   hi: jax.Array
   clock: int = 0
   nbytes: int = 0
+  writes: int = 0
 
   @property
   def num_blocks(self) -> int:
@@ -212,7 +218,7 @@ class MemArtRunner:
     return Memory(np.zeros((capacity, bs), np.int32), np.zeros((capacity, bs), np.int32),
                   np.zeros(capacity, np.int32), np.zeros(capacity, bool),
                   np.zeros(capacity, np.int32), np.zeros(capacity, np.int32),
-                  [None] * capacity, [None] * capacity,
+                  np.zeros(capacity, np.int32), [None] * capacity, [None] * capacity,
                   jnp.full(shape, jnp.inf, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
 
   def _grow(self, mem: Memory, need: int) -> None:
@@ -220,11 +226,12 @@ class MemArtRunner:
     if need <= cap:
       return
     new = self.new_memory(max(need, 2 * cap))
-    for f in ("slots", "positions", "tokens", "live", "time", "hits"):
+    for f in ("slots", "positions", "tokens", "live", "time", "hits", "segment"):
       getattr(new, f)[:cap] = getattr(mem, f)
     new.spans[:cap], new.tags[:cap] = mem.spans, mem.tags
     mem.slots, mem.positions, mem.tokens, mem.live = new.slots, new.positions, new.tokens, new.live
     mem.time, mem.hits, mem.spans, mem.tags = new.time, new.hits, new.spans, new.tags
+    mem.segment = new.segment
     mem.lo = new.lo.at[:, :cap].set(mem.lo)
     mem.hi = new.hi.at[:, :cap].set(mem.hi)
 
@@ -272,7 +279,9 @@ class MemArtRunner:
     mem.tokens[rows] = np.minimum(bs, ids.size - np.arange(nb) * bs)
     mem.live[rows], mem.hits[rows] = True, 0
     mem.time[rows] = mem.clock + np.arange(nb)
+    mem.segment[rows] = mem.writes
     mem.clock += nb
+    mem.writes += 1
     for j, r in enumerate(rows):
       mem.spans[r], mem.tags[r] = (j * bs, min(ids.size, (j + 1) * bs)), tag
     lo, hi = _boxes(self.driver.kv.k, jnp.asarray(slots_b), jnp.asarray(slots_b != SENTINEL),
@@ -302,31 +311,31 @@ class MemArtRunner:
     return q, pos
 
   def _score(self, mem: Memory, probe, k: int, norm: str | None, agg: str | None,
-             rerank: int = 0):
+             rerank: int = 0, neighbors: int = 0):
     """One jitted retrieval over the memory: (blocks [k] padded -1, scores: [cap] of
     every block by the bound, or [rerank x k] of the re-scored candidates)."""
     q, pos = probe
     scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
+    args = (q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
+            jnp.asarray(mem.live), jnp.asarray(mem.time), jnp.asarray(mem.segment))
+    kw = dict(k=k, norm=norm or self.cfg.norm, agg=agg or self.cfg.agg, scale=float(scale),
+              rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw", neighbors=neighbors)
     if rerank:
-      return _retrieve_rerank(
-          q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
-          jnp.asarray(mem.live), jnp.asarray(mem.time), self.driver.kv.k, jnp.asarray(mem.slots),
-          jnp.asarray(mem.positions), self.inv_freq, k=k, r=rerank, norm=norm or self.cfg.norm,
-          agg=agg or self.cfg.agg, scale=float(scale), rr_c=float(self.cfg.rr_c),
-          raw=self.cfg.box_keys == "raw")
-    return _retrieve(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), mem.lo, mem.hi,
-                     jnp.asarray(mem.live), jnp.asarray(mem.time), self.inv_freq, k=k,
-                     norm=norm or self.cfg.norm, agg=agg or self.cfg.agg, scale=float(scale),
-                     rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw")
+      return _retrieve_rerank(*args, self.driver.kv.k, jnp.asarray(mem.slots),
+                              jnp.asarray(mem.positions), self.inv_freq, r=rerank, **kw)
+    return _retrieve(*args, self.inv_freq, **kw)
 
   def rank(self, mem: Memory, probe, top_k: int | None = None, *, norm: str | None = None,
-           agg: str | None = None, rerank: int | None = None) -> np.ndarray:
-    """Memory rows for a probe's queries (eq. 3, Table 1; `cfg.rerank`), chronological
-    (no -1); norm / agg / rerank override the config (the ablations)."""
+           agg: str | None = None, rerank: int | None = None,
+           neighbors: int | None = None) -> np.ndarray:
+    """Memory rows for a probe's queries (eq. 3, Table 1; `cfg.rerank`, `cfg.neighbors`),
+    chronological (no -1); norm / agg / rerank / neighbors override the config."""
     if not mem.live.any():
       return np.zeros(0, np.int32)
     rerank = self.cfg.rerank if rerank is None else rerank
-    blocks = np.asarray(self._score(mem, probe, top_k or self.cfg.top_k, norm, agg, rerank)[0])
+    neighbors = self.cfg.neighbors if neighbors is None else neighbors
+    blocks = np.asarray(self._score(mem, probe, top_k or self.cfg.top_k, norm, agg, rerank,
+                                    neighbors)[0])
     return blocks[blocks >= 0]
 
   def scores(self, mem: Memory, probe, *, norm: str | None = None,
@@ -357,22 +366,24 @@ class MemArtRunner:
     return best[np.argsort(mem.time[best], kind="stable")].astype(np.int32)
 
   def retrieve(self, mem: Memory, tail_ids, top_k: int | None = None,
-               voters=None, rerank: int | None = None) -> np.ndarray:
+               voters=None, rerank: int | None = None,
+               neighbors: int | None = None) -> np.ndarray:
     """`rank` of the tail's `probe`."""
     if not mem.live.any():
       return np.zeros(0, np.int32)
-    return self.rank(mem, self.probe(tail_ids, voters), top_k, rerank=rerank)
+    return self.rank(mem, self.probe(tail_ids, voters), top_k, rerank=rerank,
+                     neighbors=neighbors)
 
   def answer(self, mem: Memory, tail_ids, max_tokens: int, *, blocks=None, forced=None,
              stop_ids=None, top_k: int | None = None, voters=None,
-             rerank: int | None = None) -> Answer:
-    """Retrieves (unless `blocks` is given; `voters` as in `probe`, `rerank` overrides
-    the config's), splices and answers the tail."""
+             rerank: int | None = None, neighbors: int | None = None) -> Answer:
+    """Retrieves (unless `blocks` is given; `voters` as in `probe`, `rerank` and
+    `neighbors` override the config's), splices and answers the tail."""
     t0 = time.perf_counter()
     tail = np.asarray(tail_ids, np.int32)
     probe = 0
     if blocks is None:
-      blocks = self.retrieve(mem, tail, top_k, voters, rerank)
+      blocks = self.retrieve(mem, tail, top_k, voters, rerank, neighbors)
       probe = tail.size if mem.live.any() else 0
     blocks = np.asarray(blocks, np.int32)
     mem.hits[blocks] += 1

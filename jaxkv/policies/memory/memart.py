@@ -26,6 +26,13 @@ its layers choose).
 
 Selection. The top-k aggregated blocks (ties: the earlier block), returned in
 chronological order (`block_time`), padded with -1 when fewer than k are live.
+
+Neighbours (`dilate`, not in the paper: `MemArtConfig.neighbors`). A block is
+BS tokens cut wherever the page ends, so a retrieved block is often half a
+sentence. With n > 0 each block's score is first raised to the best score
+within n blocks of it (chronologically, in the same written span), so the top k
+are whole windows of 2n + 1 blocks around the best ~k / (2n + 1): fewer places,
+each read with its context, at the same decode KV length.
 """
 
 from __future__ import annotations
@@ -116,13 +123,17 @@ def aggregate(weights: jax.Array, agg: str, query_valid: jax.Array | None = None
 
 
 def select_blocks(agg_scores: jax.Array, live: jax.Array, block_time: jax.Array,
-                  k: int) -> jax.Array:
-  """The top-k live blocks by aggregated score (ties: the earlier block index),
-  in chronological order of `block_time` [NB]; [k] int32, -1 past the live count."""
+                  k: int, tie: jax.Array | None = None) -> jax.Array:
+  """The top-k live blocks by aggregated score (ties: the higher `tie` [NB] if
+  given, then the earlier block index), in chronological order of `block_time`
+  [NB]; [k] int32, -1 past the live count."""
   nb = agg_scores.shape[0]
   k_eff = min(k, nb)
   s = jnp.where(live, agg_scores, -jnp.inf)
-  order = jnp.argsort(-s, stable=True)[:k_eff]                  # best first
+  if tie is None:
+    order = jnp.argsort(-s, stable=True)[:k_eff]                # best first
+  else:
+    order = jnp.lexsort((-jnp.where(live, tie, -jnp.inf), -s))[:k_eff]
   ok = live[order]
   t = jnp.where(ok, block_time[order], jnp.iinfo(jnp.int32).max)
   chron = jnp.argsort(t, stable=True)
@@ -132,10 +143,37 @@ def select_blocks(agg_scores: jax.Array, live: jax.Array, block_time: jax.Array,
   return idx
 
 
-@functools.partial(jax.jit, static_argnames=("k", "norm", "agg", "scale", "rr_c"))
+def dilate(scores: jax.Array, live: jax.Array, block_time: jax.Array, segment: jax.Array,
+           n: int) -> jax.Array:
+  """Each live block's score raised to the best live score within n blocks of
+  it: its chronological neighbours (`block_time` one apart per step, no evicted
+  gap) written in the same span (`segment` [NB] equal). Dead blocks: -inf; n = 0:
+  the scores (dead masked). [NB] float32; O(NB log NB + n NB)."""
+  ninf = jnp.float32(-jnp.inf)
+  s = jnp.where(live, scores.astype(jnp.float32), ninf)
+  if n == 0:
+    return s
+  big = jnp.iinfo(jnp.int32).max
+  order = jnp.argsort(jnp.where(live, block_time, big), stable=True)
+  ss, ts, gs, ls = s[order], block_time[order], segment[order], live[order]
+  out = ss
+  for d in range(1, n + 1):
+    for fwd in (True, False):              # the neighbour d blocks earlier, then later
+      def sh(x, fill):
+        pad = jnp.full((d,), fill, x.dtype)
+        return jnp.concatenate([pad, x[:-d]]) if fwd else jnp.concatenate([x[d:], pad])
+      ok = sh(ls, False) & (sh(gs, -1) == gs) & (jnp.abs(ts - sh(ts, 0)) == d)
+      out = jnp.maximum(out, jnp.where(ok, sh(ss, ninf), ninf))
+  out = jnp.where(ls, out, ninf)
+  return jnp.zeros_like(out).at[order].set(out)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "norm", "agg", "scale", "rr_c",
+                                             "neighbors"))
 def retrieve(q: jax.Array, query_valid: jax.Array, lo: jax.Array, hi: jax.Array,
              live: jax.Array, block_time: jax.Array, *, k: int, norm: str, agg: str,
-             scale: float, rr_c: float) -> tuple[jax.Array, jax.Array]:
+             scale: float, rr_c: float, segment: jax.Array | None = None,
+             neighbors: int = 0) -> tuple[jax.Array, jax.Array]:
   """One jitted retrieval: eq. 3 bounds -> Table 1 norm / agg -> chronological top-k.
 
   Args:
@@ -143,30 +181,45 @@ def retrieve(q: jax.Array, query_valid: jax.Array, lo: jax.Array, hi: jax.Array,
     query_valid: [T] bool (padding False).
     lo, hi: [L, NB, Hkv, D] the memory's boxes; live: [NB] bool, the blocks in
       memory; block_time: [NB] int32, their chronological order.
+    segment, neighbors: [NB] int32 the span each block was written in, and n of
+      `dilate` (0: off, segment unused).
   Returns:
-    (blocks [k] int32, chronological, -1 padded; aggregated scores [NB]).
+    (blocks [k] int32, chronological, -1 padded; aggregated scores [NB], before
+    `dilate`).
   """
   bound = box_bound(q, lo, hi)                                  # [L, T, H, NB]
   w = normalise(bound, live, norm, scale, rr_c)
   agg_scores = aggregate(w, agg, query_valid)
+  if neighbors:                             # a window's ties go to its best block first
+    return select_blocks(dilate(agg_scores, live, block_time, segment, neighbors), live,
+                         block_time, k, tie=agg_scores), agg_scores
   return select_blocks(agg_scores, live, block_time, k), agg_scores
 
 
 def rerank(q: jax.Array, query_valid: jax.Array, candidates: jax.Array, keys: jax.Array,
            key_valid: jax.Array, block_time: jax.Array, *, k: int, norm: str, agg: str,
-           scale: float, rr_c: float) -> tuple[jax.Array, jax.Array]:
+           scale: float, rr_c: float, live: jax.Array | None = None,
+           segment: jax.Array | None = None,
+           neighbors: int = 0) -> tuple[jax.Array, jax.Array]:
   """Re-scores candidate blocks by their keys' exact max q.k and keeps the best k.
 
   q [L, T, H, D] content-only queries; candidates [R] memory rows (-1: none);
   keys [L, R, BS, Hkv, D] their content-only keys, key_valid [R, BS];
   block_time [NB]. Normalised (`norm`) over the candidates alone and
-  aggregated (`agg`) as `retrieve` does. Returns (rows [k] int32, chronological,
-  -1 padded; the candidates' aggregated exact scores [R]).
+  aggregated (`agg`) as `retrieve` does. With `neighbors` n > 0 (live, segment
+  [NB] as in `retrieve`) the candidates' scores are `dilate`d over the whole
+  memory, so a window may take a neighbour that was no candidate. Returns (rows
+  [k] int32, chronological, -1 padded; the candidates' aggregated exact scores [R]).
   """
   ok = candidates >= 0
   rows = jnp.maximum(candidates, 0)
   exact = exact_block_max(q, keys, key_valid & ok[:, None])            # [L, T, H, R]
   s = aggregate(normalise(exact, ok, norm, scale, rr_c), agg, query_valid)
+  if neighbors:
+    full = jnp.full(block_time.shape, -jnp.inf, jnp.float32).at[rows].max(
+        jnp.where(ok, s, -jnp.inf))
+    return select_blocks(dilate(full, live, block_time, segment, neighbors), live,
+                         block_time, k, tie=full), s
   pick = select_blocks(s, ok, block_time[rows], k)
   return jnp.where(pick >= 0, rows[jnp.maximum(pick, 0)], -1).astype(jnp.int32), s
 
