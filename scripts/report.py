@@ -99,6 +99,8 @@ SOURCES = {
     "memart-h100": "bench/results_memart_h100.json",
     "memart-qwen-r16": "bench/results_memart_qwen_r16.json",
     "memart-recall-f1": "bench/results_memart_recall_f1.json",
+    "memart-nb1": "bench/results_memart_nb1.json",
+    "memart-qwen-nb1": "bench/results_memart_qwen_nb1.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
@@ -194,6 +196,9 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   for name in ("memart-rerank", "memart-qwen", "memart-recall", "memart-qwen-r16",
                "memart-recall-f1"):
     out[name] = rows[name] and _render(memart_bench.tables(rows[name]))
+  for name in ("memart-nb1", "memart-qwen-nb1"):             # answers only (no ablation)
+    out[name] = rows[name] and _render(
+        [t for t in memart_bench.tables(rows[name]) if "Table 2" in t.title])
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
                "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
