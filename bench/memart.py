@@ -45,7 +45,8 @@ interval), the gold answer's NLL (teacher-forced, nats per token), evidence
 recall (an evidence turn counts as retrieved when a retrieved block overlaps it;
 Wilson 95% interval). The retrieval ablation (no
 generation): recall@k for Table 1's four strategies x block sizes x boxes over
-raw (de-rotated) or post-RoPE keys, plus plaintext at the same token budgets (first
+raw (de-rotated) or post-RoPE keys (+pooled: one box per layer over all KV heads),
+plus plaintext at the same token budgets (first
 block size); a paired table counts the evidence turns only one of two methods
 retrieved (exact McNemar p). --nogenerate runs that ablation alone.
 """
@@ -92,7 +93,9 @@ def define_flags():
   flags.DEFINE_integer("gen", 24, "greedy answer tokens at most")
   flags.DEFINE_list("ks", ["4", "8", "16", "32", "64"], "k of the recall@k ablation")
   flags.DEFINE_list("block_sizes", ["16", "8"], "block sizes (the first: generation runs)")
-  flags.DEFINE_list("box_keys", ["raw", "rope"], "boxes over de-rotated / stored keys")
+  flags.DEFINE_list("box_keys", ["raw", "rope"], "boxes over de-rotated / stored keys, "
+                    "per layer and KV head; +pooled (e.g. raw+pooled): one box per layer "
+                    "over every KV head's keys (MemArtConfig.box_heads)")
   flags.DEFINE_list("rerank", ["4"], "R of memart_rerank (the first) and of the ablation "
                     "rows 'rerank' (each: the top R x k blocks by the bound, re-scored "
                     "exactly), with a row 'exact' (every block scored by its keys' exact "
@@ -260,9 +263,15 @@ def _rows(recs: list[dict], abl: list[dict]) -> list[dict]:
                  rerank=(_reranks() or [0])[0])
 
 
+def _box(box: str) -> dict:
+  """A --box_keys item as MemArtConfig fields: raw | rope, optionally +pooled."""
+  keys, plus, heads = box.partition("+")
+  return dict(box_keys=keys, box_heads=heads if plus else "each")
+
+
 def _runner(llm, lay: Layout, bs: int, box: str, need: int) -> MemArtRunner:
   pages = 2 * (need // bs) + 64
-  cfg = MemArtConfig(block_size=bs, top_k=FLAGS.top_k, box_keys=box)
+  cfg = MemArtConfig(block_size=bs, top_k=FLAGS.top_k, **_box(box))
   return MemArtRunner(llm, cfg, lay.head, cache=CacheConfig(
       num_pages=pages, page_size=bs, max_seq_len=need + 64, dtype=FLAGS.dtype))
 
@@ -435,7 +444,12 @@ def main(argv):
     convs = C.load_locomo(FLAGS.conversations)
   except (C.ConversationFormatError, OSError) as e:
     raise app.UsageError(str(e)) from e
-  if "memart_rerank" in names and not _reranks():      # a bad --rerank fails before loading
+  for box in FLAGS.box_keys:                           # bad flags fail before loading
+    try:
+      MemArtConfig(**_box(box))
+    except ValueError as e:
+      raise app.UsageError(f"--box_keys={box}: {e}") from e
+  if "memart_rerank" in names and not _reranks():
     raise app.UsageError("memart_rerank needs --rerank R > 0")
   reuse = _reused(names)
   llm = jaxkv.load(FLAGS.model, dtype=FLAGS.dtype)

@@ -405,6 +405,7 @@ class SemShareConfig:
 MEMART_NORMS = ("softmax", "rr")      # Table 1: per-token normalisation over blocks
 MEMART_AGGS = ("max", "sum")          # Table 1: aggregation over query tokens
 MEMART_BOX_KEYS = ("raw", "rope")     # box the de-rotated keys R(-p)k, or the stored ones
+MEMART_BOX_HEADS = ("each", "pooled")  # a box per layer and KV head, or per layer (all heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +426,9 @@ class MemArtConfig:
   box_keys: str = "raw"         # raw: boxes over content-only keys R(-p)k (the issue's
                                 # choice: post-RoPE boxes spanning 16 positions are loose
                                 # in the fast-rotating dimensions); rope: the ablation
+  box_heads: str = "each"       # each: a box per layer and KV head (a query head reads its
+                                # KV head's); pooled: one per layer over every KV head's
+                                # keys (1 / Hkv of the box bytes; the ablation, README)
   byte_budget: int = 1 << 30    # memory blocks (K/V + boxes); past it the least-retrieved
                                 # blocks are evicted (ties: the oldest)
   rerank: int = 0               # 0: the eq. 3 bound picks the k blocks (the paper); R > 0:
@@ -444,6 +448,9 @@ class MemArtConfig:
     if self.box_keys not in MEMART_BOX_KEYS:
       raise ValueError(f"memart.box_keys must be one of {MEMART_BOX_KEYS}, got "
                        f"{self.box_keys!r}")
+    if self.box_heads not in MEMART_BOX_HEADS:
+      raise ValueError(f"memart.box_heads must be one of {MEMART_BOX_HEADS}, got "
+                       f"{self.box_heads!r}")
     if self.block_size < 1 or self.top_k < 1:
       raise ValueError(f"memart needs block_size >= 1 and top_k >= 1, got "
                        f"{self.block_size} / {self.top_k}")

@@ -189,7 +189,7 @@ def test_derotate_inverts_rope_and_tightens_boxes():
 def test_config_rejects_bad_values():
   for bad in (dict(norm="mean"), dict(agg="avg"), dict(box_keys="post"), dict(top_k=0),
               dict(block_size=0), dict(rr_c=-1.0), dict(rerank=-1),
-              dict(neighbors=-1)):
+              dict(neighbors=-1), dict(box_heads="all")):
     with pytest.raises(ValueError):
       MemArtConfig(**bad)
 
@@ -233,3 +233,29 @@ def test_blocks_aliased_at_new_positions_equal_a_fresh_prefill_there():
               pool, slot_map=jnp.asarray(qmap))
   assert np.abs(np.asarray(model.logits(off.hidden)) -
                 np.asarray(model.logits(want.hidden))[:, 40:]).max() > 1e-3
+
+
+def test_pooled_boxes_span_every_head_and_still_bound():
+  """`box_heads=pooled`: one box per layer and block over every KV head's keys =
+  the per-head boxes' min / max over heads; its eq. 3 bound is >= the per-head
+  bound >= every key's score."""
+  from jaxkv.engine.memart import _boxes   # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng()
+  l, slots_n, hkv, g, d, bs, nb = 2, 64, 3, 2, 8, 4, 5
+  pool_k = jnp.asarray(rng.standard_normal((l, slots_n, hkv, d)), jnp.float32)
+  slots = jnp.asarray(rng.permutation(slots_n)[:nb * bs].reshape(nb, bs), jnp.int32)
+  valid = rng.random((nb, bs)) < 0.7
+  valid[:, 0] = True
+  pos = jnp.asarray(rng.integers(0, 500, (nb, bs)), jnp.int32)
+  inv = delta_frequencies(RopeConfig(), d)
+  lo, hi = _boxes(pool_k, slots, jnp.asarray(valid), pos, inv, raw=True)
+  plo, phi = _boxes(pool_k, slots, jnp.asarray(valid), pos, inv, raw=True, pooled=True)
+  assert plo.shape == (l, nb, 1, d)
+  np.testing.assert_array_equal(plo[:, :, 0], lo.min(axis=2))
+  np.testing.assert_array_equal(phi[:, :, 0], hi.max(axis=2))
+  q = jnp.asarray(rng.standard_normal((l, 3, hkv * g, d)), jnp.float32)
+  each, pooled = memart.box_bound(q, lo, hi), memart.box_bound(q, plo, phi)
+  keys = memart.derotate(pool_k[:, slots.reshape(-1)], pos.reshape(-1), inv)
+  exact = memart.exact_block_max(q, keys.reshape(l, nb, bs, hkv, d), jnp.asarray(valid))
+  assert np.all(np.asarray(pooled) >= np.asarray(each) - 1e-4)
+  assert np.all(np.asarray(each) >= np.asarray(exact) - 1e-4)

@@ -51,14 +51,19 @@ from jaxkv.policies.memory import memart
 from jaxkv.rope import delta_frequencies
 
 
-@functools.partial(jax.jit, static_argnames=("raw",), compiler_options=COMPILER_OPTIONS)
-def _boxes(pool_k, slots, valid, positions, inv_freq, *, raw: bool):
-  """AABBs [L, nb, Hkv, D] of the blocks at slots [nb, BS] (written `valid`)."""
+@functools.partial(jax.jit, static_argnames=("raw", "pooled"), compiler_options=COMPILER_OPTIONS)
+def _boxes(pool_k, slots, valid, positions, inv_freq, *, raw: bool, pooled: bool = False):
+  """AABBs [L, nb, Hkv, D] of the blocks at slots [nb, BS] (written `valid`);
+  `pooled`: [L, nb, 1, D], each over every KV head's keys."""
   l, (nb, bs) = pool_k.shape[0], slots.shape
   k = pool_k[:, slots.reshape(-1)]                                 # [L, nb*BS, Hkv, D]
   if raw:
     k = memart.derotate(k, positions.reshape(-1), inv_freq)
-  return memart.block_boxes(k.reshape((l, nb, bs) + k.shape[2:]), valid)
+  k = k.reshape((l, nb, bs) + k.shape[2:])
+  if pooled:                                   # heads folded into the block's tokens
+    k = k.reshape(l, nb, bs * k.shape[3], 1, k.shape[4])
+    valid = jnp.repeat(valid, pool_k.shape[2], axis=1)
+  return memart.block_boxes(k, valid)
 
 
 _STATIC = ("k", "norm", "agg", "scale", "rr_c", "raw", "neighbors")
@@ -176,7 +181,8 @@ class MemArtRunner:
     m = self.mcfg
     self.slot_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * np.dtype(
         cache.dtype).itemsize
-    self.box_bytes = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
+    self.box_heads = 1 if cfg.box_heads == "pooled" else m.num_kv_heads
+    self.box_bytes = 2 * m.num_layers * self.box_heads * m.head_dim * 4
     self.head = np.asarray(head_ids, np.int32)
     seq = self.alloc.new_sequence()
     self.head_slots = self._prefill(seq, self.head, 0)[0]
@@ -214,7 +220,7 @@ class MemArtRunner:
   # ------------------------------------------------------------------ memory
   def new_memory(self, capacity: int = 64) -> Memory:
     m, bs = self.mcfg, self.cfg.block_size
-    shape = (m.num_layers, capacity, m.num_kv_heads, m.head_dim)
+    shape = (m.num_layers, capacity, self.box_heads, m.head_dim)
     return Memory(np.zeros((capacity, bs), np.int32), np.zeros((capacity, bs), np.int32),
                   np.zeros(capacity, np.int32), np.zeros(capacity, bool),
                   np.zeros(capacity, np.int32), np.zeros(capacity, np.int32),
@@ -285,7 +291,8 @@ class MemArtRunner:
     for j, r in enumerate(rows):
       mem.spans[r], mem.tags[r] = (j * bs, min(ids.size, (j + 1) * bs)), tag
     lo, hi = _boxes(self.driver.kv.k, jnp.asarray(slots_b), jnp.asarray(slots_b != SENTINEL),
-                    jnp.asarray(pos_b), self.inv_freq, raw=self.cfg.box_keys == "raw")
+                    jnp.asarray(pos_b), self.inv_freq, raw=self.cfg.box_keys == "raw",
+                    pooled=self.cfg.box_heads == "pooled")
     idx = jnp.asarray(rows)
     mem.lo, mem.hi = mem.lo.at[:, idx].set(lo), mem.hi.at[:, idx].set(hi)
     mem.nbytes += nb * self.block_nbytes()
