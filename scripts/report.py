@@ -101,6 +101,7 @@ SOURCES = {
     "memart-recall-f1": "bench/results_memart_recall_f1.json",
     "memart-nb1": "bench/results_memart_nb1.json",
     "memart-qwen-nb1": "bench/results_memart_qwen_nb1.json",
+    "memart-pooled": "bench/results_memart_pooled.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h100": "bench/results_kernels_h100.json",
@@ -189,8 +190,9 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["semshare-curve"] = rows["semshare-curve"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-curve"]) if "length" not in t.title])
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
-  out["memart-exact"] = rows["memart-exact"] and _render(
-      [t for t in memart_bench.tables(rows["memart-exact"]) if "ablation" in t.title])
+  for name in ("memart-exact", "memart-pooled"):           # the recall@k grid alone
+    out[name] = rows[name] and _render(
+        [t for t in memart_bench.tables(rows[name]) if "ablation" in t.title])
   out["memart-h100"] = rows["memart-h100"] and _render(      # random weights: timings only
       [t for t in memart_bench.tables(rows["memart-h100"]) if "Efficiency" in t.title])
   for name in ("memart-rerank", "memart-qwen", "memart-recall", "memart-qwen-r16",
