@@ -168,6 +168,14 @@ def dilate(scores: jax.Array, live: jax.Array, block_time: jax.Array, segment: j
   return jnp.zeros_like(out).at[order].set(out)
 
 
+def select_windows(scores: jax.Array, live: jax.Array, block_time: jax.Array,
+                   segment: jax.Array, k: int, n: int) -> jax.Array:
+  """`select_blocks` over `dilate`d scores: windows of 2n + 1 blocks around the
+  best, a window's ties going to its best block first."""
+  return select_blocks(dilate(scores, live, block_time, segment, n), live, block_time, k,
+                       tie=scores)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "norm", "agg", "scale", "rr_c",
                                              "neighbors"))
 def retrieve(q: jax.Array, query_valid: jax.Array, lo: jax.Array, hi: jax.Array,
@@ -190,9 +198,8 @@ def retrieve(q: jax.Array, query_valid: jax.Array, lo: jax.Array, hi: jax.Array,
   bound = box_bound(q, lo, hi)                                  # [L, T, H, NB]
   w = normalise(bound, live, norm, scale, rr_c)
   agg_scores = aggregate(w, agg, query_valid)
-  if neighbors:                             # a window's ties go to its best block first
-    return select_blocks(dilate(agg_scores, live, block_time, segment, neighbors), live,
-                         block_time, k, tie=agg_scores), agg_scores
+  if neighbors:
+    return select_windows(agg_scores, live, block_time, segment, k, neighbors), agg_scores
   return select_blocks(agg_scores, live, block_time, k), agg_scores
 
 
@@ -218,8 +225,7 @@ def rerank(q: jax.Array, query_valid: jax.Array, candidates: jax.Array, keys: ja
   if neighbors:
     full = jnp.full(block_time.shape, -jnp.inf, jnp.float32).at[rows].max(
         jnp.where(ok, s, -jnp.inf))
-    return select_blocks(dilate(full, live, block_time, segment, neighbors), live,
-                         block_time, k, tie=full), s
+    return select_windows(full, live, block_time, segment, k, neighbors), s
   pick = select_blocks(s, ok, block_time[rows], k)
   return jnp.where(pick >= 0, rows[jnp.maximum(pick, 0)], -1).astype(jnp.int32), s
 
