@@ -343,7 +343,8 @@ def _digest(path) -> str:
 
 
 def _safe(name: str) -> str:
-  return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] + "-" + hashlib.md5(name.encode()).hexdigest()[:8]
+  digest = hashlib.md5(name.encode()).hexdigest()[:8]
+  return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:80] + "-" + digest
 
 
 def _plan(cfg: PrunerTrainConfig, trace_path: str, max_sessions: int):
@@ -380,8 +381,9 @@ def load_or_extract(cfg: PrunerTrainConfig, trace_path: str, max_sessions: int =
       f"in {root}")
   if todo:
     if llm is None:
-      import jaxkv
-      llm = jaxkv.load(cfg.model, dtype=cfg.dtype, scan_layers=True)   # many shapes: lax.scan
+      # not `import jaxkv`: the package imports this module's users (a BUILD cycle)
+      from jaxkv.engine.llm import load
+      llm = load(cfg.model, dtype=cfg.dtype, scan_layers=True)   # many shapes: lax.scan
     ex = Extractor(llm, cfg)
     for s in tqdm.tqdm(todo, desc="extract", unit="session", disable=not progress):
       arrs = pack_session(ex.session(s))
