@@ -1,12 +1,13 @@
-"""Command-line plumbing of the `scripts/`: config fields you can find and check.
+"""Command-line plumbing of the commands (`jaxkv.commands`): config fields you can
+find and check.
 
     from jaxkv import cli
     _CONFIG = config_flags.DEFINE_config_file("config", ...)
-    __doc__ = cli.with_reference(__doc__, ServeConfig)   # --help / --helpfull list fields
     ...
     cfg = cli.load_config(ServeConfig, _CONFIG.value)   # one-line error, exit 2
     ...
-    cli.run(main, ServeConfig)                           # app.run with checked flags
+    cli.run(main, ServeConfig, doc=__doc__)   # app.run with checked flags; --help
+                                              # prints __doc__ and every field
 
 Every `--config.<path>=<value>` override is checked against the dataclass
 before the config file is even read: an unknown field, a value of the wrong
@@ -238,11 +239,21 @@ def fail(msg: str, code: int = 2) -> typing.NoReturn:
   sys.exit(code)
 
 
-def run(main: Callable, cls: type | None = None, flag: str = "config") -> None:
+def run(main: Callable, cls: type | None = None, flag: str = "config",
+        doc: str | None = None) -> None:
   """`absl.app.run(main)` whose flag parsing checks `--config.*` overrides first
   and reports any flag or config-file error, and a missing input file raised by
-  `main` (FileNotFoundError), as one line (exit 2)."""
+  `main` (FileNotFoundError), as one line (exit 2).
+
+  doc: the command's usage text (its module docstring); `--help` prints it with
+  the field reference of `cls` appended. absl reads the usage from `__main__`,
+  which is the console-script wrapper or `scripts/*.py` rather than the command's
+  module, so it is set there.
+  """
   from absl import app, flags
+
+  if doc is not None:
+    sys.modules["__main__"].__doc__ = with_reference(doc, cls) if cls is not None else doc
 
   def parse(argv):
     try:
