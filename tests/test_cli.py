@@ -159,6 +159,9 @@ def test_read_requests_lists_every_line_once(tmp_path):
   assert [r.id for r in reqs] == ["a"]
   assert order == ["a", "line:2", "a@line:3", "c", "c@line:5"]
   assert [e.rid for e in errors] == ["line:2", "a@line:3", "c", "c@line:5"]
+  # the column of the file's line (a line parsed with its newline had every error at column 1)
+  assert str(errors[0]) == ("line 2: invalid JSON at column 2: Expecting property name "
+                            "enclosed in double quotes")
 
 
 def test_missing_traces_name_the_command_that_makes_them(tmp_path):

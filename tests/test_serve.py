@@ -1,15 +1,17 @@
 """scripts/serve.py end to end on real SmolLM2: a JSONL with a malformed line,
-results written per request, and resume on rerun."""
+results written per request, and resume on rerun. One test (the shipped default
+config, two short requests and four unusable lines) is in the fast set; the
+others are marked slow."""
 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _ENV: dict = {}
 
@@ -40,6 +42,52 @@ def _records(path):
   return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def test_serve_default_config_with_unusable_lines(tmp_path):
+  """The README's first command on its shipped config (not slow): two short
+  requests among four unusable lines. One error line per unusable line with its
+  line (and the JSON error's column), counts that add up, a progress bar that
+  ends at 6/6; a rerun has only the unusable lines left and reports them again
+  without loading the model."""
+  inp = tmp_path / "in.jsonl"
+  inp.write_text("\n".join([
+      json.dumps({"id": "hi", "messages": [{"role": "user", "content": "Say hi."}]}),
+      '{"id": "broken", "prompt": ',                                  # cut short: column 28
+      json.dumps({"id": "c", "prompt": "x", "max_token": 4}),         # misspelt field
+      "[1, 2]",                                                       # not an object
+      json.dumps({"id": "sky", "prompt": "The sky is"}),
+      json.dumps({"prompt": "no id"}),
+  ]) + "\n")
+  out = tmp_path / "out.jsonl"
+  env = {k: v for k, v in _ENV.items() if k != "JAX_PLATFORMS"}   # as a user runs it
+  cmd = [sys.executable, str(ROOT / "scripts/serve.py"), f"--config={ROOT}/configs/smollm2.py",
+         f"--input={inp}", f"--output={out}", "--config.sampling.max_tokens=2"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                        env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stderr.replace("\r", "\n").splitlines()
+  assert [x.split(":")[1] for x in lines if x.startswith("error:")] == [
+      " line 2", " line 3", " line 4", " line 6"], proc.stderr
+  assert "error: line 2: invalid JSON at column 28: Expecting value" in lines
+  assert (f"{inp}: 6 requests: 2 to run, 0 already answered in {out}, 4 unusable "
+          "(errors below)") in lines
+  bars = [(int(a), int(b)) for a, b in re.findall(r"(\d+)/(\d+) \[", proc.stderr)]
+  assert bars and all(b == 6 and a <= 6 for a, b in bars) and bars[-1] == (6, 6), bars
+  assert "Traceback" not in proc.stderr
+  recs = _records(out)
+  assert [r["id"] for r in recs] == ["hi", "line:2", "c", "line:4", "sky", "line:6"]
+  assert [r["finish_reason"] == "error" for r in recs] == [False, True, True, True, False, True]
+  assert all(0 < r["completion_tokens"] <= 2 for r in recs if r["finish_reason"] != "error")
+  metrics = json.loads(proc.stdout.split("METRICS ", 1)[1])
+  assert (metrics["requests"], metrics["line_errors"], metrics["records"]) == (2, 4, 6)
+
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                        env=env)
+  assert proc.returncode == 0 and "loaded" not in proc.stderr, proc.stderr[-3000:]
+  assert sum(x.startswith("error: line") for x in proc.stderr.splitlines()) == 4
+  assert "nothing to run" in proc.stderr and _records(out) == recs
+
+
+@pytest.mark.slow
 def test_serve_malformed_line_and_resume(tmp_path):
   inp = tmp_path / "in.jsonl"
   lines = [
@@ -99,6 +147,7 @@ def test_serve_malformed_line_and_resume(tmp_path):
   assert _records(out) == recs[:-1]
 
 
+@pytest.mark.slow
 def test_serve_rejects_unknown_config_field(tmp_path):
   inp = tmp_path / "in.jsonl"
   inp.write_text(json.dumps({"id": "a", "prompt": "hi"}) + "\n")
@@ -112,6 +161,7 @@ def _react(name, args):
           "value": f"Thought: call {name}.\nAction: {name}\nAction Input: {json.dumps(args)}"}
 
 
+@pytest.mark.slow
 def test_serve_sessions_with_pruning_and_resume(tmp_path):
   """Sessions mode: a ToolBench-format file with a malformed entry, IntentKV pruning
   on the dead-slot layout, per-session lines with section 4.1 metrics, resume."""
@@ -148,6 +198,7 @@ def test_serve_sessions_with_pruning_and_resume(tmp_path):
   assert [r["id"] for r in _records(out)] == ["bad", "s1", "s2"]   # one record each
 
 
+@pytest.mark.slow
 def test_serve_sessions_with_a_trained_head(tmp_path):
   """IntentKV learnable mode end to end: a residual head trained by the Phase-2
   loop (train.train on rows with SmolLM2's head_dim, so fc2 and alpha moved off
@@ -204,6 +255,7 @@ def test_serve_sessions_with_a_trained_head(tmp_path):
   assert any(t["pruned"] and t["live_after"] < t["live_before"] for t in rec["turns"])
 
 
+@pytest.mark.slow
 def test_serve_reuse_mode_reuses_schemas_and_resumes(tmp_path):
   """configs/smollm2_reuse.py on the shipped example: later prompts splice the tool
   schemas earlier ones stored, a sampled request is refused, a rerun resumes."""
@@ -230,6 +282,7 @@ def test_serve_reuse_mode_reuses_schemas_and_resumes(tmp_path):
   assert proc.returncode == 0 and len(_records(out)) == 5
 
 
+@pytest.mark.slow
 def test_serve_semshare_mode_reuses_a_similar_prompt(tmp_path):
   """configs/smollm2_semshare.py on the shipped example: the same notes with
   another question reuse the first prompt's KV, unrelated notes are prefilled
@@ -252,6 +305,7 @@ def test_serve_semshare_mode_reuses_a_similar_prompt(tmp_path):
   assert proc.returncode == 0 and len(_records(out)) == 4
 
 
+@pytest.mark.slow
 def test_serve_memart_mode_keeps_session_history_in_memory(tmp_path):
   """configs/smollm2_memart.py on the shipped example: a session's earlier
   messages are written to its memory once, only the new question is prefilled,

@@ -138,10 +138,11 @@ def _main(argv):
     return serve_sessions(cfg, src, out)
   order, errors, todo = _scan(src, cfg, out.done)
   if cfg.mode in ("reuse", "semshare") and todo:
-    return serve_sequential(cfg, src, out)
+    return serve_sequential(cfg, src, out, todo)
   if cfg.mode == "memart" and todo:
-    return serve_memart(cfg, src, out)
+    return serve_memart(cfg, src, out, todo)
   total = len(order)
+  answered = total - todo - len(errors)   # every input line is one of the three
   if total == 0:
     out.finish([])
     print(f"nothing to do: {src} holds no requests", file=sys.stderr)
@@ -158,10 +159,13 @@ def _main(argv):
   t0 = time.perf_counter()
   llm = cli.load_llm(cfg)
   print(f"loaded {cfg.model}: {llm.config.architecture}, {llm.config.num_layers} layers, "
-        f"d_kv={llm.config.d_kv} in {time.perf_counter() - t0:.1f}s; "
-        f"{total - todo} of {total} requests already answered in {dst}", file=sys.stderr)
+        f"d_kv={llm.config.d_kv} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+  print(f"{src}: {total} requests: {todo} to run, {answered} already answered in {dst}"
+        + (f", {len(errors)} unusable (errors below)" if errors else ""), file=sys.stderr)
 
-  bar = tqdm.tqdm(total=total, initial=total - todo, unit="req",
+  # one step per input line: answered ones start the bar, a request or an error
+  # record advances it, so it ends at total
+  bar = tqdm.tqdm(total=total, initial=answered, unit="req",
                   disable=not _PROGRESS.value, file=sys.stderr)
   line_errors = request_errors = 0
 
@@ -207,7 +211,7 @@ def _main(argv):
             ("output", f"{dst} ({n} records, one per input line)")], m)
 
 
-def serve_sequential(cfg, src: pathlib.Path, out) -> None:
+def serve_sequential(cfg, src: pathlib.Path, out, todo: int) -> None:
   """JSONL requests one at a time through a runner that reuses earlier prompts'
   K/V, then greedy decoding. mode=reuse: ReuseRunner (segments, config.reuse);
   records add `reused_tokens`, `cached_tokens` (radix prefix) and `runs` (tier
@@ -254,7 +258,7 @@ def serve_sequential(cfg, src: pathlib.Path, out) -> None:
 
   ttfts, reused, total = [], 0, 0
   for req in tqdm.tqdm(batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order),
-                       unit="req", disable=not _PROGRESS.value, file=sys.stderr):
+                       total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr):
     if req.sampling.temperature > 0:
       refuse(req.id, f"{cfg.mode} mode decodes greedily: use temperature 0")
       continue
@@ -302,7 +306,7 @@ def serve_sequential(cfg, src: pathlib.Path, out) -> None:
             ("output", f"{out.path} ({n} records, one per input line)")], m)
 
 
-def serve_memart(cfg, src: pathlib.Path, out) -> None:
+def serve_memart(cfg, src: pathlib.Path, out, todo: int) -> None:
   """Chat requests whose session history lives in MemArt memory (MemArtSessions)."""
   import numpy as np
   import tqdm
@@ -336,7 +340,7 @@ def serve_memart(cfg, src: pathlib.Path, out) -> None:
 
   for p, msgs in tqdm.tqdm(batch.read_requests(src, as_messages, cfg.sampling, out.done,
                                                on_error, order, parsed=True),
-                           unit="req", disable=not _PROGRESS.value, file=sys.stderr):
+                           total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr):
     if p.sampling.temperature > 0:
       on_error(batch.RequestError(p.line, "memart mode decodes greedily: use temperature 0",
                                   p.id))

@@ -63,11 +63,13 @@ class ParsedLine:
 
 
 def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
-  """One JSONL line -> ParsedLine, or RequestError with a precise message."""
+  """One JSONL line -> ParsedLine, or RequestError with a precise message (an invalid
+  line names the column of the file's line where its JSON goes wrong)."""
+  text = text.rstrip("\r\n")    # parsed with its newline, every error would be at column 1
   try:
     obj = json.loads(text)
   except json.JSONDecodeError as e:
-    raise RequestError(line, f"invalid JSON ({e.msg} at column {e.colno})") from None
+    raise RequestError(line, f"invalid JSON at column {e.colno}: {e.msg}") from None
   if not isinstance(obj, dict):
     raise RequestError(line, f"expected a JSON object, got {type(obj).__name__}")
   rid = obj.get("id")
