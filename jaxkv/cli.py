@@ -239,6 +239,15 @@ def fail(msg: str, code: int = 2) -> typing.NoReturn:
   sys.exit(code)
 
 
+def require(given: dict[str, object], example: str) -> None:
+  """One line naming the required flags left out (None), with an example; exit 2."""
+  missing = [name for name, value in given.items() if value is None]
+  if missing:
+    names = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+    fail(f"{names} {'are' if len(missing) > 1 else 'is'} required, e.g. {example} "
+         "(--help lists every flag)")
+
+
 def run(main: Callable, cls: type | None = None, flag: str = "config",
         doc: str | None = None) -> None:
   """`absl.app.run(main)` whose flag parsing checks `--config.*` overrides first

@@ -82,6 +82,26 @@ def _serve(*args, cwd=ROOT):
                         capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+def test_missing_required_flags_are_one_line_exit_2(tmp_path):
+  """A left-out --input (or --config) is a usage error like any other: one line
+  naming it, exit 2, no help text."""
+  cases = [
+      ([f"--config={ROOT}/configs/smollm2.py", f"--output={tmp_path}/o.jsonl"],
+       "serve.py: error: --input is required, e.g. --config=configs/smollm2.py "
+       "--input=examples/requests.jsonl --output=results.jsonl (--help lists every flag)"),
+      ([], "serve.py: error: --config, --input and --output are required, e.g."),
+  ]
+  for args, expect in cases:
+    p = _serve(*args)
+    assert p.returncode == 2 and p.stdout == "", (args, p.stdout[-2000:])
+    assert len(p.stderr.splitlines()) == 1 and p.stderr.startswith(expect), p.stderr
+  p = subprocess.run([sys.executable, str(ROOT / "scripts/train_pruner.py")],
+                     capture_output=True, text=True, timeout=300, cwd=tmp_path)
+  assert p.returncode == 2 and p.stderr == ("train_pruner.py: error: --config is required, e.g. "
+                                            "--config=configs/pruner_smollm2.py (--help lists "
+                                            "every flag)\n"), p.stderr
+
+
 @pytest.mark.slow
 def test_serve_probes_fail_in_one_line_before_loading(tmp_path):
   cfg = f"--config={ROOT}/configs/smollm2.py"

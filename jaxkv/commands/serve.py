@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from jaxkv import cli, distributed
@@ -124,8 +124,9 @@ def _main(argv):
 
   from jaxkv.engine import batch
 
-  if _CONFIG.value is None or _INPUT.value is None or _OUTPUT.value is None:
-    raise app.UsageError("--config, --input and --output are required")
+  cli.require({"--config": _CONFIG.value, "--input": _INPUT.value, "--output": _OUTPUT.value},
+              "--config=configs/smollm2.py --input=examples/requests.jsonl "
+              "--output=results.jsonl")
   cfg = cli.load_config(ServeConfig, _CONFIG.value)
   src, dst = pathlib.Path(_INPUT.value), pathlib.Path(_OUTPUT.value)
   if _multi_process(dst):   # every process computes; only process 0 writes --output

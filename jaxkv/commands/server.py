@@ -54,8 +54,7 @@ def _main(argv):
 
   from jaxkv.server.app import create_app
 
-  if _CONFIG.value is None:
-    cli.fail("--config is required (e.g. --config=configs/smollm2.py)")
+  cli.require({"--config": _CONFIG.value}, "--config=configs/smollm2.py")
   cfg = cli.load_config(ServeConfig, _CONFIG.value)
   if cfg.mode != "requests":
     cli.fail(f"the server runs --config.mode=requests (continuous batching); "

@@ -23,7 +23,7 @@ import pathlib
 import sys
 import time
 
-from absl import app, logging
+from absl import logging
 from ml_collections import config_flags
 
 from jaxkv import cli
@@ -40,8 +40,7 @@ def _main(argv):
   from jaxkv.data import agents, traces
   from jaxkv.training import lora_train
 
-  if _CONFIG.value is None:
-    raise app.UsageError("--config is required")
+  cli.require({"--config": _CONFIG.value}, "--config=configs/lora_smollm2.py")
   logging.set_verbosity(logging.WARNING)
   cfg = cli.load_config(LoraTrainConfig, _CONFIG.value)
 

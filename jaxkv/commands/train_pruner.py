@@ -24,7 +24,7 @@ import pathlib
 import sys
 import time
 
-from absl import app, logging
+from absl import logging
 from ml_collections import config_flags
 
 from jaxkv import cli
@@ -37,8 +37,7 @@ def _main(argv):
   del argv
   from jaxkv.training import features, train
 
-  if _CONFIG.value is None:
-    raise app.UsageError("--config is required")
+  cli.require({"--config": _CONFIG.value}, "--config=configs/pruner_smollm2.py")
   logging.set_verbosity(logging.WARNING)      # Orbax logs every save at INFO
   cfg = cli.load_config(PrunerTrainConfig, _CONFIG.value)
   # compiled frozen-model steps persist across runs (one per chunk/width bucket)
