@@ -1,11 +1,18 @@
-r"""Regenerates the README's results tables and the plots in docs/plots/ from result files.
+r"""Regenerates the results tables of the docs, the configuration reference and the plots.
 
-    python scripts/report.py [--readme=README.md] [--plots=docs/plots] [--check]
+    python scripts/report.py [--plots=docs/plots] [--check]
+
+Writes, from files only (nothing is measured here):
+  - the results blocks of README.md and of every page under docs/ (tables from the
+    result files below);
+  - docs/configuration.md: every `--config.*` field of the commands, from the config
+    dataclasses (`jaxkv.cli.fields`), so the page cannot drift from the code;
+  - the PNG plots in docs/plots/.
 
 Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_cpu.json           bench/throughput.py      throughput table, throughput vs batch
   bench/results_pruning_tau2.json  bench/pruning.py         teacher-forced tables and recall /
-                                                            dNLL vs budget (none in the README
+                                                            dNLL vs budget (none in the docs
                                                             now: Tables 2 / 7 come from
                                                             next-call accuracy)
   bench/results_table4_tau2.json   bench/pruning.py --head  Table 4 shape
@@ -40,11 +47,11 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
-Each generated README block sits between `<!-- report:NAME -->` and
-`<!-- /report:NAME -->`; text outside the markers (the prose, the commands) is
-left alone. A block whose source file is missing is left as it is, with a
-warning. --check exits 1 when the README is not what this would write (the tests
-use it to keep the README in step with the files).
+Each generated block sits between `<!-- report:NAME -->` and
+`<!-- /report:NAME -->` in a markdown page; text outside the markers (the prose,
+the commands) is left alone. A block whose source file is missing is left as it
+is, with a warning. --check exits 1 when a page is not what this would write (the
+tests use it to keep the docs in step with the files and the config classes).
 """
 
 from __future__ import annotations
@@ -64,7 +71,8 @@ import common          # noqa: E402
 import attention_kernels as kernels_bench   # noqa: E402
 import lragent as lragent_bench   # noqa: E402
 import memart_tables as memart_bench   # noqa: E402
-import plot_training   # noqa: E402  (scripts/)
+import config_reference   # noqa: E402  (scripts/)
+import plot_training   # noqa: E402
 import pruning         # noqa: E402
 import reuse as reuse_bench   # noqa: E402
 import semshare as semshare_bench   # noqa: E402
@@ -75,6 +83,7 @@ from jaxkv import artifacts   # noqa: E402
 from jaxkv.data import agents   # noqa: E402
 
 FLAGS = flags.FLAGS
+CONFIG_PAGE = "docs/configuration.md"
 BLOCK = re.compile(r"(<!-- report:([\w-]+) -->\n)(.*?)(<!-- /report:\2 -->)", re.S)
 SOURCES = {
     "throughput": "bench/results_cpu.json",
@@ -116,9 +125,13 @@ SOURCES = {
 
 
 def define_flags():
-  flags.DEFINE_string("readme", str(ROOT / "README.md"), "README to update in place")
   flags.DEFINE_string("plots", str(ROOT / "docs" / "plots"), "folder for the PNG plots")
-  flags.DEFINE_bool("check", False, "only check that the README's blocks are up to date")
+  flags.DEFINE_bool("check", False, "only check that the pages are up to date (exit 1 if not)")
+
+
+def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+  """The markdown pages that may hold results blocks: README.md and docs/**/*.md."""
+  return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
 def _rows(root: pathlib.Path, name: str):
@@ -218,14 +231,14 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
 
 
 def update(text: str, new: dict[str, str | None], log=print) -> str:
-  """README text with every known block replaced (unknown or missing ones kept)."""
+  """A page's text with every known block replaced (unknown or missing ones kept)."""
   def repl(m):
     name = m.group(2)
     if name not in new:
-      log(f"warning: README block {name!r} has no generator; kept")
+      log(f"warning: block {name!r} has no generator; kept")
       return m.group(0)
     if new[name] is None:
-      log(f"warning: {SOURCES[name]} missing; README block {name!r} kept")
+      log(f"warning: {SOURCES[name]} missing; block {name!r} kept")
       return m.group(0)
     return m.group(1) + new[name] + m.group(4)
   return BLOCK.sub(repl, text)
@@ -330,20 +343,38 @@ def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.P
   return made
 
 
+def regenerate(root: pathlib.Path = ROOT, log=print) -> dict[pathlib.Path, tuple[str, str]]:
+  """{page: (current text, regenerated text)} for every page with blocks, and the
+  configuration page."""
+  new = blocks(root)
+  out = {}
+  for page in pages(root):
+    text = page.read_text()
+    if BLOCK.search(text):
+      out[page] = (text, update(text, new, log=log))
+  conf = root / CONFIG_PAGE
+  out[conf] = (conf.read_text() if conf.is_file() else "", config_reference.page())
+  return out
+
+
 def main(argv):
   del argv
-  readme = pathlib.Path(FLAGS.readme)
-  text = readme.read_text()
-  new = update(text, blocks(ROOT), log=lambda m: print(m, file=sys.stderr))
+  stale = []
+  for page, (text, new) in regenerate(ROOT, log=lambda m: print(m, file=sys.stderr)).items():
+    rel = page.relative_to(ROOT)
+    if new == text:
+      print(f"up to date: {rel}" if FLAGS.check else f"unchanged: {rel}")
+    elif FLAGS.check:
+      stale.append(rel)
+    else:
+      page.write_text(new)
+      print(f"updated: {rel}")
   if FLAGS.check:
-    if new != text:
-      print(f"{readme} is out of date: run python scripts/report.py", file=sys.stderr)
+    if stale:
+      print(f"out of date: {', '.join(map(str, stale))}: run python scripts/report.py",
+            file=sys.stderr)
       sys.exit(1)
-    print(f"{readme} is up to date")
     return
-  if new != text:
-    readme.write_text(new)
-  print(f"{'updated' if new != text else 'unchanged'}: {readme}")
   for p in plots(ROOT, pathlib.Path(FLAGS.plots), log=lambda m: print(m, file=sys.stderr)):
     print(f"wrote {p}")
 

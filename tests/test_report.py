@@ -1,5 +1,6 @@
-"""scripts/report.py: the README's results blocks are what the result files say, and
-blocks / plots regenerate from any set of result files."""
+"""scripts/report.py: the results blocks of README.md and docs/ are what the result
+files say, docs/configuration.md is what the config classes say, and blocks / plots
+regenerate from any set of result files."""
 
 import importlib.util
 import json
@@ -18,17 +19,32 @@ def report():
   return mod
 
 
-def test_readme_blocks_match_result_files(report):
-  """Every README block equals its regeneration: a result file changed without
-  `python scripts/report.py` (or a hand edit inside a block) fails here."""
-  text = (ROOT / "README.md").read_text()
-  names = [m.group(2) for m in report.BLOCK.finditer(text)]
+def test_docs_blocks_match_result_files(report):
+  """Every block of every page equals its regeneration: a result file changed without
+  `python scripts/report.py` (or a hand edit inside a block) fails here. Every source
+  the blocks name exists, and every block appears on exactly one page."""
+  names = []
+  for page in report.pages(ROOT):
+    names += [m.group(2) for m in report.BLOCK.finditer(page.read_text())]
   assert {"throughput", "table4", "lragent", "agent-eval-qwen", "agent-eval-smollm2",
-          "closed-loop-tau2", "closed-loop-agentdojo", "reuse"} <= set(names)
+          "closed-loop-tau2", "closed-loop-agentdojo", "reuse", "memart",
+          "server-load"} <= set(names)
+  assert len(names) == len(set(names)), "a results block appears on two pages"
   new = report.blocks(ROOT)
   for name in names:
     assert new[name] is not None, f"{report.SOURCES[name]} missing"
-  assert report.update(text, new) == text
+  stale = [str(p.relative_to(ROOT)) for p, (old, text) in report.regenerate(ROOT).items()
+           if old != text]
+  assert not stale, f"out of date (run python scripts/report.py): {stale}"
+
+
+def test_configuration_page_lists_every_field(report):
+  """docs/configuration.md names every --config field of every command, with its default."""
+  from jaxkv import cli
+  text = (ROOT / report.CONFIG_PAGE).read_text()
+  for _, cls, _, _ in report.config_reference.COMMANDS:
+    for f in cli.fields(cls):
+      assert f"| `--{f.path}` |" in text, f.path
 
 
 def test_update_replaces_known_blocks_and_keeps_the_rest(report):
