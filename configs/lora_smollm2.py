@@ -10,7 +10,7 @@ LRAgent uses r = 4 on Q, K, V, O (same parameter count as r = 8 on Q, V):
 """
 
 from jaxkv.config import to_config_dict
-from jaxkv.training.lora_train import LoraTrainConfig
+from jaxkv.training.config import LoraTrainConfig
 
 
 def get_config():

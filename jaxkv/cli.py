@@ -18,27 +18,52 @@ sets a field the dataclass lacks or a value its checks refuse.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import io
 import os
 import re
 import sys
+import textwrap
+import tokenize
 import typing
 from collections.abc import Callable, Iterator
 
 from jaxkv.config import _dataclass_type
 
-_FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^=#]*=[^#]*#\s*(.+)$")
-
 
 def _comments(cls: type) -> dict[str, str]:
-  """Field name -> its trailing `# comment` in the class source (if any)."""
+  """Field name -> its description: the field's trailing `# comment` in the class
+  source, continued on the comment-only lines right below it whose `#` stands in
+  the same column (a comment at another column, e.g. one heading the next field,
+  is not part of it). Fields without a trailing comment are left out."""
   try:
-    src = inspect.getsource(cls)
+    src = textwrap.dedent(inspect.getsource(cls))
   except (OSError, TypeError):
     return {}
-  return {m.group(1): m.group(2).strip() for m in map(_FIELD_COMMENT.match, src.splitlines())
-          if m}
+  comments: dict[int, tuple[int, str]] = {}    # line -> (column of '#', text)
+  code: set[int] = set()                       # lines holding code
+  for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+    if tok.type == tokenize.COMMENT:
+      comments[tok.start[0]] = (tok.start[1], tok.string[1:].strip())
+    elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                          tokenize.ENDMARKER):
+      code.update(range(tok.start[0], tok.end[0] + 1))
+  out = {}
+  for node in ast.parse(src).body[0].body:
+    if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+      continue
+    own = [n for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+    if not own:
+      continue
+    col, first = comments[own[0]]
+    parts, n = [first], node.end_lineno + 1
+    while n in comments and n not in code and comments[n][0] == col:
+      parts.append(comments[n][1])
+      n += 1
+    out[node.target.id] = " ".join(p for p in parts if p)
+  return out
 
 
 def _type_name(hint) -> str:
@@ -70,13 +95,17 @@ def fields(cls: type, prefix: str = "config") -> Iterator[Field]:
                     docs.get(f.name, ""))
 
 
-def reference(cls: type, prefix: str = "config") -> str:
-  """A text table of every `--config.*` field: path, type, default, comment."""
+def reference(cls: type, prefix: str = "config", width: int = 100) -> str:
+  """A text reference of every `--config.*` field: its path, type and default on one
+  line, its description wrapped below it."""
   rows = [(f"--{f.path}", f.type_name, repr(f.default), f.doc) for f in fields(cls, prefix)]
-  w = [max(len(r[i]) for r in rows) for i in range(3)]
-  lines = [f"  {a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}".rstrip() for a, b, c, d in rows]
-  return f"Config fields ({cls.__name__}; override any with --{prefix}.<field>=<value>):\n" + \
-      "\n".join(lines)
+  w = [max(len(r[i]) for r in rows) for i in range(2)]
+  lines = [f"Config fields ({cls.__name__}; override any with --{prefix}.<field>=<value>):"]
+  for path, type_name, default, doc in rows:
+    lines.append(f"  {path:<{w[0]}}  {type_name:<{w[1]}}  {default}")
+    lines += textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                           break_on_hyphens=False)
+  return "\n".join(lines)
 
 
 def with_reference(doc: str | None, cls: type) -> str:
@@ -278,7 +307,7 @@ def run(main: Callable, cls: type | None = None, flag: str = "config",
       fail(str(e))
     except flags.Error as e:
       fail(f"{one_line(str(e))} (--helpfull lists every flag and config field)")
-    except Exception as e:  # noqa: BLE001: a config file's own error, shown as one line
+    except Exception as e:   # a config file's own error, shown as one line
       fail(f"--{flag}: {type(e).__name__}: {e}")
 
   def guarded(argv):

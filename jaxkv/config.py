@@ -127,10 +127,14 @@ PAGE_SIZE = 16
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
   """Size of the paged KV pool (slot 0 is the sentinel, page 0 is reserved)."""
-  num_pages: int = 512        # pages in the pool (page 0 is the reserved sentinel page)
-  page_size: int = PAGE_SIZE  # token slots per page
-  max_seq_len: int = 2048     # longest sequence (prompt + completion)
-  dtype: str = "float32"      # KV pool dtype
+  num_pages: int = 512        # Pages in the KV pool (page 0 is reserved as the sentinel
+                              # page).
+  page_size: int = PAGE_SIZE  # Token slots per page: the unit in which sequences get pool
+                              # memory.
+  max_seq_len: int = 2048     # Longest sequence a request may reach, prompt and completion
+                              # together, in tokens.
+  dtype: str = "float32"      # Data type the pool stores keys and values in (e.g. float32
+                              # or bfloat16).
 
   def __post_init__(self):
     if self.page_size < 1 or self.num_pages < 2:
@@ -144,11 +148,15 @@ class CacheConfig:
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """Per-request sampling; temperature 0 means greedy."""
-  temperature: float = 0.0  # 0: greedy
-  top_k: int = 0            # 0: off
-  top_p: float = 1.0        # 1.0: off
-  seed: int = 0             # per-request sampling seed
-  max_tokens: int = 128     # completion tokens at most
+  temperature: float = 0.0  # Sampling temperature; 0 decodes greedily (always the most
+                            # likely token).
+  top_k: int = 0            # Sample only among the k most likely tokens; 0 turns this
+                            # limit off.
+  top_p: float = 1.0        # Sample only among the most likely tokens whose probabilities
+                            # add up to this share (nucleus sampling); 1.0 turns it off.
+  seed: int = 0             # Seed of a request's random sampling: the same seed gives the
+                            # same tokens.
+  max_tokens: int = 128     # Most tokens a completion may have.
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -181,16 +189,19 @@ COMPILER_OPTIONS: dict = {}
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Batching and step shapes of the engine."""
-  max_batch: int = 8          # rows decoded together
-  prefill_chunk: int = 256    # tokens per prefill step per row
-  decode_steps: int = 16      # decode steps per jitted lax.scan call
-  # jaxkv.ops impl: "auto" (Pallas on GPU, XLA reference elsewhere) | "reference"
-  # | "pallas" | "interpret" (Pallas interpreter; slow, for debugging).
-  attention_impl: str = "auto"  # auto | reference | pallas | interpret
-  # Radix prefix cache across requests (SGLang semantics, jaxkv.kv.radix): a prompt
-  # adopts the KV of its longest cached prefix and prefills only the rest; finished
-  # requests stay cached until their pages are needed (LRU eviction).
-  prefix_cache: bool = False
+  max_batch: int = 8          # Requests decoded together: the rows of every decode step.
+  prefill_chunk: int = 256    # Prompt tokens a row prefills per step; a longer prompt
+                              # takes several steps.
+  decode_steps: int = 16      # Decode steps run in one compiled call (a lax.scan) before
+                              # the engine returns to admit and finish requests.
+  attention_impl: str = "auto"  # Attention kernels: auto (Pallas on a GPU, the XLA
+                                # reference elsewhere), reference, pallas, or interpret
+                                # (the Pallas interpreter: slow, for debugging).
+  prefix_cache: bool = False  # Keep finished requests' KV in a radix prefix cache (SGLang's
+                              # semantics, jaxkv.kv.radix): a prompt that starts like an
+                              # earlier one adopts that prefix's KV and prefills only the
+                              # rest. Cached pages are evicted least recently used first
+                              # when the pool needs them.
 
   def __post_init__(self):
     if self.max_batch < 1 or self.prefill_chunk < 1 or self.decode_steps < 1:
@@ -213,24 +224,54 @@ class PruningConfig:
   forced set F (protected system prefix + actionable query span + the method's
   own always-kept tokens) is kept and the best C* = max(0, C - |F|) others.
   """
-  method: str = "none"          # none | random (chance control) | streaming_llm | snapkv | h2o | intentkv
-  layout: str = "dead_slot"     # dead_slot (IntentKV) | compact (published baselines)
-  budget: int = 1024            # C
-  protect_system: bool = True   # force the chat template's system span
-  sink: int = 4                 # StreamingLLM attention sinks
-  snap_window: int = 32         # SnapKV observation window W (also forced)
-  snap_kernel: int = 7          # SnapKV max-pool kernel
-  h2o_recent_ratio: float = 0.5  # H2O ratio mode: recent floor = ratio * C* (C - |F|)
-  intent_mode: str = "memory"   # IntentKV scorer: query | memory | learnable (Phase-2 head)
-  head_path: str = "artifacts/smollm2-135m/pruner_head"  # learnable: residual head (shipped)
-  ablate_memory: bool = False   # learnable ablation "-memory": M_t replaced by Enc(q_t)
-  ablate_xattn: bool = False    # learnable ablation "-x-attn": c_j = 0
-  ablate_residual: bool = False  # learnable ablation "-residual": alpha = 0 (= Phase-1)
-  intent_decay: float = 0.5     # lambda of eq. 2
-  intent_normalize_query: bool = True  # unit-norm Enc(q_t) before eq. 2 (see intentkv.py)
-  session_prefix: int = 256     # P of the session-key fallback (appendix A)
-  memory_capacity: int = 1024   # LRU sessions of QueryMemory
-  random_seed: int = 0          # random: seed of the retention draws (one per event)
+  method: str = "none"          # Which prompt tokens' KV a request drops after its prefill:
+                                # none, random (drawn at random: a chance control),
+                                # streaming_llm, snapkv, h2o or intentkv.
+  layout: str = "dead_slot"     # How dropped tokens leave the pool: dead_slot (their slots
+                                # stay in place, masked out, as IntentKV does) or compact
+                                # (the kept tokens are moved together, as the published
+                                # baselines do).
+  budget: int = 1024            # Retention budget (C): a prompt of at most this many tokens
+                                # is not pruned; a longer one keeps its forced tokens (the
+                                # system prompt, the current query, the method's own) and
+                                # the best-scored others, up to this many in all.
+  protect_system: bool = True   # Always keep the chat template's system prompt.
+  sink: int = 4                 # StreamingLLM: the first tokens, always kept (the
+                                # attention sinks).
+  snap_window: int = 32         # SnapKV: the last prompt tokens, whose attention scores
+                                # the others (the observation window, W); they are always
+                                # kept.
+  snap_kernel: int = 7          # SnapKV: width of the max-pooling that smooths the scores,
+                                # so a high-scoring token's neighbours are kept with it.
+  h2o_recent_ratio: float = 0.5  # H2O: share of the budget left after the forced tokens
+                                 # (C* = C - |F|) kept for the most recent tokens; the rest
+                                 # goes to the most attended ones.
+  intent_mode: str = "memory"   # IntentKV's scorer: query (the current query alone), memory
+                                # (the session's query memory, which keeps earlier queries
+                                # with decaying weight) or learnable (the memory plus the
+                                # trained Phase-2 head at head_path).
+  head_path: str = "artifacts/smollm2-135m/pruner_head"  # Folder of the Phase-2 head that
+                                                         # intent_mode=learnable uses; the
+                                                         # default is the shipped one.
+  ablate_memory: bool = False   # Ablation of the learnable scorer: the query memory (M_t)
+                                # replaced by the current query's encoding (Enc(q_t)).
+  ablate_xattn: bool = False    # Ablation of the learnable scorer: the head's
+                                # cross-attention term (c_j) set to zero.
+  ablate_residual: bool = False  # Ablation of the learnable scorer: the head's residual
+                                 # weight (alpha) set to zero, which leaves the Phase-1
+                                 # rule.
+  intent_decay: float = 0.5     # How fast the query memory forgets (lambda of eq. 2): each
+                                # new query is added to the earlier memory weighted by
+                                # exp(-intent_decay), 0.61 at 0.5.
+  intent_normalize_query: bool = True  # Scale each query's encoding (Enc(q_t)) to unit
+                                       # length before it enters the memory
+                                       # (jaxkv/policies/pruning/intentkv.py says why).
+  session_prefix: int = 256     # First prompt tokens hashed into the session key of a
+                                # request that names no session (P, appendix A).
+  memory_capacity: int = 1024   # Sessions whose query memory is kept; past this the least
+                                # recently used one is dropped.
+  random_seed: int = 0          # Seed of method=random's draws (one draw per pruning
+                                # event).
 
   def __post_init__(self):
     if self.method not in PRUNING_METHODS:
@@ -268,29 +309,61 @@ class ReuseConfig:
   Both store the hidden state at every `cut_every`-th layer boundary (multicut),
   from which the approximate tier recomputes the layers its guard refuses.
   """
-  method: str = "tiered"
-  tiers: tuple[str, ...] = REUSE_TIERS
-  window: int = 96              # discovery windows (tokens) ...
-  stride: int = 48              # ... and their stride
-  min_tokens: int = 32          # shortest segment spliced or stored
-  shingle: int = 8              # k of the canonical token shingles
-  num_perm: int = 128           # MinHash permutations
-  seg_threshold: float = 0.8    # tau_seg: LSH Jaccard threshold for candidates
-  ctx_window: int = 128         # W_ctx: left-context tokens in the signature
-  storage: str = "int8"         # int8 (per-group scales) | float16 | float32
-  group_size: int = 32          # int8 scale group along head_dim / hidden
-  byte_budget: int = 512 << 20  # host bytes of the segment store (LRU)
-  regime: str = "A"             # A: every layer's K/V | B: layers < reuse_layers
-  reuse_layers: int = 0         # B: L_reuse (0: the deepest cut)
-  cut_every: int = 4            # multicut: hidden state stored every this many layers
-  guard_base: int = 64          # W_exact(l) = guard_base * 2^((l - 1) // cut_every), W(0) = 0
-  blend_ratio: float = 0.15     # CacheBlend's recompute share
-  blend_layer: int = 1          # the probe layer (fresh K vs cached K)
-  probe_reject: float = 0.0     # > 0: blend rejects a segment whose mean relative K
-                                # deviation at the probe layer exceeds this
-  epic_tokens: int = 16         # EPIC: recompute each segment's first tokens
-  max_passes: int = 4           # layer windows per prefill, each with its own recompute
-                                # width (the guard's sets grow with depth)
+  method: str = "tiered"        # How a prompt reuses stored segments: none (prefill it all),
+                                # prefix (the radix prefix cache only), naive (splice every
+                                # matched segment, no guard), epic (splice, recompute each
+                                # segment's first epic_tokens), cacheblend (splice, then
+                                # recompute the tokens whose keys moved most) or tiered
+                                # (exact, then depth-guarded approximate, then blend, else
+                                # reject).
+  tiers: tuple[str, ...] = REUSE_TIERS  # The tiers method=tiered tries, in this order, from
+                                        # exact, approx and blend.
+  window: int = 96              # Length in tokens of the windows a prompt is cut into to
+                                # find reusable segments.
+  stride: int = 48              # Mean distance in tokens between window starts (chosen by
+                                # content, so the same text gets the same windows anywhere
+                                # in a prompt).
+  min_tokens: int = 32          # Shortest run of tokens spliced in or stored as a segment.
+  shingle: int = 8              # Tokens per shingle (k) of the MinHash signatures that find
+                                # similar segments.
+  num_perm: int = 128           # MinHash permutations per signature: more estimate the
+                                # similarity more finely and cost more.
+  seg_threshold: float = 0.8    # Jaccard similarity a window needs with a stored segment to
+                                # be a candidate in the LSH index (tau_seg).
+  ctx_window: int = 128         # Tokens of left context before a match compared with the
+                                # stored segment's own (W_ctx); their similarity is
+                                # recorded with the match.
+  storage: str = "int8"         # Precision of the stored keys and values: int8 (a scale per
+                                # group of values), float16 or float32.
+  group_size: int = 32          # Values sharing one int8 scale, along the head dimension
+                                # (the hidden dimension for stored hidden states).
+  byte_budget: int = 512 << 20  # Host memory of the segment store, in bytes; past it the
+                                # least recently used segments are dropped.
+  regime: str = "A"             # What a segment stores: A, every layer's keys and values;
+                                # B, only the layers below reuse_layers.
+  reuse_layers: int = 0         # Regime B: the layers stored (L_reuse); 0 stores up to the
+                                # deepest stored hidden state.
+  cut_every: int = 4            # Layers between a segment's stored hidden states
+                                # (multicut); the approximate tier resumes computing from
+                                # one of them.
+  guard_base: int = 64          # Depth guard of the approximate tier: a token reuses layer
+                                # 1 after this many identical tokens before it, twice as
+                                # many every cut_every layers deeper (W_exact(l) =
+                                # guard_base x 2^((l - 1) // cut_every); layer 0 needs none).
+  blend_ratio: float = 0.15     # Blend tier and cacheblend: share of a segment's tokens
+                                # recomputed at every layer after the probe, those whose
+                                # keys moved most.
+  blend_layer: int = 1          # Blend tier and cacheblend: the probe, the layers up to
+                                # this one recomputed to measure how far the cached keys
+                                # are from fresh ones.
+  probe_reject: float = 0.0     # Blend tier: a segment whose mean relative key deviation at
+                                # the probe layer exceeds this is recomputed in full
+                                # instead; 0 rejects none.
+  epic_tokens: int = 16         # EPIC: each spliced segment's first tokens, recomputed at
+                                # every layer.
+  max_passes: int = 4           # Most layer windows a prefill is split into, each with its
+                                # own set of recomputed tokens (the guard's sets grow with
+                                # depth).
 
   def __post_init__(self):
     if self.method not in REUSE_METHODS:
@@ -345,41 +418,67 @@ class SemShareConfig:
   the per-layer recompute ratios alpha_recomp, the retention decay) the choice
   is written beside the field.
   """
-  method: str = "semshare"
-  threshold: float = 0.8        # reuse only at prompt similarity >= this (section 5.4)
-  max_dist: float = 80.0        # A.3: similarity = clip(1 - LSH distance / max_dist, 0, 1);
-                                # the paper's 30 goes with its (unstated) LSH width: at 256
-                                # bits unrelated prompts lie 81-98 bits apart (mean nearest
-                                # distance, Austen / Python docs, SmolLM2), so 80 puts them at 0
-  nbits: int = 256              # LSH sign bits per token (not given): the share of target
-                                # tokens matched to the same token id after deleting 10% of
-                                # the sentences was 0.47-0.65 at 32 bits, 0.66-0.83 at 128,
-                                # 0.79-0.88 at 256
-  lsh_seed: int = 0             # the random rotation of the LSH
-  e_rope_theta: float = 10000.0  # A.1: RoPE on the E cache, theta_k = 10000^(-2k/d)
-  hot_threshold: float = 0.55   # attention recovery: hot tokens hold 55% of the attention
-  w_cold: float = 0.1           # layer-1 recompute = w_cold * cold + w_hot * hot (4.3.3)
-  w_hot: float = 0.5
-  recomp_alpha_first: float = 0.9   # alpha_recomp at layer 2, rising linearly to ...
-  recomp_alpha_last: float = 1.0    # ... this at the last layer (A.5; "small in shallow,
-                                    # large in deep layers"; values not given)
-  retain_first: float = 0.8     # layer-0 retention = max(retain_first, r_dynamic) (4.3.4)
-  retain_alpha: float = 0.98    # A.6 exponential decay: retain_l = retain_0 * alpha^l
-                                # (0.98 over 30 layers keeps ~60% on average, near the
-                                # paper's 42% memory saving; value not given)
-  retention: str = "layer"      # which tokens each layer retains: "layer" = ranked by the
+  method: str = "semshare"      # How a prompt reuses a reference: full (prefill every
+                                # prompt; each is kept as a reference), semshare (the
+                                # paper), fuzzy_full (fuzzy match, then recompute it all),
+                                # zero or random (ablations: the matched KV replaced by
+                                # zeros or by random reference tokens), blend (CacheBlend's
+                                # rule on the same match), or snapkv, pyramidkv or h2o
+                                # (compression baselines after a full prefill).
+  threshold: float = 0.8        # Similarity to its nearest reference at or above which a
+                                # prompt reuses that reference's KV (section 5.4).
+  max_dist: float = 80.0        # LSH distance at which similarity reaches 0 (similarity =
+                                # clip(1 - distance / max_dist, 0, 1), A.3). The paper's 30
+                                # goes with an LSH width it does not state; at 256 bits
+                                # unrelated prompts lie 81-98 bits apart (mean nearest
+                                # distance; Austen and the Python docs, SmolLM2), so 80 puts
+                                # them at 0.
+  nbits: int = 256              # LSH sign bits per token (the paper gives none): with 10%
+                                # of the sentences deleted, 0.47-0.65 of the tokens matched
+                                # the same token id at 32 bits, 0.66-0.83 at 128 and
+                                # 0.79-0.88 at 256.
+  lsh_seed: int = 0             # Seed of the LSH's random rotation.
+  e_rope_theta: float = 10000.0  # Base of the position rotation applied to the token
+                                 # embeddings that are matched (the E cache: theta_k =
+                                 # base^(-2k/d), A.1).
+  hot_threshold: float = 0.55   # Share of the attention the hot tokens hold: the fewest
+                                # most-attended tokens holding it are hot (attention
+                                # recovery, eq. 1).
+  w_cold: float = 0.1           # Share of the cold tokens layer 1 recomputes, the most
+                                # deviating ones (4.3.3).
+  w_hot: float = 0.5            # Share of the hot tokens layer 1 recomputes, the most
+                                # deviating ones (4.3.3).
+  recomp_alpha_first: float = 0.9   # Share of the previous layer's recomputed tokens that
+                                    # layer 2 recomputes again (alpha_recomp), rising
+                                    # linearly to recomp_alpha_last (A.5; values not given).
+  recomp_alpha_last: float = 1.0    # That share at the last layer (A.5: small in shallow
+                                    # layers, large in deep ones).
+  retain_first: float = 0.8     # Least share of the prompt layer 0 retains: it keeps the
+                                # larger of this and the hot share (r_dynamic, 4.3.4).
+  retain_alpha: float = 0.98    # Decay of the retained share with depth: layer l keeps
+                                # layer 0's share x alpha^l (A.6). The paper gives no value;
+                                # 0.98 over 30 layers keeps about 60% on average, near its
+                                # 42% memory saving.
+  retention: str = "layer"      # Which tokens each layer retains: layer (ranked by the
                                 # attention they receive at that layer from the tokens it
-                                # computed (layer 0: the last 1 - r_dynamic of the prompt,
-                                # 4.3.4), evicted for decode; "layer0" = every layer ranked
-                                # by layer 0's attention, nested, evicted before the pass
-  recent: int = 16              # last prompt tokens always recomputed and retained (the
-                                # readout and the instruction's tail)
-  blend_ratio: float = 0.15     # method blend: CacheBlend's recompute share
-  compress_keep: float = 0.6    # snapkv / pyramidkv: mean share kept per layer (about what
-                                # semshare's retention keeps: 0.8 x 0.98^l over 30 layers)
-  h2o_keep: float = 0.9         # h2o: SemShareKV's "compressing 10% of the cache per layer"
-  byte_budget: int = 1 << 30    # references (pool slots held + E-cache codes), LRU
-  store_reused: bool = False    # also keep reused (approximate) prompts as references
+                                # computed; layer 0 from every token; evicted for decode) or
+                                # layer0 (every layer ranked by layer 0's attention, nested,
+                                # evicted before the pass).
+  recent: int = 16              # Last prompt tokens, always recomputed and retained (the
+                                # readout and the instruction's end).
+  blend_ratio: float = 0.15     # With method=blend, the share of tokens recomputed at
+                                # every layer after the probe (CacheBlend's recompute
+                                # share).
+  compress_keep: float = 0.6    # With method snapkv or pyramidkv, the mean share of the
+                                # prompt kept per layer (about what semshare's retention
+                                # keeps: 0.8 x 0.98^l over 30 layers).
+  h2o_keep: float = 0.9         # With method=h2o, the share of the cache each layer keeps
+                                # (SemShareKV's "compressing 10% of the cache per layer").
+  byte_budget: int = 1 << 30    # Memory of the reference prompts in bytes (their pool slots
+                                # and E-cache codes); past it the least recently used are
+                                # dropped.
+  store_reused: bool = False    # Also keep prompts that reused a reference's KV as
+                                # references (their KV is approximate).
 
   def __post_init__(self):
     if self.method not in SEMSHARE_METHODS:
@@ -415,31 +514,42 @@ class MemArtConfig:
   Paper values are the defaults (LLaMA-3.1-8B's setting: BS 16, top-k 128,
   Softmax-Max); where the paper gives none the choice is written beside the field.
   """
-  block_size: int = 16          # BS: tokens per memory block (= the pool's page size)
-  top_k: int = 128              # blocks retrieved per request (4.2)
-  norm: str = "softmax"         # softmax | rr (Reciprocal Rank), per query token (Table 1)
-  agg: str = "max"              # max | sum over query tokens, heads and layers (Table 1)
-  rr_c: float = 60.0            # RR: 1 / (rank + c), rank from 1; c not given: Cormack et
-                                # al.'s 60, the paper's reference for RR
-  softmax_scale: float = 0.0    # Softmax over I(q, K) * scale; 0: 1/sqrt(head_dim), the
-                                # attention's own scale (the paper's I is unscaled q.k)
-  box_keys: str = "raw"         # raw: boxes over content-only keys R(-p)k (the issue's
-                                # choice: post-RoPE boxes spanning 16 positions are loose
-                                # in the fast-rotating dimensions); rope: the ablation
-  box_heads: str = "each"       # each: a box per layer and KV head (a query head reads its
-                                # KV head's); pooled: one per layer over every KV head's
-                                # keys (1 / Hkv of the box bytes; the ablation, README)
-  byte_budget: int = 1 << 30    # memory blocks (K/V + boxes); past it the least-retrieved
-                                # blocks are evicted (ties: the oldest)
-  rerank: int = 0               # 0: the eq. 3 bound picks the k blocks (the paper); R > 0:
-                                # it picks R x k candidates, re-scored by their keys' exact
-                                # content-only max q.k (the quantity the bound bounds; the
-                                # boxes are the loss, README MemArt), the best k kept
-  neighbors: int = 0            # 0: the top-k blocks alone (the paper); n > 0: each block
-                                # scored by the best within n blocks of it in its span, so
-                                # top-k takes windows of 2n + 1 blocks (policies.memory.
-                                # memart.dilate: a block cut mid-sentence comes with its
-                                # context; README MemArt)
+  block_size: int = 16          # Tokens per memory block (BS); it must equal the pool's
+                                # page size.
+  top_k: int = 128              # Memory blocks retrieved for each request (4.2).
+  norm: str = "softmax"         # How each query token's block scores are normalised before
+                                # they are combined: softmax, or rr (reciprocal rank; Table
+                                # 1).
+  agg: str = "max"              # How the normalised scores are combined over query tokens,
+                                # heads and layers: max or sum (Table 1).
+  rr_c: float = 60.0            # Reciprocal-rank constant (c): a block ranked r (from 1)
+                                # scores 1 / (r + c). The paper gives no value; 60 is
+                                # Cormack et al.'s, the paper's reference for reciprocal
+                                # rank.
+  softmax_scale: float = 0.0    # Scale of the query-key scores inside the softmax; 0 uses 1
+                                # / sqrt(head_dim), the attention's own scale (the paper's
+                                # scores are the unscaled q.k).
+  box_keys: str = "raw"         # Keys a block's bounding box covers: raw (the keys with the
+                                # position rotation taken out, R(-p)k; boxes over rotated
+                                # keys spanning 16 positions are loose in the fast-rotating
+                                # dimensions) or rope (the stored keys; the ablation).
+  box_heads: str = "each"       # Boxes per layer: each (one per KV head; a query head
+                                # reads its KV head's) or pooled (one over every KV head's
+                                # keys: 1 / Hkv of the box bytes; the ablation, see README
+                                # MemArt).
+  byte_budget: int = 1 << 30    # Memory of the blocks in bytes (keys, values and boxes);
+                                # past it the least-retrieved blocks are evicted, the oldest
+                                # first among equals.
+  rerank: int = 0               # Re-ranking: 0 lets the boxes' bound (eq. 3) pick the
+                                # top_k blocks, as the paper does; R > 0 lets it pick R x
+                                # top_k candidates, re-scored by their keys' exact
+                                # content-only max q.k (what the bound bounds; README
+                                # MemArt), and keeps the best top_k.
+  neighbors: int = 0            # Windows of blocks: 0 retrieves the top_k blocks alone, as
+                                # the paper; n > 0 scores each block as the best within n
+                                # blocks of it in its span, so retrieval takes windows of
+                                # 2n + 1 blocks and a block cut mid-sentence comes with its
+                                # context (policies.memory.memart.dilate; README MemArt).
 
   def __post_init__(self):
     if self.norm not in MEMART_NORMS or self.agg not in MEMART_AGGS:
@@ -469,8 +579,11 @@ class MeshConfig:
   parallel on "model" (KV heads replicated where they do not divide), the pool's
   slots and the batch rows split on "data".
   """
-  data: int = 1
-  model: int = 1
+  data: int = 1                 # Devices along the mesh's data axis: the pool's slots and
+                                # the batch's rows are split over them.
+  model: int = 1                # Devices along the mesh's model axis: the weights are split
+                                # over them (tensor parallel; KV heads are replicated where
+                                # they do not divide).
 
   def __post_init__(self):
     if self.data < 1 or self.model < 1:
@@ -490,26 +603,35 @@ class ServerConfig:
   `max_tokens` defaults to `ServeConfig.sampling.max_tokens`, clipped to what the
   cache has room for after the prompt.
   """
-  host: str = "127.0.0.1"
-  port: int = 8000
-  model_name: str = ""          # the id clients send as "model" ("" : ServeConfig.model)
-  max_pending: int = 256        # queued + running requests; more get 429
-  session_idle_s: float = 600.0  # an agent session unused this long is closed (its hold freed)
-  # LRAgent role adapters served as "<model>:plan", "<model>:action", "<model>:reflect":
-  # "" off; "shipped" the ones in artifacts/ for the model; or a folder of PEFT adapters
-  # (scripts/train_lora.py). One batch mixes them (shared A, per-row B).
-  role_adapters: str = ""
-  # Session kinds served (jaxkv.server.backends), the first the default for a session
-  # that does not name one: "prefix" (the batch engine's prefix cache; needs
-  # engine.prefix_cache), "pruned" (SessionRunner with `pruning`: IntentKV's
-  # QueryMemory kept per session), "memart" (history in MemArt memory, `memart`),
-  # "reuse" (segment reuse across prompts, `reuse`), "agents" (LRAgent: the role
-  # adapters extend one shared trajectory under `agent_scheme`; needs role_adapters);
-  # e.g. "pruned,memart,reuse,agents,prefix".
-  sessions: str = "prefix"
-  agent_scheme: str = "base_lr_shared"  # LRAgent sharing scheme of "agents" sessions
-  agent_max_tokens: int = 4096  # an "agents" session's trajectory cap (its pool is this long)
-  agent_sessions: int = 4       # "agents" sessions open at once (each holds its own pool)
+  host: str = "127.0.0.1"       # Address the HTTP server binds to (the --host flag
+                                # overrides it).
+  port: int = 8000              # Port the HTTP server listens on (the --port flag overrides
+                                # it).
+  model_name: str = ""          # Model id clients send as "model"; empty serves the
+                                # config's model name.
+  max_pending: int = 256        # Most requests queued or running at once; more are answered
+                                # with HTTP 429.
+  session_idle_s: float = 600.0  # Seconds an agent session may stay unused before it is
+                                 # closed and its KV freed.
+  role_adapters: str = ""       # LRAgent role adapters, served as the models
+                                # "<model>:plan", "<model>:action" and "<model>:reflect":
+                                # empty for none, shipped for the ones in artifacts/ for the
+                                # model, or a folder of PEFT adapters (scripts/train_lora.py).
+                                # One batch mixes them (shared A, per-row B).
+  sessions: str = "prefix"      # Session kinds served, comma-separated; the first is the
+                                # default of a session that names none. prefix: the batch
+                                # engine's prefix cache (needs engine.prefix_cache); pruned:
+                                # pruning with IntentKV's query memory kept per session
+                                # (pruning); memart: history in MemArt memory (memart);
+                                # reuse: segment reuse across prompts (reuse); agents:
+                                # LRAgent role adapters sharing one trajectory's KV (needs
+                                # role_adapters). E.g. "pruned,memart,reuse,agents,prefix".
+  agent_scheme: str = "base_lr_shared"  # How an agents session's role adapters share KV
+                                        # (LRAgent): non_shared, full_shared, base_shared or
+                                        # base_lr_shared.
+  agent_max_tokens: int = 4096  # Longest trajectory of an agents session, in tokens (its
+                                # pool is this long).
+  agent_sessions: int = 4       # Agents sessions open at once (each holds its own pool).
 
   def __post_init__(self):
     session_kinds(self.sessions)
@@ -546,25 +668,30 @@ SERVE_MODES = ("requests", "sessions", "reuse", "semshare", "memart")
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
   """What `scripts/serve.py` runs."""
-  model: str = "smollm2-135m"   # preset name, or a path to a .gguf file / HF directory
-  dtype: str = "float32"        # compute dtype of the weights
-  scan_layers: bool = False     # True: lax.scan over stacked layers (compile independent of depth)
+  model: str = "smollm2-135m"   # Model to load: a preset name (smollm2-135m,
+                                # qwen2.5-coder-0.5b), or the path of a .gguf file or a
+                                # Hugging Face model directory.
+  dtype: str = "float32"        # Data type of the weights and of the computation (e.g.
+                                # float32 or bfloat16).
+  scan_layers: bool = False     # Run the layers as one lax.scan over stacked weights: the
+                                # compile time does not grow with depth, the steps are a
+                                # little slower than with unrolled layers.
   cache: CacheConfig = CacheConfig()
   engine: EngineConfig = EngineConfig()
   sampling: SamplingConfig = SamplingConfig()
-  system_prompt: str = ""       # prepended to "messages" requests lacking a system message
-  # "requests": JSONL requests (engine/batch.py); "sessions": a ToolBench-format
-  # trace file replayed turn by turn through SessionRunner with `pruning`;
-  # "reuse": JSONL requests one at a time through ReuseRunner with `reuse`
-  # (cross-prompt segment reuse, greedy decoding).
-  # "semshare": JSONL requests one at a time through SemShareRunner with
-  # `semshare` (KV of the most similar earlier prompt reused, greedy decoding).
-  # "memart": JSONL chat requests one at a time; `user` names the session whose
-  # history lives in MemArt memory (`memart`); only the last user message is
-  # prefilled, over the retrieved blocks (greedy decoding).
-  mode: str = "requests"        # requests | sessions | reuse | semshare | memart
+  system_prompt: str = ""       # System message put before chat requests that have none of
+                                # their own.
+  mode: str = "requests"        # What serve.py runs: requests (JSONL requests, batched),
+                                # sessions (a ToolBench-format trace file replayed turn by
+                                # turn, pruned by `pruning`), reuse (JSONL requests one at a
+                                # time, reusing earlier prompts' segments by `reuse`),
+                                # semshare (one at a time, reusing a similar earlier
+                                # prompt's KV by `semshare`) or memart (chat requests whose
+                                # history lives in MemArt memory, `memart`). The last three
+                                # decode greedily.
   pruning: PruningConfig = PruningConfig()
-  session_generate: bool = False  # sessions: generate each assistant turn instead of replay
+  session_generate: bool = False  # In mode=sessions, generate each assistant turn instead
+                                  # of replaying the trace's.
   reuse: ReuseConfig = ReuseConfig()
   semshare: SemShareConfig = SemShareConfig()
   memart: MemArtConfig = MemArtConfig()
@@ -631,7 +758,7 @@ def _check_type(value: Any, hint: Any, path: str) -> None:
   ok = _SIMPLE.get(hint)
   if ok is None:
     return
-  if isinstance(value, bool) and hint is not bool or not isinstance(value, ok):
+  if (isinstance(value, bool) and hint is not bool) or not isinstance(value, ok):
     raise ValueError(f"{path} expects {hint.__name__}{' or None' if optional else ''}, got "
                      f"{type(value).__name__} {value!r}")
 

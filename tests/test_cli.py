@@ -1,6 +1,8 @@
 """What a user meets on the command line: config fields that can be listed and
 checked, one-line errors, and an output file with one record per input line."""
 
+import ast
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -25,9 +27,71 @@ def test_reference_lists_every_leaf_field_with_type_and_default():
   for f in leaves:
     line = next(x for x in text.splitlines() if x.split()[:1] == [f"--{f.path}"])
     assert f.type_name in line and repr(f.default) in line
-  assert "--config.cache.num_pages" in text and "pages in the pool" in text
+  assert "--config.cache.num_pages" in text and "Pages in the KV pool" in text
   for cls in (PrunerTrainConfig, LoraTrainConfig):     # the training scripts' configs
     assert len(list(cli.fields(cls))) > 3
+
+
+# The config class of each command (jaxkv/commands/<name>.py: cli.run(_main, <class>, ...)).
+COMMAND_CONFIGS = {"serve": ServeConfig, "server": ServeConfig,
+                   "train_pruner": PrunerTrainConfig, "train_lora": LoraTrainConfig}
+
+
+def test_every_command_config_field_is_described_in_full():
+  """--help and the docs' configuration page describe every field from its comment:
+  each leaf field of each command's config has one, a whole sentence (capital
+  first, full stop last, brackets closed: not cut at the end of a line)."""
+  for path in sorted((ROOT / "jaxkv/commands").glob("*.py")):
+    if path.stem == "__init__":
+      continue
+    runs = [ast.unparse(n.args[1]) for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and ast.unparse(n.func) == "cli.run"]
+    assert runs == [COMMAND_CONFIGS[path.stem].__name__], (path, runs)
+  for cls in dict.fromkeys(COMMAND_CONFIGS.values()):
+    for f in cli.fields(cls):
+      assert f.doc, f"--{f.path} has no description"
+      assert f.doc[0].isupper() and f.doc.endswith(".") and len(f.doc.split()) >= 3, \
+          f"--{f.path}: {f.doc!r} is not a whole sentence"
+      assert f.doc.count("(") == f.doc.count(")"), f"--{f.path}: {f.doc!r} is cut"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Described:
+  """Comment layouts `cli.fields` reads."""
+  one: int = 1          # One line.
+  two: str = "x#y"      # Continued on the next
+                        # aligned comment line.
+  # A comment heading the next field is not the previous field's.
+  three: float = 3.0    # Three.
+                        #
+                        # After an empty comment line.
+  bare: bool = False
+  # the next line's comment is not aligned with this one's
+  four: int = 4  # Four.
+                        # Not part of four.
+
+
+def test_descriptions_continue_on_aligned_comment_lines():
+  docs = {f.path: f.doc for f in cli.fields(_Described)}
+  assert docs == {"config.one": "One line.",
+                  "config.two": "Continued on the next aligned comment line.",
+                  "config.three": "Three. After an empty comment line.",
+                  "config.bare": "", "config.four": "Four."}
+
+
+def test_help_is_fast_and_loads_no_jax():
+  """`--help` prints every field without importing JAX or the engine (it took
+  2.4-3 s warm, up to 10 s cold, when `import jaxkv` loaded them)."""
+  code = ("import sys, time\n"
+          "t = time.perf_counter()\n"
+          "sys.argv = ['jaxkv-serve', '--help']\n"
+          "from jaxkv.commands import serve\n"
+          "try:\n  serve.main()\nexcept SystemExit:\n  pass\n"
+          "print('jax' in sys.modules, 'jaxkv.engine' in sys.modules, file=sys.stderr)\n")
+  p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                     cwd=ROOT)
+  assert p.stderr.split() == ["False", "False"], p.stderr[-2000:]
+  assert "--config.memart.neighbors" in p.stdout and "Config fields (ServeConfig" in p.stdout
 
 
 @pytest.mark.parametrize("arg, expect", [
@@ -186,7 +250,7 @@ def test_read_requests_lists_every_line_once(tmp_path):
 
 def test_missing_traces_name_the_command_that_makes_them(tmp_path):
   from jaxkv.data import traces
-  with pytest.raises(FileNotFoundError, match="scripts/make_traces.py --source=tau2"):
+  with pytest.raises(FileNotFoundError, match=r"scripts/make_traces\.py --source=tau2"):
     traces.load_toolbench(tmp_path / "tau2_train.json")
   p = subprocess.run([sys.executable, str(ROOT / "scripts/train_pruner.py"),
                       f"--config={ROOT}/configs/pruner_smollm2.py",

@@ -49,7 +49,7 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
-from jaxkv import cli, distributed
+from jaxkv import cli
 from jaxkv.config import ServeConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py", lock_config=True)
@@ -97,6 +97,7 @@ def _multi_process(dst: pathlib.Path) -> bool:
   Every process reads the same input and runs the same steps (SPMD); results are
   resumed from --output only in single-process runs, so all processes start from
   the same state."""
+  from jaxkv import distributed
   if not distributed.requested():
     return False
   try:
@@ -130,6 +131,7 @@ def _main(argv):
   cfg = cli.load_config(ServeConfig, _CONFIG.value)
   src, dst = pathlib.Path(_INPUT.value), pathlib.Path(_OUTPUT.value)
   if _multi_process(dst):   # every process computes; only process 0 writes --output
+    from jaxkv import distributed
     if not distributed.is_leader():
       dst = pathlib.Path(tempfile.mkdtemp(prefix="jaxkv_follower_")) / dst.name
   _check_paths(src, dst, cfg.mode)

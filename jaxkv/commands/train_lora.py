@@ -27,7 +27,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from jaxkv import cli
-from jaxkv.training.lora_train import LoraTrainConfig
+from jaxkv.training.config import LoraTrainConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py", lock_config=True)
 

@@ -28,7 +28,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from jaxkv import cli
-from jaxkv.training import PrunerTrainConfig
+from jaxkv.training.config import PrunerTrainConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<name>.py", lock_config=True)
 

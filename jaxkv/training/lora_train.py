@@ -42,52 +42,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxkv.config import COMPILER_OPTIONS, LoraConfig
+from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.data import agents
 from jaxkv.engine import driver
 from jaxkv.kv import plan
 from jaxkv.models import lora as lora_lib
 from jaxkv.models.forward import LoraInputs
 from jaxkv.training import train as train_lib
+from jaxkv.training.config import LoraTrainConfig
+
 LOG_FIELDS = ("step", "update", "role", "session", "tokens", "loss", "lr", "sec")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraTrainConfig:
-  """Joint shared-A role-adapter training (see the module docstring)."""
-  model: str = "smollm2-135m"
-  dtype: str = "float32"
-  train_traces: str = "data_local/tau2_train.json"
-  val_traces: str = "data_local/tau2_heldout.json"
-  out_dir: str = "data_local/runs/lora_smollm2"
-  max_train_sessions: int = 0          # 0: all
-  max_val_sessions: int = 0
-  rank: int = 8
-  alpha: float = 16.0
-  targets: tuple = ("q", "v")          # LRAgent default; ("q", "k", "v", "o") for the ablation
-  max_context: int = 512               # tokens of trajectory before each call
-  max_target: int = 64                 # gold output tokens scored per call
-  steps: int = 480                     # micro-steps
-  grad_accum: int = 4
-  lr: float = 5e-4
-  warmup: int = 20                     # optimizer updates of linear warm-up
-  weight_decay: float = 0.0
-  seed: int = 42
-  negative_rate: float = 0.5           # share of trajectories whose answer is wrong
-  val_examples_per_role: int = 12
-  eval_every: int = 0                  # micro-steps between evaluations (0: start and end)
-  ckpt_every: int = 100                # micro-steps between checkpoints
-  attn_impl: str = "auto"
-  progress: bool = True
-
-  def __post_init__(self):
-    object.__setattr__(self, "targets", tuple(self.targets))
-    LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)   # validates
-    if self.max_context < 16 or self.max_target < 1 or self.steps < 1 or self.grad_accum < 1:
-      raise ValueError("need max_context >= 16, max_target >= 1, steps >= 1, grad_accum >= 1")
-
-  def lora_config(self) -> LoraConfig:
-    return LoraConfig(rank=self.rank, alpha=self.alpha, targets=self.targets, names=agents.ROLES)
 
 
 @dataclasses.dataclass(frozen=True)
