@@ -5,8 +5,8 @@ Input lines (one JSON object each):
     {"id": ..., "prompt": "raw text"}
 with optional "max_tokens", "temperature", "top_p", "top_k", "seed" overriding
 the config's sampling defaults, and "user" (OpenAI's end-user id: the session a
-request belongs to in serve.py mode=memart; ignored elsewhere). Unknown keys are rejected (a misspelt
-"max_token" must not be silently ignored).
+request belongs to in serve.py mode=memart; ignored elsewhere). Unknown keys are
+rejected (a misspelt "max_token" must not be silently ignored).
 
 Output lines, written and flushed as each request finishes:
     {"id", "text", "prompt_tokens", "completion_tokens", "ttft_s", "latency_s",
@@ -31,7 +31,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from jaxkv.config import SamplingConfig
 from jaxkv.engine.engine import Request
@@ -149,7 +149,8 @@ class ResultFile:
           self.latest[key] = rec
     self.done = {k for k, r in self.latest.items() if not is_error(r)}
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    self._f = open(self.path, "w" if overwrite else "a")
+    # open for the object's life: add() appends, finish() closes it
+    self._f = open(self.path, "w" if overwrite else "a")   # noqa: SIM115
 
   def add(self, rec: dict) -> None:
     self.latest[str(rec["id"])] = rec
