@@ -24,6 +24,10 @@ from __future__ import annotations
 import importlib
 import typing
 
+from jaxkv import runtime as _runtime
+
+_runtime.quiet_tpu_probe()   # no "Unable to initialize backend 'tpu'" line (jaxkv.runtime)
+
 if typing.TYPE_CHECKING:   # what the names are, for type checkers (imported lazily below)
   from jaxkv import functional, ops, sharding
   from jaxkv.config import (

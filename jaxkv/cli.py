@@ -220,8 +220,10 @@ def load_llm(cfg):
   except ValueError as e:
     fail(f"--config.mesh: {e}")
   try:
+    # the commands print their own progress and set the cache from --xla_cache
     llm = jaxkv.load(cfg.model, dtype=cfg.dtype, cache=cfg.cache, engine=cfg.engine,
-                     scan_layers=cfg.scan_layers, mesh=mesh)
+                     scan_layers=cfg.scan_layers, mesh=mesh, verbose=False,
+                     compilation_cache=False)
   except (FileNotFoundError, ValueError) as e:
     fail(f"--config.model={cfg.model}: {e}")
   path = cfg.server.role_adapters
@@ -240,16 +242,11 @@ def load_llm(cfg):
 
 
 def compilation_cache(path: str | None) -> None:
-  """Keeps compiled steps on disk between runs (JAX's persistent cache): `path`,
-  or $JAX_COMPILATION_CACHE_DIR, or ~/.cache/jaxkv/xla when None; "" turns it off."""
-  import os
-
-  import jax
-  if path is None:
-    from jaxkv.models.presets import cache_dir
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache_dir() / "xla")
-  if path:
-    jax.config.update("jax_compilation_cache_dir", path)
+  """Keeps compiled steps on disk between runs (JAX's persistent cache, the one
+  `jaxkv.load` uses: `jaxkv.runtime.compilation_cache`): `path`, or
+  $JAX_COMPILATION_CACHE_DIR, or ~/.cache/jaxkv/xla when None; "" turns it off."""
+  from jaxkv import runtime
+  runtime.compilation_cache(path)
 
 
 def one_line(msg: str) -> str:

@@ -12,13 +12,15 @@ messages (rendered with the model's own chat template, tool calls included).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxkv import runtime
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request, Result
 from jaxkv.models import presets, weights
@@ -70,6 +72,9 @@ class LLM:
     self.mesh = mesh   # the batch engine's device mesh (jaxkv.sharding.make_mesh) or None
     self.graphdef, self.weights = nnx.split(model)
     self._engine: Engine | None = None
+    # printed to stderr by the first `stream` / `generate` call (then cleared);
+    # `jaxkv.load(verbose=True)` sets it
+    self.progress: str | None = None
 
   @property
   def config(self):
@@ -103,6 +108,9 @@ class LLM:
 
   def stream(self, requests: Iterable[Request]) -> Iterator[Completion]:
     """Runs token-level requests; yields completions as each finishes."""
+    if self.progress:
+      print(self.progress, file=sys.stderr, flush=True)
+      self.progress = None
     for result in self.engine.run(requests):
       yield self.complete(result)
 
@@ -119,8 +127,19 @@ class LLM:
 
 def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
          cache: CacheConfig = CacheConfig(), engine: EngineConfig = EngineConfig(),
-         scan_layers: bool = False, verbose: bool = False, mesh=None) -> LLM:
+         scan_layers: bool = False, verbose: bool = True, mesh=None,
+         compilation_cache: str | bool | None = None) -> LLM:
   """Loads a preset name, a .gguf file or an HF directory into an `LLM`.
+
+  verbose: progress on stderr -- "loading <model> weights...", the time it took,
+  and on the first `generate` / `stream` call a line saying the model's steps are
+  being compiled (tens of seconds on a CPU the first time); False: silent.
+  compilation_cache: JAX's persistent compilation cache, as the commands'
+  `--xla_cache` (`jaxkv.runtime.compilation_cache`): None (default) keeps a
+  directory JAX already has ($JAX_COMPILATION_CACHE_DIR or your own
+  `jax.config` setting) and otherwise uses ~/.cache/jaxkv/xla, so a later run
+  loads its compiled steps instead of compiling them again; a path uses that
+  directory; False (or "") turns nothing on.
 
   scan_layers: the weights' layer layout (`jaxkv.models.llama`). False (default,
   inference): one set of weights per layer, unrolled: faster steps (SmolLM2 fp32
@@ -130,12 +149,19 @@ def load(model: str = presets.SMOLLM2, *, dtype: str = "float32",
   that compile many shapes). `LLM.model.relayout` converts.
   mesh: a `jaxkv.sharding.make_mesh` mesh for the batch engine (None: one device).
   """
+  xla_cache = runtime.compilation_cache(compilation_cache)
   path = presets.resolve(model)
   t0 = time.perf_counter()
+  if verbose:
+    print(f"loading {model} weights...", file=sys.stderr, flush=True)
   cfg, params = weights.load(path)
   net = Transformer.from_params(cfg, params, dtype=jnp.dtype(dtype), scan_layers=scan_layers)
   tok = Tokenizer.load(path)
   if verbose:
     print(f"loaded {model} ({cfg.architecture}, {cfg.num_layers} layers) "
-          f"in {time.perf_counter() - t0:.1f}s")
-  return LLM(net, tok, cache, engine, mesh=mesh)
+          f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+  llm = LLM(net, tok, cache, engine, mesh=mesh)
+  if verbose:
+    llm.progress = ("compiling the model's steps on first use (tens of seconds on a CPU"
+                    + (f"; kept in {xla_cache} for later runs)..." if xla_cache else ")..."))
+  return llm
