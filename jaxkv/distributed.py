@@ -74,6 +74,6 @@ def fetch(x) -> np.ndarray:
   if x is None:
     return None
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils   # pylint: disable=import-outside-toplevel
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)

@@ -36,8 +36,7 @@ from jaxkv.rope import apply_rope
 from pallas_kernels import flash_lora_attention as _fla
 from pallas_kernels import paged_attention as _pa
 from pallas_kernels.flash_lora_attention import flash_lora_attention_reference
-from pallas_kernels.paged_attention import (attention_mask, masked_softmax_weights,
-                                            paged_attention_reference)
+from pallas_kernels.paged_attention import paged_attention_reference
 
 if _pa.SENTINEL != SENTINEL:
   raise ImportError("pallas_kernels and jaxkv.kv disagree on the SENTINEL slot")

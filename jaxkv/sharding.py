@@ -40,7 +40,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxkv.kv import state as kv_state
 
@@ -110,7 +111,7 @@ class Units:
   sizes: dict[str, int]
 
   @classmethod
-  def of(cls, model_cfg, num_slots: int | None = None) -> "Units":
+  def of(cls, model_cfg, num_slots: int | None = None) -> Units:
     s = dict(q_heads=model_cfg.num_heads, kv_heads=model_cfg.num_kv_heads,
              mlp=model_cfg.intermediate_size, vocab=model_cfg.vocab_size)
     if num_slots is not None:

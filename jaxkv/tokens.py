@@ -22,7 +22,7 @@ import json
 import os
 import pathlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
@@ -109,7 +109,7 @@ arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <fun
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
+"""  # noqa: E501 (the template is ChatML's, line for line)
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,7 +129,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 class _GenerationTag(jinja2.ext.Extension):
   """`{% generation %}...{% endgeneration %}`: renders its body (transformers marks it)."""
-  tags = {"generation"}
+  tags: ClassVar[set[str]] = {"generation"}
 
   def parse(self, parser):
     lineno = next(parser.stream).lineno
@@ -480,7 +480,8 @@ class Tokenizer:
     if add_bos is None:
       bos = special.get("bos_token")
       bos_id = None if bos is None else backend.token_to_id(bos)
-      add_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+      add_bos = (bos_id is not None
+                 and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id])
     return cls(backend, special_tokens=special, add_bos=add_bos, chat_template=template,
                extra_stop_ids=extra_stop)
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 

@@ -48,8 +48,8 @@ from typing import NamedTuple
 
 import einops
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -598,5 +598,14 @@ def cost(batch: int, q_len: int, live_tokens: int, num_heads: int, num_kv_heads:
   return {"flops": flops, "bytes": kv + qo + 4 * batch * live_tokens}
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "make_plan", "Plan", "attention_mask",
-           "masked_softmax_weights", "live_block_tables", "cost", "SENTINEL"]
+__all__ = [
+  "SENTINEL",
+  "Plan",
+  "attention_mask",
+  "cost",
+  "live_block_tables",
+  "make_plan",
+  "masked_softmax_weights",
+  "paged_attention",
+  "paged_attention_reference",
+]

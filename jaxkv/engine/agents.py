@@ -214,7 +214,8 @@ class AgentRunner:
   def _call(self, ids, c) -> CallResult:
     a, start, end = c.role, c.start, c.end
     shared = self.scheme != "non_shared"
-    lo = self.seen[a] if self.scheme in ("non_shared", "base_shared", "droidspeak") else self.written
+    own_cache = self.scheme in ("non_shared", "base_shared", "droidspeak")
+    lo = self.seen[a] if own_cache else self.written
     t0 = time.perf_counter()
     self._swap_in(a)
     recomputed = 0

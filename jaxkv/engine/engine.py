@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -102,7 +102,7 @@ class Engine:
     self.graphdef, self.weights = nnx.split(model)
     if mesh is not None:
       self.weights = sharding.shard_weights(self.weights, mesh, model.cfg)
-    self.stop_ids = sorted(set(int(t) for t in stop_ids))
+    self.stop_ids = sorted({int(t) for t in stop_ids})
     self.driver: Driver | None = None     # the pool is allocated on the first run
     # with the pool's slots split on the mesh's "data" axis, each data shard's rows
     # allocate from that shard's pages (and the shard's first page is its sentinel)

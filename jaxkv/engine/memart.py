@@ -207,7 +207,7 @@ class MemArtRunner:
       w = plan_lib.width(ch.need)
       return dict(extra, key_shift=jnp.asarray(_pad(key_shift[:w], w)[None]))
 
-    for ch, out in self.driver.prefill(
+    for ch, out in self.driver.prefill(   # noqa: B007 (the last chunk's are read below)
         [plan_lib.Row(ids, start)], chunk=self.prefill_chunk,
         slot_map=lambda w: plan_lib.slot_rows([self.alloc.slot_map(seq)], w), options=options):
       pass
@@ -396,7 +396,7 @@ class MemArtRunner:
     mem.hits[blocks] += 1
     seq = self.alloc.new_sequence()
     self._adopt_head(seq)
-    h, bs = self.head.size, self.cfg.block_size
+    h = self.head.size
     ok = mem.slots[blocks] != SENTINEL                     # partly filled blocks: packed
     spliced, written = mem.slots[blocks][ok], mem.positions[blocks][ok]
     self.alloc.adopt(seq, spliced)                          # aliases: refcounts, no copy
@@ -421,7 +421,8 @@ class MemArtRunner:
                             key_shift=None if shift is None else _pad(shift[:w], w)[None])
     kv_len = int(np.sum(self.alloc.slot_map(seq)[:n] != SENTINEL)) + len(toks)
     self.alloc.free_sequence(seq)
-    return Answer(toks, lp, logits, blocks, tail.size, probe, kv_len, ttft, time.perf_counter() - t0)
+    return Answer(toks, lp, logits, blocks, tail.size, probe, kv_len, ttft,
+                  time.perf_counter() - t0)
 
   def close(self) -> None:
     """Gives the head back (memories must be `forget`-ed by their owners)."""

@@ -7,7 +7,6 @@ import dataclasses
 
 import numpy as np
 
-
 RECENT = 100_000   # requests whose TTFT / latency the medians are taken over
 
 
@@ -57,7 +56,7 @@ class EngineMetrics:
   def summary(self) -> dict:
     def rate(n, s):
       return n / s if s > 0 else 0.0
-    med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+    med = lambda xs: float(np.median(xs)) if xs else 0.0
     return {
         "requests": self.requests,
         "errors": self.errors,

@@ -204,7 +204,7 @@ class ReuseRunner:
       self.kv_layers = reuse.reuse_layers or (max(self.cuts) if self.cuts else L)
       if not 0 < self.kv_layers < L:
         raise ValueError(f"reuse.reuse_layers must be in (0, {L}) for regime B")
-      self.cuts = tuple(sorted(set(c for c in self.cuts if c <= self.kv_layers)
+      self.cuts = tuple(sorted({c for c in self.cuts if c <= self.kv_layers}
                                | {self.kv_layers}))
     else:
       self.kv_layers = L
@@ -214,7 +214,8 @@ class ReuseRunner:
     self.store = SegmentStore(reuse.byte_budget, on_evict=self._forget)
     sample = np.asarray(jax.device_get(llm.model.embed[...][:4]), np.float32)
     vocab = self.tok.vocab_size
-    tok_key = digest(vocab, [self.tok.id_to_token(i) for i in range(0, vocab, max(1, vocab // 512))])
+    step = max(1, vocab // 512)
+    tok_key = digest(vocab, [self.tok.id_to_token(i) for i in range(0, vocab, step)])
     self.fingerprint = fingerprint(self.cfg, sample, tok_key, adapter)
 
   # ------------------------------------------------------------------ bookkeeping
@@ -229,7 +230,7 @@ class ReuseRunner:
     """Forgets every cached prefix and stored segment (live sequences stay)."""
     if self.radix is not None:
       self.radix.clear()
-    for key in self.store.keys():
+    for key in self.store.keys():   # noqa: SIM118 (a SegmentStore: no __iter__)
       self.store.remove(key)
 
   def add_segment(self, seg: Segment) -> int | None:

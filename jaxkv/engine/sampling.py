@@ -26,12 +26,12 @@ class SamplingParams:
   key: jax.Array          # [B, 2] uint32 raw PRNG keys
 
   @classmethod
-  def greedy(cls, batch: int) -> "SamplingParams":
+  def greedy(cls, batch: int) -> SamplingParams:
     return cls(temperature=jnp.zeros(batch, jnp.float32), top_k=jnp.zeros(batch, jnp.int32),
                top_p=jnp.ones(batch, jnp.float32), key=jnp.zeros((batch, 2), jnp.uint32))
 
   @classmethod
-  def from_configs(cls, configs, batch: int) -> tuple["SamplingParams", bool]:
+  def from_configs(cls, configs, batch: int) -> tuple[SamplingParams, bool]:
     """Params for `batch` rows from per-row `SamplingConfig`s (None: an idle row),
     and whether every row is greedy (a static flag that skips the sampler)."""
     temp = np.zeros(batch, np.float32)

@@ -47,14 +47,14 @@ from jaxkv.config import COMPILER_OPTIONS, CacheConfig, PruningConfig
 from jaxkv.data import labels
 from jaxkv.engine.driver import Driver
 from jaxkv.kv import plan
-from jaxkv.kv import state as kv_state
 from jaxkv.kv import radix as radix_lib
+from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture
-from jaxkv.rope import delta_frequencies
 from jaxkv.policies.pruning import intentkv, policy, select
+from jaxkv.rope import delta_frequencies
 
 
 @dataclasses.dataclass

@@ -63,7 +63,7 @@ class OutOfSlotsError(RuntimeError):
 
 class _Sequence:
   """One sequence's slot map (growable int32 buffer) and its open tail page."""
-  __slots__ = ("buf", "size", "tail_page", "tail_next", "shard")
+  __slots__ = ("buf", "shard", "size", "tail_next", "tail_page")
 
   def __init__(self, slots: np.ndarray = _EMPTY, shard: int = 0):
     self.shard = shard    # the page range its fresh pages come from
@@ -517,7 +517,7 @@ class PagedAllocator:
       np.add.at(expected, m[m != SENTINEL], 1)
     reserved = np.zeros((num_pages,), bool)
     reserved[::self._shard_pages] = True
-    by_page = lambda x: x.reshape(num_pages, ps)   # noqa: E731
+    by_page = lambda x: x.reshape(num_pages, ps)
     if np.any(by_page(expected)[reserved] != 0) or np.any(by_page(self._ref)[reserved] != 0):
       fail("a reserved page (page 0, or a shard's first page) is referenced")
     diff = np.flatnonzero(expected != self._ref)

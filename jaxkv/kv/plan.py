@@ -20,6 +20,7 @@ step treats as "no token" (nothing written, nothing attended from).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -30,8 +31,18 @@ from jaxkv.kv.state import SENTINEL
 CHUNK_LO, CHUNK_FINE = 16, 128     # chunk lengths: 16, 32, 48, ..., 128, 256, 384, ...
 WIDTH_LO, WIDTH_FINE = 128, 512    # slot-map widths: 128, 256, 512, 1024, 1536, ...
 
-__all__ = ["PAGE_SIZE", "Chunk", "Row", "bucket", "chunk_len", "width", "plan_chunks", "prompt_ids",
-           "slot_rows", "contiguous_slots"]
+__all__ = [
+  "PAGE_SIZE",
+  "Chunk",
+  "Row",
+  "bucket",
+  "chunk_len",
+  "contiguous_slots",
+  "plan_chunks",
+  "prompt_ids",
+  "slot_rows",
+  "width",
+]
 
 
 def bucket(n: int, lo: int, fine: int, hi: int | None = None, step: int | None = None) -> int:
@@ -111,7 +122,7 @@ def plan_chunks(rows: Sequence[Row | None], chunk: int, *,
     if b != 1:
       raise ValueError("explicit chunk cuts take one row")
     cuts = [int(c) for c in cuts]
-    if cuts[0] != 0 or cuts[-1] != total[0] or any(x >= y for x, y in zip(cuts, cuts[1:])):
+    if cuts[0] != 0 or cuts[-1] != total[0] or any(x >= y for x, y in itertools.pairwise(cuts)):
       raise ValueError(f"cuts must rise strictly from 0 to {total[0]}, got {cuts}")
   index = 0
   while np.any(done < total):

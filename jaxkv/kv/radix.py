@@ -122,7 +122,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class _Node:
   """One edge of the tree: tokens[i] is cached in slots[i]."""
-  __slots__ = ("id", "tokens", "slots", "children", "parent", "lock_ref", "last_access")
+  __slots__ = ("children", "id", "last_access", "lock_ref", "parent", "slots", "tokens")
 
   def __init__(self, node_id: int, tokens: np.ndarray, slots: np.ndarray,
                parent: _Node | None, last_access: int):

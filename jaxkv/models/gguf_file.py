@@ -48,7 +48,7 @@ class TensorInfo:
 
 
 class _Cursor:
-  __slots__ = ("buf", "pos", "path")
+  __slots__ = ("buf", "path", "pos")
 
   def __init__(self, buf, path):
     self.buf, self.pos, self.path = buf, 0, path

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxkv import ops
@@ -226,10 +227,9 @@ class Transformer(nnx.Module):
     if any(not l0 <= c <= l1 for c in capture.hidden_cuts):
       raise ValueError(f"capture hidden_cuts={capture.hidden_cuts} outside the window "
                        f"{l0}..{l1}")
-    if recompute is not None:
-      if recompute.index.shape[:2] != (cfg.num_layers, b):
-        raise ValueError(f"recompute index must be [L={cfg.num_layers}, B={b}, R], got "
-                         f"{recompute.index.shape}")
+    if recompute is not None and recompute.index.shape[:2] != (cfg.num_layers, b):
+      raise ValueError(f"recompute index must be [L={cfg.num_layers}, B={b}, R], got "
+                       f"{recompute.index.shape}")
     cached = kv is not None
     if not cached:                       # a scratch pool: the chunk attends to itself
       lr_rank = lora.weights.rank if lora is not None and lora.mode == "decoupled" else 0
@@ -369,8 +369,8 @@ class Transformer(nnx.Module):
     return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
 
   @classmethod
-  def from_params(cls, cfg: ModelConfig, params: dict[str, "np.ndarray"], *,  # noqa: F821
-                  dtype=jnp.float32, scan_layers: bool = True) -> "Transformer":
+  def from_params(cls, cfg: ModelConfig, params: dict[str, np.ndarray], *,
+                  dtype=jnp.float32, scan_layers: bool = True) -> Transformer:
     """A module holding `params`, built without running the random initializers.
 
     The module is traced abstractly (`nnx.eval_shape`) and every parameter then
@@ -390,7 +390,7 @@ class Transformer(nnx.Module):
       out["lm_head"] = self.lm_head[...]
     return out
 
-  def relayout(self, scan_layers: bool) -> "Transformer":
+  def relayout(self, scan_layers: bool) -> Transformer:
     """This model in the other layer layout (stacked for `lax.scan`, or unrolled),
     sharing the non-layer arrays; returns self if the layout already matches."""
     if scan_layers == self.layers.is_stacked:
@@ -398,7 +398,7 @@ class Transformer(nnx.Module):
     return Transformer.from_params(self.cfg, self.params(), dtype=self.embed[...].dtype,
                                    scan_layers=scan_layers)
 
-  def load_params(self, params: dict[str, "np.ndarray"]) -> None:  # noqa: F821
+  def load_params(self, params: dict[str, np.ndarray]) -> None:
     """Fills every parameter from a flat {name: array} dict (see `param_shapes`).
 
     Raises ValueError naming missing, unexpected or mis-shaped tensors.

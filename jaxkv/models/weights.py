@@ -74,7 +74,7 @@ def gguf_config(meta: dict) -> ModelConfig:
   arch = meta.get("general.architecture")
   if arch not in _ARCHS:
     raise ValueError(f"unsupported GGUF architecture {arch!r}; jaxkv loads {_ARCHS}")
-  g = lambda k, d=None: meta.get(f"{arch}.{k}", d)  # noqa: E731
+  g = lambda k, d=None: meta.get(f"{arch}.{k}", d)
   hidden = int(g("embedding_length"))
   heads = int(g("attention.head_count"))
   head_dim = int(g("attention.key_length", hidden // heads))

@@ -48,7 +48,8 @@ import time
 import traceback
 import uuid
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from jaxkv.config import ServeConfig
@@ -117,7 +118,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     while True:
       try:
         return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-      except asyncio.TimeoutError:
+      except TimeoutError:
         if await request.is_disconnected():
           loop.cancel(rid)
           raise _ClientGone() from None
@@ -156,7 +157,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         res = await asyncio.wrap_future(fut)
       except ValueError as e:
         return _error(APIError(400, str(e), param="session_id"))
-      except Exception as e:  # noqa: BLE001 -- isolated like a failing engine step
+      except Exception as e:   # broad: isolated like a failing engine step
         log.error("session %s (%s) failed:\n%s", p.session, skind, traceback.format_exc())
         return _error(APIError(500, f"the '{skind}' session runner failed this request: "
                                f"{type(e).__name__}: {e}", type="server_error"))

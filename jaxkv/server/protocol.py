@@ -33,7 +33,8 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jaxkv.config import SamplingConfig
 from jaxkv.data import calls as calls_lib

@@ -49,7 +49,7 @@ def lora_check(llm, lcfg, lora_w, sessions, cfg) -> dict:
   Trajectories are built as training builds its held-out set (`cfg`:
   LoraTrainConfig; seed + 1 for the negative answers), over these sessions only.
   """
-  from jaxkv.training import lora_train   # pylint: disable=import-outside-toplevel
+  from jaxkv.training import lora_train  # pylint: disable=import-outside-toplevel
 
   trajs = agents.build_all(sessions, llm.tokenizer, negative_rate=cfg.negative_rate,
                            seed=cfg.seed + 1)
@@ -64,15 +64,16 @@ def lora_check(llm, lcfg, lora_w, sessions, cfg) -> dict:
 
 def session_rows(extractor, session, n_q: int) -> list:
   """Phase-2 rows of one session, extracted fresh (not from the feature cache)."""
-  from jaxkv.training import features   # pylint: disable=import-outside-toplevel
+  from jaxkv.training import features  # pylint: disable=import-outside-toplevel
   return features.unpack_rows(session.id, features.pack_session(extractor.session(session)), n_q)
 
 
 def head_check(llm, head, sessions, cfg, rows=None) -> dict:
   """Held-out recall / loss of a Phase-2 head (`cfg`: PrunerTrainConfig) on the rows
   of `sessions` (extracted in order by one `Extractor`, unless given)."""
-  from jaxkv.training import features, train   # pylint: disable=import-outside-toplevel
-  from flax import nnx   # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from jaxkv.training import features, train  # pylint: disable=import-outside-toplevel
 
   if rows is None:
     ex = features.Extractor(llm, cfg)
@@ -123,7 +124,7 @@ def ship(kind: str, cfg, command: str, *, dest: str | None = None, llm=None,
 
   The manifest's commit is, in order: `commit`, the run's run.json (written by the
   training scripts when they start), the repository's HEAD."""
-  import jaxkv   # pylint: disable=import-outside-toplevel
+  import jaxkv  # pylint: disable=import-outside-toplevel
 
   if kind not in KINDS:
     raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
@@ -146,7 +147,7 @@ def ship(kind: str, cfg, command: str, *, dest: str | None = None, llm=None,
     metric = lora_check(llm, lcfg, w, sessions, cfg)
     secs = _train_seconds(run, "sec")
   else:
-    from jaxkv.training import features   # pylint: disable=import-outside-toplevel
+    from jaxkv.training import features  # pylint: disable=import-outside-toplevel
     ex, sessions, rows = features.Extractor(llm, cfg), [], []
     for s in held[:CHECK_HEAD_SESSIONS]:
       sessions.append(s)
@@ -191,7 +192,7 @@ def _cores() -> int:
 
 
 def _jax_version() -> str:
-  import jax   # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
   return f"jax {jax.__version__} {jax.default_backend()}"
 
 

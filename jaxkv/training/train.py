@@ -51,7 +51,6 @@ from flax import nnx
 
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.kv import plan
-
 from jaxkv.policies.pruning import residual
 from jaxkv.policies.pruning.residual import ResidualHead
 from jaxkv.training import loss as loss_lib
@@ -262,7 +261,7 @@ def train(cfg: PrunerTrainConfig, train_rows: dict[str, list[Row]], val_rows: li
   log(f"{n_rows} training rows in {len(train_rows)} sessions, {per_epoch} per epoch, "
       f"{len(val_rows)} val rows")
   new_log = not (out / "log.csv").exists()
-  logf = open(out / "log.csv", "a", newline="")
+  logf = open(out / "log.csv", "a", newline="")   # noqa: SIM115 (closed after the epochs)
   writer = csv.DictWriter(logf, fieldnames=LOG_FIELDS)
   if new_log:
     writer.writeheader()
@@ -283,7 +282,8 @@ def train(cfg: PrunerTrainConfig, train_rows: dict[str, list[Row]], val_rows: li
       params, opt_state, value, terms = train_step(graphdef, params, opt_state,
                                                    make_batch([r]), tx=tx,
                                                    lc=loss_settings(cfg))
-      rec = dict(epoch=epoch + 1, micro=micro + 1, update=int(opt_state.gradient_step), session=r.session, turn=r.turn,
+      rec = dict(epoch=epoch + 1, micro=micro + 1, update=int(opt_state.gradient_step),
+                 session=r.session, turn=r.turn,
                  tokens=r.rule.size, loss=float(value), alpha=float(params["alpha"]),
                  **{k: float(v) for k, v in terms.items()})
       writer.writerow(rec)

@@ -148,5 +148,15 @@ def h2o(q_all: jax.Array, q_pos: jax.Array, k: jax.Array, live: jax.Array, budge
   return acc, last_live(live, recent)
 
 
-__all__ = ["StreamingLLMConfig", "SnapKVConfig", "H2OConfig", "gather_keys", "first_live",
-           "last_live", "causal_weights", "streaming_llm", "snapkv", "h2o"]
+__all__ = [
+  "H2OConfig",
+  "SnapKVConfig",
+  "StreamingLLMConfig",
+  "causal_weights",
+  "first_live",
+  "gather_keys",
+  "h2o",
+  "last_live",
+  "snapkv",
+  "streaming_llm",
+]
