@@ -51,9 +51,8 @@ from absl import app, flags
 from tqdm import tqdm
 
 import common
-import pruning
-
 import jaxkv
+import pruning
 from jaxkv import artifacts
 from jaxkv.config import CacheConfig, PruningConfig
 from jaxkv.data import calls, envs, traces

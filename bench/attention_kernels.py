@@ -28,8 +28,9 @@ are laid end to end (what a fresh sequence gets). Rows, one run, same inputs:
 Timing: each call runs `--iters` times inside one jitted `fori_loop`, each time
 on another layer of a stacked pool (the kernels read layer l in place), with
 enough layers that the bytes cycled exceed 4x the L2 cache, so no call is served
-from L2; the median of 5 such runs over `--iters` is the time per call. "bw %" is live bytes moved per second (K/V
-of live tokens read once, q read, o written, slot ids) over the measured device
+from L2; the median of 5 such runs over `--iters` is the time per call. "bw %" is
+live bytes moved per second (K/V of live tokens read once, q read, o written, slot
+ids) over the measured device
 copy bandwidth (a 4 GiB float32 array incremented in place 20 times in one
 jitted loop, bytes read + written); the floor is
 max(bytes / bandwidth, FLOPs / measured matmul peak).
@@ -38,8 +39,8 @@ max(bytes / bandwidth, FLOPs / measured matmul peak).
 at 32k x batch 8 x G 7 and runs the sweep with the fastest; Flash-LoRA is tuned on
 its own at 16k x batch 8 (on an H100, paged attention's best, block_k 128, made
 Flash-LoRA 12x slower than block_k 64; its default is 32). `--split_probe` times
-batch-1 decode at the largest context with the plan built once and each k_splits. On a CPU-only machine
-the Pallas kernels cannot run natively (the interpreter is a correctness tool):
+batch-1 decode at the largest context with the plan built once and each k_splits. On
+a CPU-only machine the Pallas kernels cannot run natively (the interpreter is a correctness tool):
 only the reference rows are timed and the table says so.
 """
 
@@ -51,13 +52,12 @@ import json
 import math
 
 import jax
-from absl import app, flags
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
+from jax import lax
 
 import common
-
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
 
@@ -71,9 +71,12 @@ TUNE = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=128, num_warps
         dict(block_k=128, num_warps=4, num_stages=3, k_splits=32)]
 # Flash-LoRA tiles hold a third accumulator and the [block_k, 16] V_lr gather, so
 # its best tiling differs from paged attention's: it is tuned on its own (at 16k).
-LORA_TUNE = [dict(block_k=64, num_warps=4, num_stages=2), dict(block_k=32, num_warps=4, num_stages=2),
-             dict(block_k=64, num_warps=4, num_stages=3), dict(block_k=64, num_warps=8, num_stages=2),
-             dict(block_k=128, num_warps=8, num_stages=2), dict(block_k=128, num_warps=4, num_stages=2)]
+LORA_TUNE = [dict(block_k=64, num_warps=4, num_stages=2),
+             dict(block_k=32, num_warps=4, num_stages=2),
+             dict(block_k=64, num_warps=4, num_stages=3),
+             dict(block_k=64, num_warps=8, num_stages=2),
+             dict(block_k=128, num_warps=8, num_stages=2),
+             dict(block_k=128, num_warps=4, num_stages=2)]
 LORA_KEYS = ("q", "k_pool", "v_pool", "vlr_pool", "lora_b", "slot_map", "q_positions")
 
 

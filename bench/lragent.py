@@ -1,6 +1,7 @@
-"""LRAgent: five KV-sharing schemes for multi-LoRA agents, side by side (TTFT, throughput tables).
+"""LRAgent: five KV-sharing schemes for multi-LoRA agents, side by side (TTFT, throughput).
 
-    python bench/lragent.py --traces=data_local/tau2_heldout.json --out=bench/results_lragent.json \\
+    python bench/lragent.py --traces=data_local/tau2_heldout.json \\
+        --out=bench/results_lragent.json \\
         [--adapters=artifacts/smollm2-135m/role_adapters: the shipped ones, the default] \\
         [--emulate=1024,2048,4096,8192] [--max_sessions=4] [--schemes=...] \\
         [--qkvo_adapters=data_local/runs/lora_qkvo/adapters] [--qkvo_emulate=1024,4096]
@@ -22,7 +23,8 @@ agent outputs, vs non_shared), greedy_agreement, computed_tokens,
 recomputed_tokens, targets, and LRAgent's accuracy: action_exact / action_n
 (tool-call arguments that greedy generation over the scheme's shared cache writes
 exactly; `jaxkv.engine.agents.call_accuracy`) and reflect_exact / reflect_n
-(verdicts), pooled per scheme with Wilson 95% intervals in the tables. --tables_from=FILE reprints the tables.
+(verdicts), pooled per scheme with Wilson 95% intervals in the tables.
+--tables_from=FILE reprints the tables.
 """
 
 from __future__ import annotations
@@ -32,17 +34,16 @@ import json
 import os
 
 import jax
-from absl import app, flags
 import numpy as np
+from absl import app, flags
 from tqdm import tqdm
 
 import common
-
 import jaxkv
 from jaxkv import artifacts
 from jaxkv.data import agents, traces
-from jaxkv.data.traces import Session, Turn
 from jaxkv.data import calls as calls_lib
+from jaxkv.data.traces import Session
 from jaxkv.engine.agents import AgentRunner, call_accuracy, fidelity, profile_window
 from jaxkv.kv import plan
 from jaxkv.policies.sharing import lragent

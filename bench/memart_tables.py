@@ -159,9 +159,9 @@ def tables(rows: list[dict]) -> list[common.Table]:
 
 
 def plot(rows: list[dict], path: str) -> str:
-  import matplotlib   # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   ab = [r for r in rows if r["kind"] == "ablation"]
   fig, ax = plt.subplots(figsize=(7, 4.5))
   strategies = sorted({r["strategy"] for r in ab})

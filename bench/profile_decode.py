@@ -31,12 +31,11 @@ import tempfile
 import time
 
 import jax
-from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
 import common
-
 from jaxkv.config import PAGE_SIZE, CacheConfig
 from jaxkv.engine import driver
 from jaxkv.engine.llm import load

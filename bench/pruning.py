@@ -36,7 +36,6 @@ from absl import app, flags
 from tqdm import tqdm
 
 import common
-
 import jaxkv
 from jaxkv import artifacts
 from jaxkv.config import CacheConfig, PruningConfig

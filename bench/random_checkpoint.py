@@ -26,6 +26,7 @@ FLAGS = flags.FLAGS
 def export_skeleton(model: str, out: pathlib.Path) -> None:
   """config.json + tokenizer files of a preset (or .gguf path) into `out`, no weights."""
   import transformers
+
   from jaxkv.models import presets
   path = presets.resolve(model)
   if path.is_dir():

@@ -169,8 +169,9 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
   be = []
   if len(runner.store):
     fl = layer_flops(llm.config, 1, 0)
+    keys = runner.store.keys()   # a SegmentStore: no __iter__
     be = [store_lib.break_even(runner.store.peek(k), L, fl, flops_per_s=hardware[0],
-                               bytes_per_s=hardware[1]).reuses for k in runner.store.keys()]
+                               bytes_per_s=hardware[1]).reuses for k in keys]
   k = sum(p["agree"] for p in per)
   n = FLAGS.gen * len(per)
   lo, hi = calls.wilson(k, n)
@@ -252,9 +253,9 @@ def drift_tables(rows: list[dict]) -> list[common.Table]:
 
 def drift_plot(rows: list[dict], path: str):
   """KL at the first token and dNLL vs the perturbed share, one panel per kind."""
-  import matplotlib   # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   rows = [r for r in rows if r["workload"] == "perturbed"]
   kinds = sorted({r["kind"] for r in rows})
   fig, ax = plt.subplots(2, len(kinds), figsize=(4.2 * len(kinds), 7), squeeze=False)

@@ -34,7 +34,7 @@ from absl import app, flags
 
 import common
 import jaxkv
-from jaxkv.config import CacheConfig, SemShareConfig, SEMSHARE_METHODS
+from jaxkv.config import SEMSHARE_METHODS, CacheConfig, SemShareConfig
 from jaxkv.data import calls
 from jaxkv.data import semshare_pairs as SP
 from jaxkv.engine.semshare import SemShareRunner
@@ -74,7 +74,7 @@ def render(tok, text: str, instruction: str) -> np.ndarray:
 
 
 def rouge_l(a: str, b: str) -> float:
-  from rouge_score import rouge_scorer   # pylint: disable=import-outside-toplevel
+  from rouge_score import rouge_scorer  # pylint: disable=import-outside-toplevel
   return float(rouge_scorer.RougeScorer(["rougeL"]).score(b, a)["rougeL"].fmeasure)
 
 
@@ -180,7 +180,8 @@ def tables(rows: list[dict]) -> list[common.Table]:
     for r in sorted(rs, key=lambda r: (r["key"], r["method"])):
       f = full.get(r["key"])
       lines.append((
-          f"{r['key']:g}" if group != "kind" else r["key"], r["method"], str(r["n_pairs"]), f"{r['prompt_tokens']:.0f}",
+          f"{r['key']:g}" if group != "kind" else r["key"], r["method"], str(r["n_pairs"]),
+          f"{r['prompt_tokens']:.0f}",
           f"{r['similarity']:.2f}", f"{r['reused_share']:.2f}", f"{1000 * r['ttft_s']:.0f}",
           "-" if not f else f"{f['ttft_s'] / r['ttft_s']:.2f}x",
           f"{r['kv_bytes'] / 2 ** 20:.1f}", f"{r['kv_bytes_live'] / 2 ** 20:.1f}",
@@ -198,9 +199,9 @@ def tables(rows: list[dict]) -> list[common.Table]:
 
 
 def plot(rows: list[dict], path: str) -> str:
-  import matplotlib   # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, ax = plt.subplots(1, 2, figsize=(11, 4))
   for m in dict.fromkeys(r["method"] for r in rows):
     ln = sorted((r for r in rows if r["method"] == m and r["group"] == "length"),

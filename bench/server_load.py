@@ -15,9 +15,9 @@ first `--system_chars` characters of docs/architecture.md, standing in for an
 agent's instructions and tool documentation: ~150 tokens by default) and a user
 message "Request <n>: <question>" (the chat questions of examples/requests.jsonl
 plus a few more, cycled; n counts every request of the run, so requests share
-the system prompt and chat header, no more); greedy; each asks for `--max_tokens` (`ignore_eos` is not in the API,
-so a request that meets a stop token ends early; tokens are counted from
-`usage`, and so are the prompt tokens the prefix cache served).
+the system prompt and chat header, no more); greedy; each asks for `--max_tokens`
+(`ignore_eos` is not in the API, so a request that meets a stop token ends early;
+tokens are counted from `usage`, and so are the prompt tokens the prefix cache served).
 
 Per level: requests/s and completion tokens/s over the level's wall time, p50 /
 p99 TTFT (request sent -> first content chunk, queueing in the server
@@ -124,7 +124,7 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: fl
   await client.close()     # inside this event loop (asyncio.run closes it next)
   ttft = [d["ttft_s"] for d in done]
   itl = [d["itl_s"] for d in done if d["itl_s"] is not None]
-  q = lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan")  # noqa: E731
+  q = lambda xs, p: float(np.percentile(xs, p)) if xs else float("nan")
   return {"concurrency": c, "requests": len(done), "wall_s": wall,
           "req_per_s": len(done) / wall, "tok_per_s": sum(d["tokens"] for d in done) / wall,
           "completion_tokens": sum(d["tokens"] for d in done),
@@ -195,10 +195,10 @@ def main(argv):
   import logging
 
   import openai
+  from absl import logging as absl_logging
 
   from jaxkv import cli
   from jaxkv.config import ServeConfig
-  from absl import logging as absl_logging
   absl_logging.set_verbosity(absl_logging.WARNING)   # no line per HTTP request
   for name in ("httpx", "openai"):
     logging.getLogger(name).setLevel(logging.WARNING)

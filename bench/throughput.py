@@ -36,7 +36,6 @@ import numpy as np
 from absl import app, flags
 
 import common
-
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.llm import LLM, load
@@ -246,8 +245,8 @@ def main(argv):
         f"{bw:.1f} GB/s (copy {bw_copy:.1f}, mat-vec read {bw_gemv:.1f}), fp32 matmul peak "
         f"{peak:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB")
   print(table(rows).markdown())
-  print(f"floors: decode = (weights + live KV) / bandwidth; prefill = max(weights / bandwidth, "
-        f"FLOPs / matmul peak)")
+  print("floors: decode = (weights + live KV) / bandwidth; prefill = max(weights / bandwidth, "
+        "FLOPs / matmul peak)")
   common.write_rows(FLAGS.out, rows)
 
 

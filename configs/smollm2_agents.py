@@ -25,8 +25,17 @@ apiece for SmolLM2 in float32 at 1,024 pages); each agents session holds a pool 
 `server.agent_max_tokens` (4,096 tokens: ~0.19 GB).
 """
 
-from jaxkv.config import (CacheConfig, EngineConfig, MemArtConfig, PruningConfig, ReuseConfig,
-                          SamplingConfig, ServeConfig, ServerConfig, to_config_dict)
+from jaxkv.config import (
+  CacheConfig,
+  EngineConfig,
+  MemArtConfig,
+  PruningConfig,
+  ReuseConfig,
+  SamplingConfig,
+  ServeConfig,
+  ServerConfig,
+  to_config_dict,
+)
 
 
 def get_config():

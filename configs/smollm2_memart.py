@@ -18,8 +18,14 @@ vs 0.47) yet answered worse (0.69x), while over 24k-token histories (Qwen) it is
 re-ranking with windows that answers best: raise `rerank` for long histories.
 """
 
-from jaxkv.config import (CacheConfig, EngineConfig, MemArtConfig, SamplingConfig, ServeConfig,
-                          to_config_dict)
+from jaxkv.config import (
+  CacheConfig,
+  EngineConfig,
+  MemArtConfig,
+  SamplingConfig,
+  ServeConfig,
+  to_config_dict,
+)
 
 
 def get_config():

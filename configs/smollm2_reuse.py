@@ -10,8 +10,14 @@ delta-RoPE and admitted by tier (exact, depth-guarded approx, CacheBlend probe),
 the rest prefilled. Decoding is greedy.
 """
 
-from jaxkv.config import (CacheConfig, EngineConfig, ReuseConfig, SamplingConfig, ServeConfig,
-                          to_config_dict)
+from jaxkv.config import (
+  CacheConfig,
+  EngineConfig,
+  ReuseConfig,
+  SamplingConfig,
+  ServeConfig,
+  to_config_dict,
+)
 
 
 def get_config():

@@ -11,8 +11,14 @@ keeps fewer tokens in deeper layers; other prompts are prefilled in full and
 stored as references. Decoding is greedy.
 """
 
-from jaxkv.config import (CacheConfig, EngineConfig, SamplingConfig, SemShareConfig,
-                          ServeConfig, to_config_dict)
+from jaxkv.config import (
+  CacheConfig,
+  EngineConfig,
+  SamplingConfig,
+  SemShareConfig,
+  ServeConfig,
+  to_config_dict,
+)
 
 
 def get_config():

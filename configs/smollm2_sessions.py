@@ -11,8 +11,14 @@ retail) is protected, so C = 3584 keeps roughly 0.3k tokens of other history
 per request once the prompt outgrows it.
 """
 
-from jaxkv.config import (CacheConfig, EngineConfig, PruningConfig, SamplingConfig, ServeConfig,
-                          to_config_dict)
+from jaxkv.config import (
+  CacheConfig,
+  EngineConfig,
+  PruningConfig,
+  SamplingConfig,
+  ServeConfig,
+  to_config_dict,
+)
 
 
 def get_config():

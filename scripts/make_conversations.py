@@ -40,8 +40,8 @@ def main(argv):
     raise app.UsageError("give --out (the conversations JSON to write)")
   if FLAGS.samples < 1 or FLAGS.tokens < 100 or FLAGS.recall < 0 or FLAGS.planted < 0:
     raise app.UsageError("need --samples >= 1, --tokens >= 100, --recall / --planted >= 0")
-  from jaxkv.models import presets   # pylint: disable=import-outside-toplevel
-  from jaxkv.tokens import Tokenizer   # pylint: disable=import-outside-toplevel
+  from jaxkv.models import presets  # pylint: disable=import-outside-toplevel
+  from jaxkv.tokens import Tokenizer  # pylint: disable=import-outside-toplevel
   try:
     with open(C.chitchat_path()) as f:
       dataset = json.load(f)

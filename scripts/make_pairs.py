@@ -73,9 +73,9 @@ def main(argv):
   del argv
   if not FLAGS.out:
     raise app.UsageError("give --out (the pairs JSONL to write)")
-  import jaxkv   # pylint: disable=import-outside-toplevel
-  from jaxkv.models import presets   # pylint: disable=import-outside-toplevel
-  from jaxkv.tokens import Tokenizer   # pylint: disable=import-outside-toplevel
+  import jaxkv  # pylint: disable=import-outside-toplevel
+  from jaxkv.models import presets  # pylint: disable=import-outside-toplevel
+  from jaxkv.tokens import Tokenizer  # pylint: disable=import-outside-toplevel
   try:
     sources = _sources(FLAGS.texts)
   except FileNotFoundError as e:
