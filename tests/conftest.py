@@ -1,6 +1,7 @@
 import functools
 import os
 import sys
+from typing import ClassVar
 
 import pytest
 
@@ -27,7 +28,7 @@ def _share_gguf_parses():
 
   class SharedGGUFReader(base):
     _jaxkv_shared = True
-    _readers: dict = {}
+    _readers: ClassVar[dict] = {}
 
     def __new__(cls, path, mode="r"):
       if mode != "r":

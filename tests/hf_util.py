@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-
 import numpy as np
 
 from jaxkv.config import CacheConfig
@@ -102,13 +101,13 @@ def tool_session_entry(sid="s1"):
 def random_llm_with_real_tokenizer(num_layers: int = 6):
   """A random tiny Llama (d 64, 4 heads, 2 KV heads) with SmolLM2's real tokenizer:
   runner tests see real canonical tokens and chat templates without real weights."""
-  import jaxkv   # pylint: disable=import-outside-toplevel
-  from flax import nnx   # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  from jaxkv.config import ModelConfig   # pylint: disable=import-outside-toplevel
-  from jaxkv.models import presets   # pylint: disable=import-outside-toplevel
-  from jaxkv.models.llama import Transformer   # pylint: disable=import-outside-toplevel
-  from jaxkv.tokens import Tokenizer   # pylint: disable=import-outside-toplevel
+  import jaxkv  # pylint: disable=import-outside-toplevel
+  from jaxkv.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  from jaxkv.models import presets  # pylint: disable=import-outside-toplevel
+  from jaxkv.models.llama import Transformer  # pylint: disable=import-outside-toplevel
+  from jaxkv.tokens import Tokenizer  # pylint: disable=import-outside-toplevel
   tok = Tokenizer.load(presets.smollm2_gguf())
   cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
                     num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -22,17 +22,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
-from jaxkv import distributed, sharding  # noqa: E402
-from jaxkv.config import CacheConfig, EngineConfig, ModelConfig, SamplingConfig  # noqa: E402
-from jaxkv.engine.driver import Driver  # noqa: E402
-from jaxkv.engine.engine import Engine, Request  # noqa: E402
-from jaxkv.kv import plan  # noqa: E402
-from jaxkv.kv import state as kv_state  # noqa: E402
-from jaxkv.models.llama import Transformer  # noqa: E402
+from jaxkv import distributed, sharding
+from jaxkv.config import CacheConfig, EngineConfig, ModelConfig, SamplingConfig
+from jaxkv.engine.driver import Driver
+from jaxkv.engine.engine import Engine, Request
+from jaxkv.kv import plan
+from jaxkv.kv import state as kv_state
+from jaxkv.models.llama import Transformer
 
 CACHE = CacheConfig(num_pages=64, page_size=16, max_seq_len=128)
 
@@ -91,7 +91,8 @@ def main():
   distributed.initialize()
   args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
   which = args.get("model", "tiny")
-  meshes = [tuple(int(x) for x in m.split("x")) for m in args.get("meshes", "1x8,2x4,4x2,8x1").split(",")]
+  meshes = [tuple(int(x) for x in m.split("x"))
+            for m in args.get("meshes", "1x8,2x4,4x2,8x1").split(",")]
   rng = np.random.default_rng(0)
   if which == "tiny":
     model = tiny_model()

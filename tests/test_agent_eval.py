@@ -14,7 +14,7 @@ from jaxkv.data import traces
 from jaxkv.engine.sessions import SessionRunner
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import agent_eval  # noqa: E402
+import agent_eval
 
 
 @pytest.fixture(scope="module")

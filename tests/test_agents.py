@@ -141,7 +141,7 @@ def test_bench_emulation_traces_hit_their_lengths(llm):
   import pathlib
   import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-  import lragent as bench  # noqa: E402
+  import lragent as bench
 
   s = _session()
   filler = "reservations: NO6JO3 (BOS), AIXC01 (LAX). flight HAT136 JFK to BOS. " * 200
@@ -159,7 +159,7 @@ def test_bench_tables_take_untimed_rows():
   import pathlib
   import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-  import lragent as bench  # noqa: E402
+  import lragent as bench
 
   def row(scheme, kind, trace, exact):
     return dict(scheme=scheme, kind=kind, trace=trace, context_tokens=1000, kv_bytes=2**20,

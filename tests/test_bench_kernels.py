@@ -8,13 +8,12 @@ import sys
 
 import jax
 import numpy as np
-from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import attention_kernels as bench  # noqa: E402
+import attention_kernels as bench
 
 
 def test_jax_dense_layout_matches_our_reference():
@@ -54,6 +53,7 @@ def test_materialize_then_attend_matches_flash_lora_reference():
 def _run_bench(tmp_path, *argv) -> list[dict]:
   """bench.main on argv; the script's flags exist only for this call. Its rows."""
   import json
+
   from absl import flags
   out = tmp_path / "rows.json"
   before = set(flags.FLAGS)

@@ -9,8 +9,8 @@ import pytest
 from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-import memart as bench   # noqa: E402  pylint: disable=wrong-import-position
-import memart_tables   # noqa: E402  pylint: disable=wrong-import-position
+import memart as bench
+import memart_tables
 
 FLAGS = flags.FLAGS
 

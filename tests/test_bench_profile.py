@@ -13,7 +13,7 @@ from jaxkv import ops
 from jaxkv.config import COMPILER_OPTIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import profile_decode  # noqa: E402
+import profile_decode
 
 
 def test_categories():

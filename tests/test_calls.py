@@ -30,7 +30,8 @@ def test_both_forms_parse_and_match_regardless_of_order_and_spacing(text):
 
 
 def test_name_only_and_misses():
-  wrong_arg = '<tool_call>{"name": "get_reservation_details", "arguments": {"reservation_id": "NO6JO4", "n": 2}}</tool_call>'
+  wrong_arg = ('<tool_call>{"name": "get_reservation_details", '
+               '"arguments": {"reservation_id": "NO6JO4", "n": 2}}</tool_call>')
   assert calls.match(calls.parse_calls(wrong_arg), GOLD) == (False, True)
   assert calls.match(calls.parse_calls("Action: cancel\nAction Input: {}"), GOLD) == (False, False)
   for junk in ("I cannot help with that.", "<tool_call>{not json</tool_call>",

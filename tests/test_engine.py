@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 import torch
+from flax import nnx
 
 import hf_util
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine import driver
-from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.engine.engine import Engine, Request
+from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.kv import state as kv_state
 
 VOCAB = 128

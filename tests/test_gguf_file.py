@@ -1,9 +1,9 @@
 """jaxkv.models.gguf_file against gguf-py's own reader and writer."""
 
+import gguf
 import numpy as np
 import pytest
 
-import gguf
 from jaxkv.models import gguf_file, presets, weights
 
 
@@ -86,7 +86,7 @@ def test_bad_files_are_clear_errors(tmp_path):
   for cut in (64, 2_000_000):   # inside the metadata; inside the tensor data
     part = tmp_path / f"cut{cut}.gguf"
     part.write_bytes(src[:cut])
-    with pytest.raises(ValueError, match="truncated|past the end"):
+    with pytest.raises(ValueError, match=r"truncated|past the end"):
       weights.load_gguf(part)
   bad.write_bytes(b"GGUF" + (9).to_bytes(4, "little") + bytes(40))
   with pytest.raises(ValueError, match="version 9"):

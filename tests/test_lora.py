@@ -8,6 +8,7 @@ on logits (as the base-model parity tests).
 """
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -178,7 +179,7 @@ def test_load_peft_refuses_what_it_cannot_compute(tmp_path):
     (dirs[1] / "adapter_config.json").write_text(json.dumps({**conf, field: value}))
     with pytest.raises(ValueError, match=msg):
       lora.load_peft(dirs, cfg)
-  with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+  with pytest.raises(FileNotFoundError, match=re.escape("adapter_config.json")):
     lora.load_peft([tmp_path], cfg)
   with pytest.raises(ValueError, match="targets must be"):
     LoraConfig(targets=("q", "gate"))
@@ -189,6 +190,7 @@ def test_layer_window_and_hidden_capture_compose_to_the_full_forward(tmp_path):
   captured entering layer l reproduces the full forward and its pool (fp32
   rounding only: the split compiles as different programs)."""
   import jax
+
   from jaxkv.config import CacheConfig
   from jaxkv.kv import state as kv_state
 

@@ -36,7 +36,8 @@ def test_aabb_bound_is_an_upper_bound_of_every_key_score(seed, g, bs, scale):
   bound = np.asarray(memart.box_bound(jnp.asarray(q), lo, hi))        # [L, T, H, NB]
   exact = np.asarray(memart.exact_block_max(jnp.asarray(q), jnp.asarray(k), jnp.asarray(valid)))
   # every valid key, one by one (the head -> KV head map of GQA)
-  for li, ti, h, n, b in itertools.product(range(l), range(t), range(hkv * g), range(nb), range(bs)):
+  for li, ti, h, n, b in itertools.product(range(l), range(t), range(hkv * g), range(nb),
+                                           range(bs)):
     if valid[n, b]:
       s = float(q[li, ti, h] @ k[li, n, b, h // g])
       assert bound[li, ti, h, n] >= s - 1e-4 * (1 + abs(s)), (bound[li, ti, h, n], s)
@@ -199,10 +200,11 @@ def test_blocks_aliased_at_new_positions_equal_a_fresh_prefill_there():
   100.. and aliased at 0.. with key_shift -100 gives the question the logits of a
   prefill of history + question at 0.. (RoPE attention is shift-invariant);
   tolerance 1e-4, fp32 rotation angles."""
-  from flax import nnx   # pylint: disable=import-outside-toplevel
-  from jaxkv.config import CacheConfig, ModelConfig   # pylint: disable=import-outside-toplevel
-  from jaxkv.kv import state as kv_state   # pylint: disable=import-outside-toplevel
-  from jaxkv.models.llama import Transformer   # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from jaxkv.config import CacheConfig, ModelConfig  # pylint: disable=import-outside-toplevel
+  from jaxkv.kv import state as kv_state  # pylint: disable=import-outside-toplevel
+  from jaxkv.models.llama import Transformer  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng()
   cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=3,
                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6)
@@ -239,7 +241,7 @@ def test_pooled_boxes_span_every_head_and_still_bound():
   """`box_heads=pooled`: one box per layer and block over every KV head's keys =
   the per-head boxes' min / max over heads; its eq. 3 bound is >= the per-head
   bound >= every key's score."""
-  from jaxkv.engine.memart import _boxes   # pylint: disable=import-outside-toplevel
+  from jaxkv.engine.memart import _boxes  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng()
   l, slots_n, hkv, g, d, bs, nb = 2, 64, 3, 2, 8, 4, 5
   pool_k = jnp.asarray(rng.standard_normal((l, slots_n, hkv, d)), jnp.float32)

@@ -55,8 +55,8 @@ def test_all_blocks_in_order_reproduce_full_context(llm):
   r = MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, attn_impl="reference")
   mem = r.new_memory(capacity=2)                       # grows as spans arrive
   rows = [r.write(mem, s, tag=i) for i, s in enumerate(spans)]
-  assert [mem.tags[x] for x in np.concatenate(rows)] == sum(
-      [[i] * (-(-s.size // 16)) for i, s in enumerate(spans)], [])
+  assert [mem.tags[x] for x in np.concatenate(rows)] == [
+      i for i, s in enumerate(spans) for _ in range(-(-s.size // 16))]
   # layer 0: the spliced keys, rotated by their shifts, equal a full prefill's
   hist = np.concatenate(spans)
   _, pool, slots = _full(llm, np.concatenate([head, hist, tail]))
@@ -181,11 +181,11 @@ def test_bench_layout_spans_hold_each_turn(llm):
   """bench/memart.py's layout: each turn's token span decodes to its rendered
   line, sessions concatenate to the history, and a block overlapping a turn
   counts it as retrieved."""
-  import pathlib   # pylint: disable=import-outside-toplevel
-  import sys   # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-  import memart as bench   # pylint: disable=import-outside-toplevel
-  from jaxkv.data import conversations as C   # pylint: disable=import-outside-toplevel
+  import memart as bench  # pylint: disable=import-outside-toplevel
+  from jaxkv.data import conversations as C  # pylint: disable=import-outside-toplevel
   conv = C.parse_locomo(json_sample())[0]
   tok = llm.tokenizer
   lay = bench.layout(tok, conv)

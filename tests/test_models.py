@@ -2,6 +2,8 @@
 architecture and RoPE variant (fp32, <= 1e-4 max abs), loaded through the
 safetensors-directory loader (a `save_pretrained` round trip)."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,7 @@ def test_logits_match_transformers(name, tmp_path):
 def test_paged_chunked_equals_one_shot(tmp_path):
   """Prefill in chunks through a scattered, page-size-1 slot map = one shot."""
   import jax.numpy as jnp
+
   from jaxkv.config import CacheConfig
   from jaxkv.kv import state as kv_state
 
@@ -104,7 +107,9 @@ def test_captured_queries_equal_hf_post_rope_queries(name, tmp_path, monkeypatch
   """`Capture(q=True)` returns every layer's post-RoPE q exactly where attention
   consumes it: equal to HF's own apply_rotary_pos_emb output."""
   import importlib
+
   import jax.numpy as jnp
+
   from jaxkv.config import CacheConfig
   from jaxkv.kv import state as kv_state
   from jaxkv.models.forward import Capture
@@ -144,7 +149,7 @@ def test_wrong_shapes_are_a_clear_error(tmp_path):
   _hf_model("llama", tmp_path)
   cfg, params = weights.load_hf_dir(tmp_path)
   params["layers.wq"] = params["layers.wq"][:, :, :-1]
-  with pytest.raises(ValueError, match="layers.wq"):
+  with pytest.raises(ValueError, match=re.escape("layers.wq")):
     hf_util.build(cfg, params)
 
 

@@ -121,9 +121,9 @@ def test_unknown_impl():
 def test_key_shift_equals_attention_over_rerotated_copies():
   """Aliasing with a key shift (MemArt's zero-copy re-positioning) reads the keys
   rotated by R(shift): the same as copying them, re-rotated, into fresh slots."""
-  from jaxkv.config import RopeConfig   # pylint: disable=import-outside-toplevel
-  from jaxkv.kv.splice import rerotate   # pylint: disable=import-outside-toplevel
-  from jaxkv.rope import delta_frequencies   # pylint: disable=import-outside-toplevel
+  from jaxkv.config import RopeConfig  # pylint: disable=import-outside-toplevel
+  from jaxkv.kv.splice import rerotate  # pylint: disable=import-outside-toplevel
+  from jaxkv.rope import delta_frequencies  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng()
   b, t, hkv, g, d, s = 2, 24, 2, 3, 32, 64
   freq = delta_frequencies(RopeConfig(theta=10000.0), d)

@@ -4,18 +4,18 @@ dead-slot and compact layouts; alias-safe eviction (hypothesis)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import jax.numpy as jnp
 import test_ops
 from jaxkv import ops
 from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.state import SENTINEL, KVPool
-from jaxkv.rope import apply_rope
 from jaxkv.policies.pruning import intentkv, scores, select
+from jaxkv.rope import apply_rope
 
 L, B, T, HQ, HKV, D = 3, 2, 40, 6, 2, 16
 

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant,
-                                 precondition, rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import PrefixMatch, RadixCache, RadixStats
@@ -615,7 +614,7 @@ def test_retain_keeps_exactly_the_named_prefixes():
   cache = RadixCache(alloc)
   shared = np.arange(10, 22)
   paths = [np.concatenate([shared, np.arange(100, 108) + 10 * k]) for k in range(2)]
-  for k, toks in enumerate(paths):
+  for toks in paths:
     seq = alloc.new_sequence()
     alloc.extend(seq, len(toks))
     cache.insert(toks, alloc.slot_map(seq))

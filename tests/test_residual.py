@@ -61,7 +61,8 @@ def test_fresh_head_is_exactly_phase1():
   rule = intentkv.rule_scores(mem, k, cand)
   s = residual.learnable_scores(nnx.split(head), k, mem, cand, span, live=live)
   np.testing.assert_array_equal(np.asarray(s), np.asarray(rule))
-  np.testing.assert_array_equal(keep_mask(s, live, span, BUDGET), keep_mask(rule, live, span, BUDGET))
+  np.testing.assert_array_equal(keep_mask(s, live, span, BUDGET),
+                                keep_mask(rule, live, span, BUDGET))
 
 
 def test_alpha_zero_with_random_fc2_is_phase1():
@@ -71,7 +72,8 @@ def test_alpha_zero_with_random_fc2_is_phase1():
   rule = intentkv.rule_scores(mem, k, cand)
   s = residual.learnable_scores(head, k, mem, cand, span, live=live)
   np.testing.assert_array_equal(np.asarray(s), np.asarray(rule))
-  np.testing.assert_array_equal(keep_mask(s, live, span, BUDGET), keep_mask(rule, live, span, BUDGET))
+  np.testing.assert_array_equal(keep_mask(s, live, span, BUDGET),
+                                keep_mask(rule, live, span, BUDGET))
 
 
 def test_random_weights_change_scores():

@@ -198,16 +198,16 @@ def test_disconnect_mid_stream_cancels_and_frees(served):
   cancelled0 = metric(served.url, "jaxkv_requests_finished_total", finish_reason="cancelled")
   body = {"model": MODEL, "messages": chat("Write a long story about a dragon."),
           "max_tokens": 400, "stream": True}
-  with httpx.Client(timeout=120) as http:
-    with http.stream("POST", served.url + "/v1/chat/completions", json=body) as resp:
-      assert resp.status_code == 200
-      lines = resp.iter_lines()
-      seen = 0
-      for line in lines:
-        if line.startswith("data: ") and '"content": "' in line and '""' not in line:
-          seen += 1
-          break
-      assert seen and engine.allocator.num_live_slots > 0
+  url = served.url + "/v1/chat/completions"
+  with httpx.Client(timeout=120) as http, http.stream("POST", url, json=body) as resp:
+    assert resp.status_code == 200
+    lines = resp.iter_lines()
+    seen = 0
+    for line in lines:
+      if line.startswith("data: ") and '"content": "' in line and '""' not in line:
+        seen += 1
+        break
+    assert seen and engine.allocator.num_live_slots > 0
   wait_idle(served.llm, 60)
   engine.allocator.check()
   assert engine.allocator.num_live_slots == 0
@@ -247,7 +247,7 @@ def test_bad_requests_get_openai_errors(served, body, raw, status, param, code):
 def test_openai_client_raises_the_matching_errors(served):
   with pytest.raises(openai.NotFoundError):
     served.client.chat.completions.create(model="gpt-4", messages=chat("hi"))
-  with pytest.raises(openai.BadRequestError, match="context_length_exceeded|maximum context"):
+  with pytest.raises(openai.BadRequestError, match=r"context_length_exceeded|maximum context"):
     served.client.chat.completions.create(model=MODEL, messages=chat("word " * 600))
 
 
@@ -274,7 +274,7 @@ def test_prefix_cache_reports_cached_tokens(base, reference):
             "Answer briefly and politely, in one sentence, and never invent facts."}
   with serving(llm, cfg) as server:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    ask = lambda q, **kw: client.chat.completions.create(  # noqa: E731
+    ask = lambda q, **kw: client.chat.completions.create(
         model=MODEL, messages=[system, *chat(q)], max_tokens=10, **kw)
     a = ask(PROMPTS[0])
     b = ask(PROMPTS[0])

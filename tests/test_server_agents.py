@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from jaxkv import cli  # noqa: E402
-from jaxkv.config import CacheConfig, EngineConfig, ServeConfig, from_config_dict  # noqa: E402
+from jaxkv.config import CacheConfig, ServeConfig, from_config_dict  # noqa: E402
 from jaxkv.engine.sessions import SessionRunner  # noqa: E402
 from jaxkv.policies.pruning import intentkv  # noqa: E402
 from jaxkv.server.app import create_app, serve_in_thread  # noqa: E402
@@ -132,10 +132,10 @@ def test_memart_session_prefills_only_the_question(served):
   url = served.url
   sid = httpx.post(url + "/v1/sessions", json={"kind": "memart"}).json()["id"]
   history = []
-  for i, fact in enumerate(["My sister Ana lives in Lisbon and teaches piano.",
-                            "I adopted a grey cat called Biscuit last spring.",
-                            "Our team ships the billing service every Tuesday.",
-                            "The spare key is under the blue flower pot."]):
+  for fact in ["My sister Ana lives in Lisbon and teaches piano.",
+               "I adopted a grey cat called Biscuit last spring.",
+               "Our team ships the billing service every Tuesday.",
+               "The spare key is under the blue flower pot."]:
     history += [{"role": "user", "content": fact}, {"role": "assistant", "content": "Noted."}]
   msgs = history + [{"role": "user", "content": "Where is the spare key?"}]
   r = served.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8,

@@ -9,6 +9,7 @@ uses SmolLM2's real tokenizer and chat template.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -31,7 +32,8 @@ def _call(name, **args):
   """An assistant tool call in ToolBench's ReAct form (SmolLM2's template does not
   render structured `tool_calls`; `traces.session_chat` picks this form for it)."""
   return {"role": "assistant",
-          "content": f"Thought: I will call {name}.\nAction: {name}\nAction Input: {json.dumps(args)}"}
+          "content": (f"Thought: I will call {name}.\nAction: {name}\n"
+                      f"Action Input: {json.dumps(args)}")}
 
 
 MESSAGES = [
@@ -61,7 +63,7 @@ def test_exact_reuse_reproduces_no_reuse(llm):
   assert [t.hit_tokens for t in cold] == [0] * 4
   assert all(t.hit_tokens > 0 for t in warm[1:])
   # turn i+1 reuses everything turn i computed (prompt + reply), minus nothing
-  for a, b in zip(warm, warm[1:]):
+  for a, b in itertools.pairwise(warm):
     assert b.hit_tokens == a.prompt_tokens + a.reply_tokens
   np.testing.assert_allclose([t.nll for t in warm], [t.nll for t in cold], atol=1e-4)
   assert runner.alloc.num_live_slots == runner.radix.num_cached_tokens  # only the cache holds
@@ -74,9 +76,9 @@ def test_dead_slot_keeps_prefix_hits_and_compact_loses_them(llm, method):
   _, dead = _run(llm, method=method, layout="dead_slot", budget=80)
   _, comp = _run(llm, method=method, layout="compact", budget=80)
   assert any(t.pruned for t in dead[:-1])
-  for a, b in zip(dead, dead[1:]):        # dead-slot: every turn hits the whole previous turn
+  for a, b in itertools.pairwise(dead):        # dead-slot: every turn hits the whole previous turn
     assert b.hit_tokens == a.prompt_tokens + a.reply_tokens
-  for a, b in zip(comp, comp[1:]):        # compact: a pruned turn is not reusable
+  for a, b in itertools.pairwise(comp):        # compact: a pruned turn is not reusable
     if a.pruned:
       assert b.hit_tokens < a.prompt_tokens
   assert sum(t.hit_tokens for t in dead) > sum(t.hit_tokens for t in comp)
@@ -140,7 +142,7 @@ def test_holes_persist_across_turns_with_random_budgets(llm, seed):
   # no pruned slot lingers: the live slots are exactly those the tree still caches
   cached = {int(s) for _, slots in runner.radix.paths() for s in slots if s != SENTINEL}
   assert runner.alloc.num_live_slots == len(cached)
-  for sid, msgs in (("a", MESSAGES), ("b", other)):   # and the tree has no stale path
+  for sid in ("a", "b"):   # and the tree has no stale path
     tokens, holes = runner.paths[sid]
     assert runner.radix.match_prefix(tokens, holes=holes).n_matched == tokens.size
 
@@ -167,7 +169,8 @@ def test_turn_longer_than_the_cache_is_a_clear_error(llm):
   runner = SessionRunner(llm, PruningConfig(), cache=short)
   with pytest.raises(ValueError, match="max_seq_len"):
     runner.run_session("s", MESSAGES)
-  assert not runner.alloc.sequences() and runner.alloc.num_live_slots == runner.radix.num_cached_tokens
+  assert not runner.alloc.sequences()
+  assert runner.alloc.num_live_slots == runner.radix.num_cached_tokens
 
 
 def test_evidence_labels_count_copied_ids(llm):
@@ -185,6 +188,7 @@ def test_learnable_mode_with_fresh_head_equals_phase1(llm):
   the -residual ablation does too with a randomised head."""
   import jax
   from flax import nnx
+
   from jaxkv.policies.pruning.residual import ResidualHead
 
   cfg = dict(method="intentkv", layout="dead_slot", budget=80)
@@ -327,8 +331,8 @@ def test_forced_reply_continues_the_gold_turn(llm):
   turn = plain.run_turn("s", MESSAGES, None, 4, generate=True, max_tokens=12, forced_reply=k)
   ids = [int(x) for x in p["ids"]] + [int(x) for x in p["gold"][:k]]
   engine_llm = LLM(llm.model, llm.tokenizer, CACHE)
-  want = list(engine_llm.stream([Request(id="0", prompt=ids,
-                                         sampling=SamplingConfig(max_tokens=12))]))[0]
+  want = next(iter(engine_llm.stream([Request(id="0", prompt=ids,
+                                                sampling=SamplingConfig(max_tokens=12))])))
   assert turn.text == want.text
   short = plain.run_turn("u", MESSAGES, None, 4, generate=True, max_tokens=12, forced_reply=k,
                          until=lambda ids: len(ids) >= 1)

@@ -15,13 +15,11 @@ import subprocess
 import sys
 import types
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import sharding
-from jaxkv.config import ModelConfig, ServeConfig, MeshConfig
+from jaxkv.config import MeshConfig, ModelConfig, ServeConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -65,8 +63,9 @@ def test_collisions_and_unknown_axes_are_refused():
 
 def test_every_parameter_of_every_architecture_has_axes():
   """No weight of Llama / Qwen2 (biases) / Qwen3 (qk norm) falls through the table."""
-  from flax import nnx
   import jax
+  from flax import nnx
+
   from jaxkv.models.llama import Transformer
   for extra in ({}, {"qkv_bias": True}, {"qk_norm": True}, {"tie_embeddings": False}):
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -210,7 +209,7 @@ def test_serve_as_two_processes(tmp_path):
        f"--output={out}"], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [json.loads(line) for line in out.read_text().splitlines()]
-  assert sorted(r["id"] for r in rows) == sorted(
-      json.loads(line)["id"] for line in (ROOT / "examples/requests.jsonl").read_text().splitlines())
+  lines = (ROOT / "examples/requests.jsonl").read_text().splitlines()
+  assert sorted(r["id"] for r in rows) == sorted(json.loads(line)["id"] for line in lines)
   assert not any("error" in r for r in rows)
   assert "Paris" in next(r["text"] for r in rows if r["id"] == "capital")

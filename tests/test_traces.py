@@ -76,8 +76,8 @@ def test_parse_toolbench(tmp_path):
                                        "assistant"]
   assert a.tools[0]["name"] == "search_hotels_for_booking"  # recovered from the Python literal
   assert a.turns[0].content == TOOLBENCH[0]["conversations"][0]["value"]
-  assert a.turns[2] == Turn("assistant", "I should search hotels in Paris.",
-                            (ToolCall("search_hotels_for_booking", {"city": "Paris", "nights": 2}),))
+  call = ToolCall("search_hotels_for_booking", {"city": "Paris", "nights": 2})
+  assert a.turns[2] == Turn("assistant", "I should search hotels in Paris.", (call,))
   assert a.turns[3].name == "search_hotels_for_booking"
   assert a.turns[4].tool_calls == (ToolCall("book_hotel", {"_raw": "hotel_id=H-77, nights=2"}),)
   assert a.turns[5].name == "book_hotel"
