@@ -22,9 +22,15 @@ JAX. `from jaxkv import load` and `jaxkv.load(...)` work as with an eager import
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import typing
 
 from jaxkv import runtime as _runtime
+
+try:   # the installed distribution's version (pyproject.toml's [project] version)
+  __version__ = importlib.metadata.version("jaxkv")
+except importlib.metadata.PackageNotFoundError:   # a source tree that was never installed
+  __version__ = "0+unknown"
 
 _runtime.quiet_tpu_probe()   # no "Unable to initialize backend 'tpu'" line (jaxkv.runtime)
 

@@ -12,8 +12,9 @@ sha256 of every shipped file. `scripts/ship_artifacts.py` writes them.
 
 Defaults (`bench/lragent.py --adapters`, `PruningConfig.head_path`,
 `AgentRunner(lora=None)`) point here. A relative path is looked up from the
-working directory first, then from the repository root, so the defaults work from
-any directory of a clone (the package is installed editable).
+working directory first, then from the repository root (a clone) or the
+installed package's copy (a wheel; `jaxkv.shipped`), so the defaults work from
+any directory.
 """
 
 from __future__ import annotations
@@ -24,20 +25,20 @@ import os
 import pathlib
 import subprocess
 
+from jaxkv import shipped
+
 MODEL = "smollm2-135m"
 ROOT = f"artifacts/{MODEL}"
 ROLE_ADAPTERS = f"{ROOT}/role_adapters"
 PRUNER_HEAD = f"{ROOT}/pruner_head"
 MANIFEST = "manifest.json"
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = shipped.REPO
 
 
 def resolve(path: str | os.PathLike) -> pathlib.Path:
-  """`path` as given if it exists, else (relative paths) under the repository root."""
-  p = pathlib.Path(path)
-  if p.exists() or p.is_absolute() or not (REPO / p).exists():
-    return p
-  return REPO / p
+  """`path` as given if it exists, else (relative paths) under the repository root
+  or the installed package's copy (`jaxkv.shipped.resolve`)."""
+  return shipped.resolve(path)
 
 
 def sha256(path: str | os.PathLike) -> str:
@@ -69,7 +70,7 @@ def git_commit(repo: str | os.PathLike = REPO) -> str:
 
 def sessions_digest(sessions) -> str:
   """sha256 of sessions' ToolBench entries: names the exact data a check ran on."""
-  from jaxkv.data import traces   # pylint: disable=import-outside-toplevel
+  from jaxkv.data import traces  # pylint: disable=import-outside-toplevel
   blob = json.dumps([traces.to_entry(s) for s in sessions], sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -122,8 +123,8 @@ def load_role_adapters(model_cfg, path: str | os.PathLike = ROLE_ADAPTERS, *,
   """(LoraConfig, LoraWeights) of the plan / action / reflect adapters under `path`
   (one PEFT folder per role, `scripts/train_lora.py`), files checked when the folder
   has a manifest."""
-  from jaxkv.data import agents   # pylint: disable=import-outside-toplevel
-  from jaxkv.models import lora as lora_lib   # pylint: disable=import-outside-toplevel
+  from jaxkv.data import agents  # pylint: disable=import-outside-toplevel
+  from jaxkv.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
 
   folder = resolve(path)
   if not folder.is_dir():
@@ -137,7 +138,7 @@ def load_role_adapters(model_cfg, path: str | os.PathLike = ROLE_ADAPTERS, *,
 def load_pruner_head(path: str | os.PathLike = PRUNER_HEAD, *, model_name: str | None = None):
   """(graphdef, state) of a Phase-2 head folder (`scripts/train_pruner.py`), files
   checked when the folder has a manifest."""
-  from jaxkv.training.train import load_head   # pylint: disable=import-outside-toplevel
+  from jaxkv.training.train import load_head  # pylint: disable=import-outside-toplevel
 
   folder = resolve(path)
   if not (folder / "head.json").is_file():

@@ -22,7 +22,6 @@ import ast
 import dataclasses
 import inspect
 import io
-import os
 import re
 import sys
 import textwrap
@@ -274,6 +273,25 @@ def require(given: dict[str, object], example: str) -> None:
          "(--help lists every flag)")
 
 
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
+def _config_arg(arg: str, flag: str) -> str:
+  """`--config=<file>[:arg]` with the file resolved (`jaxkv.shipped.config_file`: as
+  given, else a shipped config by path or bare name); other args as they are."""
+  from jaxkv import shipped
+  if not arg.startswith(f"--{flag}="):
+    return arg
+  spec, colon, rest = arg.split("=", 1)[1].partition(":")   # "file.py:arg" passes an argument
+  if not spec:
+    return arg
+  path = shipped.config_file(spec)
+  if path is None:
+    raise ConfigError(f"--{flag}={spec}: no such config file (shipped configs: "
+                      f"{', '.join(shipped.config_names())})")
+  return f"--{flag}={path}{colon}{rest}"
+
+
 def run(main: Callable, cls: type | None = None, flag: str = "config",
         doc: str | None = None) -> None:
   """`absl.app.run(main)` whose flag parsing checks `--config.*` overrides first
@@ -292,11 +310,7 @@ def run(main: Callable, cls: type | None = None, flag: str = "config",
 
   def parse(argv):
     try:
-      for arg in argv[1:]:
-        if arg.startswith(f"--{flag}="):
-          path = arg.split("=", 1)[1].split(":", 1)[0]   # "file.py:arg" passes an argument
-          if path and not os.path.isfile(path):
-            raise ConfigError(f"--{flag}={path}: no such config file")
+      argv = [argv[0], *(_config_arg(arg, flag) for arg in argv[1:])]
       if cls is not None:
         check_overrides(argv[1:], cls, flag)
       return flags.FLAGS(argv)
@@ -304,6 +318,10 @@ def run(main: Callable, cls: type | None = None, flag: str = "config",
       fail(str(e))
     except flags.Error as e:
       fail(f"{one_line(str(e))} (--helpfull lists every flag and config field)")
+    except SystemExit as e:   # absl exits 1 after printing the help a user asked for
+      if e.code == 1 and any(a in _HELP_FLAGS for a in argv[1:]):
+        sys.exit(0)
+      raise
     except Exception as e:   # a config file's own error, shown as one line
       fail(f"--{flag}: {type(e).__name__}: {e}")
 

@@ -166,6 +166,24 @@ def test_missing_required_flags_are_one_line_exit_2(tmp_path):
                                             "every flag)\n"), p.stderr
 
 
+def test_config_resolves_against_the_shipped_configs(tmp_path):
+  """From a directory without configs/, `--config=configs/smollm2.py` and the bare
+  name `smollm2` are the shipped config (jaxkv.shipped); a name that is neither
+  lists the shipped ones. `--help` exits 0."""
+  for spec in ("configs/smollm2.py", "smollm2", "smollm2.py"):
+    p = _serve(f"--config={spec}", "--config.engine.max_batch=2", cwd=tmp_path)
+    assert p.returncode == 2 and "--input and --output are required" in p.stderr, p.stderr
+  p = _serve("--config=smollm3", "--input=x", "--output=y", cwd=tmp_path)
+  assert p.returncode == 2 and p.stderr.startswith(
+      "serve.py: error: --config=smollm3: no such config file (shipped configs: "), p.stderr
+  assert "smollm2_memart" in p.stderr
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs/smollm2.py").write_text("raise ValueError('the user file wins')\n")
+  p = _serve("--config=configs/smollm2.py", cwd=tmp_path)
+  assert p.returncode == 2 and "the user file wins" in p.stderr
+  assert _serve("--help", cwd=tmp_path).returncode == 0
+
+
 @pytest.mark.slow
 def test_serve_probes_fail_in_one_line_before_loading(tmp_path):
   cfg = f"--config={ROOT}/configs/smollm2.py"
