@@ -1,4 +1,4 @@
-r"""Fetches the real text corpora of DATA.md from the Debian archive (never committed).
+r"""Fetches the real text corpora (docs/data.md) from the Debian archive (never committed).
 
     python scripts/fetch_texts.py [--out=data_local/texts] \
         [--packages=python3.11-doc,r-cran-janeaustenr]

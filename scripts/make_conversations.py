@@ -1,5 +1,5 @@
 r"""Builds MemArt development conversations in LoCoMo's JSON format from the real
-human dialogue of the `chitchat-dataset` package (never committed; DATA.md).
+human dialogue of the `chitchat-dataset` package (never committed; see docs/data.md).
 
     python scripts/make_conversations.py --out=data_local/conversations.json \
         [--samples=4] [--tokens=8000] [--recall=20] [--planted=6] [--seed=0] \

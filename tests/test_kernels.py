@@ -420,7 +420,7 @@ def test_ops_dispatch():
 
 
 # ----------------------------------------------------------------------------
-# GPU lowering without a GPU (DATA.md): jax.export for cuda runs the whole
+# GPU lowering without a GPU (docs/kernels.md): jax.export for cuda runs the whole
 # Pallas -> Triton lowering, so shape/op constraints of the GPU path are checked.
 # ----------------------------------------------------------------------------
 

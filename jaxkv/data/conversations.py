@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import os
 import re
@@ -210,12 +211,12 @@ _FACTS = (
 
 
 def chitchat_path() -> str:
-  """`chitchat_dataset/dataset.json` of the installed package (DATA.md)."""
+  """`chitchat_dataset/dataset.json` of the installed package (docs/data.md)."""
   try:
-    import chitchat_dataset   # pylint: disable=import-outside-toplevel
+    import chitchat_dataset  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise FileNotFoundError("the chitchat-dataset package is not installed: "
-                            "pip install chitchat-dataset==0.9.0 (DATA.md)") from e
+                            "pip install chitchat-dataset==0.9.0 (see docs/data.md)") from e
   return os.path.join(os.path.dirname(chitchat_dataset.__file__), "dataset.json")
 
 
@@ -254,7 +255,7 @@ def _recall_questions(sessions: tuple[Session, ...], n: int, rng) -> list[QA]:
   turns = [t for s in sessions for t in s.turns]
   counts = collections.Counter(normalize_answer(t.text) for t in turns)
   cands = []
-  for prev, cur in zip(turns, turns[1:]):
+  for prev, cur in itertools.pairwise(turns):
     if prev.speaker == cur.speaker or prev.synthetic or cur.synthetic:
       continue
     if not (6 <= len(prev.text.split()) <= 40 and 4 <= len(cur.text.split()) <= 30):
@@ -324,7 +325,7 @@ def normalize_answer(s: str) -> str:
 
 def f1(prediction: str, gold: str) -> float:
   """LoCoMo's token F1 (normalised, Porter-stemmed, multiset overlap)."""
-  from nltk.stem import PorterStemmer   # pylint: disable=import-outside-toplevel
+  from nltk.stem import PorterStemmer  # pylint: disable=import-outside-toplevel
   ps = PorterStemmer()
   p = [ps.stem(w) for w in normalize_answer(prediction).split()]
   g = [ps.stem(w) for w in normalize_answer(gold).split()]
@@ -337,7 +338,7 @@ def f1(prediction: str, gold: str) -> float:
 
 def bleu1(prediction: str, gold: str) -> float:
   """BLEU-1 as Mem0's evaluation computes it (unigram, smoothing method 1)."""
-  from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu  # pylint: disable=import-outside-toplevel
+  from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
   tok = lambda s: re.findall(r"\w+|[^\w\s]", str(s).lower())
   p, g = tok(prediction), tok(gold)
   if not p or not g:

@@ -1,4 +1,4 @@
-"""Real text corpora fetched from the Debian archive (DATA.md), for reuse and
+"""Real text corpora fetched from the Debian archive (docs/data.md), for reuse and
 long-context workloads: never committed, fetched once into data_local/.
 
 - `fetch_debian(package, dest)`: `apt-get download` + `dpkg-deb -x` into
@@ -23,8 +23,8 @@ import dataclasses
 import pathlib
 import re
 import shutil
-import subprocess
 import struct
+import subprocess
 import tempfile
 import warnings
 import zlib
@@ -149,7 +149,7 @@ def doc_passages(root: str | pathlib.Path, sections: tuple[str, ...] = ("library
 
 def austen_novels(root: str | pathlib.Path) -> dict[str, list[str]]:
   """{novel: its lines} from the unpacked r-cran-janeaustenr package under root."""
-  import rdata   # pylint: disable=import-outside-toplevel  (bench extra)
+  import rdata  # pylint: disable=import-outside-toplevel  (bench extra)
   root = pathlib.Path(root)
   data = root / AUSTEN_DATA if (root / AUSTEN_DATA).exists() else root
   if not (data / "Rdata.rdx").is_file():
