@@ -66,21 +66,20 @@ from absl import app, flags
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 
-import agent_eval      # noqa: E402  (bench/)
-import common          # noqa: E402
-import attention_kernels as kernels_bench   # noqa: E402
-import lragent as lragent_bench   # noqa: E402
-import memart_tables as memart_bench   # noqa: E402
-import config_reference   # noqa: E402  (scripts/)
-import plot_training   # noqa: E402
-import pruning         # noqa: E402
-import reuse as reuse_bench   # noqa: E402
-import semshare as semshare_bench   # noqa: E402
-import server_load   # noqa: E402
-import throughput      # noqa: E402
-
-from jaxkv import artifacts   # noqa: E402
-from jaxkv.data import agents   # noqa: E402
+import agent_eval  # noqa: E402  (bench/)
+import attention_kernels as kernels_bench  # noqa: E402
+import common  # noqa: E402
+import config_reference  # noqa: E402  (scripts/)
+import lragent as lragent_bench  # noqa: E402
+import memart_tables as memart_bench  # noqa: E402
+import plot_training  # noqa: E402
+import pruning  # noqa: E402
+import reuse as reuse_bench  # noqa: E402
+import semshare as semshare_bench  # noqa: E402
+import server_load  # noqa: E402
+import throughput  # noqa: E402
+from jaxkv import artifacts  # noqa: E402
+from jaxkv.data import agents  # noqa: E402
 
 FLAGS = flags.FLAGS
 CONFIG_PAGE = "docs/configuration.md"
@@ -246,9 +245,9 @@ def update(text: str, new: dict[str, str | None], log=print) -> str:
 
 # ----------------------------------------------------------------------------- plots
 def _plt():
-  import matplotlib   # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt   # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   return plt
 
 

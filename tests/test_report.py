@@ -72,8 +72,8 @@ def _tiny_results(root: pathlib.Path):
              future_evidence_recall=0.5 + b / 1e4, candidate_evidence_recall=0.1,
              evidence_tokens=10, candidate_evidence_tokens=5, pruned_share=0.5, n_sessions=2,
              n_turns=4)
-        for m, l, b in (("full", "-", 0), ("snapkv", "dead_slot", 512), ("snapkv", "dead_slot", 1024),
-                        ("snapkv", "compact", 512))]
+        for m, l, b in (("full", "-", 0), ("snapkv", "dead_slot", 512),
+                        ("snapkv", "dead_slot", 1024), ("snapkv", "compact", 512))]
   (root / "bench/results_pruning_tau2.json").write_text(json.dumps(pr))
 
 
@@ -93,7 +93,7 @@ def test_blocks_and_plots_from_other_result_files(report, tmp_path):
 
 
 def test_training_tables(report):
-  m = [{"step": 0, "nll": {w: {r: 2.0 for r in ("plan", "action", "reflect")}
+  m = [{"step": 0, "nll": {w: dict.fromkeys(("plan", "action", "reflect"), 2.0)
                           for w in ("base", "plan", "action", "reflect")}},
        {"step": 8, "nll": {"base": {"plan": 3.0, "action": 1.0, "reflect": 0.7},
                            "plan": {"plan": 1.3, "action": 1.4, "reflect": 1.8},
