@@ -9,6 +9,13 @@ messages are written once into the session's memory as 8-token KV blocks (pool
 pages, boxed by their keys); its last user message alone is prefilled, over the
 top-k blocks its own queries retrieve (spliced without copies). Greedy decoding.
 
+The example's last two requests are refused on purpose, to show what a MemArt
+session does not take (a JSONL file holds no comments, so the reason is here):
+`edited` changes session ann's earlier messages, and memory is only ever added to
+(resend the history unchanged, or start a new session); `hot` asks for sampling
+(temperature 0.7), and memart mode decodes greedily. Their error records say so;
+the other four requests are answered.
+
 The setting measured best for SmolLM2's answers (README MemArt, bench/memart.py):
 8-token blocks (the paper: 16; its boxes are looser), 64 blocks (512 history
 tokens) taken as windows of 3 blocks around the best (`neighbors=1`), the paper's

@@ -263,7 +263,8 @@ def serve_sequential(cfg, src: pathlib.Path, out, todo: int) -> None:
   for req in tqdm.tqdm(batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order),
                        total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr):
     if req.sampling.temperature > 0:
-      refuse(req.id, f"{cfg.mode} mode decodes greedily: use temperature 0")
+      refuse(req.id, f"{cfg.mode} mode decodes greedily (no sampling): this request asks "
+                     f"for temperature {req.sampling.temperature:g}; drop it or send 0")
       continue
     t1 = time.perf_counter()
     try:
@@ -345,8 +346,9 @@ def serve_memart(cfg, src: pathlib.Path, out, todo: int) -> None:
                                                on_error, order, parsed=True),
                            total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr):
     if p.sampling.temperature > 0:
-      on_error(batch.RequestError(p.line, "memart mode decodes greedily: use temperature 0",
-                                  p.id))
+      on_error(batch.RequestError(
+          p.line, f"memart mode decodes greedily (no sampling): this request asks for "
+                  f"temperature {p.sampling.temperature:g}; drop it or send 0", p.id))
       continue
     try:
       ans, info = sessions.ask(p.user or p.id, msgs, p.sampling.max_tokens)

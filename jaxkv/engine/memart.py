@@ -470,7 +470,9 @@ class MemArtSessions:
     mem, seen = self.sessions.get(session) or (self.runner.new_memory(), [])
     if lines[:len(seen)] != seen:
       raise ValueError(f"session {session!r}: the history no longer extends what its memory "
-                       "holds (an earlier message changed); use a new session id")
+                       "holds (an earlier message changed, and memory is only ever added "
+                       "to); resend the history unchanged with new messages after it, or "
+                       "start a new session (another \"user\")")
     new = lines[len(seen):]
     written = 0
     if new:
