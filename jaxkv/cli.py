@@ -22,6 +22,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import os
 import re
 import sys
 import textwrap
@@ -318,6 +319,9 @@ def run(main: Callable, cls: type | None = None, flag: str = "config",
       fail(str(e))
     except flags.Error as e:
       fail(f"{one_line(str(e))} (--helpfull lists every flag and config field)")
+    except BrokenPipeError:   # `--help | head`: the reader stopped early; nothing is wrong
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      sys.exit(0)
     except SystemExit as e:   # absl exits 1 after printing the help a user asked for
       if e.code == 1 and any(a in _HELP_FLAGS for a in argv[1:]):
         sys.exit(0)
