@@ -1,4 +1,4 @@
-"""SmolLM2-135M chat sessions whose history lives in MemArt memory (seed 003).
+"""SmolLM2-135M chat sessions whose history lives in MemArt memory.
 
     python scripts/serve.py --config=configs/smollm2_memart.py \
         --input=examples/memart_requests.jsonl --output=memart_results.jsonl \

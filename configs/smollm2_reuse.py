@@ -1,4 +1,4 @@
-"""SmolLM2-135M batch inference with cross-prompt segment reuse (seed 002).
+"""SmolLM2-135M batch inference with cross-prompt segment reuse.
 
     python scripts/serve.py --config=configs/smollm2_reuse.py \
         --input=examples/reuse_requests.jsonl --output=reuse_results.jsonl \

@@ -1,4 +1,4 @@
-"""SmolLM2-135M batch inference with SemShareKV (seed 001).
+"""SmolLM2-135M batch inference with SemShareKV.
 
     python scripts/serve.py --config=configs/smollm2_semshare.py \
         --input=examples/semshare_requests.jsonl --output=semshare_results.jsonl \

@@ -73,7 +73,7 @@ class ModelConfig:
 
   @property
   def d_kv(self) -> int:
-    """Per-layer K (or V) width: n_kv_heads x head_dim (seed 002's accounting)."""
+    """Per-layer K (or V) width: n_kv_heads x head_dim (the segment-reuse paper's accounting)."""
     return self.num_kv_heads * self.head_dim
 
   def kv_bytes_per_token(self, bytes_per_elem: int) -> int:
@@ -296,13 +296,13 @@ REUSE_STORAGE = ("int8", "float16", "float32")
 
 @dataclasses.dataclass(frozen=True)
 class ReuseConfig:
-  """Cross-prompt segment reuse with delta-RoPE re-indexing (seed 002).
+  """Cross-prompt segment reuse with delta-RoPE re-indexing.
 
   method: none (prefill everything) | prefix (radix prefix cache only) | naive
     (splice every matched segment, no guard) | epic (splice, recompute each
     segment's first `epic_tokens`) | cacheblend (splice, recompute at every layer
     after the probe the `blend_ratio` of tokens whose K deviates most at
-    `blend_layer`) | tiered (seed 002: exact, then depth-guarded approximate, then
+    `blend_layer`) | tiered (the paper's tiers: exact, then depth-guarded approximate, then
     blend, else reject; `tiers` picks which are on). Every method but none also
     uses the radix prefix cache.
   Regime A stores every layer's K/V; B stores layers below `reuse_layers` only.
@@ -402,7 +402,7 @@ SEMSHARE_METHODS = ("full", "semshare", "fuzzy_full", "zero", "random", "blend",
 
 @dataclasses.dataclass(frozen=True)
 class SemShareConfig:
-  """SemShareKV (seed 001): reuse of a semantically similar reference prompt's KV.
+  """SemShareKV: reuse of a semantically similar reference prompt's KV.
 
   method: full (prefill everything; every prompt is stored as a reference) |
     semshare (the paper) | fuzzy_full (fuzzy match and recompute, no retention:
@@ -509,7 +509,7 @@ MEMART_BOX_HEADS = ("each", "pooled")  # a box per layer and KV head, or per lay
 
 @dataclasses.dataclass(frozen=True)
 class MemArtConfig:
-  """MemArt (seed 003): conversation history kept as KV blocks, retrieved by attention.
+  """MemArt: conversation history kept as KV blocks, retrieved by attention.
 
   Paper values are the defaults (LLaMA-3.1-8B's setting: BS 16, top-k 128,
   Softmax-Max); where the paper gives none the choice is written beside the field.

@@ -14,19 +14,19 @@ between runs in --xla_cache (default ~/.cache/jaxkv/xla, or $JAX_COMPILATION_CAC
 Segment reuse (`--config=configs/smollm2_reuse.py`, or `--config.mode=reuse`): the
 same JSONL requests, one at a time, each prefilled reusing the K/V of segments
 earlier prompts contained (`--config.reuse.method=tiered|cacheblend|epic|naive|prefix`,
-seed 002); greedy decoding; records add cached / reused tokens and each match's tier.
+the segment-reuse paper); greedy decoding; records add cached / reused tokens and each match's tier.
 
 SemShareKV (`--config=configs/smollm2_semshare.py`, or `--config.mode=semshare`): the
 same JSONL requests, one at a time; a prompt whose LSH similarity to an earlier
 prompt reaches `--config.semshare.threshold` reuses that prompt's K/V through
-token-level matching (seed 001), others are prefilled and kept as references;
+token-level matching (SemShareKV), others are prefilled and kept as references;
 records add the similarity, whether it was reused and the recomputed share.
 
 MemArt memory (`--config=configs/smollm2_memart.py`, or `--config.mode=memart`): chat
 requests one at a time; `"user"` names the session (default: the request id). Every
 message before the last is the session's history, written as KV blocks into its
 memory the first time it is seen; the last (user) message alone is prefilled over
-the blocks retrieved for it (seed 003); records add the blocks retrieved, the
+the blocks retrieved for it (MemArt); records add the blocks retrieved, the
 session's memory size and the prefill / probe token counts.
 
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
