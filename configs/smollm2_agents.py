@@ -20,9 +20,10 @@ One server, one model, one config:
     seen in a role request gets this kind);
   - "prefix": the batch engine, the session's latest turn locked in its cache.
 Each request's `usage["jaxkv"]` says what its mechanism did; `/metrics` sums it.
-The pruned / memart / reuse runners have pools of their own (`cache` each: ~0.75 GB
-apiece for SmolLM2 in float32 at 1,024 pages); each agents session holds a pool of
-`server.agent_max_tokens` (4,096 tokens: ~0.19 GB).
+Every kind runs on one KV pool (`cache`: 2,048 pages of 16 slots, ~1.5 GB for SmolLM2
+in float32, with the role adapters' low-rank value cache): the batch engine, the
+pruned / memart / reuse runners and the agents sessions allocate from it, and each
+open agents session holds `server.agent_max_tokens` (2,048) of its slots.
 """
 
 from jaxkv.config import (
@@ -42,13 +43,13 @@ def get_config():
   return to_config_dict(ServeConfig(
       model="smollm2-135m",
       dtype="float32",
-      cache=CacheConfig(num_pages=1024, page_size=16, max_seq_len=8192, dtype="float32"),
+      cache=CacheConfig(num_pages=2048, page_size=16, max_seq_len=8192, dtype="float32"),
       engine=EngineConfig(max_batch=8, prefill_chunk=256, decode_steps=16, prefix_cache=True),
       sampling=SamplingConfig(temperature=0.0, max_tokens=128),
       pruning=PruningConfig(method="intentkv", layout="dead_slot", budget=1024,
                             intent_mode="memory"),
       memart=MemArtConfig(block_size=16, top_k=32, rerank=4),   # blocks = the engine's pages
       reuse=ReuseConfig(method="tiered", storage="int8"),
-      server=ServerConfig(role_adapters="shipped",
+      server=ServerConfig(role_adapters="shipped", agent_max_tokens=2048,
                           sessions="pruned,memart,reuse,agents,prefix"),
   ))

@@ -238,6 +238,11 @@ def load_llm(cfg):
     except (FileNotFoundError, ValueError) as e:
       fail(f"--config.server.role_adapters={path}: {e}")
     llm.adapters = agents.ROLES
+    from jaxkv.config import session_kinds
+    from jaxkv.policies.sharing import lragent
+    if ("agents" in session_kinds(cfg.server.sessions)
+        and cfg.server.agent_scheme in lragent.DECOUPLED):
+      llm.kv_lr_rank = llm.lora.rank   # the one pool keeps the low-rank value cache too
   return llm
 
 

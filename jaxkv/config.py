@@ -627,17 +627,18 @@ class ServerConfig:
                                 # LRAgent role adapters sharing one trajectory's KV (needs
                                 # role_adapters). E.g. "pruned,memart,reuse,agents,prefix".
   agent_scheme: str = "base_lr_shared"  # How an agents session's role adapters share KV
-                                        # (LRAgent): non_shared, full_shared, base_shared or
+                                        # (LRAgent): non_shared, full_shared or
                                         # base_lr_shared.
-  agent_max_tokens: int = 4096  # Longest trajectory of an agents session, in tokens (its
-                                # pool is this long).
-  agent_sessions: int = 4       # Agents sessions open at once (each holds its own pool).
+  agent_max_tokens: int = 4096  # Longest trajectory of an agents session, in tokens (it
+                                # holds this many slots of the pool while open).
+  agent_sessions: int = 4       # Agents sessions open at once.
 
   def __post_init__(self):
     session_kinds(self.sessions)
-    if self.agent_scheme not in ("non_shared", "full_shared", "base_shared", "base_lr_shared"):
-      raise ValueError("server.agent_scheme must be non_shared, full_shared, base_shared or "
-                       f"base_lr_shared (droidspeak needs a profiled window), got "
+    if self.agent_scheme not in ("non_shared", "full_shared", "base_lr_shared"):
+      raise ValueError("server.agent_scheme must be non_shared, full_shared or base_lr_shared "
+                       "(base_shared keeps a low-rank value pool per agent, which the server's "
+                       "one KV pool cannot hold; droidspeak needs a profiled window), got "
                        f"{self.agent_scheme!r}")
     if self.agent_max_tokens < 16 or self.agent_sessions < 1:
       raise ValueError("server.agent_max_tokens must be >= 16 and server.agent_sessions >= 1")

@@ -42,8 +42,9 @@ TURNS = ["Can I move my flight to May 16 and keep seat 31C?",
 def composed_config() -> ServeConfig:
   cd = runpy.run_path(str(ROOT / "configs/smollm2_agents.py"))["get_config"]()
   cfg = from_config_dict(ServeConfig, cd)
-  return dataclasses.replace(
-      cfg, cache=CacheConfig(num_pages=128, page_size=16, max_seq_len=1024),
+  return dataclasses.replace(      # one pool for every kind: 384 pages of 16 slots
+      cfg, cache=CacheConfig(num_pages=384, page_size=16, max_seq_len=1024),
+      server=dataclasses.replace(cfg.server, agent_max_tokens=512),
       engine=dataclasses.replace(cfg.engine, max_batch=4, prefill_chunk=128, decode_steps=8),
       pruning=dataclasses.replace(cfg.pruning, budget=48),
       memart=dataclasses.replace(cfg.memart, top_k=4))
@@ -69,6 +70,20 @@ def metric(url: str, name: str, **labels) -> float:
 
 def usage(r) -> dict:
   return r.usage.model_extra["jaxkv"]
+
+
+def test_every_kind_shares_one_pool(served):
+  """The engine and every session kind's runner allocate from one KV manager: one
+  pool, reported in /metrics with its bytes; its allocator and trees stay clean."""
+  backends = served.app_backends
+  kv = served.llm.engine.kv_manager
+  assert backends.pruned.kv is kv and backends.reuse.kv is kv
+  assert backends.memart.runner.kv is kv
+  assert backends.kv_managers == [kv]
+  assert kv.lr_rank == served.llm.lora.rank            # the agents' low-rank value cache
+  assert metric(served.url, "jaxkv_kv_pools") == 1
+  assert metric(served.url, "jaxkv_kv_pool_bytes") == kv.nbytes
+  kv.check()
 
 
 @pytest.mark.slow
@@ -198,6 +213,9 @@ def test_agents_session_shares_one_trajectory_across_roles(served):
   assert r2.usage.prompt_tokens_details.cached_tokens == u2["shared_tokens"]
   assert u2["computed_tokens"] + u2["shared_tokens"] == r2.usage.prompt_tokens
   assert metric(url, "jaxkv_agents_shared_tokens_total") == u2["shared_tokens"]
+  kv = served.app_backends.kv
+  assert served.app_backends.agents[sid].kv is kv          # its trajectory is in the one pool
+  held = kv.allocator.num_live_slots
   listed = {d["id"]: d for d in httpx.get(url + "/v1/sessions").json()["data"]}
   assert listed[sid]["kind"] == "agents"
   assert listed[sid]["held_tokens"] == u2["trajectory_tokens"]
@@ -206,3 +224,5 @@ def test_agents_session_shares_one_trajectory_across_roles(served):
   assert base.status_code == 400 and "role model name" in base.json()["error"]["message"]
   assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
   assert sid not in served.app_backends.agents
+  assert kv.allocator.num_live_slots <= held - 512        # its slots went back to the pool
+  kv.check()

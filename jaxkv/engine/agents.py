@@ -37,8 +37,8 @@ from jaxkv import artifacts
 from jaxkv.config import PAGE_SIZE, CacheConfig
 from jaxkv.data.agents import Trajectory
 from jaxkv.engine.driver import Driver
+from jaxkv.engine.kv_manager import KVManager
 from jaxkv.kv import plan
-from jaxkv.kv import state as kv_state
 from jaxkv.models.forward import Capture, LayerWindow, LoraInputs
 from jaxkv.models.lora import LoraWeights
 from jaxkv.policies.sharing import lragent
@@ -78,6 +78,9 @@ class RunResult:
     return float(-np.mean(np.concatenate([c.logprob for c in self.calls])))
 
 
+_OWNER = "agents"    # this runner's name in the KV manager (its allocations)
+
+
 # ----------------------------------------------------------------------------- runner
 class AgentRunner:
   """Runs trajectories of role agents under one sharing scheme (see module docstring).
@@ -90,11 +93,16 @@ class AgentRunner:
     max_tokens: longest trajectory this runner takes.
     window: DroidSpeak's critical layers (l0, l1) (`profile_window`).
     chunk: prefill chunk length.
+    kv: a `KVManager` to take the trajectory's slots from (a server's, shared with
+      its engine and other runners; decoupled schemes need its pool's low-rank value
+      cache of the adapters' rank), or None: a fresh pool of its own per trajectory.
+      base_shared keeps one low-rank value pool per agent, which a shared pool
+      cannot hold: it runs on a pool of its own only.
   """
 
   def __init__(self, llm, lora: LoraWeights | None, scheme: str, *, max_tokens: int,
                window: tuple[int, int] | None = None, chunk: int = 256,
-               attn_impl: str = "auto"):
+               attn_impl: str = "auto", kv: KVManager | None = None):
     self.scheme = lragent.check_scheme(scheme)
     if lora is None:
       lora = artifacts.load_role_adapters(llm.config)[1]   # shapes checked against llm
@@ -111,11 +119,27 @@ class AgentRunner:
     self.cache = CacheConfig(num_pages=1 + regions * self.size // PAGE_SIZE,
                              page_size=PAGE_SIZE, max_seq_len=self.size, dtype=str(self.dtype))
     self.max_tokens = max_tokens
-    self.driver: Driver | None = None
+    self.lr_rank = self.lora.rank if self.mode == "decoupled" else 0
+    self.shared_kv = kv
+    if kv is not None and self.scheme == "base_shared":
+      raise ValueError("base_shared keeps one low-rank value pool per agent, which a shared "
+                       "KV pool cannot hold: run it with a pool of its own (kv=None)")
+    if kv is not None and self.lr_rank and kv.lr_rank != self.lr_rank:
+      raise ValueError(f"{self.scheme} shares the value cache as base + low rank: the KV "
+                       f"manager's pool needs a low-rank value cache of rank {self.lr_rank}, "
+                       f"it has {kv.lr_rank}")
+    self.kv: KVManager | None = kv
+    self.regions: list[int] = []           # the allocator sequence of each slot region
+    self.region_slots: list[np.ndarray] = []
 
-  # -- host-side maps: region r of the pool holds positions [0, size) contiguously
+  @property
+  def driver(self) -> Driver:
+    """The KV manager's driver (the pool every step runs on)."""
+    return self.kv.driver
+
+  # -- host-side maps: region r holds positions [0, size) in its own allocator sequence
   def _slots(self, region, positions):
-    return plan.contiguous_slots(PAGE_SIZE + region * self.size, positions)
+    return self.region_slots[region][np.asarray(positions)]
 
   def _region(self, agent: int) -> int:
     return agent if self.scheme == "non_shared" else 0
@@ -136,9 +160,18 @@ class AgentRunner:
     return LoraInputs(self.lora, jnp.asarray([agent], jnp.int32), lr_write, mode=self.mode)
 
   def _reset(self):
-    pool = kv_state.init_pool(self.cfg, self.cache,
-                              lr_rank=self.lora.rank if self.mode == "decoupled" else 0)
-    self.driver = Driver(self.graphdef, self.weights, pool, attn_impl=self.attn_impl)
+    """Fresh caches: the regions' slots (a new pool of its own, or fresh sequences of
+    the shared KV manager's pool)."""
+    self.release()
+    if self.shared_kv is None:
+      self.kv = KVManager(self.cfg, self.cache, self.graphdef, self.weights,
+                          lr_rank=self.lr_rank, attn_impl=self.attn_impl)
+    alloc = self.kv.allocator
+    for _ in range(lragent.num_regions(self.scheme, self.n_agents)):
+      seq = alloc.new_sequence()
+      self.regions.append(seq)
+      self.kv.extend(seq, self.size, owner=_OWNER)
+      self.region_slots.append(alloc.slot_map(seq))
     self.written, self.seen = 0, [0] * self.n_agents
     if self.scheme == "base_shared":
       vlr = self.driver.kv.vlr
@@ -258,6 +291,12 @@ class AgentRunner:
                            recomputed_tokens=rec, window=self.window or (0, 0),
                            bytes_per_elem=jnp.dtype(self.dtype).itemsize)
     return RunResult(self.scheme, len(traj), calls, kvb, self.window)
+
+  def release(self) -> None:
+    """Gives the trajectory's slots back to the pool (a closed session)."""
+    for seq in self.regions:
+      self.kv.allocator.free_sequence(seq)
+    self.regions, self.region_slots = [], []
 
   # -- serving: one live trajectory that requests extend (jaxkv.server.backends)
   def start(self) -> None:

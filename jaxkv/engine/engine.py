@@ -34,6 +34,7 @@ from flax import nnx
 from jaxkv import distributed, sharding
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.driver import Driver
+from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.metrics import EngineMetrics
 from jaxkv.engine.sampling import SamplingParams
 from jaxkv.kv import plan
@@ -41,6 +42,9 @@ from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import RadixCache
 from jaxkv.models.forward import LoraInputs
+
+_OWNER = "engine"     # the engine's name for its reservation in the KV manager
+_TREE = "prefix"      # its radix trees' name there
 
 
 @dataclasses.dataclass
@@ -81,17 +85,24 @@ class _Row:
 
 
 class Engine:
-  """Serves requests on one model; owns the KV pool and the host allocator."""
+  """Serves requests on one model over the KV manager's pool and allocator."""
 
   def __init__(self, model: nnx.Module, stop_ids: Iterable[int], cache: CacheConfig,
-               engine: EngineConfig, mesh=None, lora=None):
+               engine: EngineConfig, mesh=None, lora=None, lr_rank: int = 0):
     """mesh: a `jaxkv.sharding.make_mesh` ("data", "model") mesh to shard the
     weights, the pool and the batch rows on (None: one device).
     lora: a `jaxkv.models.lora.LoraWeights` adapter stack (LRAgent's shared-A role
     adapters); each request picks one with `Request.adapter` (-1: the base model),
     and one batch mixes them. The prefix cache keeps one radix tree per adapter (an
     adapter's K/V differ from the base's), all on the one pool: a request adopts and
-    caches in its own adapter's tree, and eviction takes from every tree."""
+    caches in its own adapter's tree, and eviction takes from every tree.
+    lr_rank: the pool's LoRA low-rank value cache (`KVManager`), for runners that
+    share this engine's KV manager and need it (LRAgent's decoupled schemes).
+
+    The engine's `kv_manager` (`jaxkv.engine.kv_manager.KVManager`) owns the pool,
+    the allocator and the radix trees; session runners given the same manager
+    (`kv=engine.kv_manager`) allocate from the same pool, and the engine keeps the
+    pages its running rows may still need reserved against them."""
     if lora is not None and mesh is not None:
       raise ValueError("LoRA adapters on a device mesh are not supported yet")
     self.lora = lora
@@ -110,15 +121,16 @@ class Engine:
     self.shards = data if (data > 1 and engine.max_batch % data == 0
                            and cache.num_pages % data == 0
                            and cache.num_pages >= 2 * data) else 1
-    self.allocator = PagedAllocator(cache.num_pages, cache.page_size, shards=self.shards)
-    self.radix = RadixCache(self.allocator) if engine.prefix_cache else None  # the base's
-    self._adapter_radix: dict[int, RadixCache] = {}    # adapter -> its tree (on first use)
+    self.attn_impl = engine.attention_impl
+    self.kv_manager = KVManager(model.cfg, cache, self.graphdef, self.weights, mesh=mesh,
+                                shards=self.shards, lr_rank=lr_rank, attn_impl=self.attn_impl)
+    self.allocator: PagedAllocator = self.kv_manager.allocator
+    self.radix = self.kv_manager.tree(_TREE) if engine.prefix_cache else None  # the base's
     # open sessions: id -> [lock on the path of its latest turn or None, last use time,
     #                       the tree that lock is in]
     self._sessions: dict[str, list] = {}
     self.metrics = EngineMetrics(
         bytes_per_slot=2 * model.cfg.num_layers * model.cfg.d_kv * jnp.dtype(cache.dtype).itemsize)
-    self.attn_impl = engine.attention_impl
     # step API state: queued requests, running rows, cancellations (guarded by _lock)
     self._lock = threading.Lock()
     self._waiting: collections.deque[Request] = collections.deque()
@@ -129,14 +141,12 @@ class Engine:
     """The prefix cache (radix tree) of requests on `adapter` (-1: the base model)."""
     if self.radix is None or adapter < 0:
       return self.radix
-    if adapter not in self._adapter_radix:
-      self._adapter_radix[adapter] = RadixCache(self.allocator)
-    return self._adapter_radix[adapter]
+    return self.kv_manager.tree(_TREE, adapter)
 
   @property
   def caches(self) -> list[RadixCache]:
     """Every prefix-cache tree (base first); empty without the prefix cache."""
-    return [] if self.radix is None else [self.radix, *self._adapter_radix.values()]
+    return self.kv_manager.trees(_TREE)
 
   @property
   def kv(self) -> kv_state.KVPool | None:
@@ -206,19 +216,16 @@ class Engine:
                       - self._pages(self.allocator.length(r.seq) - r.cached)
                       for i, r in enumerate(rows)
                       if r is not None and self._row_shard(i) == shard)
-    short = need + outstanding - self.allocator.shard_free_pages(shard)
-    for tree in sorted(self.caches, key=lambda t: -t.evictable_tokens):
-      # finished requests' cached KV goes first, least recently used first per tree,
-      # the tree with the most evictable KV first
-      while short > 0 and tree.evictable_tokens:
-        if not tree.evict(short * self.cache_cfg.page_size):
-          break
-        short = need + outstanding - self.allocator.shard_free_pages(shard)
+    # cached KV of finished requests goes first (every radix tree on the pool, least
+    # recently used first), then other caches on the pool (the KV manager's evictors);
+    # pages other owners reserved stay theirs
+    short = self.kv_manager.make_room(need + outstanding, shard, owner=_OWNER)
     if short > 0:
       if match is not None:
         cache.release_lock(match)
       raise OutOfSlotsError(f"{need} pages needed, {self.allocator.shard_free_pages(shard)} "
-                            f"free, {outstanding} reserved by running requests")
+                            f"free, {outstanding} reserved by running requests, "
+                            f"{self.kv_manager.reserved(shard, exclude=_OWNER)} by others")
     seq = self.allocator.new_sequence(shard=shard)
     if hit:
       self.allocator.adopt(seq, match.slots)
@@ -348,14 +355,19 @@ class Engine:
 
   # -------------------------------------------------------------------- API
   def _ensure_driver(self) -> None:
-    if self.driver is not None:
-      return
-    if self.mesh is None:
-      kv = kv_state.init_pool(self.model_cfg, self.cache_cfg)
-    else:
-      kv = sharding.init_pool(self.model_cfg, self.cache_cfg, self.mesh)
-    self.driver = Driver(self.graphdef, self.weights, kv, attn_impl=self.attn_impl,
-                         mesh=self.mesh)
+    if self.driver is None:
+      self.driver = self.kv_manager.driver
+
+  def _update_reservation(self) -> None:
+    """Tells the KV manager the pages the running rows may still take, per shard, so
+    other owners of the pool (session runners) leave them free."""
+    per = [0] * self.shards
+    for i, r in enumerate(self._rows):
+      if r is not None:
+        per[self._row_shard(i)] += max(0, self._reserve(
+            len(r.req.prompt) - r.cached, r.req.sampling.max_tokens, r.cached)
+            - self._pages(self.allocator.length(r.seq) - r.cached))
+    self.kv_manager.reserve(_OWNER, per)
 
   def submit(self, req: Request) -> None:
     """Queues a request (thread-safe); `step` admits it when a row and pages are free."""
@@ -444,6 +456,7 @@ class Engine:
         after_prefill()
       self._decode(self._rows)
       results += self._retire_finished(time.perf_counter())
+    self._update_reservation()
     for res in results:
       self.metrics.add_request(res)
     return results
@@ -493,6 +506,7 @@ class Engine:
         out.append(dataclasses.replace(_error(r.req, error), tokens=list(r.generated),
                                        completion_tokens=len(r.generated)))
         self._rows[i] = None
+    self._update_reservation()
     return out
 
   def _retire_finished(self, now: float) -> list[Result]:

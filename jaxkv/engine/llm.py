@@ -53,8 +53,9 @@ class Completion:
 
 
 class LLM:
-  """A model and its tokenizer; the batch engine (and its KV pool) is created on
-  first use, so session and agent runners that bring their own pools pay for none.
+  """A model and its tokenizer; the batch engine (and its KV manager: the pool, the
+  allocator, the radix trees) is created on first use, so runners that bring pools
+  of their own pay for none, and runners given `kv=llm.engine.kv_manager` share it.
 
   `graphdef` / `weights` are the model's `nnx.split`, the form every jitted
   step takes (weights are jit arguments, never closed over).
@@ -72,6 +73,10 @@ class LLM:
     self.mesh = mesh   # the batch engine's device mesh (jaxkv.sharding.make_mesh) or None
     self.graphdef, self.weights = nnx.split(model)
     self._engine: Engine | None = None
+    # rank of the pool's LoRA low-rank value cache (0: none): set before the engine
+    # is first used when runners sharing its KV manager need it (the server's
+    # 'agents' sessions under a decoupled scheme)
+    self.kv_lr_rank = 0
     # printed to stderr by the first `stream` / `generate` call (then cleared);
     # `jaxkv.load(verbose=True)` sets it
     self.progress: str | None = None
@@ -84,7 +89,8 @@ class LLM:
   def engine(self) -> Engine:
     if self._engine is None:
       self._engine = Engine(self.model, self.tokenizer.stop_ids, self.cache_config,
-                            self.engine_config, mesh=self.mesh, lora=self.lora)
+                            self.engine_config, mesh=self.mesh, lora=self.lora,
+                            lr_rank=self.kv_lr_rank)
     return self._engine
 
   @property

@@ -42,9 +42,8 @@ import numpy as np
 
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, MemArtConfig
 from jaxkv.engine.driver import Driver, continue_one
+from jaxkv.engine.kv_manager import KVManager
 from jaxkv.kv import plan as plan_lib
-from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture
 from jaxkv.policies.memory import memart
@@ -154,6 +153,9 @@ class Answer:
   latency_s: float
 
 
+_OWNER = "memart"    # this runner's name in the KV manager
+
+
 class MemArtRunner:
   """A pool, its allocator and the held chat head, for one model.
 
@@ -165,7 +167,10 @@ class MemArtRunner:
   def __init__(self, llm, cfg: MemArtConfig, head_ids, *,
                cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16,
                                                 max_seq_len=8192),
-               attn_impl: str = "auto", prefill_chunk: int = 2048):
+               attn_impl: str = "auto", prefill_chunk: int = 2048,
+               kv: KVManager | None = None):
+    if kv is not None:
+      cache = dataclasses.replace(kv.cache_cfg, max_seq_len=cache.max_seq_len)
     if cache.page_size != cfg.block_size:
       raise ValueError(f"MemArt blocks are pool pages: cache.page_size {cache.page_size} must "
                        f"equal memart.block_size {cfg.block_size}")
@@ -173,9 +178,9 @@ class MemArtRunner:
       raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     self.cfg, self.mcfg, self.prefill_chunk = cfg, llm.config, prefill_chunk
     self.graphdef, self.weights = llm.graphdef, llm.weights
-    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.mcfg, cache),
-                         attn_impl=attn_impl)
-    self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
+    self.kv = kv if kv is not None else KVManager(self.mcfg, cache, llm.graphdef, llm.weights,
+                                                  attn_impl=attn_impl)
+    self.alloc = self.kv.allocator
     self.max_len = cache.max_seq_len
     self.inv_freq = delta_frequencies(self.mcfg.rope, self.mcfg.head_dim)
     m = self.mcfg
@@ -190,6 +195,11 @@ class MemArtRunner:
     self.alloc.free_sequence(seq)
 
   # ----------------------------------------------------------------- plumbing
+  @property
+  def driver(self) -> Driver:
+    """The KV manager's driver (the pool every step runs on)."""
+    return self.kv.driver
+
   def _prefill(self, seq: int, ids: np.ndarray, start: int, *, capture_q: bool = False,
                key_shift: np.ndarray | None = None):
     """ids at positions start.. appended to `seq` (fresh slots), in chunks of at
@@ -198,7 +208,7 @@ class MemArtRunner:
     q or None, the last chunk's padded positions)."""
     n = ids.size
     assert not (capture_q and n > self.prefill_chunk), "probe checks its length"
-    slots = self.alloc.extend(seq, n)
+    slots = self.kv.extend(seq, n, owner=_OWNER)
     extra = dict(capture=Capture(q=capture_q), return_logits=True)
 
     def options(ch):
@@ -414,7 +424,7 @@ class MemArtRunner:
     ttft = time.perf_counter() - t0
     n = start + tail.size
     w = plan_lib.width(n + max_tokens)
-    self.alloc.extend(seq, max_tokens)
+    self.kv.extend(seq, max_tokens, owner=_OWNER)
     smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
     toks, lp = continue_one(self.driver, logits, n, smap, max_tokens, forced=forced,
                             stop_ids=stop_ids,
@@ -445,12 +455,13 @@ class MemArtSessions:
   """
 
   def __init__(self, llm, cfg: MemArtConfig, cache: CacheConfig, *, system_prompt: str = "",
-               attn_impl: str = "auto"):
+               attn_impl: str = "auto", kv: KVManager | None = None):
     self.tok = llm.tokenizer
     msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": _MARK}]
     head, self.tail_text = self.tok.render_chat(msgs, add_generation_prompt=True).split(_MARK)
-    self.runner = MemArtRunner(llm, cfg, self._enc(head), cache=cache, attn_impl=attn_impl)
+    self.runner = MemArtRunner(llm, cfg, self._enc(head), cache=cache, attn_impl=attn_impl,
+                               kv=kv)
     self.sessions: dict[str, tuple[Memory, list[str]]] = {}
 
   def _enc(self, text: str) -> np.ndarray:

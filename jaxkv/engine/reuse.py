@@ -41,11 +41,8 @@ from flax import nnx
 
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, ReuseConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
+from jaxkv.engine.kv_manager import KVManager
 from jaxkv.kv import plan, quant, splice
-from jaxkv.kv import radix as radix_lib
-from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import PagedAllocator
-from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow, Recompute
 from jaxkv.policies.reuse import admission
@@ -176,6 +173,9 @@ def _pad(x, n: int, value=0, axis: int = 0) -> np.ndarray:
   return np.pad(x, widths, constant_values=value)
 
 
+_OWNER = "reuse"     # this runner's name in the KV manager (its radix tree, its allocations)
+
+
 class ReuseRunner:
   """A pool, a radix cache, a segment store and its index, for one model.
 
@@ -190,14 +190,14 @@ class ReuseRunner:
   def __init__(self, llm, reuse: ReuseConfig = ReuseConfig(), *,
                cache: CacheConfig = CacheConfig(num_pages=1024, page_size=16,
                                                 max_seq_len=8192),
-               attn_impl: str = "auto", adapter: str = "base"):
+               attn_impl: str = "auto", adapter: str = "base", kv: KVManager | None = None):
     self.cfg, self.tok, self.reuse = llm.config, llm.tokenizer, reuse
     self.graphdef, self.weights = llm.graphdef, llm.weights
-    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.cfg, cache),
-                         attn_impl=attn_impl)
+    self.kv = kv if kv is not None else KVManager(self.cfg, cache, llm.graphdef, llm.weights,
+                                                  attn_impl=attn_impl)
     self.max_len = cache.max_seq_len
-    self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
-    self.radix = RadixCache(self.alloc) if reuse.method != "none" else None
+    self.alloc = self.kv.allocator
+    self.radix = self.kv.tree(_OWNER) if reuse.method != "none" else None
     L = self.cfg.num_layers
     self.cuts = tuple(range(reuse.cut_every, L, reuse.cut_every))
     if reuse.regime == "B":
@@ -219,6 +219,11 @@ class ReuseRunner:
     self.fingerprint = fingerprint(self.cfg, sample, tok_key, adapter)
 
   # ------------------------------------------------------------------ bookkeeping
+  @property
+  def driver(self) -> Driver:
+    """The KV manager's driver (the pool every step runs on)."""
+    return self.kv.driver
+
   def _forget(self, key: int) -> None:
     if self.index is not None:
       self.index.remove(key)
@@ -261,7 +266,7 @@ class ReuseRunner:
     seq = self.alloc.new_sequence()
     hit = self.radix.adopt_prefix(seq, ids[:n - 1]) if self.radix is not None else 0
     rest = n - hit
-    radix_lib.reserve(self.alloc, self.radix, seq, rest)
+    self.kv.extend(seq, rest, owner=_OWNER, first=self.radix)
     smap = self.alloc.slot_map(seq)
     c_len = plan.chunk_len(rest, plan.chunk_len(n))
     chunk_ids = ids[hit:]
@@ -492,7 +497,7 @@ class ReuseRunner:
     n = pre.ids.size
     if n + max_tokens > self.max_len:
       raise ValueError(f"{n} + {max_tokens} tokens exceed max_seq_len {self.max_len}")
-    radix_lib.reserve(self.alloc, self.radix, pre.seq, max_tokens)
+    self.kv.extend(pre.seq, max_tokens, owner=_OWNER, first=self.radix)
     smap = plan.slot_rows([self.alloc.slot_map(pre.seq)], plan.width(n + max_tokens))
     return continue_one(self.driver, pre.logits, n, smap, max_tokens, forced=forced,
                         stop_ids=stop_ids)

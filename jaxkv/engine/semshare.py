@@ -54,10 +54,10 @@ from flax import nnx
 
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, SemShareConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
+from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.reuse import layer_flops, layer_passes
 from jaxkv.kv import plan as plan_lib
-from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.allocator import OutOfSlotsError
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow, Recompute
 from jaxkv.policies.pruning import layerwise
@@ -141,6 +141,9 @@ def _pad(x, n: int, value=0) -> np.ndarray:
   return np.pad(x, [(0, n - x.shape[0])] + [(0, 0)] * (x.ndim - 1), constant_values=value)
 
 
+_OWNER = "semshare"  # this runner's name in the KV manager (its allocations, its evictor)
+
+
 class SemShareRunner:
   """A pool, its allocator and the reference store, for one model.
 
@@ -155,12 +158,13 @@ class SemShareRunner:
   def __init__(self, llm, cfg: SemShareConfig = SemShareConfig(), *,
                cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16,
                                                 max_seq_len=8192),
-               attn_impl: str = "auto", max_passes: int = 4):
+               attn_impl: str = "auto", max_passes: int = 4, kv: KVManager | None = None):
     self.cfg, self.mcfg, self.tok = cfg, llm.config, llm.tokenizer
     self.graphdef, self.weights = llm.graphdef, llm.weights
-    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.mcfg, cache),
-                         attn_impl=attn_impl)
-    self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
+    self.kv = kv if kv is not None else KVManager(self.mcfg, cache, llm.graphdef, llm.weights,
+                                                  attn_impl=attn_impl)
+    self.alloc = self.kv.allocator
+    self.kv.register_evictor(_OWNER, self._give_back)
     self.max_len, self.max_passes = cache.max_seq_len, max_passes
     self.planes = jnp.asarray(semshare.lsh_planes(self.mcfg.hidden_size, cfg.nbits,
                                                   cfg.lsh_seed))
@@ -173,9 +177,14 @@ class SemShareRunner:
     self.zero_slot = None
     if cfg.method == "zero":            # one slot of zeros that matched entries alias
       self._zero_seq = self.alloc.new_sequence()
-      self.zero_slot = int(self.alloc.extend(self._zero_seq, 1)[0])
+      self.zero_slot = int(self.kv.extend(self._zero_seq, 1, owner=_OWNER)[0])
       self.driver.kv = _zero_slot(self.driver.kv, self.zero_slot)
     self._rng = np.random.default_rng(cfg.lsh_seed)
+
+  @property
+  def driver(self) -> Driver:
+    """The KV manager's driver (the pool every step runs on)."""
+    return self.kv.driver
 
   # ------------------------------------------------------------------ the store
   def _store(self, ids: np.ndarray, slots: np.ndarray, codes: np.ndarray) -> int | None:
@@ -201,15 +210,24 @@ class SemShareRunner:
       self.forget(key)
 
   def _extend(self, seq: int, n: int) -> np.ndarray:
-    """`alloc.extend`, forgetting the least recently used references while the
-    pool is too full (their slots free once no live target aliases them)."""
+    """`KVManager.extend`, forgetting this runner's least recently used references
+    first while the pool is too full (their slots free once no live target aliases
+    them), then letting the manager make room from the other caches on the pool."""
     while True:
       try:
-        return self.alloc.extend(seq, n)
+        return self.kv.extend(seq, n, owner=_OWNER, make_room=not self.refs)
       except OutOfSlotsError:
         if not self.refs:
           raise
         self.forget(next(iter(self.refs)))
+
+  def _give_back(self, pages: int) -> int:
+    """The KV manager's evictor: forgets least recently used references until
+    `pages` pages came free or none is left; returns the pages freed."""
+    free0 = self.alloc.num_free_pages
+    while self.refs and self.alloc.num_free_pages - free0 < pages:
+      self.forget(next(iter(self.refs)))
+    return self.alloc.num_free_pages - free0
 
   def release(self, seq: int) -> None:
     self.alloc.free_sequence(seq)

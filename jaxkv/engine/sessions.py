@@ -46,11 +46,8 @@ from jaxkv import artifacts
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, PruningConfig
 from jaxkv.data import labels
 from jaxkv.engine.driver import Driver
+from jaxkv.engine.kv_manager import KVManager
 from jaxkv.kv import plan
-from jaxkv.kv import radix as radix_lib
-from jaxkv.kv import state as kv_state
-from jaxkv.kv.allocator import PagedAllocator
-from jaxkv.kv.radix import RadixCache
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture
 from jaxkv.policies.pruning import intentkv, policy, select
@@ -95,6 +92,9 @@ def _row(x, width: int, dtype=np.int32) -> jax.Array:
   return jnp.asarray(out)
 
 
+_OWNER = "pruned"    # this runner's name in the KV manager (its radix tree, its allocations)
+
+
 class SessionRunner:
   """Runs sessions turn by turn on one pool (batch 1), with a pruning policy."""
 
@@ -102,26 +102,30 @@ class SessionRunner:
                cache: CacheConfig = CacheConfig(num_pages=2048, page_size=16,
                                                 max_seq_len=8192),
                prefill_chunk: int = 256, radix: bool = True, attn_impl: str = "auto",
-               head=None):
+               head=None, kv: KVManager | None = None):
     """Args:
       llm: a loaded `LLM` (model, tokenizer, weights).
       pruning: the policy, layout and budget.
-      cache: the pool of this runner (separate from llm's engine pool).
+      cache: the pool of this runner when it has one of its own (`kv` None), and
+        the longest sequence (`max_seq_len`) either way.
       prefill_chunk: tokens per prefill step.
       radix: use the radix prefix cache.
       attn_impl: `jaxkv.ops` implementation.
       head: IntentKV `learnable` mode: a trained `ResidualHead`, or its
         `nnx.split` (graphdef, state).
+      kv: the `KVManager` whose pool to run on (a server's, shared with its engine
+        and other runners; its attention implementation is used), or None for a
+        pool of this runner's own (`cache`).
     """
     self.tok = llm.tokenizer
     self.cfg = llm.config
     self.chunk = prefill_chunk
-    self.driver = Driver(llm.graphdef, llm.weights, kv_state.init_pool(self.cfg, cache),
-                         attn_impl=attn_impl)
+    self.kv = kv if kv is not None else KVManager(self.cfg, cache, llm.graphdef, llm.weights,
+                                                  attn_impl=attn_impl)
     self.max_len = cache.max_seq_len
-    self.alloc = PagedAllocator(cache.num_pages, cache.page_size)
+    self.alloc = self.kv.allocator
     # dead-slot pruning keeps holes in the cached token stream (IntentKV section 3.4)
-    self.radix = RadixCache(self.alloc, cache_dead=True) if radix else None
+    self.radix = self.kv.tree(_OWNER, dead_keys=True) if radix else None
     self.set_policy(pruning, head=head)
 
   def set_policy(self, pruning: PruningConfig, *, head=None, keep_prefixes=()) -> None:
@@ -311,9 +315,16 @@ class SessionRunner:
       g += new.size
     return g
 
+  @property
+  def driver(self) -> Driver:
+    """The KV manager's driver (the pool every step runs on)."""
+    return self.kv.driver
+
   def _reserve(self, seq: int, n: int) -> None:
-    """extend(seq, n), evicting LRU radix entries first when the pool is short."""
-    radix_lib.reserve(self.alloc, self.radix, seq, n)
+    """extend(seq, n). When the pool is short this runner's radix tree gives back its
+    least recently used entries first, then the KV manager makes room from the other
+    caches on the pool (`KVManager.extend(first=)`)."""
+    self.kv.extend(seq, n, owner=_OWNER, first=self.radix)
 
   def _advance_memory(self, session_id, p, q, hit, n):
     """(the session's QueryMemory before this request -- zeros for a new session --,

@@ -212,6 +212,16 @@ class PagedAllocator:
     """Number of logical positions in seq's map (evicted ones included)."""
     return self._get(seq).size
 
+  def shard_of_sequence(self, seq: int) -> int:
+    """The shard whose page range seq's fresh pages come from."""
+    return self._get(seq).shard
+
+  def pages_needed(self, seq: int, n: int) -> int:
+    """Fresh pages `extend(seq, n)` would take (after the room left in its tail page)."""
+    s = self._get(seq)
+    room = self._page_size - s.tail_next if s.tail_page >= 0 else 0
+    return -(-max(0, n - room) // self._page_size)
+
   def refcount(self, slot: int) -> int:
     """References to `slot`: slot-map entries plus external holds."""
     return int(self._ref[self._slot(slot)])

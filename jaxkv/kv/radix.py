@@ -83,7 +83,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.state import SENTINEL
 
 _NO_TOKENS = np.zeros((0,), np.int64)
@@ -228,6 +228,11 @@ class RadixCache:
   @property
   def allocator(self) -> PagedAllocator:
     return self._alloc
+
+  @property
+  def cache_dead(self) -> bool:
+    """Whether `insert` keeps pruned positions as dead keys (IntentKV's holes)."""
+    return self._cache_dead
 
   @property
   def capacity_tokens(self) -> int | None:
@@ -663,16 +668,3 @@ class RadixCache:
            f"{(tokens, nodes, locked)}")
     if self._capacity is not None and tokens > self._capacity:
       fail(f"{tokens} tokens cached over capacity {self._capacity}")
-
-
-def reserve(allocator: PagedAllocator, radix: RadixCache | None, seq: int, n: int) -> np.ndarray:
-  """`allocator.extend(seq, n)`, evicting LRU radix entries first when the pool is
-  short (at least n tokens, or a quarter of what the cache holds). Raises
-  OutOfSlotsError when that is still not enough (or there is no radix cache)."""
-  try:
-    return allocator.extend(seq, n)
-  except OutOfSlotsError:
-    if radix is None:
-      raise
-    radix.evict(max(n, radix.num_cached_tokens // 4))
-    return allocator.extend(seq, n)

@@ -356,6 +356,7 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
   text format."""
   engine, m, s = loop.engine, loop.engine.metrics, loop.stats
   alloc = engine.allocator
+  pools = [engine.kv_manager] if backends is None else backends.kv_managers
   lab = f'model="{model}"'
   rows = [
       ("jaxkv_requests_running", "gauge", "requests in the batch", engine.num_running),
@@ -368,6 +369,11 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
       ("jaxkv_generation_tokens_total", "counter", "tokens decoded", m.decode_tokens),
       ("jaxkv_prefill_seconds_total", "counter", "time in prefill", m.prefill_s),
       ("jaxkv_decode_seconds_total", "counter", "time in decode", m.decode_s),
+      ("jaxkv_kv_pool_bytes", "gauge", "device bytes of the KV pools (one, shared by every "
+       "session kind)", sum(k.nbytes for k in pools)),
+      ("jaxkv_kv_pools", "gauge", "KV pools this server holds", len(pools)),
+      ("jaxkv_kv_reserved_pages", "gauge", "pages running requests may still take",
+       engine.kv_manager.reserved()),
       ("jaxkv_kv_live_slots", "gauge", "KV slots in use", alloc.num_live_slots),
       ("jaxkv_kv_free_pages", "gauge", "free KV pages", alloc.num_free_pages),
       ("jaxkv_kv_peak_bytes", "gauge", "peak KV bytes in use", m.peak_kv_bytes),

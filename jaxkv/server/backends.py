@@ -14,16 +14,19 @@ KV is kept, and all of them run in one server (`server.sessions`).
     agents   `AgentRunner`: LRAgent's multi-LoRA sharing. Each request names a role
              adapter (`<model>:<role>`) and extends the session's one trajectory;
              under `server.agent_scheme` (base_lr_shared by default) a role reads
-             the KV other roles computed instead of prefilling it again. One pool
-             per session (`server.agent_max_tokens` long), at most
-             `server.agent_sessions` open
+             the KV other roles computed instead of prefilling it again. A session
+             holds `server.agent_max_tokens` slots of the pool while it is open, at
+             most `server.agent_sessions` open
 
 A session names its kind when it is opened (`POST /v1/sessions {"kind": ...}`);
-one first seen in a request gets the first listed kind. The non-prefix kinds are
-batch-1 runners with pools of their own (`ServeConfig.cache` each): their calls
+one first seen in a request gets the first listed kind. Every kind runs on one KV
+pool: the engine's `KVManager` (`ServeConfig.cache` sizes it), whose allocator,
+radix trees and reservations the runners share, so a server holds one pool
+whatever kinds it serves. The non-prefix kinds are batch-1 runners whose calls
 run on the engine loop thread between engine steps (`EngineLoop.call`), so engine
-and runners never run at once and the runners need no locks. They decode
-greedily; a streamed reply arrives in one piece once it is complete.
+and runners never run at once and need no locks; the engine keeps the pages its
+running rows may still take reserved against them. They decode greedily; a
+streamed reply arrives in one piece once it is complete.
 
 What each mechanism did comes back in `usage["jaxkv"]` and is summed in
 `BackendStats` for `/metrics`.
@@ -78,21 +81,37 @@ class SessionBackends:
     self._open: dict[str, list] = {}     # session -> [kind, last use] (not prefix ones)
     self.agents: dict[str, object] = {}   # "agents" session -> its AgentRunner
     impl = cfg.engine.attention_impl
+    self.kv = self.engine.kv_manager       # the one pool every kind allocates from
     self.pruned = self.memart = self.reuse = None
     if "agents" in self.kinds and llm.lora is None:
       raise ValueError("server.sessions: 'agents' sessions run the role adapters: set "
                        "server.role_adapters")
+    if ("agents" in self.kinds and cfg.server.agent_scheme in lragent.DECOUPLED
+        and self.kv.lr_rank != llm.lora.rank):
+      raise ValueError(f"server.agent_scheme={cfg.server.agent_scheme} keeps the value "
+                       f"cache as base + low rank: the KV pool needs a low-rank value cache "
+                       f"of rank {llm.lora.rank} (set llm.kv_lr_rank before the engine is "
+                       f"made; cli.load_llm does)")
     if "pruned" in self.kinds:
       from jaxkv.engine.sessions import SessionRunner
       self.pruned = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
-                                  prefill_chunk=cfg.engine.prefill_chunk, attn_impl=impl)
+                                  prefill_chunk=cfg.engine.prefill_chunk, attn_impl=impl,
+                                  kv=self.kv)
     if "memart" in self.kinds:
       from jaxkv.engine.memart import MemArtSessions
       self.memart = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
-                                   attn_impl=impl)
+                                   attn_impl=impl, kv=self.kv)
     if "reuse" in self.kinds:
       from jaxkv.engine.reuse import ReuseRunner
-      self.reuse = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl)
+      self.reuse = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl, kv=self.kv)
+
+  @property
+  def kv_managers(self) -> list:
+    """The distinct KV managers (pools) of the engine and every runner: one."""
+    runners = [self.pruned, self.reuse, self.memart and self.memart.runner,
+               *self.agents.copy().values()]
+    found = [self.kv, *(r.kv for r in runners if r is not None)]
+    return list({id(k): k for k in found}.values())
 
   @property
   def default(self) -> str:
@@ -126,7 +145,7 @@ class SessionBackends:
       from jaxkv.engine.agents import AgentRunner
       runner = AgentRunner(self.llm, self.llm.lora, self.server_cfg.agent_scheme,
                            max_tokens=self.server_cfg.agent_max_tokens,
-                           attn_impl=self.engine.attn_impl)
+                           attn_impl=self.engine.attn_impl, kv=self.kv)
       runner.start()
       self.agents[session] = runner
     if kind != "prefix":
@@ -146,7 +165,7 @@ class SessionBackends:
     elif kind == "memart" and session in self.memart.sessions:
       self.memart.close(session)
     elif kind == "agents":
-      del self.agents[session]            # its pool goes with it
+      self.agents.pop(session).release()  # its trajectory's slots go back to the pool
     return kind
 
   def expire(self, idle_s: float) -> list[str]:
