@@ -212,7 +212,7 @@ def test_decode_steps_adapt_to_what_rows_still_need(tiny):
   and the tokens equal HF generate's."""
   hf, model = tiny
   rng = np.random.default_rng()
-  prompts = [rng.integers(1, VOCAB, n).tolist() for n in (7, 12, 3)]
+  prompts = [rng.integers(1, VOCAB, n).tolist() for n in (7, 6, 3)]   # one chunk each
   eng = _engine(model, steps_=16)
   steps = []
   list(eng.run([Request("w", prompts[0], SamplingConfig(max_tokens=2))]))   # makes the driver
@@ -251,6 +251,8 @@ def test_step_api_submit_cancel_and_threads(tiny):
   got = {}
   first = eng.step()                   # rows 0 and 1 admitted; 2 and 3 queued
   assert first == [] and eng.busy
+  while "1" not in eng.progress():     # row 1's 15 prompt tokens take two chunks of 8
+    assert eng.step() == []
   assert eng.cancel("1") and eng.cancel("3")
   while eng.busy:
     got.update({r.id: r for r in eng.step()})
@@ -274,6 +276,36 @@ def test_step_api_submit_cancel_and_threads(tiny):
       time.sleep(0.01)
   t.join()
   assert done == want
+  assert eng.allocator.num_live_slots == 0
+
+
+def test_long_prefill_delays_decoding_rows_by_one_chunk_at_most(tiny):
+  """Chunked prefill interleaved with decode: a long prompt is prefilled one chunk per
+  engine step, and a row already decoding gets its decode call in every one of those
+  steps (it waits for at most one chunk, never the whole prompt); both requests give
+  the tokens HF generate gives them alone."""
+  hf, model = tiny
+  rng = np.random.default_rng(5)
+  short = Request("short", rng.integers(1, VOCAB, 6).tolist(), SamplingConfig(max_tokens=40))
+  long = Request("long", rng.integers(1, VOCAB, 90).tolist(), SamplingConfig(max_tokens=4))
+  eng = _engine(model, max_batch=2, chunk=8, steps_=2)
+  eng.submit(short)
+  assert eng.step() == [] and len(eng.progress()["short"][0]) == 3   # prefill + 2 decoded
+  eng.submit(long)
+  got, prefill_steps = {}, 0
+  seen = len(eng.progress()["short"][0])
+  while eng.busy:
+    prefilling = "long" not in eng.progress() and "long" not in got
+    got.update({r.id: r for r in eng.step()})
+    if prefilling and "short" not in got:
+      prefill_steps += 1
+      now = len(eng.progress()["short"][0])
+      assert now == seen + 2, "the decoding row waited more than one chunk"
+      seen = now
+  assert prefill_steps == -(-90 // 8)          # one step per chunk of the long prompt
+  assert got["short"].tokens == _hf_greedy(hf, short.prompt, 40)
+  assert got["long"].tokens == _hf_greedy(hf, long.prompt, 4)
+  eng.kv_manager.check()
   assert eng.allocator.num_live_slots == 0
 
 

@@ -1,9 +1,11 @@
 """Continuous-batching engine: host scheduler around the jitted steps.
 
 A fixed number of rows (`EngineConfig.max_batch`) decode together. Each loop:
-admit queued requests into empty rows (allocating their prompt slots), prefill
-the admitted rows chunk by chunk (ragged: each row advances through its own
-prompt), then run up to `EngineConfig.decode_steps` tokens for every decoding row
+admit queued requests into empty rows (allocating their prompt slots), run one
+prefill chunk for the rows with prompt left (ragged: each row advances through
+its own prompt by up to `prefill_chunk` tokens; a long prompt takes one chunk per
+loop, so rows already decoding wait for at most one chunk), then run up to
+`EngineConfig.decode_steps` tokens for every decoding row
 in one `lax.scan` call (fewer when no row needs that many: the step count is the
 largest remaining budget rounded up to a power of two), and retire rows that hit
 a stop token or their token limit, returning their slots to the allocator.
@@ -240,9 +242,13 @@ class Engine:
 
   # ------------------------------------------------------------------ phases
   def _prefill(self, rows: list[_Row | None]) -> None:
-    """Prefills the rows with prompt left, packed: only they run, in a batch of
-    the next power of two (a lone prompt costs one row, not max_batch; under a mesh
-    the rows keep their places, which the data axis shards)."""
+    """One chunk of prefill for the rows with prompt left (each row's next
+    `prefill_chunk` prompt tokens), packed: only they run, in a batch of the next
+    power of two (a lone prompt costs one row, not max_batch; under a mesh the rows
+    keep their places, which the data axis shards). A row whose prompt ends in the
+    chunk samples its first token. One chunk per engine step, interleaved with the
+    step's decode call: a long prompt delays the rows already decoding by one chunk
+    per step, never by its whole prefill."""
     rows = [r if r is not None and r.prefilled < len(r.req.prompt) else None for r in rows]
     todo = [r for r in rows if r is not None]
     if not todo:
@@ -261,15 +267,17 @@ class Engine:
         slot_map=lambda w: self._slot_map(rows, w), read="last", sampling=sampling,
         greedy_only=greedy_only, options=lambda ch: lora):
       n_tokens += int(ch.count.sum())
-      if not ch.ends.any():
-        continue
-      nxt = distributed.fetch(out.token)
-      now = time.perf_counter()
-      for i in np.nonzero(ch.ends)[0]:
-        r = rows[i]
-        r.prefilled = len(r.req.prompt)
-        r.first_token_at = now
-        self._emit(r, int(nxt[i]))
+      for i, r in enumerate(rows):
+        if r is not None:
+          r.prefilled += int(ch.count[i])
+      if ch.ends.any():
+        nxt = distributed.fetch(out.token)
+        now = time.perf_counter()
+        for i in np.nonzero(ch.ends)[0]:
+          r = rows[i]
+          r.first_token_at = now
+          self._emit(r, int(nxt[i]))
+      break                              # the next chunk runs in the next step
     self.metrics.add_prefill(n_tokens, time.perf_counter() - t0)
 
   def _emit(self, r: _Row, token: int) -> None:
