@@ -138,7 +138,7 @@ def load_role_adapters(model_cfg, path: str | os.PathLike = ROLE_ADAPTERS, *,
 def load_pruner_head(path: str | os.PathLike = PRUNER_HEAD, *, model_name: str | None = None):
   """(graphdef, state) of a Phase-2 head folder (`scripts/train_pruner.py`), files
   checked when the folder has a manifest."""
-  from jaxkv.training.train import load_head  # pylint: disable=import-outside-toplevel
+  from jaxkv.policies.pruning.residual import load_head
 
   folder = resolve(path)
   if not (folder / "head.json").is_file():

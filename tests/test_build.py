@@ -229,3 +229,28 @@ def test_deps_have_no_cycles():
 
   for n in sorted(graph):
     visit(n, [])
+
+
+# What serves requests (the engine, its runners, the server, the serving commands and
+# the artifacts they load) never depends on the trainers: serving installs and runs
+# without the training code path (Optax loops, feature extraction).
+SERVING = ("engine", "server_", "commands_serve", "commands_server", "artifacts", "jaxkv")
+
+
+def test_serving_does_not_depend_on_training():
+  targets = _targets()
+  graph = {n: [d[1:] for d in deps if d.startswith(":")]
+           for n, (_, _, deps, _) in targets.items()}
+  serving = [n for n in targets if targets[n][0] == "py_library"
+             and (n == "jaxkv" or n.startswith(SERVING[:-1]))]
+  assert "engine" in serving and "server_app" in serving and "artifacts" in serving
+  for start in serving:
+    seen, todo = set(), [(start, [start])]
+    while todo:
+      n, path = todo.pop()
+      assert not n.startswith("training"), (
+          "serving depends on training: " + " -> ".join(path))
+      for d in graph.get(n, []):
+        if d not in seen:
+          seen.add(d)
+          todo.append((d, path + [d]))

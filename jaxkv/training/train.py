@@ -52,7 +52,7 @@ from flax import nnx
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.kv import plan
 from jaxkv.policies.pruning import residual
-from jaxkv.policies.pruning.residual import ResidualHead
+from jaxkv.policies.pruning.residual import ResidualHead, load_head, save_head  # noqa: F401 (load_head: re-exported)
 from jaxkv.training import loss as loss_lib
 from jaxkv.training.features import IGNORE, PrunerTrainConfig, Row
 
@@ -209,28 +209,6 @@ def restore_checkpoint(mgr, params, opt_state):
                                                 opt_state=ocp.args.StandardRestore(ab[1]),
                                                 meta=ocp.args.JsonRestore()))
   return r.params, r.opt_state, r.meta
-
-
-def save_head(path, head_dim: int, params) -> pathlib.Path:
-  """Final head: path/head.json (topology) + path/state (Orbax, pure dict of params)."""
-  path = pathlib.Path(path).resolve()
-  path.mkdir(parents=True, exist_ok=True)
-  (path / "head.json").write_text(json.dumps({"head_dim": int(head_dim)}))
-  with ocp.StandardCheckpointer() as ck:
-    ck.save(path / "state", params, force=True)
-  return path
-
-
-def load_head(path):
-  """(graphdef, state) of a head saved by `save_head` (for `learnable_scores`)."""
-  path = pathlib.Path(path).resolve()
-  meta = json.loads((path / "head.json").read_text())
-  graphdef, state = nnx.split(ResidualHead(meta["head_dim"], rngs=nnx.Rngs(0)))
-  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
-  with ocp.StandardCheckpointer() as ck:
-    pure = ck.restore(path / "state", target)
-  nnx.replace_by_pure_dict(state, pure)
-  return graphdef, state
 
 
 # ----------------------------------------------------------------------------- loop

@@ -67,6 +67,8 @@ Decisions where the paper is silent or ambiguous:
 
 from __future__ import annotations
 
+import json
+import pathlib
 from typing import NamedTuple
 
 import jax
@@ -322,3 +324,32 @@ def learnable_scores(head, k: jax.Array, memory: jax.Array, candidates: jax.Arra
   inputs = phase2_inputs(k, memory, candidates, span_mask, n_q=n_q, live=live)
   return phase2_scores(head, inputs, candidates, ablate_xattn=ablate_xattn,
                        clip_alpha=clip_alpha)
+
+
+# ----------------------------------------------------------------------------- files
+# The head's file format lives with the head, so serving loads it without importing
+# the trainer (jaxkv.training writes it; jaxkv.artifacts and the runners read it).
+def save_head(path, head_dim: int, params) -> pathlib.Path:
+  """Final head: path/head.json (topology) + path/state (Orbax, pure dict of params)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  path = pathlib.Path(path).resolve()
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "head.json").write_text(json.dumps({"head_dim": int(head_dim)}))
+  with ocp.StandardCheckpointer() as ck:
+    ck.save(path / "state", params, force=True)
+  return path
+
+
+def load_head(path):
+  """(graphdef, state) of a head saved by `save_head` (for `learnable_scores`)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  path = pathlib.Path(path).resolve()
+  meta = json.loads((path / "head.json").read_text())
+  graphdef, state = nnx.split(ResidualHead(meta["head_dim"], rngs=nnx.Rngs(0)))
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
+  with ocp.StandardCheckpointer() as ck:
+    pure = ck.restore(path / "state", target)
+  nnx.replace_by_pure_dict(state, pure)
+  return graphdef, state
