@@ -139,6 +139,11 @@ def test_pruned_session_keeps_query_memory_across_turns(served):
     bad = httpx.post(served.url + "/v1/chat/completions", json={
         "model": MODEL, "messages": msgs[:4], "user": "agent-2", **body})
     assert bad.status_code == 400, bad.text
+  # a plain chat (no system prompt, no history) is served too
+  plain = client.chat.completions.create(
+      model=MODEL, messages=[{"role": "user", "content": "Hi there."}], max_tokens=4,
+      user="agent-3")
+  assert usage(plain)["session_kind"] == "pruned" and plain.choices[0].message.content
   backends.pruned.alloc.check()
 
 

@@ -233,6 +233,21 @@ def test_free_generation_equals_engine_greedy(llm):
   runner.radix.check()
 
 
+def test_a_plain_chat_is_served(llm):
+  """A chat with no history before its user message (no system prompt, no tool
+  calls) is an ordinary turn: the whole prompt is the query span, nothing is
+  refused, and the reply equals the engine's greedy reply."""
+  from jaxkv.config import SamplingConfig
+  from jaxkv.engine.llm import LLM
+  chat = [{"role": "user", "content": "Where is the spare key? Tell me in one line."}]
+  runner = SessionRunner(llm, PruningConfig(method="intentkv", budget=4), cache=CACHE)
+  turn = runner.run_turn("plain", chat, None, 1, generate=True, max_tokens=12)
+  want = LLM(llm.model, llm.tokenizer, CACHE).generate([chat], SamplingConfig(max_tokens=12))[0]
+  assert turn.text == want.text
+  assert turn.live_after == turn.prompt_tokens     # all of it is the query span: kept
+  runner.alloc.check()
+
+
 def test_session_steps_compile_once_per_bucket(llm):
   """Turns whose prompts differ in length but share every bucket (chunk 256, width
   512, 256 query rows) reuse the compiled prefill, capture and pruning steps."""

@@ -124,7 +124,9 @@ def prepare_turn(tok, messages: Sequence[dict], tools, i: int, *, lookahead: int
     if full[:len(ids)] != ids:
       raise ValueError(f"chat template is not prefix-stable at message {i}; cannot replay")
     out["gold"] = full[len(ids):]
-  before_query = tok.encode(render(messages[:query_start(messages, i)], False), add_bos=False)
+  q0 = query_start(messages, i)
+  # a chat that is all query (no history before its user / tool run) has qs = 0
+  before_query = tok.encode(render(messages[:q0], False), add_bos=False) if q0 else []
   qs = min(len(before_query), len(ids) - 1)
   sys_len = 0
   if messages and messages[0].get("role") == "system":
