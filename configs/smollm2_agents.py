@@ -5,7 +5,7 @@
 One server, one model, one config:
 - the batch engine with its prefix cache, and the shipped LRAgent role adapters
   as "smollm2-135m:plan" / ":action" / ":reflect" (shared A, one batch mixes roles);
-- agent sessions of four kinds (`POST /v1/sessions {"kind": ...}`; a session
+- agent sessions of six kinds (`POST /v1/sessions {"kind": ...}`; a session
   first seen in a request gets "pruned"):
   - "pruned": IntentKV (memory mode) prunes each turn's history to C = 1,024
     tokens, keeping the session's QueryMemory across turns and its dead-slot
@@ -14,6 +14,8 @@ One server, one model, one config:
     question is prefilled over the 32 blocks it retrieves;
   - "reuse": segments earlier prompts contained (tool outputs, documents) are
     spliced at their new positions (tiered admission, int8 store);
+  - "semshare": a prompt similar enough to an earlier one reuses that prompt's KV
+    through LSH token matching and selective recompute (SemShareKV);
   - "agents": LRAgent's multi-LoRA sharing: requests naming a role
     ("smollm2-135m:plan", ...) extend one trajectory, and under base_lr_shared
     each role reads the base + low-rank KV the others computed (a session first
@@ -33,6 +35,7 @@ from jaxkv.config import (
   PruningConfig,
   ReuseConfig,
   SamplingConfig,
+  SemShareConfig,
   ServeConfig,
   ServerConfig,
   to_config_dict,
@@ -50,6 +53,7 @@ def get_config():
                             intent_mode="memory"),
       memart=MemArtConfig(block_size=16, top_k=32, rerank=4),   # blocks = the engine's pages
       reuse=ReuseConfig(method="tiered", storage="int8"),
+      semshare=SemShareConfig(method="semshare"),
       server=ServerConfig(role_adapters="shipped", agent_max_tokens=2048,
-                          sessions="pruned,memart,reuse,agents,prefix"),
+                          sessions="pruned,memart,reuse,semshare,agents,prefix"),
   ))

@@ -623,9 +623,10 @@ class ServerConfig:
                                 # engine's prefix cache (needs engine.prefix_cache); pruned:
                                 # pruning with IntentKV's query memory kept per session
                                 # (pruning); memart: history in MemArt memory (memart);
-                                # reuse: segment reuse across prompts (reuse); agents:
+                                # reuse: segment reuse across prompts (reuse); semshare:
+                                # a similar earlier prompt's KV reused (semshare); agents:
                                 # LRAgent role adapters sharing one trajectory's KV (needs
-                                # role_adapters). E.g. "pruned,memart,reuse,agents,prefix".
+                                # role_adapters). E.g. "pruned,memart,reuse,semshare,agents,prefix".
   agent_scheme: str = "base_lr_shared"  # How an agents session's role adapters share KV
                                         # (LRAgent): non_shared, full_shared or
                                         # base_lr_shared.
@@ -650,7 +651,7 @@ class ServerConfig:
       raise ValueError(f"server.session_idle_s must be > 0, got {self.session_idle_s}")
 
 
-SESSION_KINDS = ("prefix", "pruned", "memart", "reuse", "agents")
+SESSION_KINDS = ("prefix", "pruned", "memart", "reuse", "semshare", "agents")
 
 
 def session_kinds(spec: str) -> tuple[str, ...]:

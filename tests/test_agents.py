@@ -269,3 +269,20 @@ def test_respond_serves_a_live_trajectory(llm, scheme):
   _, back = r.respond(other, 2, 4, stops)
   assert back["shared"] == (0 if scheme == "non_shared" else lcp) and lcp < held
   assert r.held[:len(other)].tolist() == other
+
+
+def test_a_shared_pool_too_small_for_a_trajectory_leaks_nothing(llm):
+  """AgentRunner on a shared KV manager: regions come from its allocator; when the
+  pool cannot hold them, start() fails and gives back whatever it had taken."""
+  from jaxkv.config import CacheConfig
+  from jaxkv.engine.kv_manager import KVManager
+  w = _lora(llm)
+  kv = KVManager(llm.config, CacheConfig(num_pages=10, page_size=16, max_seq_len=256),
+                 llm.graphdef, llm.weights)
+  runner = AgentRunner(llm, w, "non_shared", max_tokens=64, kv=kv)   # 3 regions x 4 pages
+  with pytest.raises(Exception, match="KV pool exhausted"):
+    runner.start()
+  assert kv.allocator.sequences() == [] and kv.allocator.num_live_slots == 0
+  kv.check()
+  with pytest.raises(ValueError, match="base_shared"):
+    AgentRunner(llm, w, "base_shared", max_tokens=64, kv=kv)

@@ -59,16 +59,33 @@ def test_make_room_evicts_trees_largest_first_then_evictors():
   cached(kv, big, range(100, 112))                    # 3 pages
   given = []
 
-  def evictor(pages):
+  def evictor(pages, shard):
     given.append(pages)
     return 0
-  kv.register_evictor("other", evictor)
+  kv.register_evictor("other", evictor, lambda: np.zeros(0, np.int32))
   assert kv.available() == 4
   assert kv.make_room(6) <= 0                         # the bigger tree gives first
   assert big.num_cached_tokens < 12 and kv.available() >= 6
   assert kv.make_room(8) <= 0 and small.num_cached_tokens == 0 == big.num_cached_tokens
   assert given == []                                  # the trees sufficed
-  assert kv.make_room(9) == 1 and given == [1]        # past every cache: still short
+  assert kv.make_room(9) == 1 and given == []         # more than the pool: nothing tried
+  with pytest.raises(ValueError, match="registered already"):
+    kv.register_evictor("other", evictor, lambda: np.zeros(0, np.int32))
+  kv.check()
+
+
+def test_hopeless_room_evicts_nothing():
+  """When even evicting every cache could not make the room (a running sequence holds
+  the pages), make_room leaves the caches alone instead of wiping them for nothing."""
+  kv = manager(pages=9, page=4)
+  tree = kv.tree("cache")
+  cached(kv, tree, range(8))                          # 2 pages, evictable
+  busy = kv.allocator.new_sequence()
+  kv.extend(busy, 20)                                 # 5 pages held by a live sequence
+  assert kv.available() == 1 and kv.reclaimable() == 2
+  assert kv.make_room(4) == 3                         # 1 free + 2 reclaimable < 4
+  assert tree.num_cached_tokens == 8                  # untouched
+  assert kv.make_room(3) <= 0 and tree.num_cached_tokens == 0   # feasible: done
   kv.check()
 
 

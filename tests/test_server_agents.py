@@ -77,7 +77,7 @@ def test_every_kind_shares_one_pool(served):
   pool, reported in /metrics with its bytes; its allocator and trees stay clean."""
   backends = served.app_backends
   kv = served.llm.engine.kv_manager
-  assert backends.pruned.kv is kv and backends.reuse.kv is kv
+  assert backends.pruned.kv is kv and backends.reuse.kv is kv and backends.semshare.kv is kv
   assert backends.memart.runner.kv is kv
   assert backends.kv_managers == [kv]
   assert kv.lr_rank == served.llm.lora.rank            # the agents' low-rank value cache
@@ -187,10 +187,30 @@ def test_reuse_session_splices_segments_of_earlier_prompts(served):
   assert got[1]["reused_tokens"] > 32 and got[1]["prefill_tokens"] < r.usage.prompt_tokens
   assert metric(url, "jaxkv_reuse_reused_tokens_total") == got[1]["reused_tokens"]
   assert metric(url, "jaxkv_session_requests_total", kind="reuse") == 2
-  bad = httpx.post(url + "/v1/sessions", json={"kind": "semshare"})
+  bad = httpx.post(url + "/v1/sessions", json={"kind": "bogus"})
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "kind"
   served.app_backends.reuse.alloc.check()
   assert np.isfinite(metric(url, "jaxkv_sessions_open"))
+
+
+@pytest.mark.slow
+def test_semshare_session_reuses_a_similar_prompt(served):
+  """SemShareKV in the server: the first prompt is prefilled and kept as a reference;
+  the second, similar one (examples/semshare_requests.jsonl) reuses its KV on the one
+  pool; usage and /metrics say so."""
+  url = served.url
+  reqs = [json.loads(x) for x in
+          (ROOT / "examples/semshare_requests.jsonl").read_text().splitlines()[:2]]
+  sid = httpx.post(url + "/v1/sessions", json={"kind": "semshare"}).json()["id"]
+  got = [usage(served.client.chat.completions.create(
+      model=MODEL, messages=r["messages"], max_tokens=6, extra_body={"session_id": sid}))
+      for r in reqs]
+  assert got[0]["session_kind"] == "semshare" and not got[0]["reused"]
+  assert got[1]["reused"] and got[1]["similarity"] >= served.cfg.semshare.threshold
+  assert 0 < got[1]["shared_entries"] <= got[1]["live_entries"]
+  assert metric(url, "jaxkv_semshare_reused_requests_total") == 1
+  assert served.app_backends.semshare.kv is served.app_backends.kv
+  served.app_backends.kv.check()
 
 
 @pytest.mark.slow

@@ -167,11 +167,15 @@ class AgentRunner:
       self.kv = KVManager(self.cfg, self.cache, self.graphdef, self.weights,
                           lr_rank=self.lr_rank, attn_impl=self.attn_impl)
     alloc = self.kv.allocator
-    for _ in range(lragent.num_regions(self.scheme, self.n_agents)):
-      seq = alloc.new_sequence()
-      self.regions.append(seq)
-      self.kv.extend(seq, self.size, owner=_OWNER)
-      self.region_slots.append(alloc.slot_map(seq))
+    try:
+      for _ in range(lragent.num_regions(self.scheme, self.n_agents)):
+        seq = alloc.new_sequence()
+        self.regions.append(seq)
+        self.kv.extend(seq, self.size, owner=_OWNER)
+        self.region_slots.append(alloc.slot_map(seq))
+    except BaseException:        # e.g. the pool is short: give back what was taken
+      self.release()
+      raise
     self.written, self.seen = 0, [0] * self.n_agents
     if self.scheme == "base_shared":
       vlr = self.driver.kv.vlr

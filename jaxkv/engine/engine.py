@@ -434,7 +434,11 @@ class Engine:
           except OutOfSlotsError as e:
             if any(r is not None for r in self._rows):
               return out           # wait for a row to retire and free its slots
-            got = _error(req, f"KV pool too small for this request: {e}")
+            others = self.allocator.num_used_pages - self.kv_manager.reclaimable(None)
+            got = _error(req, f"KV pool too small for this request: {e}" if not others else
+                         f"the KV pool cannot hold this request now: {e}; {others} pages "
+                         f"are held by open sessions and memory (close sessions, or "
+                         f"raise cache.num_pages)")
           self._waiting.popleft()
           if isinstance(got, Result):
             out.append(got)

@@ -67,7 +67,8 @@ class KVManager:
     self._driver: Driver | None = None
     self._trees: dict[tuple[str, int], RadixCache] = {}
     self._reserved: dict[str, list[int]] = {}      # owner -> pages reserved per shard
-    self._evictors: dict[str, Callable[[int], int]] = {}
+    # name -> (evict(pages, shard) -> pages freed, held() -> slots it would release)
+    self._evictors: dict[str, tuple[Callable[[int, int], int], Callable[[], np.ndarray]]] = {}
 
   # ------------------------------------------------------------------ device
   @property
@@ -129,9 +130,10 @@ class KVManager:
     per += [0] * (self.allocator.shards - len(per))
     self._reserved[owner] = per
 
-  def reserved(self, shard: int = 0, *, exclude: str | None = None) -> int:
-    """Pages reserved on `shard` by every owner but `exclude`."""
-    return sum(p[shard] for o, p in self._reserved.items() if o != exclude)
+  def reserved(self, shard: int | None = 0, *, exclude: str | None = None) -> int:
+    """Pages reserved on `shard` (None: every shard) by every owner but `exclude`."""
+    per = list(self._reserved.items())       # a copy: /metrics reads from another thread
+    return sum(sum(p) if shard is None else p[shard] for o, p in per if o != exclude)
 
   def available(self, shard: int = 0, *, owner: str | None = None) -> int:
     """Free pages of `shard` that `owner` may take (others' reservations kept)."""
@@ -141,26 +143,44 @@ class KVManager:
   def evictable_tokens(self) -> int:
     return sum(t.evictable_tokens for t in self._trees.values())
 
-  def register_evictor(self, name: str, evict: Callable[[int], int]) -> None:
-    """Adds a cache that gives pages back under pressure: `evict(pages)` frees up to
-    that many pages (as best it can) and returns how many it freed."""
-    self._evictors[name] = evict
+  def register_evictor(self, name: str, evict: Callable[[int, int], int],
+                       held: Callable[[], np.ndarray]) -> None:
+    """Adds a cache that gives pages back under pressure: `evict(pages, shard)` frees
+    up to that many pages of `shard` (as best it can) and returns how many it freed;
+    `held()` lists the slots it holds (what evicting all of it would release)."""
+    if name in self._evictors:
+      raise ValueError(f"an evictor named {name!r} is registered already")
+    self._evictors[name] = (evict, held)
+
+  def reclaimable(self, shard: int = 0) -> int:
+    """Pages of `shard` that evicting every cache (radix trees' unlocked entries,
+    the evictors) would free: pages whose live slots no sequence or state holds."""
+    releases = np.zeros(self.allocator.num_slots, np.int64)
+    for t in self._trees.values():
+      np.add.at(releases, t.evictable_slots(), 1)
+    for _, held in self._evictors.values():
+      np.add.at(releases, np.asarray(held(), np.int64), 1)
+    return self.allocator.freeable_pages(releases, shard)
 
   def make_room(self, pages: int, shard: int = 0, *, owner: str | None = None) -> int:
     """Evicts cached KV until `pages` pages of `shard` are available to `owner`:
     radix trees first (LRU unlocked leaves, the tree with the most evictable KV
-    first), then the evictors. Returns the pages still missing (<= 0: enough)."""
+    first), then the evictors. Returns the pages still missing (<= 0: enough).
+    Evicts nothing when even evicting every cache could not make the room (a
+    request that cannot be admitted yet does not wipe other owners' caches)."""
     short = pages - self.available(shard, owner=owner)
+    if short > 0 and short > self.reclaimable(shard):
+      return short
     size = self.cache_cfg.page_size
     for tree in sorted(self._trees.values(), key=lambda t: -t.evictable_tokens):
       while short > 0 and tree.evictable_tokens:
         if not tree.evict(short * size):
           break
         short = pages - self.available(shard, owner=owner)
-    for evict in self._evictors.values():
+    for evict, _ in self._evictors.values():
       if short <= 0:
         break
-      evict(short)
+      evict(short, shard)
       short = pages - self.available(shard, owner=owner)
     return short
 

@@ -164,7 +164,7 @@ class SemShareRunner:
     self.kv = kv if kv is not None else KVManager(self.mcfg, cache, llm.graphdef, llm.weights,
                                                   attn_impl=attn_impl)
     self.alloc = self.kv.allocator
-    self.kv.register_evictor(_OWNER, self._give_back)
+    self.kv.register_evictor(_OWNER, self._give_back, self._held_slots)
     self.max_len, self.max_passes = cache.max_seq_len, max_passes
     self.planes = jnp.asarray(semshare.lsh_planes(self.mcfg.hidden_size, cfg.nbits,
                                                   cfg.lsh_seed))
@@ -221,13 +221,18 @@ class SemShareRunner:
           raise
         self.forget(next(iter(self.refs)))
 
-  def _give_back(self, pages: int) -> int:
+  def _give_back(self, pages: int, shard: int = 0) -> int:
     """The KV manager's evictor: forgets least recently used references until
-    `pages` pages came free or none is left; returns the pages freed."""
-    free0 = self.alloc.num_free_pages
-    while self.refs and self.alloc.num_free_pages - free0 < pages:
+    `pages` pages of `shard` came free or none is left; returns the pages freed."""
+    free0 = self.alloc.shard_free_pages(shard)
+    while self.refs and self.alloc.shard_free_pages(shard) - free0 < pages:
       self.forget(next(iter(self.refs)))
-    return self.alloc.num_free_pages - free0
+    return self.alloc.shard_free_pages(shard) - free0
+
+  def _held_slots(self) -> np.ndarray:
+    """The slots the stored references hold (what forgetting them all releases)."""
+    slots = [r.slots for r in self.refs.values()]
+    return np.concatenate(slots) if slots else np.zeros(0, np.int32)
 
   def release(self, seq: int) -> None:
     self.alloc.free_sequence(seq)

@@ -222,6 +222,19 @@ class PagedAllocator:
     room = self._page_size - s.tail_next if s.tail_page >= 0 else 0
     return -(-max(0, n - room) // self._page_size)
 
+  def freeable_pages(self, releases: np.ndarray, shard: int | None = None) -> int:
+    """Pages that would come free if each slot lost `releases[slot]` references (e.g.
+    every cache dropping its holds): in use, no sequence's open tail page, and every
+    live slot on them left with no reference. In `shard`'s range, or all."""
+    ps = self._page_size
+    left = self._ref.astype(np.int64) - releases
+    ok = (left <= 0).reshape(self._num_pages, ps).all(axis=1)
+    ok &= ~self._is_free & (self._tail_owner < 0) & (self._page_live > 0)
+    if shard is not None:
+      q = self._shard_pages
+      return int(ok[shard * q:(shard + 1) * q].sum())
+    return int(ok.sum())
+
   def refcount(self, slot: int) -> int:
     """References to `slot`: slot-map entries plus external holds."""
     return int(self._ref[self._slot(slot)])

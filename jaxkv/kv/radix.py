@@ -257,6 +257,13 @@ class RadixCache:
   def evictable_tokens(self) -> int:
     return self._num_tokens - self._locked_tokens
 
+  def evictable_slots(self) -> np.ndarray:
+    """[n] int32 the slots unlocked nodes hold (one entry per hold: a slot two nodes
+    cache appears twice), i.e. what evicting everything evictable would release."""
+    parts = [n.slots[n.slots != SENTINEL] for n in self._nodes()
+             if n is not self._root and n.lock_ref == 0]
+    return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+
   @property
   def stats(self) -> RadixStats:
     """Snapshot of the cumulative counters."""

@@ -373,7 +373,7 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
        "session kind)", sum(k.nbytes for k in pools)),
       ("jaxkv_kv_pools", "gauge", "KV pools this server holds", len(pools)),
       ("jaxkv_kv_reserved_pages", "gauge", "pages running requests may still take",
-       engine.kv_manager.reserved()),
+       engine.kv_manager.reserved(None)),
       ("jaxkv_kv_live_slots", "gauge", "KV slots in use", alloc.num_live_slots),
       ("jaxkv_kv_free_pages", "gauge", "free KV pages", alloc.num_free_pages),
       ("jaxkv_kv_peak_bytes", "gauge", "peak KV bytes in use", m.peak_kv_bytes),
@@ -413,6 +413,11 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
                 "prompt tokens spliced from stored segments", b.reuse_reused_tokens),
                ("jaxkv_reuse_prefix_tokens_total", "counter",
                 "prompt tokens adopted from the reuse prefix cache", b.reuse_prefix_tokens)]
+    if backends.semshare is not None:
+      rows += [("jaxkv_semshare_reused_requests_total", "counter",
+                "requests that reused a similar earlier prompt's KV", b.semshare_reused_requests),
+               ("jaxkv_semshare_reused_tokens_total", "counter",
+                "prompt tokens of the requests that reused a reference", b.semshare_reused_tokens)]
     if "agents" in backends.kinds:
       rows += [("jaxkv_agents_shared_tokens_total", "counter", "prompt tokens a role read "
                 "from KV another role (or its own earlier turn) computed", b.agents_shared_tokens),

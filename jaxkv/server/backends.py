@@ -11,6 +11,10 @@ KV is kept, and all of them run in one server (`server.sessions`).
     reuse    `ReuseRunner`: segments of earlier prompts (tool outputs, documents)
              are spliced at their new positions (`ServeConfig.reuse`; the segment
              store is shared by every reuse session)
+    semshare `SemShareRunner`: a prompt similar enough to an earlier one (LSH
+             token matching, `ServeConfig.semshare.threshold`) reuses that prompt's
+             KV with selective recompute; others are prefilled and kept as
+             references (shared by every semshare session)
     agents   `AgentRunner`: LRAgent's multi-LoRA sharing. Each request names a role
              adapter (`<model>:<role>`) and extends the session's one trajectory;
              under `server.agent_scheme` (base_lr_shared by default) a role reads
@@ -60,6 +64,8 @@ class BackendStats:
   memart_chat_tokens: int = 0      # tokens the same chats hold as plain prompts
   reuse_reused_tokens: int = 0     # prompt tokens spliced from stored segments
   reuse_prefix_tokens: int = 0     # prompt tokens adopted from the reuse radix cache
+  semshare_reused_requests: int = 0   # requests that reused a reference's KV
+  semshare_reused_tokens: int = 0  # prompt tokens of those requests
   agents_shared_tokens: int = 0    # prompt tokens a role read from KV it did not compute
   agents_computed_tokens: int = 0  # prompt tokens roles computed
 
@@ -82,7 +88,7 @@ class SessionBackends:
     self.agents: dict[str, object] = {}   # "agents" session -> its AgentRunner
     impl = cfg.engine.attention_impl
     self.kv = self.engine.kv_manager       # the one pool every kind allocates from
-    self.pruned = self.memart = self.reuse = None
+    self.pruned = self.memart = self.reuse = self.semshare = None
     if "agents" in self.kinds and llm.lora is None:
       raise ValueError("server.sessions: 'agents' sessions run the role adapters: set "
                        "server.role_adapters")
@@ -104,11 +110,15 @@ class SessionBackends:
     if "reuse" in self.kinds:
       from jaxkv.engine.reuse import ReuseRunner
       self.reuse = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl, kv=self.kv)
+    if "semshare" in self.kinds:
+      from jaxkv.engine.semshare import SemShareRunner
+      self.semshare = SemShareRunner(llm, cfg.semshare, cache=cfg.cache, attn_impl=impl,
+                                     kv=self.kv)
 
   @property
   def kv_managers(self) -> list:
     """The distinct KV managers (pools) of the engine and every runner: one."""
-    runners = [self.pruned, self.reuse, self.memart and self.memart.runner,
+    runners = [self.pruned, self.reuse, self.semshare, self.memart and self.memart.runner,
                *self.agents.copy().values()]
     found = [self.kv, *(r.kv for r in runners if r is not None)]
     return list({id(k): k for k in found}.values())
@@ -224,6 +234,8 @@ class SessionBackends:
       ids, ttft, cached, extra = self._memart(session, p, max_tokens)
     elif kind == "agents":
       ids, ttft, cached, extra = self._agents(session, p, max_tokens)
+    elif kind == "semshare":
+      ids, ttft, cached, extra = self._semshare(p, max_tokens)
     else:
       ids, ttft, cached, extra = self._reuse(p, max_tokens)
     self.stats.requests[kind] += 1
@@ -297,3 +309,18 @@ class SessionBackends:
              "prefill_tokens": round(pre.prefill_tokens, 1),
              "tiers": sorted({run.tier for run in pre.runs})}
     return toks.tolist(), pre.ttft_s, pre.prefix_hit, extra
+
+  def _semshare(self, p, max_tokens):
+    r = self.semshare
+    pre = r.prefill(np.asarray(p.prompt, np.int32))
+    try:
+      toks, _ = r.decode(pre, max_tokens, stop_ids=self.tok.stop_ids)
+    finally:
+      r.release(pre.seq)
+    if pre.reused:
+      self.stats.semshare_reused_requests += 1
+      self.stats.semshare_reused_tokens += int(pre.ids.size)
+    extra = {"semshare": r.cfg.method, "similarity": round(pre.similarity, 4),
+             "reused": bool(pre.reused), "recomputed_share": round(pre.recomputed_share, 4),
+             "shared_entries": int(pre.shared_entries), "live_entries": int(pre.live_entries)}
+    return toks.tolist(), pre.ttft_s, 0, extra
