@@ -1,8 +1,15 @@
 """Load on the OpenAI-compatible server: throughput and latency vs concurrency.
 
     python bench/server_load.py [--config=configs/smollm2.py] [--concurrency=1,4,16,64]
-        [--prefix_cache=off,on] [--requests=0] [--max_tokens=16] [--system_chars=600]
-        [--max_s=600] [--url=] [--out=results.json] [--plot=docs/plots/server_load.png]
+        [--prefix_cache=off,on] [--kind=] [--requests=0] [--max_tokens=16]
+        [--system_chars=600] [--max_s=600] [--url=] [--out=results.json]
+        [--plot=docs/plots/server_load.png]
+
+`--kind=pruned` (or another session kind the config can serve) sends every request
+in a session of that kind (one session per request: `user` names it, and the
+server's `server.sessions` is set to that kind alone), so the level measures how
+that mechanism's requests batch; e.g. `--kind=pruned --config.pruning.method=intentkv
+--config.pruning.budget=64` prunes every request.
 
 For each `--prefix_cache` setting (`engine.prefix_cache` off / on), starts the
 server in this process on a free loopback port (`--url` points at a running one
@@ -56,6 +63,7 @@ def define_flags():
                                   lock_config=True)
   flags.DEFINE_string("concurrency", "1,4,16,64", "concurrency levels")
   flags.DEFINE_string("prefix_cache", "off,on", "engine.prefix_cache settings to compare")
+  flags.DEFINE_string("kind", "", "session kind of every request (empty: no session)")
   flags.DEFINE_integer("requests", 0, "requests per level (0: max(c, 8))")
   flags.DEFINE_integer("max_tokens", 16, "completion tokens per request")
   flags.DEFINE_integer("system_chars", 600, "characters of the shared system prompt")
@@ -77,7 +85,8 @@ def system_prompt(chars: int) -> str:
   return (ROOT / "docs/architecture.md").read_text()[:chars] if chars else ""
 
 
-async def one(client, model: str, prompt: str, max_tokens: int, system: str = "") -> dict:
+async def one(client, model: str, prompt: str, max_tokens: int, system: str = "",
+              session: str | None = None) -> dict:
   t0 = time.perf_counter()
   first = last = None
   usage = None
@@ -86,7 +95,8 @@ async def one(client, model: str, prompt: str, max_tokens: int, system: str = ""
     messages.insert(0, {"role": "system", "content": system})
   stream = await client.chat.completions.create(
       model=model, messages=messages, max_tokens=max_tokens,
-      stream=True, stream_options={"include_usage": True})
+      stream=True, stream_options={"include_usage": True},
+      **({"user": session} if session else {}))
   async for ch in stream:
     if ch.usage is not None:
       usage = ch.usage
@@ -103,7 +113,8 @@ async def one(client, model: str, prompt: str, max_tokens: int, system: str = ""
 
 
 async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: float,
-                texts: list[str], system: str = "", first_id: int = 0) -> dict:
+                texts: list[str], system: str = "", first_id: int = 0,
+                kind: str = "") -> dict:
   """n requests, at most c in flight. Request i asks "Request {first_id + i}: <text>",
   so no two requests of a run share more than the system prompt and chat header."""
   import openai
@@ -117,7 +128,8 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: fl
     while todo and time.perf_counter() - t0 < max_s:
       i = todo.pop(0)
       done.append(await one(client, model, f"Request {first_id + i}: {texts[i % len(texts)]}",
-                            max_tokens, system))
+                            max_tokens, system,
+                            session=f"{kind}-{first_id + i}" if kind else None))
 
   await asyncio.gather(*[worker() for _ in range(c)])
   wall = time.perf_counter() - t0
@@ -135,16 +147,16 @@ async def level(url: str, model: str, c: int, n: int, max_tokens: int, max_s: fl
 
 
 def table(rows: list[dict]) -> common.Table:
-  """One line per (prefix cache, concurrency); ratios against the single client and
-  against the same concurrency without the prefix cache."""
-  def find(pc, c):
-    return next((r for r in rows if r.get("prefix_cache", False) == pc
-                 and r["concurrency"] == c), None)
+  """One line per (session kind, prefix cache, concurrency); ratios against the single
+  client and against the same concurrency without the prefix cache."""
+  def find(kind, pc, c):
+    return next((r for r in rows if r.get("kind", "") == kind
+                 and r.get("prefix_cache", False) == pc and r["concurrency"] == c), None)
   lines = []
   for r in rows:
-    pc = r.get("prefix_cache", False)
-    one_client, off = find(pc, 1), find(False, r["concurrency"])
-    lines.append([
+    pc, kind = r.get("prefix_cache", False), r.get("kind", "")
+    one_client, off = find(kind, pc, 1), find(kind, False, r["concurrency"])
+    lines.append([kind or "-",
         "on" if pc else "off", str(r["concurrency"]), str(r["requests"]),
         f"{100 * r.get('cached_tokens', 0) / max(r.get('prompt_tokens', 0), 1):.0f}%",
         f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.1f}",
@@ -155,7 +167,8 @@ def table(rows: list[dict]) -> common.Table:
   dev = rows[0].get("device", "") if rows else ""
   return common.Table(
       f"server under load ({dev}; {rows[0]['max_tokens'] if rows else '-'} tokens per request)",
-      ["prefix cache", "concurrency", "requests", "prompt cached", "req/s", "tok/s",
+      ["session kind", "prefix cache", "concurrency", "requests", "prompt cached", "req/s",
+       "tok/s",
        "tok/s vs c=1", "TTFT p50 s", "TTFT p99 s", "TTFT gain vs off", "ITL p50 ms",
        "ITL p99 ms"], lines)
 
@@ -228,6 +241,8 @@ def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict
   from jaxkv.server.app import create_app, serve_in_thread
   texts, system = prompts(), system_prompt(FLAGS.system_chars)
   model = cfg.server.model_name or cfg.model
+  if FLAGS.kind:
+    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, sessions=FLAGS.kind))
   if FLAGS.url:
     target, device = contextlib.nullcontext(None), "remote server"
   else:
@@ -245,7 +260,7 @@ def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict
       nonlocal sent
       sent += n
       return asyncio.run(level(url, model, c, n, FLAGS.max_tokens, FLAGS.max_s, texts,
-                               system, first_id=sent - n))
+                               system, first_id=sent - n, kind=FLAGS.kind))
 
     # prefill packs the rows with prompt left into a batch of 1, 2, 4, ... rows, so every
     # such batch size meets its first (compiling) call here, not inside a level
@@ -256,9 +271,10 @@ def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict
       run(k, 2 * k)
     for c in levels:
       r = run(c, FLAGS.requests or max(c, 8))
-      r.update(device=device, jax=jax.__version__, prefix_cache=prefix_cache)
+      r.update(device=device, jax=jax.__version__, prefix_cache=prefix_cache, kind=FLAGS.kind)
       rows.append(r)
-      print(f"prefix cache {prefix_cache}, c={c}: {r['requests']} requests, "
+      print(f"{FLAGS.kind or 'plain'}, prefix cache {prefix_cache}, c={c}: "
+            f"{r['requests']} requests, "
             f"{r['tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s, cached "
             f"{r['cached_tokens']} of {r['prompt_tokens']} prompt tokens",
             file=sys.stderr, flush=True)

@@ -460,7 +460,7 @@ def test_load_bench_level_against_the_server(served):
   assert row["requests"] == 6 and 6 <= row["completion_tokens"] <= 48
   assert row["prompt_tokens"] > 6 * 60 and row["cached_tokens"] == 0   # no prefix cache
   assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] < 300
-  assert server_load.table([row]).lines[0][:3] == ["off", "4", "6"]
+  assert server_load.table([row]).lines[0][:4] == ["-", "off", "4", "6"]
 
 
 def test_agent_sessions_hold_their_turns(base):

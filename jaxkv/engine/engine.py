@@ -37,13 +37,14 @@ from jaxkv import distributed, sharding
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine.driver import Driver
 from jaxkv.engine.kv_manager import KVManager
+from jaxkv.engine.mechanisms import Mechanism
 from jaxkv.engine.metrics import EngineMetrics
 from jaxkv.engine.sampling import SamplingParams
 from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import RadixCache
-from jaxkv.models.forward import LoraInputs
+from jaxkv.models.forward import Capture, LoraInputs
 
 _OWNER = "engine"     # the engine's name for its reservation in the KV manager
 _TREE = "prefix"      # its radix trees' name there
@@ -57,6 +58,8 @@ class Request:
   sampling: SamplingConfig = SamplingConfig()
   session: str | None = None   # with the prefix cache: keep this session's KV cached
   adapter: int = -1            # index into the engine's LoRA adapter stack (-1: base)
+  mechanism: str | None = None  # a KV mechanism the engine has (`Engine.add_mechanism`)
+  context: dict | None = None  # what that mechanism needs (e.g. its session, spans)
 
 
 @dataclasses.dataclass
@@ -84,6 +87,8 @@ class _Row:
   finish: str | None = None
   cached: int = 0                  # prompt positions adopted from the prefix cache
   lock: object = None              # the prefix cache's lock on that path
+  state: object = None             # the row's mechanism state (`Match.state`)
+  extra: dict | None = None        # what its mechanism did (Result.extra)
 
 
 class Engine:
@@ -128,6 +133,7 @@ class Engine:
                                 shards=self.shards, lr_rank=lr_rank, attn_impl=self.attn_impl)
     self.allocator: PagedAllocator = self.kv_manager.allocator
     self.radix = self.kv_manager.tree(_TREE) if engine.prefix_cache else None  # the base's
+    self.mechanisms: dict[str, Mechanism] = {}
     # open sessions: id -> [lock on the path of its latest turn or None, last use time,
     #                       the tree that lock is in]
     self._sessions: dict[str, list] = {}
@@ -138,6 +144,14 @@ class Engine:
     self._waiting: collections.deque[Request] = collections.deque()
     self._rows: list[_Row | None] = [None] * engine.max_batch
     self._cancelled: set[str] = set()
+
+  def add_mechanism(self, mechanism: Mechanism) -> Mechanism:
+    """Makes a KV mechanism (`jaxkv.engine.mechanisms`) available to requests that
+    name it (`Request.mechanism`); returns it."""
+    if mechanism.name in self.mechanisms:
+      raise ValueError(f"a mechanism named {mechanism.name!r} is added already")
+    self.mechanisms[mechanism.name] = mechanism
+    return mechanism
 
   def cache_for(self, adapter: int) -> RadixCache | None:
     """The prefix cache (radix tree) of requests on `adapter` (-1: the base model)."""
@@ -207,11 +221,25 @@ class Engine:
       return _error(req, f"KV pool too small for this request: it needs {need} pages of "
                          f"{self.cache_cfg.page_size} slots, the pool has {room}{where}; "
                          f"raise cache.num_pages")
-    match = None
+    match = mech = found = None
     cache = self.cache_for(req.adapter)
-    if cache is not None:                          # the last prompt token is recomputed
-      match = cache.match_prefix(req.prompt[:-1], lock=True)
-    hit = match.n_matched if match is not None else 0
+    if req.mechanism is not None:
+      mech = self.mechanisms.get(req.mechanism)
+      if mech is None:
+        return _error(req, f"mechanism {req.mechanism!r} is not served here (the engine has "
+                           f"{sorted(self.mechanisms) or 'none'})")
+      if req.adapter != -1:
+        return _error(req, f"mechanism {req.mechanism!r} runs on the base model, not on an "
+                           "adapter")
+      try:
+        found = mech.match(req)                    # its own cache, locked
+      except (KeyError, TypeError, ValueError) as e:   # e.g. a context it cannot use
+        return _error(req, f"mechanism {req.mechanism!r} refused the request: {e!r}")
+      hit = found.hit
+    else:
+      if cache is not None:                        # the last prompt token is recomputed
+        match = cache.match_prefix(req.prompt[:-1], lock=True)
+      hit = match.n_matched if match is not None else 0
     need = self._reserve(n - hit, req.sampling.max_tokens, hit)
     outstanding = sum(self._reserve(len(r.req.prompt) - r.cached, r.req.sampling.max_tokens,
                                     r.cached)
@@ -225,15 +253,18 @@ class Engine:
     if short > 0:
       if match is not None:
         cache.release_lock(match)
+      if found is not None:
+        mech.unmatch(found)
       raise OutOfSlotsError(f"{need} pages needed, {self.allocator.shard_free_pages(shard)} "
                             f"free, {outstanding} reserved by running requests, "
                             f"{self.kv_manager.reserved(shard, exclude=_OWNER)} by others")
     seq = self.allocator.new_sequence(shard=shard)
     if hit:
-      self.allocator.adopt(seq, match.slots)
+      self.allocator.adopt(seq, (found or match).slots)
     self.allocator.extend(seq, n - hit)
     self.metrics.cached_tokens += hit
-    return _Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match)
+    return _Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
+                state=None if found is None else found.state)
 
   def _reserve(self, new_prompt: int, max_tokens: int, hit: int) -> int:
     """Pages a row may still take: its new tokens, plus one when it adopted a prefix
@@ -257,7 +288,12 @@ class Engine:
       nb = plan.bucket(len(todo), 1, self.cfg.max_batch, hi=self.cfg.max_batch)
       rows = todo + [None] * (nb - len(todo))
     sampling, greedy_only = self._sampling(rows)
-    lora = self._lora(rows)
+    opts = self._lora(rows)
+    mechs = [None if r is None or r.req.mechanism is None else self.mechanisms[r.req.mechanism]
+             for r in rows]
+    capture = [m is not None and m.capture_q(r) for m, r in zip(mechs, rows)]
+    if any(capture):
+      opts = dict(opts, capture=Capture(q=True))
     t0 = time.perf_counter()
     n_tokens = 0
     segments = [None if r is None else plan.Row(np.asarray(r.req.prompt[r.prefilled:], np.int32),
@@ -265,16 +301,20 @@ class Engine:
     for ch, out in self.driver.prefill(
         segments, chunk=self.cfg.prefill_chunk, max_width=self.cache_cfg.max_seq_len,
         slot_map=lambda w: self._slot_map(rows, w), read="last", sampling=sampling,
-        greedy_only=greedy_only, options=lambda ch: lora):
+        greedy_only=greedy_only, options=lambda ch: opts):
       n_tokens += int(ch.count.sum())
       for i, r in enumerate(rows):
-        if r is not None:
+        if r is not None and ch.count[i]:
+          if capture[i]:
+            mechs[i].on_chunk(r, out.q[:, i], r.prefilled, int(ch.count[i]))
           r.prefilled += int(ch.count[i])
       if ch.ends.any():
         nxt = distributed.fetch(out.token)
         now = time.perf_counter()
         for i in np.nonzero(ch.ends)[0]:
           r = rows[i]
+          if mechs[i] is not None:
+            mechs[i].after_prefill(r)      # e.g. prune, before the row decodes
           r.first_token_at = now
           self._emit(r, int(nxt[i]))
       break                              # the next chunk runs in the next step
@@ -335,7 +375,14 @@ class Engine:
   def _release(self, r: _Row, cache: bool) -> None:
     """Frees the row's sequence; with the prefix cache on, first caches the tokens
     whose KV it wrote (prompt + every generated token but the last, which was never
-    fed back), when the prompt was prefilled whole."""
+    fed back), when the prompt was prefilled whole. A mechanism's row is its
+    mechanism's to cache (`Mechanism.finish`)."""
+    if r.req.mechanism is not None:
+      try:
+        r.extra = self.mechanisms[r.req.mechanism].finish(r, cache)
+      finally:
+        self.allocator.free_sequence(r.seq)
+      return
     tree = self.cache_for(r.req.adapter)
     if tree is not None:
       if cache and r.prefilled == len(r.req.prompt):
@@ -359,7 +406,7 @@ class Engine:
                   completion_tokens=len(r.generated),
                   ttft_s=(r.first_token_at or now) - r.admitted,
                   latency_s=now - r.admitted, finish_reason=r.finish or "length",
-                  cached_tokens=r.cached)
+                  cached_tokens=r.cached, extra=r.extra)
 
   # -------------------------------------------------------------------- API
   def _ensure_driver(self) -> None:

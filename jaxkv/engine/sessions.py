@@ -31,7 +31,6 @@ tool-call arguments that survive).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -40,17 +39,17 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxkv import artifacts
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, PruningConfig
 from jaxkv.data import labels
 from jaxkv.engine.driver import Driver
 from jaxkv.engine.kv_manager import KVManager
+from jaxkv.engine.mechanisms.pruned import TREE, PruningState, query_slice  # noqa: F401
+from jaxkv.engine.mechanisms.pruned import row as _row
 from jaxkv.kv import plan
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture
-from jaxkv.policies.pruning import intentkv, policy, select
+from jaxkv.policies.pruning import policy, select
 from jaxkv.rope import delta_frequencies
 
 
@@ -85,14 +84,8 @@ class TurnMetrics:
             if k not in ("kept", "reply_ids")}
 
 
-def _row(x, width: int, dtype=np.int32) -> jax.Array:
-  """[1, width] device row holding x at the front (zeros = SENTINEL / False after)."""
-  out = np.zeros((1, width), dtype)
-  out[0, :len(x)] = x
-  return jnp.asarray(out)
-
-
-_OWNER = "pruned"    # this runner's name in the KV manager (its radix tree, its allocations)
+_OWNER = TREE       # this runner's name in the KV manager: its radix tree (shared with the
+                    # engine's pruned mechanism), its allocations
 
 
 class SessionRunner:
@@ -126,6 +119,7 @@ class SessionRunner:
     self.alloc = self.kv.allocator
     # dead-slot pruning keeps holes in the cached token stream (IntentKV section 3.4)
     self.radix = self.kv.tree(_OWNER, dead_keys=True) if radix else None
+    self.state: PruningState | None = None
     self.set_policy(pruning, head=head)
 
   def set_policy(self, pruning: PruningConfig, *, head=None, keep_prefixes=()) -> None:
@@ -137,31 +131,30 @@ class SessionRunner:
     nothing a session made, so each method's own hits and re-prefills are what
     its metrics show. `head` as in __init__.
     """
-    if pruning.method == "intentkv" and pruning.intent_mode == "learnable":
-      if head is None:   # pruning.head_path: the shipped head unless set
-        if not pruning.head_path:
-          raise ValueError("IntentKV learnable mode needs a trained residual head "
-                           "(pruning.head_path / SessionRunner(head=...))")
-        head = artifacts.load_pruner_head(pruning.head_path)
-      head = nnx.split(head) if isinstance(head, nnx.Module) else tuple(head)
-      head_dim = nnx.merge(*head).head_dim
-      if head_dim != self.cfg.head_dim:
-        raise ValueError(f"the residual head was trained for head_dim {head_dim}, but the "
-                         f"model has head_dim {self.cfg.head_dim}: train it on this model")
-      self.head = head
+    if self.state is None:
+      self.state = PruningState(self.cfg, pruning, head=head)
     else:
-      self.head = (None, None)
+      self.state.set_policy(pruning, head=head)
     if self.radix is not None:
       self.radix.retain(keep_prefixes)
-    self.pruning = pruning
-    self.memories = intentkv.QueryMemoryStore(pruning.memory_capacity)
-    # tokens of each session already processed (its previous prompt + reply), LRU
-    self.seen: collections.OrderedDict[str, int] = collections.OrderedDict()
-    # each session's last radix path (tokens, holes): the next turn names its holes
-    # to match through them, and its insert supersedes this path (radix "Holes")
-    self.paths: collections.OrderedDict[str, tuple] = collections.OrderedDict()
     if pruning.layout == "compact":      # survivors are re-rotated: needs an exact delta
       self.inv_freq = delta_frequencies(self.cfg.rope, self.cfg.head_dim)
+
+  # the policy state (`PruningState`, shared with the engine's pruned mechanism)
+  @property
+  def pruning(self) -> PruningConfig:
+    return self.state.pruning
+
+  @pruning.setter
+  def pruning(self, cfg: PruningConfig) -> None:
+    """A new budget or method for the next turns, sessions kept (`set_policy` forgets
+    them)."""
+    self.state.pruning = cfg
+
+  head = property(lambda self: self.state.head)
+  memories = property(lambda self: self.state.memories)
+  seen = property(lambda self: self.state.seen)
+  paths = property(lambda self: self.state.paths)
 
   # ---------------------------------------------------------------- prompts
   def prepare(self, messages: Sequence[dict], tools, i: int, reply: bool = True) -> dict:
@@ -266,16 +259,15 @@ class SessionRunner:
       else:
         lp_gold, _, _ = self._run_chunks(seq, toks, n, n + g, p0, False, width)
         nll = -float(lp_prompt[-1] + lp_gold[:-1].sum()) / max(g, 1)
-      if new_memory is not None:          # stored once the turn has succeeded
-        self.memories.scatter([intentkv.session_key(session_id=session_id)], new_memory)
-      _remember(self.seen, session_id, n + g, cfg.memory_capacity)
+      path = None
       if self.radix is not None and not (pruned and cfg.layout == "compact"):
         # the last reply token has no KV yet in free mode; a gold turn is fully written
         cached = n + g - (1 if generate else 0)
         slots = self.alloc.slot_map(seq)[:cached]
         self.radix.insert(toks[:cached], slots, replaces=prev)
-        _remember(self.paths, session_id, (toks[:cached].copy(), slots == SENTINEL),
-                  cfg.memory_capacity)
+        path = (toks[:cached].copy(), slots == SENTINEL)
+      # stored once the turn has succeeded: M_t, the processed length, the path
+      self.state.commit(session_id, new_memory, n + g, path)
       self.alloc.free_sequence(seq)
     except BaseException:
       for leaked in set(self.alloc.sequences()) - before:   # free this turn's sequences
@@ -327,34 +319,11 @@ class SessionRunner:
     self.kv.extend(seq, n, owner=_OWNER, first=self.radix)
 
   def _advance_memory(self, session_id, p, q, hit, n):
-    """(the session's QueryMemory before this request -- zeros for a new session --,
-    M_t after it, cos(M_t, Enc(q_t)))."""
-    key = intentkv.session_key(session_id=session_id)
-    shape = (self.cfg.num_layers, self.cfg.num_heads, self.cfg.head_dim)
-    prev, _ = self.memories.gather([key], shape)
-    q_lo, q_count = query_slice("span", self.pruning, hit, n, p["qs"], 0)
-    new, cos = policy.advance_memory_at(self.pruning, q, hit, q_lo, q_count, prev)
-    return prev, new, float(cos[0])
+    return self.state.advance(session_id, p["qs"], q, hit, n)
 
   def _select(self, session_id, smap, live, p, q, hit, n, width, memory=None):
-    """The pruning event; `memory` is IntentKV's memory before this request (the
-    event advances it itself, as `_advance_memory` did)."""
-    cfg = self.pruning
-    span = np.zeros(n, bool)
-    span[p["qs"]:] = True
-    forced = span.copy()
-    if cfg.protect_system:
-      forced[:p["sys_len"]] = True
-    rows = policy.query_rows(cfg)
-    q_lo = q_count = 0
-    if rows is not None:
-      q_lo, q_count = query_slice(rows, cfg, hit, n, p["qs"], self.seen.get(session_id, 0))
-    keep, _ = policy.select_kept_at(
-        cfg, self.driver.kv.k, _row(smap, width), _row(live, width, bool),
-        _row(forced, width, bool),
-        q if rows is not None else None, hit, q_lo, q_count, memory, _row(span, width, bool),
-        head_graphdef=self.head[0], head_state=self.head[1])
-    return np.asarray(keep[0, :smap.size])
+    return self.state.select(session_id, self.driver.kv.k, smap, live, p["qs"], p["sys_len"], q,
+                             hit, n, width, memory)
 
   def _compact(self, seq, smap, keep, g, width) -> int:
     n_keep = int(keep.sum())
@@ -370,9 +339,7 @@ class SessionRunner:
   def close_session(self, session_id: str) -> bool:
     """Forgets a session: its QueryMemory, processed-token count and radix path (the
     KV it cached stays, unheld, for the LRU to evict). False if it had no state."""
-    gone = (self.memories.pop(intentkv.session_key(session_id=session_id)),
-            self.seen.pop(session_id, None), self.paths.pop(session_id, None))
-    return any(x is not None for x in gone)
+    return self.state.close(session_id)
 
   def run_session(self, session_id: str, messages: Sequence[dict], tools=None, *,
                   generate: bool = False, max_tokens: int = 128) -> list[TurnMetrics]:
@@ -385,32 +352,6 @@ class SessionRunner:
         out.append(self.run_turn(session_id, messages, tools, i, generate=generate,
                                  max_tokens=max_tokens))
     return out
-
-
-def _remember(lru: collections.OrderedDict, key, value, capacity: int) -> None:
-  lru[key] = value
-  lru.move_to_end(key)
-  if len(lru) > capacity:
-    lru.popitem(last=False)
-
-
-def query_slice(rows: str, cfg: PruningConfig, hit: int, n: int, qs: int,
-                seen: int) -> tuple[int, int]:
-  """(first, count) of the captured query rows a method reads; row j is prompt token
-  hit + j (the request computed tokens [hit, n)).
-
-    window (SnapKV): the last snap_window prompt tokens;
-    span (IntentKV): the actionable query span [qs, n);
-    all (H2O): the tokens new to the session since its previous turn, [seen, n).
-
-  H2O's voters are pinned to the new tokens so both layouts see the same set: under
-  dead-slot the radix hit ends near `seen`, while compact (not reinserted after a
-  pruned turn) recomputes the whole history, which must not vote again.
-  """
-  total = n - hit
-  lo = {"window": max(0, total - cfg.snap_window), "all": max(0, min(seen, n - 1) - hit),
-        "span": max(0, qs - hit)}[rows]
-  return lo, total - lo
 
 
 _compact_jit = jax.jit(select.compact_layout, donate_argnums=(0,),

@@ -140,10 +140,18 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     t_created = int(time.time())
     skind = (backends.kind_of(p.session, role=p.adapter >= 0)
              if sessions_on and p.session is not None else None)
-    runner = skind not in (None, "prefix")   # a batch-1 session runner, between engine steps
+    # a batch-1 session runner, between engine steps (the engine serves the others)
+    runner = skind not in (None, *backends.ENGINE_KINDS)
     try:
       if runner:
         fut = loop.call(lambda: backends.run(skind, p.session, p, rid), counted=True)
+      elif skind not in (None, "prefix"):     # a mechanism's request: built on the loop
+        try:
+          req = await asyncio.wrap_future(
+              loop.call(lambda: backends.engine_request(skind, p.session, p, rid)))
+        except ValueError as e:
+          return _error(APIError(400, str(e), param="session_id"))
+        queue = loop.submit(req)
       else:
         queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
                                     session=p.session if skind == "prefix" else None,
@@ -393,12 +401,13 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
              ("jaxkv_session_held_tokens", "gauge", "tokens the open sessions keep cached",
               sum(n for _, n in held.values()))]
     if backends.pruned is not None:
+      ps = backends.pruned.stats
       rows += [("jaxkv_pruning_events_total", "counter", "requests whose KV was pruned",
-                b.pruning_events),
+                ps["events"]),
                ("jaxkv_pruned_tokens_total", "counter", "live prompt KV entries pruned away",
-                b.pruned_tokens),
+                ps["pruned_tokens"]),
                ("jaxkv_pruning_kept_tokens_total", "counter",
-                "live prompt KV entries kept by pruned requests", b.kept_tokens)]
+                "live prompt KV entries kept by pruned requests", ps["kept_tokens"])]
     if backends.memart is not None:
       rows += [("jaxkv_memart_blocks_written_total", "counter", "memory blocks written",
                 b.memart_blocks_written),

@@ -3,9 +3,11 @@ KV is kept, and all of them run in one server (`server.sessions`).
 
     prefix   the batch engine with its radix prefix cache: the session's latest
              turn stays locked in the cache (continuous batching, role adapters)
-    pruned   `SessionRunner`: the radix cache with persistent dead-slot holes, and
-             the configured pruning policy (`ServeConfig.pruning`; IntentKV keeps
-             its QueryMemory M_t per session across turns)
+    pruned   the engine's `Pruned` mechanism (`jaxkv.engine.mechanisms.pruned`): the
+             radix cache with persistent dead-slot holes and the configured pruning
+             policy (`ServeConfig.pruning`; IntentKV keeps its QueryMemory M_t per
+             session across turns); its requests run in the batch engine with
+             every other request (continuous batching, sampling, streaming)
     memart   `MemArtSessions`: the history lives in MemArt memory blocks, only the
              new question is prefilled (`ServeConfig.memart`)
     reuse    `ReuseRunner`: segments of earlier prompts (tool outputs, documents)
@@ -45,7 +47,7 @@ import time
 import numpy as np
 
 from jaxkv.config import ServeConfig, session_kinds
-from jaxkv.engine.engine import Result
+from jaxkv.engine.engine import Request, Result
 from jaxkv.policies.sharing import lragent
 
 
@@ -55,9 +57,6 @@ class BackendStats:
   requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   adapter_requests: collections.Counter = dataclasses.field(    # written by the server
       default_factory=collections.Counter)                       # thread (role -> count)
-  pruning_events: int = 0       # pruned requests
-  pruned_tokens: int = 0        # live prompt tokens dropped by pruning
-  kept_tokens: int = 0          # live prompt tokens after pruning (every pruned request)
   memart_blocks_written: int = 0
   memart_blocks_retrieved: int = 0
   memart_prefill_tokens: int = 0   # tokens memart requests prefilled (the question)
@@ -99,10 +98,9 @@ class SessionBackends:
                        f"of rank {llm.lora.rank} (set llm.kv_lr_rank before the engine is "
                        f"made; cli.load_llm does)")
     if "pruned" in self.kinds:
-      from jaxkv.engine.sessions import SessionRunner
-      self.pruned = SessionRunner(llm, cfg.pruning, cache=cfg.cache,
-                                  prefill_chunk=cfg.engine.prefill_chunk, attn_impl=impl,
-                                  kv=self.kv)
+      from jaxkv.engine.mechanisms.pruned import Pruned
+      self.pruned = self.engine.mechanisms.get("pruned") or self.engine.add_mechanism(
+          Pruned(self.tok, llm.config, self.kv, cfg.pruning))
     if "memart" in self.kinds:
       from jaxkv.engine.memart import MemArtSessions
       self.memart = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
@@ -118,7 +116,7 @@ class SessionBackends:
   @property
   def kv_managers(self) -> list:
     """The distinct KV managers (pools) of the engine and every runner: one."""
-    runners = [self.pruned, self.reuse, self.semshare, self.memart and self.memart.runner,
+    runners = [self.reuse, self.semshare, self.memart and self.memart.runner,
                *self.agents.copy().values()]
     found = [self.kv, *(r.kv for r in runners if r is not None)]
     return list({id(k): k for k in found}.values())
@@ -171,7 +169,7 @@ class SessionBackends:
           session) else None
     kind = entry[0]
     if kind == "pruned":
-      self.pruned.close_session(session)
+      self.pruned.close(session)
     elif kind == "memart" and session in self.memart.sessions:
       self.memart.close(session)
     elif kind == "agents":
@@ -214,6 +212,27 @@ class SessionBackends:
     return out
 
   # ------------------------------------------------------------------ requests
+  ENGINE_KINDS = ("prefix", "pruned")    # served by the batch engine (the others: runners)
+
+  def engine_request(self, kind: str, session: str, p, rid: str):
+    """The engine `Request` of a request on a session kind the engine serves; raises
+    ValueError for one this kind cannot take (the server's 400). Call on the loop
+    thread (it opens the session)."""
+    if kind == "prefix":
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, session=session,
+                     adapter=p.adapter)
+    if p.adapter >= 0:
+      raise ValueError("role adapters run in the batch engine or in 'agents' sessions: "
+                       "use one of those or no session")
+    if p.chat is None:
+      raise ValueError("'pruned' sessions take chat completions (their turns are messages)")
+    self.open(session, kind)
+    msgs, tools = p.chat
+    prompt, ctx = self.pruned.context(session, msgs, tools)
+    self.stats.requests[kind] += 1
+    return Request(id=rid, prompt=prompt, sampling=p.sampling, mechanism="pruned",
+                   context=ctx)
+
   def run(self, kind: str, session: str, p, rid: str) -> Result:
     """Answers the parsed request `p` (`protocol.Parsed`) on the session's runner.
     Raises ValueError for a request this kind cannot take (the server's 400)."""
@@ -223,14 +242,12 @@ class SessionBackends:
       raise ValueError("'agents' sessions need a role model name (<model>:<role>)"
                        if kind == "agents" else "role adapters run in the batch engine or in "
                        "'agents' sessions: use one of those or no session")
-    if kind in ("pruned", "memart") and p.chat is None:
+    if kind == "memart" and p.chat is None:
       raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
     self.open(session, kind)
     t0 = time.perf_counter()
     max_tokens = p.sampling.max_tokens
-    if kind == "pruned":
-      ids, ttft, cached, extra = self._pruned(session, p, max_tokens)
-    elif kind == "memart":
+    if kind == "memart":
       ids, ttft, cached, extra = self._memart(session, p, max_tokens)
     elif kind == "agents":
       ids, ttft, cached, extra = self._agents(session, p, max_tokens)
@@ -247,22 +264,6 @@ class SessionBackends:
                   completion_tokens=len(ids), ttft_s=ttft,
                   latency_s=time.perf_counter() - t0, finish_reason=finish,
                   cached_tokens=cached, extra=extra)
-
-  def _pruned(self, session, p, max_tokens):
-    msgs, tools = p.chat
-    t = self.pruned.run_turn(session, msgs, tools, len(msgs), generate=True,
-                             max_tokens=max_tokens)
-    cfg = self.pruned.pruning
-    s = self.stats
-    if t.pruned:
-      s.pruning_events += 1
-      s.pruned_tokens += t.live_before - t.live_after
-      s.kept_tokens += t.live_after
-    extra = {"pruning": cfg.method, "budget": cfg.budget, "pruned": bool(t.pruned),
-             "kv_live_before": t.live_before, "kv_live_after": t.live_after}
-    if cfg.method == "intentkv":
-      extra["query_memory_cos"] = round(t.memory_cos, 6)
-    return t.reply_ids, t.wall_s, t.hit_tokens, extra
 
   def _memart(self, session, p, max_tokens):
     msgs, tools = p.chat

@@ -1,0 +1,71 @@
+"""KV mechanisms as per-request plug-ins of the engine loop.
+
+A request names a mechanism (`Request.mechanism`) and carries what it needs
+(`Request.context`); the engine runs it in an ordinary batch row, so it gets
+continuous batching with every other request, chunked prefill interleaved with
+decode, sampling, token streaming and cancellation, and calls the mechanism's
+hooks where its KV management differs from a plain request:
+
+    match(req)            the cached KV to adopt (a radix match with a lock), before
+                          any page is taken; `unmatch` undoes it when the request
+                          has to wait
+    capture_q(row)        whether the row's prefill chunks capture post-RoPE queries
+    on_chunk(row, q, lo, n)  the captured queries of prompt tokens [lo, lo + n)
+    after_prefill(row)    after the last prompt chunk, before the row decodes (prune,
+                          write memory, store segments)
+    finish(row, cache)    the row leaves: cache what it wrote, release its locks, keep
+                          per-session state; returns what it did (usage["jaxkv"])
+
+The shape follows vLLM v1's KV-connector hooks (match before allocation, act after
+it, save at the end), which is how CacheBlend runs inside vLLM, and SGLang's one
+prefix-cache interface (match_prefix, cache_finished_req, evict, lock refs). A
+mechanism's jitted math lives in `jaxkv/policies/`; its host state here; its KV
+in the engine's `KVManager`. One file per mechanism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Match:
+  """What a mechanism adopts for a request before its prefill."""
+  hit: int                        # prompt positions adopted (not prefilled)
+  slots: np.ndarray               # [hit] int32 their slots (SENTINEL at holes)
+  state: object = None            # the mechanism's per-row state (`row.state`)
+
+
+class Mechanism:
+  """Base class: a request that names no hook gets the plain engine's behaviour."""
+
+  name = ""
+
+  def match(self, req) -> Match:
+    """The KV to adopt for `req` (default: none). Locks what it returns."""
+    del req
+    return Match(0, np.zeros(0, np.int32))
+
+  def unmatch(self, match: Match) -> None:
+    """Undoes `match` (the request waits for pages and will match again)."""
+    del match
+
+  def capture_q(self, row) -> bool:
+    del row
+    return False
+
+  def on_chunk(self, row, q, lo: int, n: int) -> None:
+    """q: [L, C, Hq, D] queries of the row's chunk; rows [0, n) are prompt tokens
+    [lo, lo + n)."""
+    del row, q, lo, n
+
+  def after_prefill(self, row) -> None:
+    del row
+
+  def finish(self, row, cache: bool) -> dict | None:
+    """The row is done (`cache`: it finished normally; False on cancel / error).
+    Must release whatever `match` locked. Returns usage["jaxkv"] or None."""
+    del row, cache
+    return None
