@@ -77,7 +77,8 @@ def test_every_kind_shares_one_pool(served):
   pool, reported in /metrics with its bytes; its allocator and trees stay clean."""
   backends = served.app_backends
   kv = served.llm.engine.kv_manager
-  assert backends.pruned.kv is kv and backends.reuse.kv is kv and backends.semshare.kv is kv
+  assert backends.pruned.kv is kv and backends.reuse.runner.kv is kv
+  assert backends.semshare.runner.kv is kv
   assert kv.driver is served.llm.engine.driver or served.llm.engine.driver is None
   assert backends.memart.runner.kv is kv
   assert backends.kv_managers == [kv]
@@ -194,7 +195,7 @@ def test_reuse_session_splices_segments_of_earlier_prompts(served):
   assert metric(url, "jaxkv_session_requests_total", kind="reuse") == 2
   bad = httpx.post(url + "/v1/sessions", json={"kind": "bogus"})
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "kind"
-  served.app_backends.reuse.alloc.check()
+  served.app_backends.reuse.runner.alloc.check()
   assert np.isfinite(metric(url, "jaxkv_sessions_open"))
 
 
@@ -214,7 +215,7 @@ def test_semshare_session_reuses_a_similar_prompt(served):
   assert got[1]["reused"] and got[1]["similarity"] >= served.cfg.semshare.threshold
   assert 0 < got[1]["shared_entries"] <= got[1]["live_entries"]
   assert metric(url, "jaxkv_semshare_reused_requests_total") == 1
-  assert served.app_backends.semshare.kv is served.app_backends.kv
+  assert served.app_backends.semshare.runner.kv is served.app_backends.kv
   served.app_backends.kv.check()
 
 

@@ -29,17 +29,21 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxkv import distributed, sharding
-from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
+from jaxkv.config import CacheConfig, EngineConfig
 from jaxkv.engine.driver import Driver
 from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.mechanisms import Mechanism
 from jaxkv.engine.metrics import EngineMetrics
-from jaxkv.engine.sampling import SamplingParams
+from jaxkv.engine.request import Request, Result, Row
+from jaxkv.engine.request import cancelled as _cancelled
+from jaxkv.engine.request import error as _error
+from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
@@ -48,47 +52,6 @@ from jaxkv.models.forward import Capture, LoraInputs
 
 _OWNER = "engine"     # the engine's name for its reservation in the KV manager
 _TREE = "prefix"      # its radix trees' name there
-
-
-@dataclasses.dataclass
-class Request:
-  """One generation request: prompt token ids and its sampling settings."""
-  id: str
-  prompt: list[int]
-  sampling: SamplingConfig = SamplingConfig()
-  session: str | None = None   # with the prefix cache: keep this session's KV cached
-  adapter: int = -1            # index into the engine's LoRA adapter stack (-1: base)
-  mechanism: str | None = None  # a KV mechanism the engine has (`Engine.add_mechanism`)
-  context: dict | None = None  # what that mechanism needs (e.g. its session, spans)
-
-
-@dataclasses.dataclass
-class Result:
-  id: str
-  tokens: list[int]
-  prompt_tokens: int
-  completion_tokens: int
-  ttft_s: float
-  latency_s: float
-  finish_reason: str     # "stop" | "length" | "error" | "cancelled"
-  error: str | None = None
-  cached_tokens: int = 0  # prompt tokens served by the prefix cache (not prefilled)
-  extra: dict | None = None  # what a KV mechanism did (the server's usage["jaxkv"])
-
-
-@dataclasses.dataclass
-class _Row:
-  req: Request
-  seq: int
-  admitted: float
-  prefilled: int = 0               # prompt tokens already through prefill
-  generated: list[int] = dataclasses.field(default_factory=list)
-  first_token_at: float | None = None
-  finish: str | None = None
-  cached: int = 0                  # prompt positions adopted from the prefix cache
-  lock: object = None              # the prefix cache's lock on that path
-  state: object = None             # the row's mechanism state (`Match.state`)
-  extra: dict | None = None        # what its mechanism did (Result.extra)
 
 
 class Engine:
@@ -142,7 +105,7 @@ class Engine:
     # step API state: queued requests, running rows, cancellations (guarded by _lock)
     self._lock = threading.Lock()
     self._waiting: collections.deque[Request] = collections.deque()
-    self._rows: list[_Row | None] = [None] * engine.max_batch
+    self._rows: list[Row | None] = [None] * engine.max_batch
     self._cancelled: set[str] = set()
 
   def add_mechanism(self, mechanism: Mechanism) -> Mechanism:
@@ -150,6 +113,9 @@ class Engine:
     name it (`Request.mechanism`); returns it."""
     if mechanism.name in self.mechanisms:
       raise ValueError(f"a mechanism named {mechanism.name!r} is added already")
+    if mechanism.owns_prefill and self.mesh is not None:
+      raise ValueError(f"mechanism {mechanism.name!r} plans its own prefill, which runs on "
+                       "one device: serve it without a mesh")
     self.mechanisms[mechanism.name] = mechanism
     return mechanism
 
@@ -169,15 +135,15 @@ class Engine:
     return None if self.driver is None else self.driver.kv
 
   # ------------------------------------------------------------------ helpers
-  def _sampling(self, rows: list[_Row | None]) -> tuple[SamplingParams, bool]:
+  def _sampling(self, rows: list[Row | None]) -> tuple[SamplingParams, bool]:
     return SamplingParams.from_configs([None if r is None else r.req.sampling for r in rows],
                                        len(rows))
 
-  def _slot_map(self, rows: list[_Row | None], width: int) -> np.ndarray:
+  def _slot_map(self, rows: list[Row | None], width: int) -> np.ndarray:
     return plan.slot_rows([None if r is None else self.allocator.slot_map(r.seq) for r in rows],
                           width)
 
-  def _lora(self, rows: list[_Row | None]) -> dict:
+  def _lora(self, rows: list[Row | None]) -> dict:
     """`lora=` for the driver: each row's adapter (-1 base, and for idle rows)."""
     if self.lora is None:
       return {}
@@ -195,8 +161,8 @@ class Engine:
     """The data shard that holds batch row i (rows split evenly, in order)."""
     return i // (self.cfg.max_batch // self.shards)
 
-  def _admit(self, req: Request, now: float, rows: list[_Row | None],
-             shard: int = 0) -> _Row | Result:
+  def _admit(self, req: Request, now: float, rows: list[Row | None],
+             shard: int = 0) -> Row | Result:
     """Allocates the prompt's slots on `shard`'s pages, or raises OutOfSlotsError
     to make it wait.
 
@@ -263,7 +229,7 @@ class Engine:
       self.allocator.adopt(seq, (found or match).slots)
     self.allocator.extend(seq, n - hit)
     self.metrics.cached_tokens += hit
-    return _Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
+    return Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
                 state=None if found is None else found.state)
 
   def _reserve(self, new_prompt: int, max_tokens: int, hit: int) -> int:
@@ -272,7 +238,7 @@ class Engine:
     return self._pages(new_prompt + max_tokens) + (1 if hit else 0)
 
   # ------------------------------------------------------------------ phases
-  def _prefill(self, rows: list[_Row | None]) -> None:
+  def _prefill(self, rows: list[Row | None]) -> None:
     """One chunk of prefill for the rows with prompt left (each row's next
     `prefill_chunk` prompt tokens), packed: only they run, in a batch of the next
     power of two (a lone prompt costs one row, not max_batch; under a mesh the rows
@@ -280,7 +246,9 @@ class Engine:
     chunk samples its first token. One chunk per engine step, interleaved with the
     step's decode call: a long prompt delays the rows already decoding by one chunk
     per step, never by its whole prefill."""
-    rows = [r if r is not None and r.prefilled < len(r.req.prompt) else None for r in rows]
+    self._own_prefill(rows)
+    rows = [r if r is not None and r.prefilled < len(r.req.prompt) and not self._owns(r)
+            else None for r in rows]
     todo = [r for r in rows if r is not None]
     if not todo:
       return
@@ -320,14 +288,41 @@ class Engine:
       break                              # the next chunk runs in the next step
     self.metrics.add_prefill(n_tokens, time.perf_counter() - t0)
 
-  def _emit(self, r: _Row, token: int) -> None:
+  def _owns(self, r: Row) -> bool:
+    """Whether the row's mechanism computes its prompt itself (`owns_prefill`)."""
+    return r.req.mechanism is not None and self.mechanisms[r.req.mechanism].owns_prefill
+
+  def _own_prefill(self, rows: list[Row | None]) -> None:
+    """Runs the prefill of the first row whose mechanism plans its own (one per
+    step, like one chunk: the rows already decoding wait for one such prefill at a
+    time), samples its first token from the logits it returns (as a chunk's readout
+    would: the row's sampling at position n), then lets the mechanism finish its
+    prefill work (`after_prefill`: e.g. store segments) off the TTFT path."""
+    r = next((r for r in rows if r is not None and r.prefilled < len(r.req.prompt)
+              and self._owns(r)), None)
+    if r is None:
+      return
+    mech = self.mechanisms[r.req.mechanism]
+    n = len(r.req.prompt)
+    t0 = time.perf_counter()
+    logits = mech.prefill(r)
+    params, greedy_only = SamplingParams.from_configs([r.req.sampling], 1)
+    token = _sample_one(jnp.asarray(logits, jnp.float32)[None], params,
+                        jnp.asarray([n], jnp.int32), greedy_only=greedy_only)
+    r.prefilled = n
+    r.first_token_at = time.perf_counter()
+    self._emit(r, int(token[0]))
+    self.metrics.add_prefill(n - r.cached, r.first_token_at - t0)
+    mech.after_prefill(r)
+
+  def _emit(self, r: Row, token: int) -> None:
     r.generated.append(token)
     if token in self.stop_ids:
       r.finish = "stop"
     elif len(r.generated) >= r.req.sampling.max_tokens:
       r.finish = "length"
 
-  def _decode(self, rows: list[_Row | None]) -> None:
+  def _decode(self, rows: list[Row | None]) -> None:
     live = [i for i, r in enumerate(rows) if r is not None and r.finish is None
             and r.prefilled == len(r.req.prompt)]
     if not live:
@@ -357,10 +352,11 @@ class Engine:
     stop_ids = jnp.asarray(self.stop_ids or [-1], jnp.int32)
     sampling, greedy_only = self._sampling(rows)
     slot_map = self._slot_map(rows, plan.width(need, self.cache_cfg.max_seq_len))
+    views = self._views([rows[i] if i in live else None for i in range(B)], slot_map)
     t0 = time.perf_counter()
-    res = self.driver.decode(tokens, positions, slot_map, remaining, num_steps=n,
-                             stop_ids=stop_ids, sampling=sampling, greedy_only=greedy_only,
-                             **self._lora(rows))
+    res = self.driver.decode(tokens, positions, views.pop("slot_map", slot_map), remaining,
+                             num_steps=n, stop_ids=stop_ids, sampling=sampling,
+                             greedy_only=greedy_only, **self._lora(rows), **views)
     out, emitted = distributed.fetch(res.tokens), distributed.fetch(res.emitted)
     dt = time.perf_counter() - t0
     count = 0
@@ -372,7 +368,35 @@ class Engine:
           count += 1
     self.metrics.add_decode(count, dt)
 
-  def _release(self, r: _Row, cache: bool) -> None:
+  def _views(self, rows: list[Row | None], slot_map: np.ndarray) -> dict:
+    """The decode call's per-layer slot map and key shift when a row's mechanism has
+    its own decode view (`Mechanism.decode_view`); {} when none has. The other rows
+    read their own slot map at every layer, unshifted; every row writes its new
+    tokens to its own slots (`write_map`)."""
+    B, W = slot_map.shape
+    layer_maps, shifts = {}, {}
+    for i, r in enumerate(rows):
+      if r is not None and r.req.mechanism is not None:
+        lm, ks = self.mechanisms[r.req.mechanism].decode_view(r, W)
+        if lm is not None:
+          layer_maps[i] = lm
+        if ks is not None:
+          shifts[i] = ks
+    out = {}
+    if layer_maps:
+      L = self.model_cfg.num_layers
+      lmap = np.broadcast_to(slot_map, (L, B, W)).copy()
+      for i, lm in layer_maps.items():
+        lmap[:, i] = lm
+      out.update(slot_map=lmap, write_map=self.driver.put(slot_map))
+    if shifts:
+      ks = np.zeros((B, W), np.int32)
+      for i, k in shifts.items():
+        ks[i] = k
+      out["key_shift"] = self.driver.put(ks)
+    return out
+
+  def _release(self, r: Row, cache: bool) -> None:
     """Frees the row's sequence; with the prefix cache on, first caches the tokens
     whose KV it wrote (prompt + every generated token but the last, which was never
     fed back), when the prompt was prefilled whole. A mechanism's row is its
@@ -398,7 +422,7 @@ class Engine:
         tree.release_lock(r.lock)
     self.allocator.free_sequence(r.seq)
 
-  def _retire(self, r: _Row, now: float) -> Result:
+  def _retire(self, r: Row, now: float) -> Result:
     # Frees every slot of the row, including those allocated ahead for decode
     # steps it did not take (the prefix cache holds the ones it caches).
     self._release(r, cache=True)
@@ -600,11 +624,4 @@ class Engine:
     self.metrics.wall_s += time.perf_counter() - t_start
 
 
-def _cancelled(req: Request) -> Result:
-  return Result(id=req.id, tokens=[], prompt_tokens=len(req.prompt), completion_tokens=0,
-                ttft_s=0.0, latency_s=0.0, finish_reason="cancelled")
-
-
-def _error(req: Request, msg: str) -> Result:
-  return Result(id=req.id, tokens=[], prompt_tokens=len(req.prompt), completion_tokens=0,
-                ttft_s=0.0, latency_s=0.0, finish_reason="error", error=msg)
+_sample_one = jax.jit(sample, static_argnames=("greedy_only",))

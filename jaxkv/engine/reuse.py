@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,8 @@ class Prefill:
   bytes_spliced: int               # stored bytes moved to the device
   stored: int = 0                  # segments stored after the request
   store_s: float = 0.0
+  # step 7 when deferred (`prefill_into(defer_store=True)`): finish(store) runs it
+  finish: Callable[[bool], None] | None = dataclasses.field(default=None, repr=False)
 
   @property
   def prefill_tokens(self) -> float:
@@ -260,13 +262,32 @@ class ReuseRunner:
     ids = plan.prompt_ids(ids, self.max_len)
     n = ids.size
     t0 = time.perf_counter()
+    seq = self.alloc.new_sequence()
+    try:
+      hit = self.radix.adopt_prefix(seq, ids[:n - 1]) if self.radix is not None else 0
+      self.kv.extend(seq, n - hit, owner=_OWNER, first=self.radix)
+    except Exception:
+      self.alloc.free_sequence(seq)
+      raise
+    pre = self.prefill_into(seq, ids, hit, spans, defer_store=True, t0=t0)
+    pre.finish(store)
+    return pre
+
+  def prefill_into(self, seq: int, ids: np.ndarray, hit: int,
+                   spans: Sequence[tuple[int, int]] | None = None, *,
+                   defer_store: bool = False, store: bool = True,
+                   t0: float | None = None) -> Prefill:
+    """Steps 2-7 of `prefill` over a live sequence that holds the radix hit
+    ids[:hit] (adopted) and fresh slots for ids[hit:]: what the engine's `Reuse`
+    mechanism calls on its row. With `defer_store`, step 7 (radix insert, storing
+    the runs) waits for `Prefill.finish(store)`, so a server emits the first token
+    before it."""
+    n = ids.size
+    t0 = time.perf_counter() if t0 is None else t0
     if spans is None:
       spans = line_spans(ids, self.tok, self.reuse.min_tokens) if self.segments else []
     L = self.cfg.num_layers
-    seq = self.alloc.new_sequence()
-    hit = self.radix.adopt_prefix(seq, ids[:n - 1]) if self.radix is not None else 0
     rest = n - hit
-    self.kv.extend(seq, rest, owner=_OWNER, first=self.radix)
     smap = self.alloc.slot_map(seq)
     c_len = plan.chunk_len(rest, plan.chunk_len(n))
     chunk_ids = ids[hit:]
@@ -323,7 +344,19 @@ class ReuseRunner:
     res = Prefill(seq=seq, ids=ids, logits=logits, prefix_hit=hit, runs=runs,
                   layer_tokens=layer_tokens, flops=flops, ttft_s=ttft, bytes_spliced=nbytes)
     # 7: after the first token
+    res.finish = functools.partial(self._after_first_token, res, hit, smap, spliced, spans,
+                                   admitted, cuts_out)
+    if not defer_store:
+      res.finish(store)
+    return res
+
+  def _after_first_token(self, res: Prefill, hit, smap, spliced, spans, admitted, cuts_out,
+                         store: bool = True) -> None:
+    """Step 7: the exact prefix into the radix cache, the fully computed runs into
+    the store (with `store`); sets `res.stored` and `res.store_s`."""
     t1 = time.perf_counter()
+    ids = res.ids
+    rest = ids.size - hit
     # exact K/V end at the first spliced token unless it came from the exact tier
     inexact = np.zeros(rest, bool)
     for m, _, d, _ in admitted:
@@ -336,7 +369,7 @@ class ReuseRunner:
     if store and self.segments:
       res.stored = self._store_runs(ids, hit, smap, ~spliced, spans, exact_to, cuts_out)
     res.store_s = time.perf_counter() - t1
-    return res
+    res.finish = None
 
   def _splice(self, ks, vs, pos, dest, newpos) -> None:
     """One jitted splice of every admitted run (rows padded to a bucket)."""

@@ -236,6 +236,10 @@ class SemShareRunner:
 
   def release(self, seq: int) -> None:
     self.alloc.free_sequence(seq)
+    self.drop_holds(seq)
+
+  def drop_holds(self, seq: int) -> None:
+    """Releases the reference slots `seq`'s prompt aliased (held while it lives)."""
     held = self._holds.pop(seq, None)
     if held is not None and held.size:
       self.alloc.release(held)
@@ -287,25 +291,47 @@ class SemShareRunner:
     """Serves the prompt `ids` (see the module docstring); the sequence stays live
     for `decode` until `release`."""
     ids = plan_lib.prompt_ids(ids, self.max_len)
-    n, L = ids.size, self.mcfg.num_layers
     t0 = time.perf_counter()
+    found = self.find(ids)
+    seq = self.alloc.new_sequence()
+    try:
+      self._extend(seq, ids.size)
+    except Exception:
+      self.alloc.free_sequence(seq)
+      raise
+    return self.prefill_into(seq, ids, found, t0=t0)
+
+  def find(self, ids: np.ndarray) -> tuple:
+    """Step 1: (codes or None, best reference key or None, its similarity, the
+    index [n] of each token's match, seconds), the reference moved to the end of
+    the LRU order when it will be reused (the last a full pool would forget)."""
+    t0 = time.perf_counter()
+    n = ids.size
+    key, sim, idx, codes = None, 0.0, None, None
+    if self.cfg.method in semshare.REUSE_METHODS:   # the others never reuse: no matching
+      c = plan_lib.chunk_len(n)
+      pos = np.where(np.arange(c) < n, np.arange(c), 0).astype(np.int32)
+      codes = np.asarray(_codes(self.graphdef, self.weights, jnp.asarray(_pad(ids, c)),
+                                jnp.asarray(pos), self.planes, self.cfg.e_rope_theta))
+      key, sim, idx, _ = self._best(codes, n)
+      if key is not None and sim >= self.cfg.threshold:
+        self.refs.move_to_end(key)
+    return codes, key, sim, idx, time.perf_counter() - t0
+
+  def prefill_into(self, seq: int, ids: np.ndarray, found: tuple | None = None, *,
+                   t0: float | None = None) -> SemPrefill:
+    """Steps 2-5 over a live sequence with fresh slots for every prompt token
+    (what the engine's `SemShare` mechanism calls on its row); `found`: `find`'s
+    answer (None: found now, after the slots were taken)."""
+    n, L = ids.size, self.mcfg.num_layers
+    t0 = time.perf_counter() if t0 is None else t0
+    codes, key, sim, idx, match_s = self.find(ids) if found is None else found
     c = plan_lib.chunk_len(n)
     tokens = jnp.asarray(_pad(ids, c)[None])
     positions = np.where(np.arange(c) < n, np.arange(c), -1).astype(np.int32)
-    matching = self.cfg.method in semshare.REUSE_METHODS
-    key, sim, idx, codes = None, 0.0, None, None
-    if matching:            # full and the compression baselines never reuse: no matching
-      codes = np.asarray(_codes(self.graphdef, self.weights, tokens[0],
-                                jnp.asarray(np.maximum(positions, 0)), self.planes,
-                                self.cfg.e_rope_theta))
-      key, sim, idx, _ = self._best(codes, n)
-    match_s = time.perf_counter() - t0
-    reuse = matching and key is not None and sim >= self.cfg.threshold
-    if reuse:
-      self.refs.move_to_end(key)                    # the last a full pool would forget
-    seq = self.alloc.new_sequence()
-    fresh = self._extend(seq, n)
-    reuse = reuse and key in self.refs
+    matching = codes is not None
+    fresh = self.alloc.slot_map(seq)[:n]
+    reuse = matching and key is not None and sim >= self.cfg.threshold and key in self.refs
     width = plan_lib.width(n)
     smap = jnp.asarray(plan_lib.slot_rows([fresh], width))
     step = functools.partial(chunk_step, self.graphdef, self.weights, tokens=tokens,

@@ -418,15 +418,17 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
                ("jaxkv_memart_chat_tokens_total", "counter",
                 "tokens the same chats hold as plain prompts", b.memart_chat_tokens)]
     if backends.reuse is not None:
+      rs = backends.reuse.stats
       rows += [("jaxkv_reuse_reused_tokens_total", "counter",
-                "prompt tokens spliced from stored segments", b.reuse_reused_tokens),
+                "prompt tokens spliced from stored segments", rs["reused_tokens"]),
                ("jaxkv_reuse_prefix_tokens_total", "counter",
-                "prompt tokens adopted from the reuse prefix cache", b.reuse_prefix_tokens)]
+                "prompt tokens adopted from the reuse prefix cache", rs["prefix_tokens"])]
     if backends.semshare is not None:
+      ss = backends.semshare.stats
       rows += [("jaxkv_semshare_reused_requests_total", "counter",
-                "requests that reused a similar earlier prompt's KV", b.semshare_reused_requests),
+                "requests that reused a similar earlier prompt's KV", ss["reused_requests"]),
                ("jaxkv_semshare_reused_tokens_total", "counter",
-                "prompt tokens of the requests that reused a reference", b.semshare_reused_tokens)]
+                "prompt tokens of the requests that reused a reference", ss["reused_tokens"])]
     if "agents" in backends.kinds:
       rows += [("jaxkv_agents_shared_tokens_total", "counter", "prompt tokens a role read "
                 "from KV another role (or its own earlier turn) computed", b.agents_shared_tokens),

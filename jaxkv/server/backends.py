@@ -61,10 +61,6 @@ class BackendStats:
   memart_blocks_retrieved: int = 0
   memart_prefill_tokens: int = 0   # tokens memart requests prefilled (the question)
   memart_chat_tokens: int = 0      # tokens the same chats hold as plain prompts
-  reuse_reused_tokens: int = 0     # prompt tokens spliced from stored segments
-  reuse_prefix_tokens: int = 0     # prompt tokens adopted from the reuse radix cache
-  semshare_reused_requests: int = 0   # requests that reused a reference's KV
-  semshare_reused_tokens: int = 0  # prompt tokens of those requests
   agents_shared_tokens: int = 0    # prompt tokens a role read from KV it did not compute
   agents_computed_tokens: int = 0  # prompt tokens roles computed
 
@@ -106,17 +102,22 @@ class SessionBackends:
       self.memart = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
                                    attn_impl=impl, kv=self.kv)
     if "reuse" in self.kinds:
+      from jaxkv.engine.mechanisms.reuse import Reuse
       from jaxkv.engine.reuse import ReuseRunner
-      self.reuse = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl, kv=self.kv)
+      self.reuse = self.engine.mechanisms.get("reuse") or self.engine.add_mechanism(Reuse(
+          ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl, kv=self.kv)))
     if "semshare" in self.kinds:
+      from jaxkv.engine.mechanisms.semshare import SemShare
       from jaxkv.engine.semshare import SemShareRunner
-      self.semshare = SemShareRunner(llm, cfg.semshare, cache=cfg.cache, attn_impl=impl,
-                                     kv=self.kv)
+      self.semshare = self.engine.mechanisms.get("semshare") or self.engine.add_mechanism(
+          SemShare(SemShareRunner(llm, cfg.semshare, cache=cfg.cache, attn_impl=impl,
+                                  kv=self.kv)))
 
   @property
   def kv_managers(self) -> list:
     """The distinct KV managers (pools) of the engine and every runner: one."""
-    runners = [self.reuse, self.semshare, self.memart and self.memart.runner,
+    runners = [self.reuse and self.reuse.runner, self.semshare and self.semshare.runner,
+               self.memart and self.memart.runner,
                *self.agents.copy().values()]
     found = [self.kv, *(r.kv for r in runners if r is not None)]
     return list({id(k): k for k in found}.values())
@@ -212,7 +213,8 @@ class SessionBackends:
     return out
 
   # ------------------------------------------------------------------ requests
-  ENGINE_KINDS = ("prefix", "pruned")    # served by the batch engine (the others: runners)
+  # served by the batch engine (the others: a session runner between engine steps)
+  ENGINE_KINDS = ("prefix", "pruned", "reuse", "semshare")
 
   def engine_request(self, kind: str, session: str, p, rid: str):
     """The engine `Request` of a request on a session kind the engine serves; raises
@@ -224,6 +226,10 @@ class SessionBackends:
     if p.adapter >= 0:
       raise ValueError("role adapters run in the batch engine or in 'agents' sessions: "
                        "use one of those or no session")
+    if kind in ("reuse", "semshare"):    # any prompt (reuse: its lines are the spans)
+      self.open(session, kind)
+      self.stats.requests[kind] += 1
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, mechanism=kind)
     if p.chat is None:
       raise ValueError("'pruned' sessions take chat completions (their turns are messages)")
     self.open(session, kind)
@@ -249,12 +255,8 @@ class SessionBackends:
     max_tokens = p.sampling.max_tokens
     if kind == "memart":
       ids, ttft, cached, extra = self._memart(session, p, max_tokens)
-    elif kind == "agents":
-      ids, ttft, cached, extra = self._agents(session, p, max_tokens)
-    elif kind == "semshare":
-      ids, ttft, cached, extra = self._semshare(p, max_tokens)
     else:
-      ids, ttft, cached, extra = self._reuse(p, max_tokens)
+      ids, ttft, cached, extra = self._agents(session, p, max_tokens)
     self.stats.requests[kind] += 1
     stop = set(self.tok.stop_ids)
     finish = "stop" if ids and ids[-1] in stop else "length"
@@ -295,33 +297,3 @@ class SessionBackends:
              "trajectory_tokens": int(n), "kv_bytes": kv[runner.scheme],
              "kv_bytes_non_shared": kv["non_shared"]}
     return reply.tolist(), info["ttft_s"], info["shared"], extra
-
-  def _reuse(self, p, max_tokens):
-    r = self.reuse
-    pre = r.prefill(np.asarray(p.prompt, np.int32))
-    try:
-      toks, _ = r.decode(pre, max_tokens, stop_ids=self.tok.stop_ids)
-    finally:
-      r.release(pre.seq)
-    reused = sum(run.n for run in pre.runs if run.tier != "reject")
-    self.stats.reuse_reused_tokens += reused
-    self.stats.reuse_prefix_tokens += pre.prefix_hit
-    extra = {"reuse": r.reuse.method, "reused_tokens": int(reused),
-             "prefill_tokens": round(pre.prefill_tokens, 1),
-             "tiers": sorted({run.tier for run in pre.runs})}
-    return toks.tolist(), pre.ttft_s, pre.prefix_hit, extra
-
-  def _semshare(self, p, max_tokens):
-    r = self.semshare
-    pre = r.prefill(np.asarray(p.prompt, np.int32))
-    try:
-      toks, _ = r.decode(pre, max_tokens, stop_ids=self.tok.stop_ids)
-    finally:
-      r.release(pre.seq)
-    if pre.reused:
-      self.stats.semshare_reused_requests += 1
-      self.stats.semshare_reused_tokens += int(pre.ids.size)
-    extra = {"semshare": r.cfg.method, "similarity": round(pre.similarity, 4),
-             "reused": bool(pre.reused), "recomputed_share": round(pre.recomputed_share, 4),
-             "shared_entries": int(pre.shared_entries), "live_entries": int(pre.live_entries)}
-    return toks.tolist(), pre.ttft_s, 0, extra

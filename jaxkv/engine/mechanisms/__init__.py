@@ -9,10 +9,19 @@ hooks where its KV management differs from a plain request:
     match(req)            the cached KV to adopt (a radix match with a lock), before
                           any page is taken; `unmatch` undoes it when the request
                           has to wait
+    prefill(row)          a mechanism that plans its own prefill (which tokens at which
+                          layers, spliced rows: `owns_prefill`) runs it over the row's
+                          slots and returns the last prompt token's logits; the engine
+                          samples the first token and decodes the row with the batch
     capture_q(row)        whether the row's prefill chunks capture post-RoPE queries
     on_chunk(row, q, lo, n)  the captured queries of prompt tokens [lo, lo + n)
     after_prefill(row)    after the last prompt chunk, before the row decodes (prune,
-                          write memory, store segments)
+                          write memory); for an `owns_prefill` mechanism after its
+                          first token (store segments: off the TTFT path)
+    decode_view(row, w)   the row's decode view when it is not its own slot map: a
+                          per-layer slot map [L, w] (aliased or evicted entries) and/or
+                          a key shift [w] (keys rotated on read); the row's new tokens
+                          still go to its own slots
     finish(row, cache)    the row leaves: cache what it wrote, release its locks, keep
                           per-session state; returns what it did (usage["jaxkv"])
 
@@ -42,6 +51,7 @@ class Mechanism:
   """Base class: a request that names no hook gets the plain engine's behaviour."""
 
   name = ""
+  owns_prefill = False   # True: `prefill` computes the prompt, not the engine's chunks
 
   def match(self, req) -> Match:
     """The KV to adopt for `req` (default: none). Locks what it returns."""
@@ -51,6 +61,12 @@ class Mechanism:
   def unmatch(self, match: Match) -> None:
     """Undoes `match` (the request waits for pages and will match again)."""
     del match
+
+  def prefill(self, row) -> np.ndarray:
+    """Computes the row's prompt (positions [row.cached, n) have fresh slots in
+    `row.seq`) and returns the logits [V] float32 at its last token. Runs as one
+    call in one engine step (the engine runs at most one such prefill per step)."""
+    raise NotImplementedError(f"{type(self).__name__} does not plan its own prefill")
 
   def capture_q(self, row) -> bool:
     del row
@@ -63,6 +79,12 @@ class Mechanism:
 
   def after_prefill(self, row) -> None:
     del row
+
+  def decode_view(self, row, width: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(per-layer slot map [L, width] int32 or None, key shift [width] int32 or None)
+    over positions [0, width) of the row; (None, None): its own slot map."""
+    del row, width
+    return None, None
 
   def finish(self, row, cache: bool) -> dict | None:
     """The row is done (`cache`: it finished normally; False on cancel / error).

@@ -1,0 +1,92 @@
+"""Cross-prompt segment reuse as an engine mechanism.
+
+A request named `mechanism="reuse"` runs in an ordinary batch row: the reuse radix
+tree's longest cached exact prefix is adopted at admission (`match`, locked), then
+`ReuseRunner.prefill_into` plans and runs the rest of the prompt over the row's
+slots (segments of earlier prompts found in the store, admitted to a tier, spliced
+at their new positions with delta-RoPE, the rest computed with its per-layer
+recompute set) and returns the last token's logits. The engine samples the first
+token and decodes the row with the batch (the spliced K/V sit at their true
+positions, so the decode view is the row's own slot map). After the first token
+(`after_prefill`) the exact prefix goes into the radix tree and the prompt's fully
+computed runs into the segment store, as the runner does off the critical path.
+
+The plan spans layers (a token may be computed from layer r on only), so the
+prefill is not cut into token chunks: it runs as one call in one engine step,
+and a step runs at most one. The `ReuseRunner` holds the store, the index and
+the fingerprint; this file holds no state of its own but the counters.
+
+`Request.context`: {"spans": [(lo, hi), ...]} the prompt's structural spans (tool
+schemas, documents); missing or None: the prompt's lines (`index.line_spans`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxkv.engine.mechanisms import Match, Mechanism
+
+
+@dataclasses.dataclass
+class _Turn:
+  lock: object = None           # the reuse radix tree's lock on the adopted prefix
+  pre: object = None            # the runner's `Prefill`
+
+
+class Reuse(Mechanism):
+  """Segment reuse in the engine (module docstring). `runner`: a `ReuseRunner` on the
+  engine's KV manager (`kv=engine.kv_manager`)."""
+
+  name = "reuse"
+  owns_prefill = True
+
+  def __init__(self, runner):
+    self.runner = runner
+    # counters for /metrics (one writer: the engine's thread)
+    self.stats = {"requests": 0, "reused_tokens": 0, "prefix_tokens": 0}
+
+  def match(self, req) -> Match:
+    spans = (req.context or {}).get("spans")
+    if spans is not None and any(not 0 <= lo < hi <= len(req.prompt) for lo, hi in spans):
+      raise ValueError(f"spans must be (lo, hi) with 0 <= lo < hi <= {len(req.prompt)}")
+    tree = self.runner.radix
+    if tree is None:                     # method "none": no prefix cache either
+      return Match(0, np.zeros(0, np.int32), _Turn())
+    m = tree.match_prefix(np.asarray(req.prompt[:-1], np.int32), lock=True)
+    return Match(m.n_matched, m.slots, _Turn(lock=m))
+
+  def unmatch(self, match: Match) -> None:
+    if match.state.lock is not None:
+      self.runner.radix.release_lock(match.state.lock)
+
+  def prefill(self, row) -> np.ndarray:
+    spans = (row.req.context or {}).get("spans")
+    pre = self.runner.prefill_into(row.seq, np.asarray(row.req.prompt, np.int32), row.cached,
+                                   None if spans is None else [tuple(s) for s in spans],
+                                   defer_store=True)
+    row.state.pre = pre
+    return pre.logits
+
+  def after_prefill(self, row) -> None:
+    row.state.pre.finish(True)
+
+  def finish(self, row, cache: bool) -> dict | None:
+    t = row.state
+    try:
+      if t.pre is not None and t.pre.finish is not None and cache:
+        t.pre.finish(True)               # the row ended before after_prefill ran
+    finally:
+      if t.lock is not None:
+        self.runner.radix.release_lock(t.lock)
+    pre = t.pre
+    if pre is None:
+      return None
+    reused = sum(run.n for run in pre.runs if run.tier != "reject")
+    self.stats["requests"] += 1
+    self.stats["reused_tokens"] += reused
+    self.stats["prefix_tokens"] += pre.prefix_hit
+    return {"reuse": self.runner.reuse.method, "reused_tokens": int(reused),
+            "prefill_tokens": round(pre.prefill_tokens, 1),
+            "tiers": sorted({run.tier for run in pre.runs}), "stored": pre.stored}

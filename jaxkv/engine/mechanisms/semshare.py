@@ -1,0 +1,77 @@
+"""SemShareKV as an engine mechanism.
+
+A request named `mechanism="semshare"` gets fresh slots for its whole prompt at
+admission (no prefix adopted); `SemShareRunner.prefill_into` then matches it
+against the stored reference prompts, and either prefills it in full (stored as a
+reference) or reuses the most similar reference's KV: every token's slot-map entry
+aliases its match, layer 0 is recomputed for every token (the probe) and the later
+layers recompute what the plan picks, then each layer evicts by its own attention.
+The engine samples the first token and decodes the row with the batch, through the
+row's decode view (`decode_view`): the prompt's per-layer slot map (aliased and
+evicted entries) followed by the row's own slots for the tokens it generates.
+
+The prefill runs as one call in one engine step (its passes span layers, not token
+chunks), at most one per step. The aliased reference slots are held while the row
+lives and released when it leaves (`finish`); the store and its references are the
+runner's, on the engine's KV manager (its evictor forgets references when the pool
+needs pages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxkv.engine.mechanisms import Match, Mechanism
+from jaxkv.kv.state import SENTINEL
+
+
+@dataclasses.dataclass
+class _Turn:
+  pre: object = None            # the runner's `SemPrefill`
+
+
+class SemShare(Mechanism):
+  """SemShareKV in the engine (module docstring). `runner`: a `SemShareRunner` on the
+  engine's KV manager (`kv=engine.kv_manager`)."""
+
+  name = "semshare"
+  owns_prefill = True
+
+  def __init__(self, runner):
+    self.runner = runner
+    # counters for /metrics (one writer: the engine's thread)
+    self.stats = {"requests": 0, "reused_requests": 0, "reused_tokens": 0}
+
+  def match(self, req) -> Match:
+    del req
+    return Match(0, np.zeros(0, np.int32), _Turn())
+
+  def prefill(self, row) -> np.ndarray:
+    pre = self.runner.prefill_into(row.seq, np.asarray(row.req.prompt, np.int32))
+    row.state.pre = pre
+    return pre.logits
+
+  def decode_view(self, row, width: int):
+    pre = row.state.pre
+    n = pre.ids.size
+    view = np.full((pre.slot_map.shape[0], width), SENTINEL, np.int32)
+    view[:, :n] = pre.slot_map
+    own = self.runner.alloc.slot_map(row.seq)[n:width]
+    view[:, n:n + own.size] = own
+    return view, None
+
+  def finish(self, row, cache: bool) -> dict | None:
+    del cache
+    self.runner.drop_holds(row.seq)        # the engine frees the sequence itself
+    pre = row.state.pre
+    if pre is None:
+      return None
+    self.stats["requests"] += 1
+    if pre.reused:
+      self.stats["reused_requests"] += 1
+      self.stats["reused_tokens"] += int(pre.ids.size)
+    return {"semshare": self.runner.cfg.method, "similarity": round(pre.similarity, 4),
+            "reused": bool(pre.reused), "recomputed_share": round(pre.recomputed_share, 4),
+            "shared_entries": int(pre.shared_entries), "live_entries": int(pre.live_entries)}

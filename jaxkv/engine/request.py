@@ -1,0 +1,64 @@
+"""The engine's request, its result and its batch row.
+
+`Request` is what a caller submits (prompt ids, sampling, and for a KV mechanism
+its name and context); `Result` is what comes back when it finishes; `Row` is the
+engine's per-row state while it runs (mechanisms read and extend it: `state`,
+`extra`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxkv.config import SamplingConfig
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request: prompt token ids and its sampling settings."""
+  id: str
+  prompt: list[int]
+  sampling: SamplingConfig = SamplingConfig()
+  session: str | None = None   # with the prefix cache: keep this session's KV cached
+  adapter: int = -1            # index into the engine's LoRA adapter stack (-1: base)
+  mechanism: str | None = None  # a KV mechanism the engine has (`Engine.add_mechanism`)
+  context: dict | None = None  # what that mechanism needs (e.g. its session, spans)
+
+
+@dataclasses.dataclass
+class Result:
+  id: str
+  tokens: list[int]
+  prompt_tokens: int
+  completion_tokens: int
+  ttft_s: float
+  latency_s: float
+  finish_reason: str     # "stop" | "length" | "error" | "cancelled"
+  error: str | None = None
+  cached_tokens: int = 0  # prompt tokens served by the prefix cache (not prefilled)
+  extra: dict | None = None  # what a KV mechanism did (the server's usage["jaxkv"])
+
+
+@dataclasses.dataclass
+class Row:
+  req: Request
+  seq: int
+  admitted: float
+  prefilled: int = 0               # prompt tokens already through prefill
+  generated: list[int] = dataclasses.field(default_factory=list)
+  first_token_at: float | None = None
+  finish: str | None = None
+  cached: int = 0                  # prompt positions adopted from the prefix cache
+  lock: object = None              # the prefix cache's lock on that path
+  state: object = None             # the row's mechanism state (`Match.state`)
+  extra: dict | None = None        # what its mechanism did (Result.extra)
+
+
+def cancelled(req: Request) -> Result:
+  return Result(id=req.id, tokens=[], prompt_tokens=len(req.prompt), completion_tokens=0,
+                ttft_s=0.0, latency_s=0.0, finish_reason="cancelled")
+
+
+def error(req: Request, msg: str) -> Result:
+  return Result(id=req.id, tokens=[], prompt_tokens=len(req.prompt), completion_tokens=0,
+                ttft_s=0.0, latency_s=0.0, finish_reason="error", error=msg)

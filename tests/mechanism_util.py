@@ -1,0 +1,27 @@
+"""Helpers of the mechanism tests: a mechanism that records each request's
+first-token logits, and a runner's tokens cut at the first stop as the engine's are."""
+
+
+def recording(cls):
+  """A subclass of the mechanism `cls` whose `prefill` keeps each request's logits
+  (`.logits[request id]`), for the 1e-5 check against its runner."""
+
+  class Recording(cls):
+    def __init__(self, *args, **kw):
+      super().__init__(*args, **kw)
+      self.logits = {}
+
+    def prefill(self, row):
+      out = super().prefill(row)
+      self.logits[row.req.id] = out
+      return out
+
+  return Recording
+
+
+def clip(tokens, stop_ids):
+  """tokens up to and including the first stop token (the engine ends a row there)."""
+  for i, t in enumerate(tokens):
+    if t in stop_ids:
+      return tokens[:i + 1]
+  return tokens

@@ -1,0 +1,128 @@
+"""Segment reuse as an engine mechanism: a `reuse` request run by the batch engine
+gives ReuseRunner's prefill + greedy decode (same tokens, first-token logits within
+1e-5, same tiers and prefix hits), also beside plain requests in one batch; the
+store and the radix tree it fills are the runner's; cancellation frees everything.
+
+A random 6-layer model with SmolLM2's real tokenizer (as tests/test_reuse.py), so
+the exact, approximate and blend tiers all have layers to work with."""
+
+import numpy as np
+import pytest
+
+import hf_util
+from jaxkv.config import CacheConfig, EngineConfig, ReuseConfig, SamplingConfig
+from jaxkv.engine.engine import Engine, Request
+from jaxkv.engine.mechanisms.reuse import Reuse
+from jaxkv.engine.reuse import ReuseRunner
+from mechanism_util import clip, recording
+from test_reuse import _prompts
+
+CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=1024)
+MAX = 10
+METHODS = {"tiered": dict(tiers=("exact", "approx")), "cacheblend": {}, "none": {}}
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return hf_util.random_llm_with_real_tokenizer()
+
+
+def _config(method):
+  return ReuseConfig(method=method, storage="float32", cut_every=2, **METHODS[method])
+
+
+_Recording = recording(Reuse)
+
+
+def _engine(llm, method, max_batch=4):
+  eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
+               EngineConfig(max_batch=max_batch, prefill_chunk=32, decode_steps=4))
+  runner = ReuseRunner(llm, _config(method), attn_impl="reference", kv=eng.kv_manager)
+  return eng, eng.add_mechanism(_Recording(runner))
+
+
+def _request(rid, prompt, max_tokens=MAX):
+  return Request(rid, [int(t) for t in prompt], SamplingConfig(max_tokens=max_tokens),
+                 mechanism="reuse", context={"spans": []})
+
+
+def _runner_answers(llm, method, prompts):
+  """ReuseRunner alone (its own pool): per prompt (prefill, greedy tokens)."""
+  r = ReuseRunner(llm, _config(method), cache=CACHE, attn_impl="reference")
+  out = []
+  for p in prompts:
+    pre = r.prefill(p, [])
+    toks, _ = r.decode(pre, MAX, stop_ids=llm.tokenizer.stop_ids)
+    r.release(pre.seq)
+    out.append((pre, toks.tolist()))
+  return out, r
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_engine_reuse_equals_the_runner(llm, method):
+  p1, p2, p3 = _prompts(seed=3)
+  prompts = [p1, p3, p2, p2]        # store; splice (approx / blend); exact + radix; radix
+  want, runner = _runner_answers(llm, method, prompts)
+  eng, mech = _engine(llm, method)
+  stop = set(llm.tokenizer.stop_ids)
+  for i, (p, (pre, toks)) in enumerate(zip(prompts, want)):
+    (res,) = list(eng.run([_request(f"r{i}", p)]))
+    assert res.finish_reason in ("stop", "length"), res.error
+    assert res.tokens == clip(toks, stop), f"request {i}"
+    np.testing.assert_allclose(mech.logits[f"r{i}"], pre.logits, atol=1e-5, rtol=0)
+    assert res.cached_tokens == pre.prefix_hit, f"request {i}"
+    x = res.extra
+    assert x["tiers"] == sorted({run.tier for run in pre.runs}), f"request {i}"
+    assert x["reused_tokens"] == sum(run.n for run in pre.runs if run.tier != "reject")
+    assert x["prefill_tokens"] == round(pre.prefill_tokens, 1)
+  if method != "none":
+    assert want[1][0].runs and want[3][0].prefix_hit > 0     # splice and radix both ran
+  assert len(mech.runner.store) == len(runner.store)          # the same segments stored
+  assert mech.runner.store.keys() == runner.store.keys()
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == []
+  if mech.runner.radix is not None:
+    mech.runner.radix.check()
+    assert mech.runner.radix.locked_tokens == 0
+
+
+def test_reuse_rows_batch_with_plain_rows(llm):
+  """Reuse requests and plain requests in one batch: every row equals its run alone."""
+  p1, p2, p3 = _prompts(seed=4)
+  rng = np.random.default_rng(5)
+  plain = [rng.integers(100, 40000, k).tolist() for k in (40, 70)]
+  alone = {}
+  for rid, p in (("a", p3), ("b", p2)):
+    eng, _ = _engine(llm, "cacheblend")
+    list(eng.run([_request("seed", p1)]))
+    alone[rid] = next(iter(eng.run([_request(rid, p)]))).tokens
+  for i, p in enumerate(plain):
+    eng, _ = _engine(llm, "cacheblend")
+    alone[f"p{i}"] = next(iter(eng.run([Request(f"p{i}", p, SamplingConfig(max_tokens=MAX))]))
+                          ).tokens
+  eng, mech = _engine(llm, "cacheblend")
+  list(eng.run([_request("seed", p1)]))
+  batch = [_request("a", p3), Request("p0", plain[0], SamplingConfig(max_tokens=MAX)),
+           _request("b", p2), Request("p1", plain[1], SamplingConfig(max_tokens=MAX))]
+  got = {r.id: r for r in eng.run(batch)}
+  for rid, toks in alone.items():
+    assert got[rid].tokens == toks, rid
+  assert got["a"].extra["reused_tokens"] > 0 and got["p0"].extra is None
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == [] and mech.runner.radix.locked_tokens == 0
+
+
+def test_cancel_and_bad_context_free_everything(llm):
+  p1, _, p3 = _prompts(seed=6)
+  eng, mech = _engine(llm, "tiered")
+  list(eng.run([_request("seed", p1)]))
+  eng.submit(_request("c", p3, max_tokens=40))
+  eng.step()                                   # prefilled whole, first token out
+  assert eng.cancel("c")
+  (res,) = eng.step()
+  assert res.finish_reason == "cancelled" and len(res.tokens) >= 1
+  (res,) = list(eng.run([Request("bad", p3.tolist(), mechanism="reuse",
+                                 context={"spans": [(5, 2)]})]))
+  assert res.finish_reason == "error" and "spans" in res.error
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == [] and mech.runner.radix.locked_tokens == 0
