@@ -9,7 +9,9 @@
 in a session of that kind (one session per request: `user` names it, and the
 server's `server.sessions` is set to that kind alone), so the level measures how
 that mechanism's requests batch; e.g. `--kind=pruned --config.pruning.method=intentkv
---config.pruning.budget=64` prunes every request.
+--config.pruning.budget=64` prunes every request. A list (`--kind=pruned,reuse,semshare`)
+measures each kind in turn on its own server (the weights loaded once); `-` in the
+list is the plain engine (no session).
 
 For each `--prefix_cache` setting (`engine.prefix_cache` off / on), starts the
 server in this process on a free loopback port (`--url` points at a running one
@@ -63,13 +65,15 @@ def define_flags():
                                   lock_config=True)
   flags.DEFINE_string("concurrency", "1,4,16,64", "concurrency levels")
   flags.DEFINE_string("prefix_cache", "off,on", "engine.prefix_cache settings to compare")
-  flags.DEFINE_string("kind", "", "session kind of every request (empty: no session)")
+  flags.DEFINE_string("kind", "", "session kind(s) of every request, comma-separated (empty "
+                      "or -: no session)")
   flags.DEFINE_integer("requests", 0, "requests per level (0: max(c, 8))")
   flags.DEFINE_integer("max_tokens", 16, "completion tokens per request")
   flags.DEFINE_integer("system_chars", 600, "characters of the shared system prompt")
   flags.DEFINE_float("max_s", 600.0, "per level: stop sending after this many seconds")
   flags.DEFINE_string("url", "", "a running server's base URL (default: start one here)")
   flags.DEFINE_string("out", None, "JSON rows")
+  flags.DEFINE_bool("append", False, "keep --out's rows of the kinds this run does not measure")
   flags.DEFINE_string("plot", None, "PNG of throughput and latency vs concurrency")
 
 def prompts() -> list[str]:
@@ -173,6 +177,28 @@ def table(rows: list[dict]) -> common.Table:
        "ITL p99 ms"], lines)
 
 
+def batching_table(rows: list[dict], c: int = 8) -> common.Table:
+  """One line per session kind (prefix cache off): tok/s at each concurrency, the
+  ratio at `c` against one client, and TTFT p50 / p99 at `c`."""
+  rows = [r for r in rows if not r.get("prefix_cache", False)]
+  kinds = list(dict.fromkeys(r.get("kind", "") for r in rows))
+  levels = sorted({r["concurrency"] for r in rows})
+  lines = []
+  for kind in kinds:
+    by_c = {r["concurrency"]: r for r in rows if r.get("kind", "") == kind}
+    one, top = by_c.get(1), by_c.get(c)
+    lines.append([kind or "- (plain)", *(f"{by_c[x]['tok_per_s']:.1f}" if x in by_c else "-"
+                                        for x in levels),
+                  f"{top['tok_per_s'] / one['tok_per_s']:.2f}x" if one and top else "-",
+                  f"{top['ttft_p50_s']:.2f} / {top['ttft_p99_s']:.2f}" if top else "-"])
+  dev = rows[0].get("device", "") if rows else ""
+  mt = rows[0]["max_tokens"] if rows else "-"
+  return common.Table(
+      f"continuous batching per session kind ({dev}; {mt} tokens per request)",
+      ["session kind", *(f"tok/s c={x}" for x in levels), f"c={c} vs c=1",
+       f"TTFT p50 / p99 s, c={c}"], lines)
+
+
 def tables(rows: list[dict]) -> list[common.Table]:
   return [table(rows)]
 
@@ -182,11 +208,16 @@ def plot(rows: list[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, (a, b) = plt.subplots(1, 2, figsize=(9.5, 3.6))
-  for pc, color in ((False, "tab:blue"), (True, "tab:orange")):
-    rs = [r for r in rows if r.get("prefix_cache", False) == pc]
+  kinds = list(dict.fromkeys(r.get("kind", "") for r in rows))
+  colors = iter(["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                 "tab:pink", "tab:gray"])
+  for kind, pc in [(k, pc) for k in kinds for pc in (False, True)]:
+    rs = [r for r in rows if r.get("prefix_cache", False) == pc and r.get("kind", "") == kind]
     if not rs:
       continue
-    cs, tag = [r["concurrency"] for r in rs], f"prefix cache {'on' if pc else 'off'}"
+    color = next(colors)
+    cs = [r["concurrency"] for r in rs]
+    tag = (f"{kind}, " if len(kinds) > 1 else "") + f"prefix cache {'on' if pc else 'off'}"
     a.plot(cs, [r["tok_per_s"] for r in rs], "o-", color=color, label=tag)
     b.plot(cs, [r["ttft_p50_s"] for r in rs], "o-", color=color, label=f"TTFT p50, {tag}")
     b.plot(cs, [r["ttft_p99_s"] for r in rs], "o--", color=color, label=f"TTFT p99, {tag}")
@@ -219,10 +250,16 @@ def main(argv):
   settings = [{"off": False, "on": True}[x] for x in FLAGS.prefix_cache.split(",")]
   cfg = cli.load_config(ServeConfig, FLAGS.config)
   base = None if FLAGS.url else cli.load_llm(cfg)
+  kinds = [k.strip() for k in FLAGS.kind.split(",")] if FLAGS.kind else [""]
   rows: list[dict] = []
+  if FLAGS.append and FLAGS.out and pathlib.Path(FLAGS.out).exists():
+    measured = {"" if k == "-" else k for k in kinds}
+    rows = [r for r in json.loads(pathlib.Path(FLAGS.out).read_text())
+            if r.get("kind", "") not in measured]
   try:
-    for pc in settings[:1] if FLAGS.url else settings:
-      run_levels(base, cfg, pc, levels, rows)
+    for kind in kinds:
+      for pc in settings[:1] if FLAGS.url else settings:
+        run_levels(base, cfg, pc, levels, rows, "" if kind == "-" else kind)
   except openai.APIConnectionError as e:
     sys.exit(f"server_load.py: error: cannot reach the server ({FLAGS.url or 'in-process'}): {e}")
   common.print_tables(tables(rows))
@@ -230,9 +267,11 @@ def main(argv):
     plot(rows, FLAGS.plot)
 
 
-def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict]) -> None:
+def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict],
+               kind: str = "") -> None:
   """Every level on one server whose engine has `prefix_cache` (a fresh engine over
-  `base`'s weights), or on --url (then `prefix_cache` is only a label)."""
+  `base`'s weights) and serves session `kind` only (empty: plain requests), or on
+  --url (then `prefix_cache` is only a label)."""
   import dataclasses
 
   import jax
@@ -241,8 +280,9 @@ def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict
   from jaxkv.server.app import create_app, serve_in_thread
   texts, system = prompts(), system_prompt(FLAGS.system_chars)
   model = cfg.server.model_name or cfg.model
-  if FLAGS.kind:
-    cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, sessions=FLAGS.kind))
+  # the server serves this kind alone (plain requests: "prefix", the engine's own)
+  cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server,
+                                                            sessions=kind or "prefix"))
   if FLAGS.url:
     target, device = contextlib.nullcontext(None), "remote server"
   else:
@@ -260,20 +300,20 @@ def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict
       nonlocal sent
       sent += n
       return asyncio.run(level(url, model, c, n, FLAGS.max_tokens, FLAGS.max_s, texts,
-                               system, first_id=sent - n, kind=FLAGS.kind))
+                               system, first_id=sent - n, kind=kind))
 
     # prefill packs the rows with prompt left into a batch of 1, 2, 4, ... rows, so every
     # such batch size meets its first (compiling) call here, not inside a level
     sizes = [k for k in (1, 2, 4, 8, 16) if k <= min(max(levels), 16)]
-    print(f"prefix cache {prefix_cache}: warm-up, 2 x c requests at concurrency c = "
-          f"{', '.join(map(str, sizes))}", file=sys.stderr)
+    print(f"{kind or 'plain'}, prefix cache {prefix_cache}: warm-up, 2 x c requests at "
+          f"concurrency c = {', '.join(map(str, sizes))}", file=sys.stderr)
     for k in sizes:
       run(k, 2 * k)
     for c in levels:
       r = run(c, FLAGS.requests or max(c, 8))
-      r.update(device=device, jax=jax.__version__, prefix_cache=prefix_cache, kind=FLAGS.kind)
+      r.update(device=device, jax=jax.__version__, prefix_cache=prefix_cache, kind=kind)
       rows.append(r)
-      print(f"{FLAGS.kind or 'plain'}, prefix cache {prefix_cache}, c={c}: "
+      print(f"{kind or 'plain'}, prefix cache {prefix_cache}, c={c}: "
             f"{r['requests']} requests, "
             f"{r['tok_per_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.2f} s, cached "
             f"{r['cached_tokens']} of {r['prompt_tokens']} prompt tokens",

@@ -685,12 +685,12 @@ class ServeConfig:
                                 # their own.
   mode: str = "requests"        # What serve.py runs: requests (JSONL requests, batched),
                                 # sessions (a ToolBench-format trace file replayed turn by
-                                # turn, pruned by `pruning`), reuse (JSONL requests one at a
-                                # time, reusing earlier prompts' segments by `reuse`),
-                                # semshare (one at a time, reusing a similar earlier
-                                # prompt's KV by `semshare`) or memart (chat requests whose
-                                # history lives in MemArt memory, `memart`). The last three
-                                # decode greedily.
+                                # turn, pruned by `pruning`), reuse (JSONL requests reusing
+                                # earlier prompts' segments by `reuse`), semshare (reusing a
+                                # similar earlier prompt's KV by `semshare`) or memart (chat
+                                # requests whose history lives in MemArt memory, `memart`).
+                                # The last three run batched too, as requests of that
+                                # mechanism in the same engine.
   pruning: PruningConfig = PruningConfig()
   session_generate: bool = False  # In mode=sessions, generate each assistant turn instead
                                   # of replaying the trace's.

@@ -118,6 +118,7 @@ SOURCES = {
     "throughput-h100": "bench/results_throughput_h100.json",
     "throughput-h200": "bench/results_throughput_h200.json",
     "server-load": "bench/results_server_load.json",
+    "server-load-kinds": "bench/results_server_load_kinds.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -217,6 +218,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
                "kernels-h200-grid"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
   out["server-load"] = rows["server-load"] and _render(server_load.tables(rows["server-load"]))
+  out["server-load-kinds"] = rows["server-load-kinds"] and _render(
+      [server_load.batching_table(rows["server-load-kinds"])])
   out["throughput-h200"] = rows["throughput-h200"] and _render(
       [throughput.table(rows["throughput-h200"])], titles=False)
   out["throughput-h100"] = rows["throughput-h100"] and _render([

@@ -1,10 +1,13 @@
 """Helpers of the mechanism tests: a mechanism that records each request's
 first-token logits, and a runner's tokens cut at the first stop as the engine's are."""
 
+import inspect
+
 
 def recording(cls):
   """A subclass of the mechanism `cls` whose `prefill` keeps each request's logits
-  (`.logits[request id]`), for the 1e-5 check against its runner."""
+  (`.logits[request id]`), for the 1e-5 check against its runner (a generator
+  prefill's return value too)."""
 
   class Recording(cls):
     def __init__(self, *args, **kw):
@@ -13,8 +16,15 @@ def recording(cls):
 
     def prefill(self, row):
       out = super().prefill(row)
+      if inspect.isgenerator(out):
+        return self._recorded(row, out)
       self.logits[row.req.id] = out
       return out
+
+    def _recorded(self, row, steps):
+      logits = yield from steps
+      self.logits[row.req.id] = logits
+      return logits
 
   return Recording
 

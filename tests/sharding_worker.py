@@ -3,6 +3,7 @@ prints one JSON line per mesh. Started by tests/test_sharding.py in a fresh
 process, because the device count is fixed when JAX starts.
 
     python tests/sharding_worker.py [--model=tiny|smollm2] [--meshes=1x8,2x4,4x2,8x1]
+        [--mode=mechanisms]     # a mixed batch of KV mechanisms instead
     python scripts/launch.py --processes=2 --devices_per_process=4 -- \
         python tests/sharding_worker.py --meshes=2x4      # the mesh spans 2 processes
 
@@ -87,12 +88,40 @@ def logits(model, prompts, mesh):
   return np.concatenate(out, axis=1), drv
 
 
+def mechanisms(meshes) -> None:
+  """--mode=mechanisms: a plain request and a pruned, a reuse, a SemShareKV and a MemArt
+  request in one batch (tests/test_mechanisms_mixed.py's) on each mesh, against one
+  device: tokens and what each mechanism did."""
+  import hf_util
+  import test_mechanisms_mixed as mixed
+  llm = hf_util.random_llm_with_real_tokenizer()
+
+  def run(mesh):
+    eng = mixed._engine(llm, mesh=mesh, max_batch=8)
+    got = {r.id: r for r in eng.run(mixed._requests(llm, eng))}
+    eng.kv_manager.check()
+    return ({k: r.tokens for k, r in got.items()}, {k: r.extra for k, r in got.items()},
+            {k: r.finish_reason for k, r in got.items()}, eng)
+
+  want_tok, want_extra, _, _ = run(None)
+  for d, m in meshes:
+    tok, extra, finish, eng = run(sharding.make_mesh(d, m))
+    if distributed.is_leader():
+      print(json.dumps({"mesh": [d, m], "processes": jax.process_count(),
+                        "tokens_equal": tok == want_tok, "extra_equal": extra == want_extra,
+                        "finish": finish, "alloc_shards": eng.shards,
+                        "pool_devices": len(eng.kv.k.sharding.device_set),
+                        "sequences_left": len(eng.allocator.sequences())}), flush=True)
+
+
 def main():
   distributed.initialize()
   args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
   which = args.get("model", "tiny")
   meshes = [tuple(int(x) for x in m.split("x"))
             for m in args.get("meshes", "1x8,2x4,4x2,8x1").split(",")]
+  if args.get("mode") == "mechanisms":
+    return mechanisms(meshes)
   rng = np.random.default_rng(0)
   if which == "tiny":
     model = tiny_model()

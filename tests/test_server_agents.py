@@ -175,7 +175,7 @@ def test_memart_session_prefills_only_the_question(served):
   assert httpx.post(url + "/v1/sessions", json={"session_id": sid, "kind": "pruned"}
                     ).status_code == 400                        # open as memart already
   assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
-  assert sid not in served.app_backends.memart.sessions
+  assert sid not in served.app_backends.memart.sessions.sessions
 
 
 @pytest.mark.slow

@@ -172,6 +172,20 @@ def test_two_processes_equal_one_device():
     assert r["tokens_equal"] and r["max_logit_diff"] <= 1e-5, r
 
 
+@pytest.mark.slow
+def test_mechanisms_on_meshes_equal_one_device():
+  """A plain request and a pruned, a reuse, a SemShareKV and a MemArt request in one
+  batch on the (data, model) meshes of 8 CPU devices: every row's tokens and what its
+  mechanism did equal the single-device run, and nothing is left allocated."""
+  rows = _worker("--mode=mechanisms", "--meshes=1x8,2x4,4x2,8x1", timeout=900)
+  assert [r["mesh"] for r in rows] == [[1, 8], [2, 4], [4, 2], [8, 1]]
+  for r in rows:
+    assert r["tokens_equal"] and r["extra_equal"], r
+    assert set(r["finish"].values()) <= {"stop", "length"}, r
+    assert r["pool_devices"] == 8 and r["sequences_left"] == 0, r
+  assert [r["alloc_shards"] for r in rows] == [1, 2, 4, 8]
+
+
 def test_launcher_ends_every_process_when_one_fails():
   t0 = __import__("time").monotonic()
   code = "import os, sys, time; pid = int(os.environ['JAXKV_PROCESS_ID']); " \

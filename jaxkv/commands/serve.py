@@ -11,23 +11,29 @@ skipped. See jaxkv/engine/batch.py for the line formats. Compiled steps are kept
 between runs in --xla_cache (default ~/.cache/jaxkv/xla, or $JAX_COMPILATION_CACHE_DIR;
 --xla_cache= turns it off), so a rerun skips most of the compilation.
 
-Segment reuse (`--config=configs/smollm2_reuse.py`, or `--config.mode=reuse`): the
-same JSONL requests, one at a time, each prefilled reusing the K/V of segments
-earlier prompts contained (`--config.reuse.method=tiered|cacheblend|epic|naive|prefix`,
-the segment-reuse paper); greedy decoding; records add cached / reused tokens and each match's tier.
+Segment reuse, SemShareKV and MemArt run their requests in the same batch engine,
+each request as a request of that KV mechanism (`jaxkv.engine.mechanisms`: the
+server's session kinds of the same names), so they batch, sample and stream like
+plain ones. Requests are admitted in file order and each mechanism's prefill work
+runs in row order within an engine step, so a request sees what the requests before
+it stored or wrote (segments, references, a session's history). Every record adds
+what its mechanism did (the server's `usage["jaxkv"]`):
 
-SemShareKV (`--config=configs/smollm2_semshare.py`, or `--config.mode=semshare`): the
-same JSONL requests, one at a time; a prompt whose LSH similarity to an earlier
-prompt reaches `--config.semshare.threshold` reuses that prompt's K/V through
-token-level matching (SemShareKV), others are prefilled and kept as references;
-records add the similarity, whether it was reused and the recomputed share.
-
-MemArt memory (`--config=configs/smollm2_memart.py`, or `--config.mode=memart`): chat
-requests one at a time; `"user"` names the session (default: the request id). Every
-message before the last is the session's history, written as KV blocks into its
-memory the first time it is seen; the last (user) message alone is prefilled over
-the blocks retrieved for it (MemArt); records add the blocks retrieved, the
-session's memory size and the prefill / probe token counts.
+- Segment reuse (`--config=configs/smollm2_reuse.py`, or `--config.mode=reuse`): each
+  prompt is prefilled reusing the K/V of segments earlier prompts contained
+  (`--config.reuse.method=tiered|cacheblend|epic|naive|prefix`, the segment-reuse
+  paper); records add cached / reused / prefilled tokens and each match's tier.
+- SemShareKV (`--config=configs/smollm2_semshare.py`, or `--config.mode=semshare`): a
+  prompt whose LSH similarity to an earlier prompt reaches
+  `--config.semshare.threshold` reuses that prompt's K/V through token-level matching,
+  others are prefilled and kept as references; records add the similarity, whether it
+  was reused and the recomputed share.
+- MemArt memory (`--config=configs/smollm2_memart.py`, or `--config.mode=memart`): chat
+  requests; `"user"` names the session (default: the request id). Every message
+  before the last is the session's history, written as KV blocks into its memory the
+  first time it is seen; the last (user) message alone is prefilled over the blocks
+  retrieved for it; records add the blocks retrieved, the session's memory size and
+  the prefilled / probe token counts.
 
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
 --input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
@@ -140,10 +146,8 @@ def _main(argv):
   if cfg.mode == "sessions":
     return serve_sessions(cfg, src, out)
   order, errors, todo = _scan(src, cfg, out.done)
-  if cfg.mode in ("reuse", "semshare") and todo:
-    return serve_sequential(cfg, src, out, todo)
-  if cfg.mode == "memart" and todo:
-    return serve_memart(cfg, src, out, todo)
+  if cfg.mode in ("reuse", "semshare", "memart") and todo:
+    return serve_mechanism(cfg, src, out, todo)
   total = len(order)
   answered = total - todo - len(errors)   # every input line is one of the three
   if total == 0:
@@ -214,163 +218,115 @@ def _main(argv):
             ("output", f"{dst} ({n} records, one per input line)")], m)
 
 
-def serve_sequential(cfg, src: pathlib.Path, out, todo: int) -> None:
-  """JSONL requests one at a time through a runner that reuses earlier prompts'
-  K/V, then greedy decoding. mode=reuse: ReuseRunner (segments, config.reuse);
-  records add `reused_tokens`, `cached_tokens` (radix prefix) and `runs` (tier
-  per match). mode=semshare: SemShareRunner (the most similar earlier prompt,
-  config.semshare); records add `similarity`, `reused` and `recomputed_share`."""
-  import numpy as np
-  import tqdm
-
-  from jaxkv.engine import batch
-
-  t0 = time.perf_counter()
-  llm = cli.load_llm(cfg)
+def _mechanism(cfg, llm):
+  """The engine mechanism of `cfg.mode` (reuse / semshare / memart) on the LLM's engine,
+  and a line saying what it is."""
+  kv, impl = llm.engine.kv_manager, cfg.engine.attention_impl
   if cfg.mode == "reuse":
+    from jaxkv.engine.mechanisms.reuse import Reuse
     from jaxkv.engine.reuse import ReuseRunner
-    runner = ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=cfg.engine.attention_impl)
+    mech = Reuse(ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl, kv=kv))
     what = (f"reuse {cfg.reuse.method} ({cfg.reuse.storage}, "
             f"{cfg.reuse.byte_budget >> 20} MiB store)")
-  else:
+  elif cfg.mode == "semshare":
+    from jaxkv.engine.mechanisms.semshare import SemShare
     from jaxkv.engine.semshare import SemShareRunner
-    runner = SemShareRunner(llm, cfg.semshare, cache=cfg.cache,
-                            attn_impl=cfg.engine.attention_impl)
+    mech = SemShare(SemShareRunner(llm, cfg.semshare, cache=cfg.cache, attn_impl=impl, kv=kv))
     what = (f"semshare {cfg.semshare.method} (threshold {cfg.semshare.threshold}, "
             f"{cfg.semshare.byte_budget >> 20} MiB of references)")
-  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; {what}", file=sys.stderr)
-  order: list[str] = []
-  errors = 0
-
-  def on_error(e) -> None:
-    nonlocal errors
-    errors += 1
-    print(f"error: {e}", file=sys.stderr)
-    out.add(e.record())
-
-  def refuse(rid: str, why: str) -> None:
-    nonlocal errors
-    errors += 1
-    print(f"error: request {rid!r}: {why}", file=sys.stderr)
-    out.add({"id": rid, "error": why, "finish_reason": "error"})
-
-  def encode(prompt, tools):
-    if isinstance(prompt, list) and cfg.system_prompt and prompt[0].get("role") != "system":
-      prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
-    return llm.encode(prompt, tools=tools)
-
-  ttfts, reused, total = [], 0, 0
-  for req in tqdm.tqdm(batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order),
-                       total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr):
-    if req.sampling.temperature > 0:
-      refuse(req.id, f"{cfg.mode} mode decodes greedily (no sampling): this request asks "
-                     f"for temperature {req.sampling.temperature:g}; drop it or send 0")
-      continue
-    t1 = time.perf_counter()
-    try:
-      pre = runner.prefill(np.asarray(req.prompt))
-      toks, _ = runner.decode(pre, req.sampling.max_tokens, stop_ids=llm.tokenizer.stop_ids)
-    except ValueError as e:        # e.g. longer than the cache: record it, go on
-      refuse(req.id, str(e))
-      continue
-    runner.release(pre.seq)
-    done = bool(toks.size) and int(toks[-1]) in llm.tokenizer.stop_ids
-    rec = {"id": req.id, "text": llm.tokenizer.decode(toks.tolist()),
-           "prompt_tokens": int(pre.ids.size), "completion_tokens": int(toks.size)}
-    if cfg.mode == "reuse":
-      n_reused = sum(r.n for r in pre.runs if r.tier != "reject")
-      rec.update({"cached_tokens": pre.prefix_hit, "reused_tokens": int(n_reused),
-                  "prefill_tokens": round(pre.prefill_tokens, 1),
-                  "runs": [{"at": r.p_lo, "n": r.n, "tier": r.tier, "reason": r.reason}
-                           for r in pre.runs]})
-    else:
-      n_reused = pre.ids.size if pre.reused else 0
-      rec.update({"similarity": round(pre.similarity, 4), "reused": pre.reused,
-                  "recomputed_share": round(pre.recomputed_share, 4),
-                  "shared_entries": pre.shared_entries, "live_entries": pre.live_entries})
-    ttfts.append(pre.ttft_s)
-    reused += n_reused
-    total += pre.ids.size
-    rec.update({"ttft_s": round(pre.ttft_s, 6), "latency_s": round(time.perf_counter() - t1, 6),
-                "finish_reason": "stop" if done else "length"})
-    out.add(rec)
-  n = out.finish(order)
-  m = {"requests": len(ttfts), "errors": errors, "records": n,
-       "median_ttft_s": float(np.median(ttfts)) if ttfts else None,
-       "reused_share": reused / total if total else None}
-  if cfg.mode == "reuse":
-    m.update(segments=len(runner.store), store_bytes=runner.store.nbytes)
-    store = f"{m['segments']} segments, {m['store_bytes'] / 2 ** 20:.1f} MiB"
   else:
-    m.update(references=len(runner.refs), store_bytes=runner.nbytes)
-    store = f"{m['references']} reference prompts, {m['store_bytes'] / 2 ** 20:.1f} MiB"
-  _summary([("requests run", str(m["requests"])), ("errors", str(errors)),
-            ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
-            ("prompt tokens reused", f"{reused} of {total}"), ("store", store),
-            ("output", f"{out.path} ({n} records, one per input line)")], m)
+    from jaxkv.engine.mechanisms.memart import MemArt
+    from jaxkv.engine.memart import MemArtSessions
+    mech = MemArt(MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
+                                 attn_impl=impl, kv=kv), write_chunk=cfg.engine.prefill_chunk)
+    what = (f"memart top-k {cfg.memart.top_k} x {cfg.memart.block_size}-token blocks, "
+            f"{cfg.memart.norm}-{cfg.memart.agg}")
+  return llm.engine.add_mechanism(mech), what
 
 
-def serve_memart(cfg, src: pathlib.Path, out, todo: int) -> None:
-  """Chat requests whose session history lives in MemArt memory (MemArtSessions)."""
+def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
+  """mode=reuse / semshare / memart: the JSONL requests as requests of that KV
+  mechanism in the batch engine (module docstring); records are the plain ones plus
+  what the mechanism did."""
   import numpy as np
   import tqdm
 
   from jaxkv.engine import batch
-  from jaxkv.engine.memart import MemArtSessions
+  from jaxkv.engine.engine import Request
 
   t0 = time.perf_counter()
   llm = cli.load_llm(cfg)
   try:
-    sessions = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
-                              attn_impl=cfg.engine.attention_impl)
+    mech, what = _mechanism(cfg, llm)
   except ValueError as e:
     cli.fail(str(e))
-  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; memart top-k "
-        f"{cfg.memart.top_k} x {cfg.memart.block_size}-token blocks, {cfg.memart.norm}-"
-        f"{cfg.memart.agg}", file=sys.stderr)
+  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; {what}", file=sys.stderr)
   order: list[str] = []
-  errors, ttfts = 0, []
+  errors, ttfts, sessions = 0, [], {}
+  bar = tqdm.tqdm(total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr)
 
   def on_error(e) -> None:
     nonlocal errors
     errors += 1
-    print(f"error: {e}", file=sys.stderr)
+    bar.write(f"error: {e}", file=sys.stderr)
     out.add(e.record())
+    bar.update(1)
 
-  def as_messages(prompt, tools):
-    if tools:
-      raise ValueError("memart mode does not take tools")
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+  def encode(prompt, tools):
+    if cfg.mode == "memart":           # the messages: the session's history + question
+      if tools:
+        raise ValueError("memart mode does not take tools")
+      return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if isinstance(prompt, list) and cfg.system_prompt and prompt[0].get("role") != "system":
+      prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+    return llm.encode(prompt, tools=tools)
 
-  for p, msgs in tqdm.tqdm(batch.read_requests(src, as_messages, cfg.sampling, out.done,
-                                               on_error, order, parsed=True),
-                           total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr):
-    if p.sampling.temperature > 0:
-      on_error(batch.RequestError(
-          p.line, f"memart mode decodes greedily (no sampling): this request asks for "
-                  f"temperature {p.sampling.temperature:g}; drop it or send 0", p.id))
-      continue
-    try:
-      ans, info = sessions.ask(p.user or p.id, msgs, p.sampling.max_tokens)
-    except (ValueError, RuntimeError) as e:   # e.g. history changed, or the pool is full
-      on_error(batch.RequestError(p.line, str(e), p.id))
-      continue
-    done = bool(ans.tokens.size) and int(ans.tokens[-1]) in llm.tokenizer.stop_ids
-    ttfts.append(ans.ttft_s)
-    out.add({"id": p.id, "session": p.user or p.id,
-             "text": llm.tokenizer.decode(ans.tokens.tolist()),
-             "prompt_tokens": int(ans.prefill_tokens), "probe_tokens": int(ans.probe_tokens),
-             "completion_tokens": int(ans.tokens.size), "retrieved_blocks": int(ans.blocks.size),
-             "decode_kv_len": ans.decode_kv_len, **info, "ttft_s": round(ans.ttft_s, 6),
-             "latency_s": round(ans.latency_s, 6), "finish_reason": "stop" if done else "length"})
+  def requests():
+    for p, enc in batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order,
+                                      parsed=True):
+      if cfg.mode != "memart":
+        yield Request(p.id, list(enc), p.sampling, mechanism=cfg.mode)
+        continue
+      sessions[p.id] = session = p.user or p.id
+      try:
+        ctx = mech.context(session, enc)
+        ids = llm.encode(enc)
+      except ValueError as e:            # e.g. an edited history
+        on_error(batch.RequestError(p.line, str(e), p.id))
+        continue
+      yield Request(p.id, ids, p.sampling, mechanism="memart", context=ctx)
+
+  for res in llm.engine.run(requests()):
+    rec = llm.complete(res).to_json()
+    if res.finish_reason == "error":
+      errors += 1
+      bar.write(f"error: request {res.id!r}: {res.error}", file=sys.stderr)
+    else:
+      ttfts.append(res.ttft_s)
+    if cfg.mode == "memart":
+      rec["session"] = sessions.pop(res.id, res.id)
+    out.add({**rec, **(res.extra or {})})
+    bar.update(1)
+  bar.close()
   n = out.finish(order)
   m = {"requests": len(ttfts), "errors": errors, "records": n,
-       "sessions": len(sessions.sessions),
-       "median_ttft_s": float(np.median(ttfts)) if ttfts else None}
-  _summary([("requests run", str(m["requests"])), ("errors", str(errors)),
-            ("sessions", str(m["sessions"])),
-            ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
-            ("output", f"{out.path} ({n} records, one per input line)")], m)
+       "median_ttft_s": float(np.median(ttfts)) if ttfts else None,
+       "decode_tok_s": llm.engine.metrics.summary()["decode_tok_s"], **mech.stats}
+  rows = [("requests run", str(m["requests"])), ("errors", str(errors)),
+          ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
+          ("decode tokens/s", f"{m['decode_tok_s']:.1f}")]
+  if cfg.mode == "reuse":
+    store = mech.runner.store
+    rows.append(("store", f"{len(store)} segments, {store.nbytes / 2 ** 20:.1f} MiB; "
+                          f"{m['reused_tokens']} prompt tokens reused"))
+  elif cfg.mode == "semshare":
+    r = mech.runner
+    rows.append(("store", f"{len(r.refs)} reference prompts, {r.nbytes / 2 ** 20:.1f} MiB; "
+                          f"{m['reused_requests']} requests reused one"))
+  else:
+    rows.append(("sessions", f"{len(mech.sessions.sessions)} (memory blocks written: "
+                             f"{m['blocks_written']})"))
+  _summary(rows + [("output", f"{out.path} ({n} records, one per input line)")], m)
 
 
 def serve_sessions(cfg, src: pathlib.Path, out) -> None:

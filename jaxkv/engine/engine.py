@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -38,12 +37,13 @@ from jaxkv import distributed, sharding
 from jaxkv.config import CacheConfig, EngineConfig
 from jaxkv.engine.driver import Driver
 from jaxkv.engine.kv_manager import KVManager
+from jaxkv.engine.mechanism_rows import MechanismRows
 from jaxkv.engine.mechanisms import Mechanism
 from jaxkv.engine.metrics import EngineMetrics
 from jaxkv.engine.request import Request, Result, Row
 from jaxkv.engine.request import cancelled as _cancelled
 from jaxkv.engine.request import error as _error
-from jaxkv.engine.sampling import SamplingParams, sample
+from jaxkv.engine.sampling import SamplingParams
 from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
@@ -54,7 +54,7 @@ _OWNER = "engine"     # the engine's name for its reservation in the KV manager
 _TREE = "prefix"      # its radix trees' name there
 
 
-class Engine:
+class Engine(MechanismRows):
   """Serves requests on one model over the KV manager's pool and allocator."""
 
   def __init__(self, model: nnx.Module, stop_ids: Iterable[int], cache: CacheConfig,
@@ -113,9 +113,6 @@ class Engine:
     name it (`Request.mechanism`); returns it."""
     if mechanism.name in self.mechanisms:
       raise ValueError(f"a mechanism named {mechanism.name!r} is added already")
-    if mechanism.owns_prefill and self.mesh is not None:
-      raise ValueError(f"mechanism {mechanism.name!r} plans its own prefill, which runs on "
-                       "one device: serve it without a mesh")
     self.mechanisms[mechanism.name] = mechanism
     return mechanism
 
@@ -207,7 +204,7 @@ class Engine:
         match = cache.match_prefix(req.prompt[:-1], lock=True)
       hit = match.n_matched if match is not None else 0
     need = self._reserve(n - hit, req.sampling.max_tokens, hit)
-    outstanding = sum(self._reserve(len(r.req.prompt) - r.cached, r.req.sampling.max_tokens,
+    outstanding = sum(self._reserve(r.n - r.cached, r.req.sampling.max_tokens,
                                     r.cached)
                       - self._pages(self.allocator.length(r.seq) - r.cached)
                       for i, r in enumerate(rows)
@@ -227,7 +224,8 @@ class Engine:
     seq = self.allocator.new_sequence(shard=shard)
     if hit:
       self.allocator.adopt(seq, (found or match).slots)
-    self.allocator.extend(seq, n - hit)
+    if found is None or not found.defer:
+      self.allocator.extend(seq, n - hit)
     self.metrics.cached_tokens += hit
     return Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
                 state=None if found is None else found.state)
@@ -247,7 +245,7 @@ class Engine:
     step's decode call: a long prompt delays the rows already decoding by one chunk
     per step, never by its whole prefill."""
     self._own_prefill(rows)
-    rows = [r if r is not None and r.prefilled < len(r.req.prompt) and not self._owns(r)
+    rows = [r if r is not None and r.prefilled < r.n and not self._owns(r)
             else None for r in rows]
     todo = [r for r in rows if r is not None]
     if not todo:
@@ -288,33 +286,6 @@ class Engine:
       break                              # the next chunk runs in the next step
     self.metrics.add_prefill(n_tokens, time.perf_counter() - t0)
 
-  def _owns(self, r: Row) -> bool:
-    """Whether the row's mechanism computes its prompt itself (`owns_prefill`)."""
-    return r.req.mechanism is not None and self.mechanisms[r.req.mechanism].owns_prefill
-
-  def _own_prefill(self, rows: list[Row | None]) -> None:
-    """Runs the prefill of the first row whose mechanism plans its own (one per
-    step, like one chunk: the rows already decoding wait for one such prefill at a
-    time), samples its first token from the logits it returns (as a chunk's readout
-    would: the row's sampling at position n), then lets the mechanism finish its
-    prefill work (`after_prefill`: e.g. store segments) off the TTFT path."""
-    r = next((r for r in rows if r is not None and r.prefilled < len(r.req.prompt)
-              and self._owns(r)), None)
-    if r is None:
-      return
-    mech = self.mechanisms[r.req.mechanism]
-    n = len(r.req.prompt)
-    t0 = time.perf_counter()
-    logits = mech.prefill(r)
-    params, greedy_only = SamplingParams.from_configs([r.req.sampling], 1)
-    token = _sample_one(jnp.asarray(logits, jnp.float32)[None], params,
-                        jnp.asarray([n], jnp.int32), greedy_only=greedy_only)
-    r.prefilled = n
-    r.first_token_at = time.perf_counter()
-    self._emit(r, int(token[0]))
-    self.metrics.add_prefill(n - r.cached, r.first_token_at - t0)
-    mech.after_prefill(r)
-
   def _emit(self, r: Row, token: int) -> None:
     r.generated.append(token)
     if token in self.stop_ids:
@@ -324,7 +295,7 @@ class Engine:
 
   def _decode(self, rows: list[Row | None]) -> None:
     live = [i for i, r in enumerate(rows) if r is not None and r.finish is None
-            and r.prefilled == len(r.req.prompt)]
+            and r.prefilled == r.n]
     if not live:
       return
     B = self.cfg.max_batch
@@ -340,7 +311,7 @@ class Engine:
     need = 0
     for i in live:
       r = rows[i]
-      pos = len(r.req.prompt) + len(r.generated) - 1   # position of the last sampled token
+      pos = r.n + len(r.generated) - 1   # position of the last sampled token
       rem = r.req.sampling.max_tokens - len(r.generated)
       steps_here = min(n, rem)
       grow = pos + steps_here - self.allocator.length(r.seq)
@@ -368,40 +339,15 @@ class Engine:
           count += 1
     self.metrics.add_decode(count, dt)
 
-  def _views(self, rows: list[Row | None], slot_map: np.ndarray) -> dict:
-    """The decode call's per-layer slot map and key shift when a row's mechanism has
-    its own decode view (`Mechanism.decode_view`); {} when none has. The other rows
-    read their own slot map at every layer, unshifted; every row writes its new
-    tokens to its own slots (`write_map`)."""
-    B, W = slot_map.shape
-    layer_maps, shifts = {}, {}
-    for i, r in enumerate(rows):
-      if r is not None and r.req.mechanism is not None:
-        lm, ks = self.mechanisms[r.req.mechanism].decode_view(r, W)
-        if lm is not None:
-          layer_maps[i] = lm
-        if ks is not None:
-          shifts[i] = ks
-    out = {}
-    if layer_maps:
-      L = self.model_cfg.num_layers
-      lmap = np.broadcast_to(slot_map, (L, B, W)).copy()
-      for i, lm in layer_maps.items():
-        lmap[:, i] = lm
-      out.update(slot_map=lmap, write_map=self.driver.put(slot_map))
-    if shifts:
-      ks = np.zeros((B, W), np.int32)
-      for i, k in shifts.items():
-        ks[i] = k
-      out["key_shift"] = self.driver.put(ks)
-    return out
-
   def _release(self, r: Row, cache: bool) -> None:
     """Frees the row's sequence; with the prefix cache on, first caches the tokens
     whose KV it wrote (prompt + every generated token but the last, which was never
     fed back), when the prompt was prefilled whole. A mechanism's row is its
     mechanism's to cache (`Mechanism.finish`)."""
     if r.req.mechanism is not None:
+      if r.pending is not None:          # a prefill cut short (cancel, abort): its finally
+        r.pending.close()
+        r.pending = None
       try:
         r.extra = self.mechanisms[r.req.mechanism].finish(r, cache)
       finally:
@@ -409,7 +355,7 @@ class Engine:
       return
     tree = self.cache_for(r.req.adapter)
     if tree is not None:
-      if cache and r.prefilled == len(r.req.prompt):
+      if cache and r.prefilled == r.n:
         done = np.asarray(list(r.req.prompt) + r.generated[:-1], np.int64)
         tree.insert(done, self.allocator.slot_map(r.seq)[:len(done)])
         if r.req.session is not None:   # hold the turn's path until the next turn / close
@@ -430,7 +376,8 @@ class Engine:
                   completion_tokens=len(r.generated),
                   ttft_s=(r.first_token_at or now) - r.admitted,
                   latency_s=now - r.admitted, finish_reason=r.finish or "length",
-                  cached_tokens=r.cached, extra=r.extra)
+                  error=r.error, cached_tokens=r.cached if r.served is None else r.served,
+                  extra=r.extra)
 
   # -------------------------------------------------------------------- API
   def _ensure_driver(self) -> None:
@@ -444,7 +391,7 @@ class Engine:
     for i, r in enumerate(self._rows):
       if r is not None:
         per[self._row_shard(i)] += max(0, self._reserve(
-            len(r.req.prompt) - r.cached, r.req.sampling.max_tokens, r.cached)
+            r.n - r.cached, r.req.sampling.max_tokens, r.cached)
             - self._pages(self.allocator.length(r.seq) - r.cached))
     self.kv_manager.reserve(_OWNER, per)
 
@@ -622,6 +569,3 @@ class Engine:
         break
       yield from self.step()
     self.metrics.wall_s += time.perf_counter() - t_start
-
-
-_sample_one = jax.jit(sample, static_argnames=("greedy_only",))

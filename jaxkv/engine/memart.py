@@ -153,6 +153,17 @@ class Answer:
   latency_s: float
 
 
+@dataclasses.dataclass
+class TailPrefill:
+  """What `prefill_into` laid out and computed for a tail."""
+  logits: np.ndarray            # [V] the last tail token's logits
+  blocks: np.ndarray            # retrieved memory rows, chronological
+  probe_tokens: int
+  start: int                    # positions adopted: the head and the spliced blocks
+  n: int                        # the sequence's prompt positions (start + tail)
+  shift: np.ndarray | None      # [n + max_tokens] key shift (None: nothing moved)
+
+
 _OWNER = "memart"    # this runner's name in the KV manager
 
 
@@ -177,9 +188,10 @@ class MemArtRunner:
     if prefill_chunk < 1:
       raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     self.cfg, self.mcfg, self.prefill_chunk = cfg, llm.config, prefill_chunk
-    self.graphdef, self.weights = llm.graphdef, llm.weights
     self.kv = kv if kv is not None else KVManager(self.mcfg, cache, llm.graphdef, llm.weights,
                                                   attn_impl=attn_impl)
+    # the KV manager's weights: sharded like its pool when it serves a mesh
+    self.graphdef, self.weights = self.kv.graphdef, self.kv.weights
     self.alloc = self.kv.allocator
     self.max_len = cache.max_seq_len
     self.inv_freq = delta_frequencies(self.mcfg.rope, self.mcfg.head_dim)
@@ -201,14 +213,23 @@ class MemArtRunner:
     return self.kv.driver
 
   def _prefill(self, seq: int, ids: np.ndarray, start: int, *, capture_q: bool = False,
-               key_shift: np.ndarray | None = None):
+               key_shift: np.ndarray | None = None, owner: str = _OWNER):
     """ids at positions start.. appended to `seq` (fresh slots), in chunks of at
     most `prefill_chunk` tokens (a long history's attention scores stay
     chunk x context, not context^2): (new slots, logits [V] of the last token,
     q or None, the last chunk's padded positions)."""
+    return _drain(self._prefill_steps(seq, ids, start, capture_q=capture_q,
+                                      key_shift=key_shift, owner=owner))
+
+  def _prefill_steps(self, seq: int, ids: np.ndarray, start: int, *, capture_q: bool = False,
+                     key_shift: np.ndarray | None = None, owner: str = _OWNER,
+                     chunk: int | None = None):
+    """`_prefill` as a generator that yields between chunks (of `chunk` tokens,
+    default `prefill_chunk`; not after the last) and returns its result."""
     n = ids.size
+    chunk = chunk or self.prefill_chunk
     assert not (capture_q and n > self.prefill_chunk), "probe checks its length"
-    slots = self.kv.extend(seq, n, owner=_OWNER)
+    slots = self.kv.extend(seq, n, owner=owner)
     extra = dict(capture=Capture(q=capture_q), return_logits=True)
 
     def options(ch):
@@ -217,10 +238,11 @@ class MemArtRunner:
       w = plan_lib.width(ch.need)
       return dict(extra, key_shift=jnp.asarray(_pad(key_shift[:w], w)[None]))
 
-    for ch, out in self.driver.prefill(   # noqa: B007 (the last chunk's are read below)
-        [plan_lib.Row(ids, start)], chunk=self.prefill_chunk,
-        slot_map=lambda w: plan_lib.slot_rows([self.alloc.slot_map(seq)], w), options=options):
-      pass
+    for i, (ch, out) in enumerate(self.driver.prefill(   # noqa: B007 (the last chunk's are read)
+        [plan_lib.Row(ids, start)], chunk=chunk,
+        slot_map=lambda w: plan_lib.slot_rows([self.alloc.slot_map(seq)], w), options=options)):
+      if (i + 1) * chunk < n:             # more chunks to come: the rest in the next step
+        yield
     return (slots, np.asarray(out.logits[0, 0], np.float32), (out.q if capture_q else None),
             ch.positions[0])
 
@@ -268,6 +290,13 @@ class MemArtRunner:
   def write(self, mem: Memory, ids, tag=None) -> np.ndarray:
     """Appends a span of history (its own prefill after the head) as blocks;
     returns their memory rows. Evicts least-retrieved blocks past the budget."""
+    return _drain(self.write_steps(mem, ids, tag))
+
+  def write_steps(self, mem: Memory, ids, tag=None, *, chunk: int | None = None):
+    """`write` as a generator that yields after each prefill chunk (`chunk` tokens,
+    default `prefill_chunk`) and returns the memory rows: the engine's MemArt
+    mechanism writes a long history a slice per engine step. The span's sequence is
+    freed if the generator is closed part way (a cancelled request)."""
     ids = plan_lib.prompt_ids(ids, self.max_len - self.head.size)
     bs = self.cfg.block_size
     nb = -(-ids.size // bs)
@@ -278,8 +307,12 @@ class MemArtRunner:
       live = np.flatnonzero(mem.live)
       self.evict(mem, live[np.lexsort((mem.time[live], mem.hits[live]))[0]])
     seq = self.alloc.new_sequence()
-    self._adopt_head(seq)
-    slots = self._prefill(seq, ids, self.head.size)[0]
+    try:
+      self._adopt_head(seq)
+      slots = (yield from self._prefill_steps(seq, ids, self.head.size, chunk=chunk))[0]
+    except BaseException:
+      self.alloc.free_sequence(seq)
+      raise
     pos = self.head.size + np.arange(ids.size, dtype=np.int32)
     pad = nb * bs - ids.size
     slots_b = np.r_[slots, np.full(pad, SENTINEL, np.int32)].reshape(nb, bs)
@@ -397,42 +430,59 @@ class MemArtRunner:
     """Retrieves (unless `blocks` is given; `voters` as in `probe`, `rerank` and
     `neighbors` override the config's), splices and answers the tail."""
     t0 = time.perf_counter()
+    seq = self.alloc.new_sequence()
+    try:
+      pre = self.prefill_into(seq, mem, tail_ids, max_tokens, blocks=blocks, top_k=top_k,
+                              voters=voters, rerank=rerank, neighbors=neighbors)
+      ttft = time.perf_counter() - t0
+      n, shift = pre.n, pre.shift
+      w = plan_lib.width(n + max_tokens)
+      self.kv.extend(seq, max_tokens, owner=_OWNER)
+      smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
+      toks, lp = continue_one(self.driver, pre.logits, n, smap, max_tokens, forced=forced,
+                              stop_ids=stop_ids,
+                              key_shift=None if shift is None else _pad(shift[:w], w)[None])
+      kv_len = self.kv_len(seq, n) + len(toks)
+    finally:
+      self.alloc.free_sequence(seq)
+    return Answer(toks, lp, pre.logits, pre.blocks, n - pre.start, pre.probe_tokens, kv_len,
+                  ttft, time.perf_counter() - t0)
+
+  def kv_len(self, seq: int, n: int) -> int:
+    """Live KV entries among the first n positions of `seq` (what its prompt attends to)."""
+    return int(np.sum(self.alloc.slot_map(seq)[:n] != SENTINEL))
+
+  def prefill_into(self, seq: int, mem: Memory, tail_ids, max_tokens: int, *, blocks=None,
+                   top_k: int | None = None, voters=None, rerank: int | None = None,
+                   neighbors: int | None = None, owner: str = _OWNER) -> TailPrefill:
+    """Lays out the empty sequence `seq` as the held head, the retrieved blocks
+    (aliased, no copy) and the tail, and prefills the tail over them with the key
+    shift that moves the blocks' keys to their new positions: what `answer` runs
+    before decoding, and the engine's `MemArt` mechanism on its row (`owner`: whose
+    allocation the tail's slots are, for the KV manager's reservations)."""
     tail = np.asarray(tail_ids, np.int32)
     probe = 0
     if blocks is None:
       blocks = self.retrieve(mem, tail, top_k, voters, rerank, neighbors)
       probe = tail.size if mem.live.any() else 0
     blocks = np.asarray(blocks, np.int32)
-    mem.hits[blocks] += 1
-    seq = self.alloc.new_sequence()
-    self._adopt_head(seq)
     h = self.head.size
     ok = mem.slots[blocks] != SENTINEL                     # partly filled blocks: packed
     spliced, written = mem.slots[blocks][ok], mem.positions[blocks][ok]
-    self.alloc.adopt(seq, spliced)                          # aliases: refcounts, no copy
     start = h + spliced.size
     if start + tail.size + max_tokens > self.max_len:
-      self.alloc.free_sequence(seq)
       raise ValueError(f"{blocks.size} blocks + {tail.size} tail tokens + {max_tokens} exceed "
                        f"max_seq_len {self.max_len}")
+    mem.hits[blocks] += 1
+    self._adopt_head(seq)
+    self.alloc.adopt(seq, spliced)                          # aliases: refcounts, no copy
     new_pos = h + np.arange(spliced.size, dtype=np.int32)
     shift = np.r_[np.zeros(h, np.int32), new_pos - written,
                   np.zeros(tail.size + max_tokens, np.int32)].astype(np.int32)
     if not shift.any():             # nothing moved (full context): the kernels' path
       shift = None
-    _, logits, _, _ = self._prefill(seq, tail, start, key_shift=shift)
-    ttft = time.perf_counter() - t0
-    n = start + tail.size
-    w = plan_lib.width(n + max_tokens)
-    self.kv.extend(seq, max_tokens, owner=_OWNER)
-    smap = plan_lib.slot_rows([self.alloc.slot_map(seq)], w)
-    toks, lp = continue_one(self.driver, logits, n, smap, max_tokens, forced=forced,
-                            stop_ids=stop_ids,
-                            key_shift=None if shift is None else _pad(shift[:w], w)[None])
-    kv_len = int(np.sum(self.alloc.slot_map(seq)[:n] != SENTINEL)) + len(toks)
-    self.alloc.free_sequence(seq)
-    return Answer(toks, lp, logits, blocks, tail.size, probe, kv_len, ttft,
-                  time.perf_counter() - t0)
+    _, logits, _, _ = self._prefill(seq, tail, start, key_shift=shift, owner=owner)
+    return TailPrefill(logits, blocks, probe, start, start + tail.size, shift)
 
   def close(self) -> None:
     """Gives the head back (memories must be `forget`-ed by their owners)."""
@@ -470,6 +520,13 @@ class MemArtSessions:
   def ask(self, session: str, messages: list[dict], max_tokens: int) -> tuple[Answer, dict]:
     """Writes the unseen history, answers the last (user) message; returns the
     answer and what happened (memory blocks, blocks written)."""
+    mem, tail, voters, info = self.prepare(session, messages)
+    ans = self.runner.answer(mem, tail, max_tokens, stop_ids=self.tok.stop_ids, voters=voters)
+    return ans, info
+
+  def check(self, session: str, messages: list[dict]) -> list[str]:
+    """The request's history lines; raises ValueError for messages this session cannot
+    take (not ending with a user message, non-text content, an edited history)."""
     last = messages[-1] if messages else None
     if not last or last.get("role") != "user" or not isinstance(last.get("content"), str):
       raise ValueError("memart mode needs messages ending with a user message (text content)")
@@ -478,29 +535,53 @@ class MemArtSessions:
       if not isinstance(m.get("content"), str):
         raise ValueError("memart mode keeps text history: every message needs string content")
       lines.append(f"{m['role']}: {m['content']}")
-    mem, seen = self.sessions.get(session) or (self.runner.new_memory(), [])
+    seen = self.sessions[session][1] if session in self.sessions else []
     if lines[:len(seen)] != seen:
       raise ValueError(f"session {session!r}: the history no longer extends what its memory "
                        "holds (an earlier message changed, and memory is only ever added "
                        "to); resend the history unchanged with new messages after it, or "
                        "start a new session (another \"user\")")
+    return lines
+
+  def prepare(self, session: str, messages: list[dict]) -> tuple[Memory, np.ndarray,
+                                                                 np.ndarray, dict]:
+    """Writes the history the session's memory has not seen; returns (its memory, the
+    tail to answer: the question and the template after it, the tail tokens whose
+    queries vote in retrieval, what happened: memory blocks, blocks written, bytes)."""
+    return _drain(self.prepare_steps(session, messages))
+
+  def prepare_steps(self, session: str, messages: list[dict], *, chunk: int | None = None):
+    """`prepare` as a generator: yields after each chunk of the history's write."""
+    lines = self.check(session, messages)
+    mem, seen = self.sessions.get(session) or (self.runner.new_memory(), [])
     new = lines[len(seen):]
-    written = 0
+    written = written_tokens = 0
     if new:
-      written = self.runner.write(mem, self._enc("\n".join(new) + "\n"), tag=len(seen)).size
+      span = self._enc("\n".join(new) + "\n")
+      written = (yield from self.runner.write_steps(mem, span, tag=len(seen),
+                                                    chunk=chunk)).size
+      written_tokens = span.size
       seen = seen + new
     self.sessions[session] = (mem, seen)
-    q = self._enc(last["content"])
+    q = self._enc(messages[-1]["content"])
     tail = np.r_[q, self._enc("\n" + self.tail_text)].astype(np.int32)
     voters = np.arange(tail.size) < q.size
-    ans = self.runner.answer(mem, tail, max_tokens, stop_ids=self.tok.stop_ids, voters=voters)
-    return ans, dict(memory_blocks=mem.num_blocks, blocks_written=int(written),
-                     memory_bytes=mem.nbytes)
+    return mem, tail, voters, dict(memory_blocks=mem.num_blocks, blocks_written=int(written),
+                                   written_tokens=int(written_tokens), memory_bytes=mem.nbytes)
 
   def close(self, session: str) -> None:
     """Frees a session's memory."""
     mem, _ = self.sessions.pop(session)
     self.runner.forget(mem)
+
+
+def _drain(steps):
+  """Runs a generator to its end; returns its return value."""
+  while True:
+    try:
+      next(steps)
+    except StopIteration as done:
+      return done.value
 
 
 def _pad(x, n: int, value=0) -> np.ndarray:

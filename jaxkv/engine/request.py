@@ -52,6 +52,18 @@ class Row:
   lock: object = None              # the prefix cache's lock on that path
   state: object = None             # the row's mechanism state (`Match.state`)
   extra: dict | None = None        # what its mechanism did (Result.extra)
+  error: str | None = None         # why it failed (finish "error")
+  pending: object = None           # a mechanism's prefill generator, part way through
+  # prompt tokens reported as served without prefill (Result.cached_tokens) when that
+  # is not `cached`: a mechanism that lays out its own sequence sets it (MemArt)
+  served: int | None = None
+  # the row's prompt positions: the request's prompt, unless its mechanism lays out
+  # another sequence (MemArt: the chat head, retrieved blocks and the question)
+  n: int = -1
+
+  def __post_init__(self):
+    if self.n < 0:
+      self.n = len(self.req.prompt)
 
 
 def cancelled(req: Request) -> Result:

@@ -194,9 +194,10 @@ class ReuseRunner:
                                                 max_seq_len=8192),
                attn_impl: str = "auto", adapter: str = "base", kv: KVManager | None = None):
     self.cfg, self.tok, self.reuse = llm.config, llm.tokenizer, reuse
-    self.graphdef, self.weights = llm.graphdef, llm.weights
     self.kv = kv if kv is not None else KVManager(self.cfg, cache, llm.graphdef, llm.weights,
                                                   attn_impl=attn_impl)
+    # the KV manager's weights: sharded like its pool when it serves a mesh
+    self.graphdef, self.weights = self.kv.graphdef, self.kv.weights
     self.max_len = cache.max_seq_len
     self.alloc = self.kv.allocator
     self.radix = self.kv.tree(_OWNER) if reuse.method != "none" else None

@@ -160,9 +160,10 @@ class SemShareRunner:
                                                 max_seq_len=8192),
                attn_impl: str = "auto", max_passes: int = 4, kv: KVManager | None = None):
     self.cfg, self.mcfg, self.tok = cfg, llm.config, llm.tokenizer
-    self.graphdef, self.weights = llm.graphdef, llm.weights
     self.kv = kv if kv is not None else KVManager(self.mcfg, cache, llm.graphdef, llm.weights,
                                                   attn_impl=attn_impl)
+    # the KV manager's weights: sharded like its pool when it serves a mesh
+    self.graphdef, self.weights = self.kv.graphdef, self.kv.weights
     self.alloc = self.kv.allocator
     self.kv.register_evictor(_OWNER, self._give_back, self._held_slots)
     self.max_len, self.max_passes = cache.max_seq_len, max_passes

@@ -409,14 +409,15 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
                ("jaxkv_pruning_kept_tokens_total", "counter",
                 "live prompt KV entries kept by pruned requests", ps["kept_tokens"])]
     if backends.memart is not None:
+      ms = backends.memart.stats
       rows += [("jaxkv_memart_blocks_written_total", "counter", "memory blocks written",
-                b.memart_blocks_written),
+                ms["blocks_written"]),
                ("jaxkv_memart_blocks_retrieved_total", "counter",
-                "memory blocks spliced into answers", b.memart_blocks_retrieved),
+                "memory blocks spliced into answers", ms["blocks_retrieved"]),
                ("jaxkv_memart_prefill_tokens_total", "counter",
-                "tokens memart requests prefilled", b.memart_prefill_tokens),
+                "tokens memart requests prefilled", ms["prefill_tokens"]),
                ("jaxkv_memart_chat_tokens_total", "counter",
-                "tokens the same chats hold as plain prompts", b.memart_chat_tokens)]
+                "tokens the same chats hold as plain prompts", ms["chat_tokens"])]
     if backends.reuse is not None:
       rs = backends.reuse.stats
       rows += [("jaxkv_reuse_reused_tokens_total", "counter",

@@ -8,15 +8,18 @@ KV is kept, and all of them run in one server (`server.sessions`).
              policy (`ServeConfig.pruning`; IntentKV keeps its QueryMemory M_t per
              session across turns); its requests run in the batch engine with
              every other request (continuous batching, sampling, streaming)
-    memart   `MemArtSessions`: the history lives in MemArt memory blocks, only the
-             new question is prefilled (`ServeConfig.memart`)
-    reuse    `ReuseRunner`: segments of earlier prompts (tool outputs, documents)
-             are spliced at their new positions (`ServeConfig.reuse`; the segment
-             store is shared by every reuse session)
-    semshare `SemShareRunner`: a prompt similar enough to an earlier one (LSH
-             token matching, `ServeConfig.semshare.threshold`) reuses that prompt's
-             KV with selective recompute; others are prefilled and kept as
+    memart   the engine's `MemArt` mechanism: the history lives in MemArt memory
+             blocks, only the new question is prefilled over the retrieved blocks
+             (`ServeConfig.memart`)
+    reuse    the engine's `Reuse` mechanism: segments of earlier prompts (tool
+             outputs, documents) are spliced at their new positions
+             (`ServeConfig.reuse`; the segment store is shared by every reuse session)
+    semshare the engine's `SemShare` mechanism: a prompt similar enough to an earlier
+             one (LSH token matching, `ServeConfig.semshare.threshold`) reuses that
+             prompt's KV with selective recompute; others are prefilled and kept as
              references (shared by every semshare session)
+             (every kind above runs in the batch engine with every other request:
+             continuous batching, sampling, streaming)
     agents   `AgentRunner`: LRAgent's multi-LoRA sharing. Each request names a role
              adapter (`<model>:<role>`) and extends the session's one trajectory;
              under `server.agent_scheme` (base_lr_shared by default) a role reads
@@ -28,14 +31,16 @@ A session names its kind when it is opened (`POST /v1/sessions {"kind": ...}`);
 one first seen in a request gets the first listed kind. Every kind runs on one KV
 pool: the engine's `KVManager` (`ServeConfig.cache` sizes it), whose allocator,
 radix trees and reservations the runners share, so a server holds one pool
-whatever kinds it serves. The non-prefix kinds are batch-1 runners whose calls
-run on the engine loop thread between engine steps (`EngineLoop.call`), so engine
-and runners never run at once and need no locks; the engine keeps the pages its
-running rows may still take reserved against them. They decode greedily; a
-streamed reply arrives in one piece once it is complete.
+whatever kinds it serves. Every kind but agents is an engine mechanism
+(`jaxkv.engine.mechanisms`): its requests are engine requests built on the loop
+thread (`engine_request`). Agents sessions are batch-1 runners whose calls run on the
+engine loop thread between engine steps (`EngineLoop.call`), so engine and runners
+never run at once and need no locks; the engine keeps the pages its running rows may
+still take reserved against them. They decode greedily; a streamed reply arrives in
+one piece once it is complete.
 
-What each mechanism did comes back in `usage["jaxkv"]` and is summed in
-`BackendStats` for `/metrics`.
+What each mechanism did comes back in `usage["jaxkv"]`; the mechanisms' counters
+(and `BackendStats`) feed `/metrics`.
 """
 
 from __future__ import annotations
@@ -57,10 +62,6 @@ class BackendStats:
   requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   adapter_requests: collections.Counter = dataclasses.field(    # written by the server
       default_factory=collections.Counter)                       # thread (role -> count)
-  memart_blocks_written: int = 0
-  memart_blocks_retrieved: int = 0
-  memart_prefill_tokens: int = 0   # tokens memart requests prefilled (the question)
-  memart_chat_tokens: int = 0      # tokens the same chats hold as plain prompts
   agents_shared_tokens: int = 0    # prompt tokens a role read from KV it did not compute
   agents_computed_tokens: int = 0  # prompt tokens roles computed
 
@@ -98,9 +99,11 @@ class SessionBackends:
       self.pruned = self.engine.mechanisms.get("pruned") or self.engine.add_mechanism(
           Pruned(self.tok, llm.config, self.kv, cfg.pruning))
     if "memart" in self.kinds:
+      from jaxkv.engine.mechanisms.memart import MemArt
       from jaxkv.engine.memart import MemArtSessions
-      self.memart = MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
-                                   attn_impl=impl, kv=self.kv)
+      self.memart = self.engine.mechanisms.get("memart") or self.engine.add_mechanism(MemArt(
+          MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
+                         attn_impl=impl, kv=self.kv), write_chunk=cfg.engine.prefill_chunk))
     if "reuse" in self.kinds:
       from jaxkv.engine.mechanisms.reuse import Reuse
       from jaxkv.engine.reuse import ReuseRunner
@@ -171,7 +174,7 @@ class SessionBackends:
     kind = entry[0]
     if kind == "pruned":
       self.pruned.close(session)
-    elif kind == "memart" and session in self.memart.sessions:
+    elif kind == "memart":
       self.memart.close(session)
     elif kind == "agents":
       self.agents.pop(session).release()  # its trajectory's slots go back to the pool
@@ -214,7 +217,7 @@ class SessionBackends:
 
   # ------------------------------------------------------------------ requests
   # served by the batch engine (the others: a session runner between engine steps)
-  ENGINE_KINDS = ("prefix", "pruned", "reuse", "semshare")
+  ENGINE_KINDS = ("prefix", "pruned", "memart", "reuse", "semshare")
 
   def engine_request(self, kind: str, session: str, p, rid: str):
     """The engine `Request` of a request on a session kind the engine serves; raises
@@ -231,9 +234,17 @@ class SessionBackends:
       self.stats.requests[kind] += 1
       return Request(id=rid, prompt=p.prompt, sampling=p.sampling, mechanism=kind)
     if p.chat is None:
-      raise ValueError("'pruned' sessions take chat completions (their turns are messages)")
-    self.open(session, kind)
+      raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
     msgs, tools = p.chat
+    if kind == "memart":
+      if tools:
+        raise ValueError("'memart' sessions keep text history: tools are not supported")
+      ctx = self.memart.context(session, msgs)       # the history must extend the memory's
+      self.open(session, kind)
+      self.stats.requests[kind] += 1
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, mechanism="memart",
+                     context=ctx)
+    self.open(session, kind)
     prompt, ctx = self.pruned.context(session, msgs, tools)
     self.stats.requests[kind] += 1
     return Request(id=rid, prompt=prompt, sampling=p.sampling, mechanism="pruned",
@@ -248,15 +259,10 @@ class SessionBackends:
       raise ValueError("'agents' sessions need a role model name (<model>:<role>)"
                        if kind == "agents" else "role adapters run in the batch engine or in "
                        "'agents' sessions: use one of those or no session")
-    if kind == "memart" and p.chat is None:
-      raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
     self.open(session, kind)
     t0 = time.perf_counter()
     max_tokens = p.sampling.max_tokens
-    if kind == "memart":
-      ids, ttft, cached, extra = self._memart(session, p, max_tokens)
-    else:
-      ids, ttft, cached, extra = self._agents(session, p, max_tokens)
+    ids, ttft, cached, extra = self._agents(session, p, max_tokens)
     self.stats.requests[kind] += 1
     stop = set(self.tok.stop_ids)
     finish = "stop" if ids and ids[-1] in stop else "length"
@@ -266,20 +272,6 @@ class SessionBackends:
                   completion_tokens=len(ids), ttft_s=ttft,
                   latency_s=time.perf_counter() - t0, finish_reason=finish,
                   cached_tokens=cached, extra=extra)
-
-  def _memart(self, session, p, max_tokens):
-    msgs, tools = p.chat
-    if tools:
-      raise ValueError("'memart' sessions keep text history: tools are not supported")
-    ans, info = self.memart.ask(session, msgs, max_tokens)
-    s = self.stats
-    s.memart_blocks_written += info["blocks_written"]
-    s.memart_blocks_retrieved += int(ans.blocks.size)
-    s.memart_prefill_tokens += ans.prefill_tokens
-    s.memart_chat_tokens += len(p.prompt)
-    extra = {"prefill_tokens": ans.prefill_tokens, "retrieved_blocks": int(ans.blocks.size),
-             "decode_kv_len": ans.decode_kv_len, **info}
-    return ans.tokens.tolist(), ans.ttft_s, 0, extra
 
   def _agents(self, session, p, max_tokens):
     runner = self.agents[session]

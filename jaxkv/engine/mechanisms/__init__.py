@@ -45,6 +45,10 @@ class Match:
   hit: int                        # prompt positions adopted (not prefilled)
   slots: np.ndarray               # [hit] int32 their slots (SENTINEL at holes)
   state: object = None            # the mechanism's per-row state (`row.state`)
+  # the mechanism lays out the row's sequence itself in `prefill` (`owns_prefill`): the
+  # engine allocates no prompt slots at admission (it still reserves the request's
+  # prompt + max_tokens pages) and the mechanism sets `row.n` and `row.cached`
+  defer: bool = False
 
 
 class Mechanism:
@@ -63,9 +67,13 @@ class Mechanism:
     del match
 
   def prefill(self, row) -> np.ndarray:
-    """Computes the row's prompt (positions [row.cached, n) have fresh slots in
-    `row.seq`) and returns the logits [V] float32 at its last token. Runs as one
-    call in one engine step (the engine runs at most one such prefill per step)."""
+    """Computes the row's prompt (positions [row.cached, row.n) have fresh slots in
+    `row.seq`, or none with `Match.defer`) and returns the logits [V] float32 at its
+    last token. Runs as one call in one engine step, like one row's prefill chunk. It
+    may be a generator: each `yield` ends its work for this engine step (the rows
+    decoding get their decode call in between), and its return value is the logits;
+    a prefill longer than a chunk should yield once per chunk. A ValueError or
+    OutOfSlotsError fails this request only (its message is the error result)."""
     raise NotImplementedError(f"{type(self).__name__} does not plan its own prefill")
 
   def capture_q(self, row) -> bool:

@@ -12,9 +12,11 @@ positions, so the decode view is the row's own slot map). After the first token
 computed runs into the segment store, as the runner does off the critical path.
 
 The plan spans layers (a token may be computed from layer r on only), so the
-prefill is not cut into token chunks: it runs as one call in one engine step,
-and a step runs at most one. The `ReuseRunner` holds the store, the index and
-the fingerprint; this file holds no state of its own but the counters.
+prefill is not cut into token chunks: it runs as one call in one engine step
+(what the step's packed chunk call is to a plain row; a long prompt mostly found in
+the store or the radix tree computes only its rest). The `ReuseRunner` holds the
+store, the index and the fingerprint; this file holds no state of its own but the
+counters.
 
 `Request.context`: {"spans": [(lo, hi), ...]} the prompt's structural spans (tool
 schemas, documents); missing or None: the prompt's lines (`index.line_spans`).
@@ -87,6 +89,8 @@ class Reuse(Mechanism):
     self.stats["requests"] += 1
     self.stats["reused_tokens"] += reused
     self.stats["prefix_tokens"] += pre.prefix_hit
-    return {"reuse": self.runner.reuse.method, "reused_tokens": int(reused),
-            "prefill_tokens": round(pre.prefill_tokens, 1),
-            "tiers": sorted({run.tier for run in pre.runs}), "stored": pre.stored}
+    return {"reuse": self.runner.reuse.method, "cached_tokens": pre.prefix_hit,
+            "reused_tokens": int(reused), "prefill_tokens": round(pre.prefill_tokens, 1),
+            "tiers": sorted({run.tier for run in pre.runs}), "stored": pre.stored,
+            "runs": [{"at": r.p_lo, "n": r.n, "tier": r.tier, "reason": r.reason}
+                     for r in pre.runs]}

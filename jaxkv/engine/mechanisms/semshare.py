@@ -11,7 +11,8 @@ row's decode view (`decode_view`): the prompt's per-layer slot map (aliased and
 evicted entries) followed by the row's own slots for the tokens it generates.
 
 The prefill runs as one call in one engine step (its passes span layers, not token
-chunks), at most one per step. The aliased reference slots are held while the row
+chunks), one call in one engine step (what the step's packed chunk call is to a plain
+row). The aliased reference slots are held while the row
 lives and released when it leaves (`finish`); the store and its references are the
 runner's, on the engine's KV manager (its evictor forgets references when the pool
 needs pages).

@@ -1,0 +1,115 @@
+"""MemArt as an engine mechanism: chat sessions whose history lives in KV memory.
+
+A request named `mechanism="memart"` carries its session id and chat messages
+(`Request.context`); its prompt is the chat's token ids (what the client sent, for
+the usage counts), but the row's sequence is laid out by the mechanism
+(`Match.defer`): in `prefill`, `MemArtSessions.prepare` writes the history the
+session's memory has not seen (its own sequences, held as memory blocks), then
+`MemArtRunner.prefill_into` lays the row out as the held chat head, the retrieved
+blocks (aliased, no copy) and the question, and prefills only the question with the
+key shift that moves the blocks' keys to their new positions. The row's `n` becomes
+that sequence's length and `cached` the adopted head + blocks. The engine samples the
+first token and decodes the row with the batch; its decode view (`decode_view`) is
+the same key shift (zeros for the tokens it generates).
+
+The prefill is a generator: the history's write runs one chunk (`write_chunk`
+tokens) per engine step, so the rows decoding beside it wait for one chunk at a time,
+never for a whole history; the probe and the question's prefill (short) run in the
+step of the last chunk. The engine reserves the chat prompt + max_tokens
+pages for the row, which bounds the question and the answer; memory blocks are
+session state on the same pool (`owner` "memart"), kept until the session closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxkv.engine.mechanisms import Match, Mechanism
+
+
+@dataclasses.dataclass
+class _Turn:
+  pre: object = None            # the runner's `TailPrefill`
+  info: dict | None = None      # memory blocks, blocks written, memory bytes
+
+
+class MemArt(Mechanism):
+  """MemArt chat sessions in the engine (module docstring). `sessions`: a
+  `MemArtSessions` on the engine's KV manager (`kv=engine.kv_manager`)."""
+
+  name = "memart"
+  owns_prefill = True
+
+  def __init__(self, sessions, *, write_chunk: int | None = None):
+    """write_chunk: history tokens written per engine step (None: the runner's
+    prefill_chunk; a server passes its engine's prefill_chunk)."""
+    self.sessions, self.runner, self.write_chunk = sessions, sessions.runner, write_chunk
+    self._writing: set[str] = set()      # sessions whose history a row is writing
+    # counters for /metrics (one writer: the engine's thread)
+    self.stats = {"requests": 0, "blocks_written": 0, "blocks_retrieved": 0,
+                  "prefill_tokens": 0, "chat_tokens": 0}
+
+  def context(self, session: str, messages: list[dict]) -> dict:
+    """`Request.context` of a turn; raises ValueError for messages the session cannot
+    take (checked again when the row runs: the session may move on in between)."""
+    self.sessions.check(session, messages)
+    return {"session": session, "messages": messages}
+
+  def match(self, req) -> Match:
+    ctx = req.context or {}
+    if "session" not in ctx or "messages" not in ctx:
+      raise ValueError("a memart request's context names its session and messages")
+    return Match(0, np.zeros(0, np.int32), _Turn(), defer=True)
+
+  def prefill(self, row):
+    ctx = row.req.context
+    while ctx["session"] in self._writing:     # another turn of the session is writing
+      yield
+    self._writing.add(ctx["session"])
+    try:
+      mem, tail, voters, info = yield from self.sessions.prepare_steps(
+          ctx["session"], ctx["messages"], chunk=self.write_chunk)
+    finally:
+      self._writing.discard(ctx["session"])
+    pre = self.runner.prefill_into(row.seq, mem, tail, row.req.sampling.max_tokens,
+                                   voters=voters, owner="engine")
+    row.state.pre, row.state.info = pre, info
+    row.n, row.cached = pre.n, pre.start
+    return pre.logits
+
+  def decode_view(self, row, width: int):
+    shift = row.state.pre.shift
+    if shift is None:
+      return None, None
+    out = np.zeros(width, np.int32)
+    m = min(width, shift.size)
+    out[:m] = shift[:m]
+    return None, out
+
+  def finish(self, row, cache: bool) -> dict | None:
+    del cache
+    t = row.state
+    if t.pre is None:
+      return None
+    pre, info = t.pre, t.info
+    s = self.stats
+    s["requests"] += 1
+    s["blocks_written"] += info["blocks_written"]
+    s["blocks_retrieved"] += int(pre.blocks.size)
+    s["prefill_tokens"] += pre.n - pre.start
+    s["chat_tokens"] += len(row.req.prompt)
+    kv_len = self.runner.kv_len(row.seq, pre.n) + len(row.generated)
+    # usage's cached tokens: the chat's tokens this request did not prefill (neither as
+    # newly written history nor as the question)
+    row.served = max(0, len(row.req.prompt) - info["written_tokens"] - (pre.n - pre.start))
+    return {"prefill_tokens": pre.n - pre.start, "probe_tokens": pre.probe_tokens,
+            "retrieved_blocks": int(pre.blocks.size), "decode_kv_len": kv_len, **info}
+
+  def close(self, session: str) -> bool:
+    """Frees a session's memory; False when it has none."""
+    if session not in self.sessions.sessions:
+      return False
+    self.sessions.close(session)
+    return True

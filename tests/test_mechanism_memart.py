@@ -1,0 +1,153 @@
+"""MemArt as an engine mechanism: a chat session's turns run by the batch engine give
+MemArtSessions.ask's answers (tokens identical, first-token logits within 1e-5, the
+same blocks retrieved and written), decoding with their key shift beside plain rows;
+memory is session state on the engine's pool, freed on close; a turn the session
+cannot take fails alone.
+
+A random 3-layer model with SmolLM2's real tokenizer and chat template (as
+tests/test_memart_runner.py)."""
+
+import numpy as np
+import pytest
+
+import hf_util
+from jaxkv.config import CacheConfig, EngineConfig, MemArtConfig, SamplingConfig
+from jaxkv.engine.engine import Engine, Request
+from jaxkv.engine.mechanisms.memart import MemArt
+from jaxkv.engine.memart import MemArtSessions
+from mechanism_util import clip, recording
+
+CACHE = CacheConfig(num_pages=512, page_size=16, max_seq_len=2048)
+MAX = 10
+CFG = MemArtConfig(block_size=16, top_k=4)
+FACTS = ["My sister Ana lives in Lisbon and teaches piano to children.",
+         "I adopted a grey cat called Biscuit last spring from the shelter.",
+         "Our team ships the billing service every Tuesday after lunch.",
+         "The spare key is under the blue flower pot by the back door."]
+QUESTIONS = ["Where is the spare key?", "What is the cat called?", "Who teaches piano?"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return hf_util.random_llm_with_real_tokenizer(num_layers=3)
+
+
+def _turns():
+  """Three turns of one session: each adds two facts to the history, then asks."""
+  history, out = [], []
+  for i, q in enumerate(QUESTIONS):
+    for f in FACTS[i:i + 2]:
+      history += [{"role": "user", "content": f}, {"role": "assistant", "content": "Noted."}]
+    out.append(history + [{"role": "user", "content": q}])
+  return out
+
+
+_Recording = recording(MemArt)
+
+
+def _engine(llm, max_batch=4):
+  eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
+               EngineConfig(max_batch=max_batch, prefill_chunk=64, decode_steps=4))
+  sessions = MemArtSessions(llm, CFG, CACHE, attn_impl="reference", kv=eng.kv_manager)
+  return eng, eng.add_mechanism(_Recording(sessions))
+
+
+def _request(llm, mech, rid, session, messages):
+  return Request(rid, llm.encode(messages), SamplingConfig(max_tokens=MAX), mechanism="memart",
+                 context=mech.context(session, messages))
+
+
+def test_engine_turns_equal_memart_sessions(llm):
+  ref = MemArtSessions(llm, CFG, CACHE, attn_impl="reference")
+  eng, mech = _engine(llm)
+  stop = set(llm.tokenizer.stop_ids)
+  for i, msgs in enumerate(_turns()):
+    ans, info = ref.ask("s", msgs, MAX)
+    (res,) = list(eng.run([_request(llm, mech, f"t{i}", "s", msgs)]))
+    assert res.finish_reason in ("stop", "length"), res.error
+    assert res.tokens == clip(ans.tokens.tolist(), stop), f"turn {i}"
+    np.testing.assert_allclose(mech.logits[f"t{i}"], ans.logits, atol=1e-5, rtol=0)
+    x = res.extra
+    assert x["retrieved_blocks"] == ans.blocks.size and x["prefill_tokens"] == ans.prefill_tokens
+    assert x["decode_kv_len"] == ans.decode_kv_len
+    assert {k: x[k] for k in info} == info, f"turn {i}"
+    assert res.prompt_tokens == len(llm.encode(msgs)) > x["prefill_tokens"]
+  assert ans.blocks.size == CFG.top_k                 # retrieval, not the whole history
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == []
+  live = eng.allocator.num_live_slots
+  assert live > 0                                     # the head and the session's memory
+  assert mech.close("s") and not mech.close("s")
+  mech.runner.close()
+  assert eng.allocator.num_live_slots == 0 < live
+
+
+def test_memart_rows_batch_with_plain_rows_and_errors_stay_alone(llm):
+  """Two sessions' turns and a plain request in one batch equal their runs alone; an
+  edited history fails its own request only."""
+  turns = _turns()
+  other = [[{"role": m["role"], "content": m["content"].replace("Lisbon", "Porto")}
+            for m in t] for t in turns]
+  plain = np.random.default_rng(1).integers(100, 40000, 60).tolist()
+  alone = {}
+  for sid, ts in (("a", turns), ("b", other)):
+    eng, mech = _engine(llm)
+    for i, msgs in enumerate(ts[:2]):
+      alone[sid, i] = next(iter(eng.run([_request(llm, mech, f"{sid}{i}", sid, msgs)]))).tokens
+  eng, _ = _engine(llm)
+  alone["p"] = next(iter(eng.run([Request("p", plain, SamplingConfig(max_tokens=MAX))]))).tokens
+  eng, mech = _engine(llm)
+  for i in range(2):
+    batch = [_request(llm, mech, f"a{i}", "a", turns[i]), Request(
+        "p", plain, SamplingConfig(max_tokens=MAX)), _request(llm, mech, f"b{i}", "b", other[i])]
+    got = {r.id: r for r in eng.run(batch)}
+    assert got[f"a{i}"].tokens == alone["a", i] and got[f"b{i}"].tokens == alone["b", i]
+    assert got["p"].tokens == alone["p"] and got["p"].extra is None
+  with pytest.raises(ValueError, match="no longer extends"):
+    mech.context("a", other[2])                       # the server's 400
+  stale = Request("x", llm.encode(other[2]), SamplingConfig(max_tokens=MAX), mechanism="memart",
+                  context={"session": "a", "messages": other[2]})
+  got = {r.id: r for r in eng.run([stale, Request("p2", plain, SamplingConfig(max_tokens=MAX))])}
+  assert got["x"].finish_reason == "error" and "no longer extends" in got["x"].error
+  assert got["p2"].tokens == alone["p"]
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == []
+
+
+def test_a_long_history_is_written_one_chunk_per_step(llm):
+  """A MemArt turn whose unseen history is long writes it one chunk per engine step:
+  a row already decoding gets its decode call in every one of those steps (it waits
+  for one chunk at a time, never the whole history); the answer equals the turn's
+  answer with the history written in one piece."""
+  history = []
+  for i in range(6):
+    history += [{"role": "user", "content": " ".join(FACTS) + f" (note {i})"},
+                {"role": "assistant", "content": "Noted."}]
+  msgs = history + [{"role": "user", "content": QUESTIONS[0]}]
+  want, _ = MemArtSessions(llm, CFG, CACHE, attn_impl="reference").ask("s", msgs, MAX)
+  eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
+               EngineConfig(max_batch=2, prefill_chunk=32, decode_steps=2))
+  mech = eng.add_mechanism(MemArt(MemArtSessions(llm, CFG, CACHE, attn_impl="reference",
+                                                 kv=eng.kv_manager), write_chunk=32))
+  short = Request("short", np.random.default_rng(2).integers(100, 40000, 6).tolist(),
+                  SamplingConfig(max_tokens=200))
+  eng.submit(short)
+  eng.step()
+  eng.submit(_request(llm, mech, "m", "s", msgs))
+  seen, steps, got = len(eng.progress()["short"][0]), 0, {}
+  while "m" not in eng.progress() and "m" not in got:
+    got.update({r.id: r for r in eng.step()})
+    steps += 1
+    now = len(eng.progress()["short"][0])
+    assert now == seen + 2, "the decoding row waited for more than one chunk"
+    seen = now
+  written = sum(len(llm.tokenizer.encode(f"{m['role']}: {m['content']}", add_bos=False))
+                for m in history)
+  assert steps >= written // 32                      # the history took a step per chunk
+  eng.cancel("short")
+  while eng.busy:
+    got.update({r.id: r for r in eng.step()})
+  assert got["m"].tokens == clip(want.tokens.tolist(), set(llm.tokenizer.stop_ids))
+  assert got["m"].extra["retrieved_blocks"] == want.blocks.size
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == []
