@@ -151,3 +151,66 @@ def test_a_long_history_is_written_one_chunk_per_step(llm):
   assert got["m"].extra["retrieved_blocks"] == want.blocks.size
   eng.kv_manager.check()
   assert eng.allocator.sequences() == []
+
+
+def test_closed_mid_turn_long_chats_and_a_failing_finish(llm):
+  """A session closed while its turn is writing is freed when that turn ends; a chat
+  longer than the cache whose question fits is answered (the row reserves only what it
+  prefills); a mechanism whose finish raises fails the step, and abort frees the rest
+  without freeing anything twice."""
+  eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
+               EngineConfig(max_batch=2, prefill_chunk=32, decode_steps=2))
+  mech = eng.add_mechanism(MemArt(MemArtSessions(llm, CFG, CACHE, attn_impl="reference",
+                                                 kv=eng.kv_manager), write_chunk=32))
+  head = eng.allocator.num_live_slots
+  msgs = _turns()[2]
+  eng.submit(_request(llm, mech, "t", "s", msgs))
+  eng.step()                                          # part way through the history write
+  assert mech.close("s")                              # deferred: the turn is in flight
+  while eng.busy:
+    (res,) = eng.step() or [None]
+    if res is not None:
+      assert res.finish_reason in ("stop", "length")
+  assert "s" not in mech.sessions.sessions and eng.allocator.num_live_slots == head
+  pair = [{"role": "user", "content": " ".join(FACTS)}, {"role": "assistant", "content": "Ok."}]
+  history, msgs = [], [pair[0]]    # grown turn by turn: each turn writes what is new
+  while len(llm.encode(msgs)) <= CACHE.max_seq_len:
+    history += pair * 6
+    msgs = history + [{"role": "user", "content": QUESTIONS[0]}]
+    (res,) = list(eng.run([_request(llm, mech, f"l{len(history)}", "l", msgs)]))
+    assert res.finish_reason in ("stop", "length"), res.error
+  assert res.prompt_tokens > CACHE.max_seq_len > res.extra["decode_kv_len"]
+  finish, calls = mech.finish, []
+
+  def failing(row, cache):
+    calls.append(row.req.id)
+    finish(row, cache)
+    raise RuntimeError("finish failed")
+
+  mech.finish = failing
+  eng.submit(_request(llm, mech, "f", "f", _turns()[0]))
+  with pytest.raises(RuntimeError, match="finish failed"):
+    while True:
+      eng.step()
+  mech.finish = finish
+  assert eng.abort("finish failed") == [] and calls == ["f"]   # the row left before it raised
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == [] and not mech._inflight and not mech._writing
+
+
+def test_new_rows_pages_are_reserved_before_the_step_prefills(llm):
+  """The pages a step's newly admitted rows may take are reserved before that step's
+  prefills run, so a MemArt history write inside the step cannot take them."""
+  eng, _ = _engine(llm)
+  seen, prefill = [], eng._prefill
+
+  def spy(rows):
+    seen.append(eng.kv_manager.reserved(0))
+    prefill(rows)
+
+  eng._prefill = spy
+  plain = np.random.default_rng(3).integers(100, 40000, 70).tolist()
+  eng.submit(Request("p", plain, SamplingConfig(max_tokens=80)))
+  eng.step()
+  # its prompt's slots are allocated at admission; the pages its decode may still take
+  assert seen[0] == eng._pages(len(plain) + 80) - eng._pages(len(plain)) > 0

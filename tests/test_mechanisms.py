@@ -12,6 +12,7 @@ from jaxkv.config import CacheConfig, EngineConfig, PruningConfig, SamplingConfi
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.pruned import Pruned
 from jaxkv.engine.sessions import SessionRunner
+from jaxkv.policies.pruning import intentkv
 from test_sessions import MESSAGES
 
 CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=2048)
@@ -102,6 +103,23 @@ def test_sampling_cancel_and_errors_free_everything(llm):
   (res,) = eng.step()
   assert res.finish_reason == "cancelled" and "y" not in mech.state.paths
   assert mech.tree.locked_tokens == 0
+  # cancelled after its prefill: the session keeps nothing of the turn (no path, no
+  # QueryMemory step), so a retry of the turn is its first
+  req = _turn_request(mech, "z", TURNS[1], "z1", SamplingConfig(max_tokens=40))
+  eng.submit(req)
+  while "z1" not in eng.progress():
+    eng.step()
+  assert eng.cancel("z1")
+  (res,) = eng.step()
+  assert res.finish_reason == "cancelled" and res.tokens
+  assert "z" not in mech.state.paths
+  assert intentkv.session_key(session_id="z") not in mech.state.memories
+  assert mech.tree.locked_tokens == 0
+  # a context missing a field is refused before anything is locked
+  bad = Request("m", _turn_request(mech, "w", TURNS[0]).prompt, mechanism="pruned",
+                context={"session": "w"})
+  (res,) = list(eng.run([bad]))
+  assert res.finish_reason == "error" and mech.tree.locked_tokens == 0
   # a mechanism the engine does not have, or on an adapter, is an error result
   bad = Request("z", [1, 2, 3], mechanism="memart")
   (res,) = list(eng.run([bad]))

@@ -14,9 +14,11 @@ between runs in --xla_cache (default ~/.cache/jaxkv/xla, or $JAX_COMPILATION_CAC
 Segment reuse, SemShareKV and MemArt run their requests in the same batch engine,
 each request as a request of that KV mechanism (`jaxkv.engine.mechanisms`: the
 server's session kinds of the same names), so they batch, sample and stream like
-plain ones. Requests are admitted in file order and each mechanism's prefill work
-runs in row order within an engine step, so a request sees what the requests before
-it stored or wrote (segments, references, a session's history). Every record adds
+plain ones. Requests are admitted in file order and the mechanisms' prefills run in
+admission order within an engine step, so a request sees the segments, references and
+session history the requests before it stored or wrote (a radix prefix is matched at
+admission, so one admitted in the same step as an earlier request with that prefix
+computes it again, as with the plain prefix cache). Every record adds
 what its mechanism did (the server's `usage["jaxkv"]`):
 
 - Segment reuse (`--config=configs/smollm2_reuse.py`, or `--config.mode=reuse`): each

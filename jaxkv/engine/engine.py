@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -49,6 +50,8 @@ from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
 from jaxkv.kv.radix import RadixCache
 from jaxkv.models.forward import Capture, LoraInputs
+
+log = logging.getLogger(__name__)
 
 _OWNER = "engine"     # the engine's name for its reservation in the KV manager
 _TREE = "prefix"      # its radix trees' name there
@@ -106,6 +109,7 @@ class Engine(MechanismRows):
     self._lock = threading.Lock()
     self._waiting: collections.deque[Request] = collections.deque()
     self._rows: list[Row | None] = [None] * engine.max_batch
+    self._admitted = 0                       # rows admitted so far (Row.order)
     self._cancelled: set[str] = set()
 
   def add_mechanism(self, mechanism: Mechanism) -> Mechanism:
@@ -165,25 +169,17 @@ class Engine(MechanismRows):
 
     Admission reserves each row's worst case (prompt + max_tokens) in pages, so
     a running row can always grow during decode and nothing is preempted;
-    slots are still allocated only as tokens arrive (peak KV = real use).
+    slots are still allocated only as tokens arrive (peak KV = real use). A
+    mechanism that lays out its row's sequence (`Match.defer`) names the fresh
+    prompt tokens it will take (`Match.reserve`: e.g. MemArt's question), which is
+    what is checked and reserved then.
     """
     n = len(req.prompt)
-    limit = self.cache_cfg.max_seq_len
     if n == 0:
       return _error(req, "empty prompt")
     if req.adapter != -1 and (self.lora is None or not 0 <= req.adapter < self.lora.num_adapters):
       return _error(req, f"adapter {req.adapter} does not exist (the engine has "
                          f"{0 if self.lora is None else self.lora.num_adapters})")
-    if n + req.sampling.max_tokens > limit:
-      return _error(req, f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) "
-                         f"exceeds cache.max_seq_len={limit}")
-    need = self._pages(n + req.sampling.max_tokens)
-    room = self.cache_cfg.num_pages // self.shards - 1
-    if need > room:
-      where = f" per data shard ({self.shards})" if self.shards > 1 else ""
-      return _error(req, f"KV pool too small for this request: it needs {need} pages of "
-                         f"{self.cache_cfg.page_size} slots, the pool has {room}{where}; "
-                         f"raise cache.num_pages")
     match = mech = found = None
     cache = self.cache_for(req.adapter)
     if req.mechanism is not None:
@@ -199,7 +195,14 @@ class Engine(MechanismRows):
       except (KeyError, TypeError, ValueError) as e:   # e.g. a context it cannot use
         return _error(req, f"mechanism {req.mechanism!r} refused the request: {e!r}")
       hit = found.hit
-    else:
+      if found.defer and found.reserve is not None:   # it lays out its own sequence
+        n = found.reserve
+    too_long = self._too_long(n, req.sampling.max_tokens)
+    if too_long:
+      if found is not None:
+        mech.unmatch(found)
+      return _error(req, too_long)
+    if mech is None:
       if cache is not None:                        # the last prompt token is recomputed
         match = cache.match_prefix(req.prompt[:-1], lock=True)
       hit = match.n_matched if match is not None else 0
@@ -228,7 +231,21 @@ class Engine(MechanismRows):
       self.allocator.extend(seq, n - hit)
     self.metrics.cached_tokens += hit
     return Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
-                state=None if found is None else found.state)
+               state=None if found is None else found.state, n=n, order=self._admitted)
+
+  def _too_long(self, n: int, max_tokens: int) -> str | None:
+    """Why a row of n prompt positions + max_tokens can never run here (None: it can)."""
+    limit = self.cache_cfg.max_seq_len
+    if n + max_tokens > limit:
+      return f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds cache.max_seq_len={limit}"
+    need = self._pages(n + max_tokens)
+    room = self.cache_cfg.num_pages // self.shards - 1
+    if need > room:
+      where = f" per data shard ({self.shards})" if self.shards > 1 else ""
+      return (f"KV pool too small for this request: it needs {need} pages of "
+              f"{self.cache_cfg.page_size} slots, the pool has {room}{where}; raise "
+              "cache.num_pages")
+    return None
 
   def _reserve(self, new_prompt: int, max_tokens: int, hit: int) -> int:
     """Pages a row may still take: its new tokens, plus one when it adopted a prefix
@@ -370,8 +387,10 @@ class Engine(MechanismRows):
 
   def _retire(self, r: Row, now: float) -> Result:
     # Frees every slot of the row, including those allocated ahead for decode
-    # steps it did not take (the prefix cache holds the ones it caches).
-    self._release(r, cache=True)
+    # steps it did not take (the prefix cache holds the ones it caches, a cancelled
+    # plain row's too). A cancelled or failed row's mechanism keeps nothing of it
+    # (`Mechanism.finish(cache=False)`: no session state advanced by a dropped turn).
+    self._release(r, cache=r.req.mechanism is None or r.finish not in ("cancelled", "error"))
     return Result(id=r.req.id, tokens=list(r.generated), prompt_tokens=len(r.req.prompt),
                   completion_tokens=len(r.generated),
                   ttft_s=(r.first_token_at or now) - r.admitted,
@@ -428,8 +447,8 @@ class Engine(MechanismRows):
     """(tokens generated so far (a copy), prompt tokens served by the prefix cache)
     of each running request with tokens, by id: what a streaming caller sends
     between `step`s. Call it from the thread that steps."""
-    return {r.req.id: (list(r.generated), r.cached) for r in self._rows
-            if r is not None and r.generated}
+    return {r.req.id: (list(r.generated), r.cached if r.served is None else r.served)
+            for r in self._rows if r is not None and r.generated}
 
   def _admit_waiting(self, now: float) -> list[Result]:
     """Moves queued requests into free rows, first come first served; a request
@@ -462,6 +481,7 @@ class Engine(MechanismRows):
             out.append(got)
             continue
           self._rows[i] = got
+          self._admitted += 1
           break
     return out
 
@@ -479,6 +499,9 @@ class Engine(MechanismRows):
           r.finish = "cancelled"
           self._cancelled.discard(r.req.id)
     results = self._retire_finished(now) + self._admit_waiting(now)
+    # the new rows' pages are promised before any mechanism allocates inside this step
+    # (a MemArt history write): other owners' allocations leave them free
+    self._update_reservation()
     if any(r is not None for r in self._rows):
       self._note_memory()
       self._prefill(self._rows)
@@ -532,10 +555,13 @@ class Engine(MechanismRows):
     out = [_error(req, error) for req in waiting]
     for i, r in enumerate(self._rows):
       if r is not None:
-        self._release(r, cache=False)
+        self._rows[i] = None
+        try:
+          self._release(r, cache=False)
+        except Exception:                # broad: free the other rows regardless
+          log.exception("releasing request %s failed", r.req.id)
         out.append(dataclasses.replace(_error(r.req, error), tokens=list(r.generated),
                                        completion_tokens=len(r.generated)))
-        self._rows[i] = None
     self._update_reservation()
     return out
 
@@ -543,8 +569,8 @@ class Engine(MechanismRows):
     out = []
     for i, r in enumerate(self._rows):
       if r is not None and r.finish is not None:
+        self._rows[i] = None             # gone even if releasing it raises (no double free)
         out.append(self._retire(r, now))
-        self._rows[i] = None
     return out
 
   def run(self, requests: Iterable[Request]) -> Iterator[Result]:

@@ -41,9 +41,10 @@ class MechanismRows:
     its mechanism returns (as a chunk's readout would: the row's sampling at position
     n), then lets the mechanism finish its prefill work (`after_prefill`: e.g. store
     segments) off the TTFT path."""
-    for r in rows:
-      if r is not None and r.prefilled < r.n and r.finish is None and self._owns(r):
-        self._own_prefill_one(r)
+    todo = [r for r in rows if r is not None and r.prefilled < r.n and r.finish is None
+            and self._owns(r)]
+    for r in sorted(todo, key=lambda r: r.order):   # admission order: each sees what
+      self._own_prefill_one(r)                       # the ones before it stored / wrote
 
   def _own_prefill_one(self, r: Row) -> bool:
     """One mechanism prefill (or one slice of it); False when it is not done yet."""

@@ -351,9 +351,11 @@ class MemArtRunner:
       raise ValueError(f"a probe of {tail.size} tokens exceeds prefill_chunk "
                        f"{self.prefill_chunk}")
     seq = self.alloc.new_sequence()
-    self._adopt_head(seq)
-    _, _, q, pos = self._prefill(seq, tail, self.head.size, capture_q=True)
-    self.alloc.free_sequence(seq)
+    try:
+      self._adopt_head(seq)
+      _, _, q, pos = self._prefill(seq, tail, self.head.size, capture_q=True)
+    finally:
+      self.alloc.free_sequence(seq)
     if voters is not None:
       v = np.zeros(pos.size, bool)
       v[:tail.size] = np.asarray(voters, bool)
@@ -543,6 +545,13 @@ class MemArtSessions:
                        "start a new session (another \"user\")")
     return lines
 
+  def tail(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(the tokens an answer prefills: the last message and the template after it,
+    which of them vote in retrieval: the message's)."""
+    q = self._enc(messages[-1]["content"])
+    tail = np.r_[q, self._enc("\n" + self.tail_text)].astype(np.int32)
+    return tail, np.arange(tail.size) < q.size
+
   def prepare(self, session: str, messages: list[dict]) -> tuple[Memory, np.ndarray,
                                                                  np.ndarray, dict]:
     """Writes the history the session's memory has not seen; returns (its memory, the
@@ -563,9 +572,7 @@ class MemArtSessions:
       written_tokens = span.size
       seen = seen + new
     self.sessions[session] = (mem, seen)
-    q = self._enc(messages[-1]["content"])
-    tail = np.r_[q, self._enc("\n" + self.tail_text)].astype(np.int32)
-    voters = np.arange(tail.size) < q.size
+    tail, voters = self.tail(messages)
     return mem, tail, voters, dict(memory_blocks=mem.num_blocks, blocks_written=int(written),
                                    written_tokens=int(written_tokens), memory_bytes=mem.nbytes)
 

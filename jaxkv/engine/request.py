@@ -57,6 +57,7 @@ class Row:
   # prompt tokens reported as served without prefill (Result.cached_tokens) when that
   # is not `cached`: a mechanism that lays out its own sequence sets it (MemArt)
   served: int | None = None
+  order: int = 0                   # admission order (mechanism prefills run in it)
   # the row's prompt positions: the request's prompt, unless its mechanism lays out
   # another sequence (MemArt: the chat head, retrieved blocks and the question)
   n: int = -1

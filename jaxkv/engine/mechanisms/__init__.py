@@ -49,6 +49,7 @@ class Match:
   # engine allocates no prompt slots at admission (it still reserves the request's
   # prompt + max_tokens pages) and the mechanism sets `row.n` and `row.cached`
   defer: bool = False
+  reserve: int | None = None      # with defer: the fresh prompt tokens it will take
 
 
 class Mechanism:

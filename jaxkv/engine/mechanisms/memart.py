@@ -22,6 +22,7 @@ session state on the same pool (`owner` "memart"), kept until the session closes
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -31,6 +32,7 @@ from jaxkv.engine.mechanisms import Match, Mechanism
 
 @dataclasses.dataclass
 class _Turn:
+  session: str = ""
   pre: object = None            # the runner's `TailPrefill`
   info: dict | None = None      # memory blocks, blocks written, memory bytes
 
@@ -47,6 +49,8 @@ class MemArt(Mechanism):
     prefill_chunk; a server passes its engine's prefill_chunk)."""
     self.sessions, self.runner, self.write_chunk = sessions, sessions.runner, write_chunk
     self._writing: set[str] = set()      # sessions whose history a row is writing
+    self._inflight: collections.Counter = collections.Counter()   # session -> rows
+    self._closing: set[str] = set()      # closed while a turn was in flight
     # counters for /metrics (one writer: the engine's thread)
     self.stats = {"requests": 0, "blocks_written": 0, "blocks_retrieved": 0,
                   "prefill_tokens": 0, "chat_tokens": 0}
@@ -61,7 +65,24 @@ class MemArt(Mechanism):
     ctx = req.context or {}
     if "session" not in ctx or "messages" not in ctx:
       raise ValueError("a memart request's context names its session and messages")
-    return Match(0, np.zeros(0, np.int32), _Turn(), defer=True)
+    tail, _ = self.sessions.tail(ctx["messages"])     # what the row will prefill
+    self._inflight[ctx["session"]] += 1
+    return Match(0, np.zeros(0, np.int32), _Turn(ctx["session"]), defer=True,
+                 reserve=int(tail.size))
+
+  def unmatch(self, match: Match) -> None:
+    self._leave(match.state.session)
+
+  def _leave(self, session: str) -> None:
+    """A turn of `session` is done (or waits again); a session closed while turns were
+    in flight is freed with its last one."""
+    self._inflight[session] -= 1
+    if self._inflight[session] <= 0:
+      del self._inflight[session]
+      if session in self._closing:
+        self._closing.discard(session)
+        if session in self.sessions.sessions:
+          self.sessions.close(session)
 
   def prefill(self, row):
     ctx = row.req.context
@@ -77,6 +98,9 @@ class MemArt(Mechanism):
                                    voters=voters, owner="engine")
     row.state.pre, row.state.info = pre, info
     row.n, row.cached = pre.n, pre.start
+    # usage's cached tokens: the chat's tokens this request did not prefill (neither as
+    # newly written history nor as the question)
+    row.served = max(0, len(row.req.prompt) - info["written_tokens"] - (pre.n - pre.start))
     return pre.logits
 
   def decode_view(self, row, width: int):
@@ -91,6 +115,7 @@ class MemArt(Mechanism):
   def finish(self, row, cache: bool) -> dict | None:
     del cache
     t = row.state
+    self._leave(t.session)
     if t.pre is None:
       return None
     pre, info = t.pre, t.info
@@ -101,14 +126,16 @@ class MemArt(Mechanism):
     s["prefill_tokens"] += pre.n - pre.start
     s["chat_tokens"] += len(row.req.prompt)
     kv_len = self.runner.kv_len(row.seq, pre.n) + len(row.generated)
-    # usage's cached tokens: the chat's tokens this request did not prefill (neither as
-    # newly written history nor as the question)
-    row.served = max(0, len(row.req.prompt) - info["written_tokens"] - (pre.n - pre.start))
     return {"prefill_tokens": pre.n - pre.start, "probe_tokens": pre.probe_tokens,
             "retrieved_blocks": int(pre.blocks.size), "decode_kv_len": kv_len, **info}
 
   def close(self, session: str) -> bool:
-    """Frees a session's memory; False when it has none."""
+    """Frees a session's memory (with its last turn in flight, when that one ends);
+    False when it has none and no turn in flight."""
+    if self._inflight[session] > 0:
+      self._closing.add(session)
+      return True
+    self._inflight.pop(session, None)
     if session not in self.sessions.sessions:
       return False
     self.sessions.close(session)

@@ -206,12 +206,12 @@ class Pruned(Mechanism):
   # ------------------------------------------------------------------ hooks
   def match(self, req) -> Match:
     ctx = req.context
-    prev = self.state.paths.get(ctx["session"])
+    session, qs, sys_len = ctx["session"], ctx["qs"], ctx["sys_len"]   # before any lock
+    prev = self.state.paths.get(session)
     prompt = np.asarray(req.prompt, np.int64)
-    m = self.tree.match_prefix(prompt[:-1], lock=True, holes=None if prev is None else prev[1])
     width = plan.width(len(req.prompt) + req.sampling.max_tokens)
-    return Match(m.n_matched, m.slots, _Turn(ctx["session"], ctx["qs"], ctx["sys_len"], width,
-                                             prev, lock=m))
+    m = self.tree.match_prefix(prompt[:-1], lock=True, holes=None if prev is None else prev[1])
+    return Match(m.n_matched, m.slots, _Turn(session, qs, sys_len, width, prev, lock=m))
 
   def unmatch(self, match: Match) -> None:
     self.tree.release_lock(match.state.lock)
