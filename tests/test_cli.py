@@ -266,6 +266,16 @@ def test_read_requests_lists_every_line_once(tmp_path):
                             "enclosed in double quotes")
 
 
+def test_a_line_names_its_kv_mechanism():
+  defaults = ServeConfig().sampling
+  p = batch.parse_line(json.dumps({"id": "m", "prompt": "p", "kind": "memart", "user": "u"}),
+                       1, defaults)
+  assert (p.kind, p.user) == ("memart", "u")
+  assert batch.parse_line(json.dumps({"id": "x", "prompt": "p"}), 2, defaults).kind is None
+  with pytest.raises(batch.RequestError, match="'kind' must be one of pruned, memart"):
+    batch.parse_line(json.dumps({"id": "b", "prompt": "p", "kind": "prefix"}), 3, defaults)
+
+
 def test_missing_traces_name_the_command_that_makes_them(tmp_path):
   from jaxkv.data import traces
   with pytest.raises(FileNotFoundError, match=r"scripts/make_traces\.py --source=tau2"):

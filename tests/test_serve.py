@@ -339,3 +339,38 @@ def test_serve_memart_mode_keeps_session_history_in_memory(tmp_path):
   assert recs["hot"]["finish_reason"] in ("stop", "length")
   proc = _run(cmd)                                              # answered ones are kept
   assert proc.returncode == 0 and len(_records(out)) == 6
+
+
+@pytest.mark.slow
+def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
+  """One JSONL names a KV mechanism per line ("kind", the server's session kinds):
+  plain, reuse, SemShareKV, MemArt and pruned requests run in one batch engine
+  (configs/smollm2_agents.py), each record saying its kind and what its mechanism
+  did; an unknown kind is that line's error."""
+  reuse = [json.loads(x) for x in (ROOT / "examples/reuse_requests.jsonl").read_text()
+           .splitlines()[:2]]
+  sem = [json.loads(x) for x in (ROOT / "examples/semshare_requests.jsonl").read_text()
+         .splitlines()[:2]]
+  chat = [{"role": "user", "content": "The spare key is under the blue flower pot."},
+          {"role": "assistant", "content": "Noted."},
+          {"role": "user", "content": "Where is the spare key?"}]
+  lines = [{"id": "plain", "prompt": "The capital of France is"},
+           *({**r, "kind": "reuse"} for r in reuse), *({**r, "kind": "semshare"} for r in sem),
+           {"id": "mem", "kind": "memart", "user": "m", "messages": chat},
+           {"id": "prn", "kind": "pruned", "user": "p", "messages": chat},
+           {"id": "bad", "kind": "bogus", "prompt": "Hi"}]
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  proc = _run([sys.executable, str(ROOT / "scripts/serve.py"),
+               f"--config={ROOT}/configs/smollm2_agents.py", f"--input={inp}",
+               f"--output={out}", "--config.sampling.max_tokens=4", "--noprogress"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = {r["id"]: r for r in _records(out)}
+  assert list(recs) == [x["id"] for x in lines]
+  assert "kind" not in recs["plain"] and recs["plain"]["finish_reason"] == "length"
+  assert recs["r1"]["kind"] == "reuse" and recs["r1"]["reused_tokens"] > 0
+  assert recs["s1"]["kind"] == "semshare" and recs["s1"]["reused"]
+  assert recs["mem"]["session"] == "m" and recs["mem"]["blocks_written"] > 0
+  assert recs["prn"]["kind"] == "pruned" and "kv_live_after" in recs["prn"]
+  assert "'kind' must be one of" in recs["bad"]["error"]
+  assert sum(r["finish_reason"] == "error" for r in recs.values()) == 1

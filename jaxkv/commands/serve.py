@@ -11,10 +11,12 @@ skipped. See jaxkv/engine/batch.py for the line formats. Compiled steps are kept
 between runs in --xla_cache (default ~/.cache/jaxkv/xla, or $JAX_COMPILATION_CACHE_DIR;
 --xla_cache= turns it off), so a rerun skips most of the compilation.
 
-Segment reuse, SemShareKV and MemArt run their requests in the same batch engine,
-each request as a request of that KV mechanism (`jaxkv.engine.mechanisms`: the
-server's session kinds of the same names), so they batch, sample and stream like
-plain ones. Requests are admitted in file order and the mechanisms' prefills run in
+A line may name the KV mechanism it runs on (`"kind": "pruned" | "memart" | "reuse" |
+"semshare"`, the server's session kinds; `"user"` names a pruned or memart line's
+session); lines that name none run on the config's mode=reuse / semshare / memart, or
+as plain requests. Every kind runs in the same batch engine as a request of that
+mechanism (`jaxkv.engine.mechanisms`), so they batch, sample and stream like plain
+ones, mixed in one file. Requests are admitted in file order and the mechanisms' prefills run in
 admission order within an engine step, so a request sees the segments, references and
 session history the requests before it stored or wrote (a radix prefix is matched at
 admission, so one admitted in the same step as an earlier request with that prefix
@@ -88,15 +90,16 @@ def _check_paths(src: pathlib.Path, dst: pathlib.Path, mode: str) -> None:
       break
 
 
-def _scan(src: pathlib.Path, cfg, done: set[str]) -> tuple[list[str], list, int]:
+def _scan(src: pathlib.Path, cfg, done: set[str]) -> tuple[list[str], list, int, set]:
   """One pass over the input without the model: the record key of every line in
-  order, the unusable lines' errors, and how many usable lines are still to run."""
+  order, the unusable lines' errors, how many usable lines are still to run, and the
+  mechanism kinds those lines name."""
   from jaxkv.engine import batch
   order: list[str] = []
   errors: list = []
-  todo = sum(1 for _ in batch.read_requests(src, lambda prompt, tools: [], cfg.sampling, done,
-                                            errors.append, order))
-  return order, errors, todo
+  kinds = [p.kind for p, _ in batch.read_requests(src, lambda prompt, tools: [], cfg.sampling,
+                                                  done, errors.append, order, parsed=True)]
+  return order, errors, len(kinds), set(kinds) - {None}
 
 
 def _multi_process(dst: pathlib.Path) -> bool:
@@ -147,8 +150,8 @@ def _main(argv):
   cli.compilation_cache(_XLA_CACHE.value)
   if cfg.mode == "sessions":
     return serve_sessions(cfg, src, out)
-  order, errors, todo = _scan(src, cfg, out.done)
-  if cfg.mode in ("reuse", "semshare", "memart") and todo:
+  order, errors, todo, kinds = _scan(src, cfg, out.done)
+  if (cfg.mode in ("reuse", "semshare", "memart") or kinds) and todo:
     return serve_mechanism(cfg, src, out, todo)
   total = len(order)
   answered = total - todo - len(errors)   # every input line is one of the three
@@ -220,17 +223,25 @@ def _main(argv):
             ("output", f"{dst} ({n} records, one per input line)")], m)
 
 
-def _mechanism(cfg, llm):
-  """The engine mechanism of `cfg.mode` (reuse / semshare / memart) on the LLM's engine,
-  and a line saying what it is."""
+def _mechanism(kind: str, cfg, llm):
+  """The engine mechanism `kind` (pruned / reuse / semshare / memart) on the LLM's
+  engine, and a line saying what it is."""
   kv, impl = llm.engine.kv_manager, cfg.engine.attention_impl
-  if cfg.mode == "reuse":
+  if kind == "pruned":
+    from jaxkv import artifacts
+    from jaxkv.engine.mechanisms.pruned import Pruned
+    p = cfg.pruning
+    head = (artifacts.load_pruner_head(p.head_path, model_name=cfg.model)
+            if p.method == "intentkv" and p.intent_mode == "learnable" else None)
+    mech = Pruned(llm.tokenizer, llm.config, kv, p, head=head)
+    what = f"pruned {p.method} (budget {p.budget}, {p.layout})"
+  elif kind == "reuse":
     from jaxkv.engine.mechanisms.reuse import Reuse
     from jaxkv.engine.reuse import ReuseRunner
     mech = Reuse(ReuseRunner(llm, cfg.reuse, cache=cfg.cache, attn_impl=impl, kv=kv))
     what = (f"reuse {cfg.reuse.method} ({cfg.reuse.storage}, "
             f"{cfg.reuse.byte_budget >> 20} MiB store)")
-  elif cfg.mode == "semshare":
+  elif kind == "semshare":
     from jaxkv.engine.mechanisms.semshare import SemShare
     from jaxkv.engine.semshare import SemShareRunner
     mech = SemShare(SemShareRunner(llm, cfg.semshare, cache=cfg.cache, attn_impl=impl, kv=kv))
@@ -247,9 +258,10 @@ def _mechanism(cfg, llm):
 
 
 def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
-  """mode=reuse / semshare / memart: the JSONL requests as requests of that KV
-  mechanism in the batch engine (module docstring); records are the plain ones plus
-  what the mechanism did."""
+  """JSONL requests of KV mechanisms (a line's "kind", or the config's mode=reuse /
+  semshare / memart for lines that name none; plain requests where neither does) in
+  the batch engine (module docstring); records are the plain ones plus "kind" and what
+  the mechanism did."""
   import numpy as np
   import tqdm
 
@@ -258,13 +270,24 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
 
   t0 = time.perf_counter()
   llm = cli.load_llm(cfg)
-  try:
-    mech, what = _mechanism(cfg, llm)
-  except ValueError as e:
-    cli.fail(str(e))
-  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; {what}", file=sys.stderr)
+  default = cfg.mode if cfg.mode in batch.KINDS else None
+  mechs: dict[str, object] = {}
+  refused: dict[str, str] = {}          # kind -> why this config cannot serve it
+
+  def mechanism(kind):
+    if kind not in mechs and kind not in refused:
+      try:
+        mechs[kind], what = _mechanism(kind, cfg, llm)
+        tqdm.tqdm.write(f"{kind}: {what}", file=sys.stderr)
+      except ValueError as e:
+        refused[kind] = f"kind {kind!r} cannot run with this config: {e}"
+    return mechs.get(kind)
+
+  if default is not None and mechanism(default) is None:
+    cli.fail(refused[default])
+  print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
   order: list[str] = []
-  errors, ttfts, sessions = 0, [], {}
+  errors, ttfts, sessions, kinds = 0, [], {}, {}
   bar = tqdm.tqdm(total=todo, unit="req", disable=not _PROGRESS.value, file=sys.stderr)
 
   def on_error(e) -> None:
@@ -274,38 +297,56 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
     out.add(e.record())
     bar.update(1)
 
-  def encode(prompt, tools):
-    if cfg.mode == "memart":           # the messages: the session's history + question
-      if tools:
-        raise ValueError("memart mode does not take tools")
-      return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if isinstance(prompt, list) and cfg.system_prompt and prompt[0].get("role") != "system":
-      prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
-    return llm.encode(prompt, tools=tools)
+  def messages(prompt):
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+  def with_system(msgs):
+    if cfg.system_prompt and msgs[0].get("role") != "system":
+      return [{"role": "system", "content": cfg.system_prompt}, *msgs]
+    return msgs
+
+  def build(p, kind) -> Request:
+    """The engine request of line `p` on `kind` (ValueError: this line cannot)."""
+    if kind is None or kind in ("reuse", "semshare"):
+      prompt = with_system(p.prompt) if isinstance(p.prompt, list) else p.prompt
+      return Request(p.id, llm.encode(prompt, tools=p.tools), p.sampling, mechanism=kind)
+    session = sessions[p.id] = p.user or p.id
+    mech = mechs[kind]
+    if kind == "memart":                # the session's history + question, no tools
+      if p.tools:
+        raise ValueError("memart requests do not take tools")
+      msgs = messages(p.prompt)
+      ctx = mech.context(session, msgs)
+      return Request(p.id, llm.encode(msgs), p.sampling, mechanism="memart", context=ctx)
+    prompt, ctx = mech.context(session, with_system(messages(p.prompt)), p.tools)   # pruned
+    return Request(p.id, prompt, p.sampling, mechanism="pruned", context=ctx)
 
   def requests():
-    for p, enc in batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order,
-                                      parsed=True):
-      if cfg.mode != "memart":
-        yield Request(p.id, list(enc), p.sampling, mechanism=cfg.mode)
+    for p, _ in batch.read_requests(src, lambda prompt, tools: None, cfg.sampling, out.done,
+                                    on_error, order, parsed=True):
+      kind = p.kind or default
+      if kind is not None and mechanism(kind) is None:
+        on_error(batch.RequestError(p.line, refused[kind], p.id))
         continue
-      sessions[p.id] = session = p.user or p.id
       try:
-        ctx = mech.context(session, enc)
-        ids = llm.encode(enc)
-      except ValueError as e:            # e.g. an edited history
+        req = build(p, kind)
+      except ValueError as e:            # e.g. an edited history, a bad chat message
         on_error(batch.RequestError(p.line, str(e), p.id))
         continue
-      yield Request(p.id, ids, p.sampling, mechanism="memart", context=ctx)
+      kinds[p.id] = kind
+      yield req
 
   for res in llm.engine.run(requests()):
     rec = llm.complete(res).to_json()
+    kind = kinds.pop(res.id, None)
     if res.finish_reason == "error":
       errors += 1
       bar.write(f"error: request {res.id!r}: {res.error}", file=sys.stderr)
     else:
       ttfts.append(res.ttft_s)
-    if cfg.mode == "memart":
+    if kind is not None:
+      rec["kind"] = kind
+    if kind in ("pruned", "memart"):
       rec["session"] = sessions.pop(res.id, res.id)
     out.add({**rec, **(res.extra or {})})
     bar.update(1)
@@ -313,21 +354,26 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
   n = out.finish(order)
   m = {"requests": len(ttfts), "errors": errors, "records": n,
        "median_ttft_s": float(np.median(ttfts)) if ttfts else None,
-       "decode_tok_s": llm.engine.metrics.summary()["decode_tok_s"], **mech.stats}
+       "decode_tok_s": llm.engine.metrics.summary()["decode_tok_s"],
+       **{f"{k}_{stat}": v for k, mech in mechs.items() for stat, v in mech.stats.items()}}
   rows = [("requests run", str(m["requests"])), ("errors", str(errors)),
           ("median TTFT s", f"{m['median_ttft_s']:.3f}" if ttfts else "-"),
           ("decode tokens/s", f"{m['decode_tok_s']:.1f}")]
-  if cfg.mode == "reuse":
-    store = mech.runner.store
-    rows.append(("store", f"{len(store)} segments, {store.nbytes / 2 ** 20:.1f} MiB; "
-                          f"{m['reused_tokens']} prompt tokens reused"))
-  elif cfg.mode == "semshare":
-    r = mech.runner
-    rows.append(("store", f"{len(r.refs)} reference prompts, {r.nbytes / 2 ** 20:.1f} MiB; "
-                          f"{m['reused_requests']} requests reused one"))
-  else:
-    rows.append(("sessions", f"{len(mech.sessions.sessions)} (memory blocks written: "
-                             f"{m['blocks_written']})"))
+  if "reuse" in mechs:
+    store = mechs["reuse"].runner.store
+    rows.append(("reuse store", f"{len(store)} segments, {store.nbytes / 2 ** 20:.1f} MiB; "
+                                f"{m['reuse_reused_tokens']} prompt tokens reused"))
+  if "semshare" in mechs:
+    r = mechs["semshare"].runner
+    rows.append(("semshare store", f"{len(r.refs)} reference prompts, "
+                                   f"{r.nbytes / 2 ** 20:.1f} MiB; "
+                                   f"{m['semshare_reused_requests']} requests reused one"))
+  if "memart" in mechs:
+    rows.append(("memart sessions", f"{len(mechs['memart'].sessions.sessions)} (memory "
+                                    f"blocks written: {m['memart_blocks_written']})"))
+  if "pruned" in mechs:
+    rows.append(("pruned", f"{m['pruned_events']} requests pruned, "
+                           f"{m['pruned_pruned_tokens']} KV entries dropped"))
   _summary(rows + [("output", f"{out.path} ({n} records, one per input line)")], m)
 
 

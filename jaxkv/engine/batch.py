@@ -4,9 +4,12 @@ Input lines (one JSON object each):
     {"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}
     {"id": ..., "prompt": "raw text"}
 with optional "max_tokens", "temperature", "top_p", "top_k", "seed" overriding
-the config's sampling defaults, and "user" (OpenAI's end-user id: the session a
-request belongs to in serve.py mode=memart; ignored elsewhere). Unknown keys are
-rejected (a misspelt "max_token" must not be silently ignored).
+the config's sampling defaults, "user" (OpenAI's end-user id: the session a
+request belongs to for the pruned and memart kinds; ignored elsewhere) and "kind"
+(the KV mechanism the request runs on: "pruned", "memart", "reuse" or "semshare",
+the server's session kinds; default: the config's mode, plain requests for
+mode=requests). Unknown keys are rejected (a misspelt "max_token" must not be
+silently ignored).
 
 Output lines, written and flushed as each request finishes:
     {"id", "text", "prompt_tokens", "completion_tokens", "ttft_s", "latency_s",
@@ -37,7 +40,8 @@ from jaxkv.config import SamplingConfig
 from jaxkv.engine.engine import Request
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-_KEYS = {"id", "messages", "prompt", "tools", "user", *_SAMPLING_KEYS}
+_KEYS = {"id", "messages", "prompt", "tools", "user", "kind", *_SAMPLING_KEYS}
+KINDS = ("pruned", "memart", "reuse", "semshare")   # a line's "kind": an engine mechanism
 
 
 class RequestError(ValueError):
@@ -60,6 +64,7 @@ class ParsedLine:
   tools: list[dict] | None
   sampling: SamplingConfig
   user: str | None = None
+  kind: str | None = None
 
 
 def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
@@ -111,7 +116,10 @@ def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
   user = obj.get("user")
   if user is not None and not isinstance(user, str):
     raise RequestError(line, "'user' must be a string (the session id)", rid)
-  return ParsedLine(rid, line, prompt, tools, sampling, user)
+  kind = obj.get("kind")
+  if kind is not None and kind not in KINDS:
+    raise RequestError(line, f"'kind' must be one of {', '.join(KINDS)}, got {kind!r}", rid)
+  return ParsedLine(rid, line, prompt, tools, sampling, user, kind)
 
 
 def _records(path: pathlib.Path) -> Iterator[dict]:
