@@ -4,17 +4,17 @@
         --input=examples/memart_requests.jsonl --output=memart_results.jsonl \
         [--config.memart.top_k=64] [--config.memart.rerank=4] [--config.memart.neighbors=0]
 
-Requests run one at a time; `"user"` names the session. Each request's earlier
-messages are written once into the session's memory as 8-token KV blocks (pool
-pages, boxed by their keys); its last user message alone is prefilled, over the
-top-k blocks its own queries retrieve (spliced without copies). Greedy decoding.
+Requests run in the batch engine as MemArt requests; `"user"` names the session.
+Each request's earlier messages are written once into the session's memory as
+8-token KV blocks (pool pages, boxed by their keys); its last user message alone is
+prefilled, over the top-k blocks its own queries retrieve (spliced without copies).
+Greedy by default; a request's own sampling settings are honoured.
 
-The example's last two requests are refused on purpose, to show what a MemArt
-session does not take (a JSONL file holds no comments, so the reason is here):
-`edited` changes session ann's earlier messages, and memory is only ever added to
-(resend the history unchanged, or start a new session); `hot` asks for sampling
-(temperature 0.7), and memart mode decodes greedily. Their error records say so;
-the other four requests are answered.
+The example's `edited` request is refused on purpose, to show what a MemArt session
+does not take (a JSONL file holds no comments, so the reason is here): it changes
+session ann's earlier messages, and memory is only ever added to (resend the history
+unchanged, or start a new session). Its error record says so; the other five requests
+are answered (`hot` with sampling, temperature 0.7).
 
 The setting measured best for SmolLM2's answers (README MemArt, bench/memart.py):
 8-token blocks (the paper: 16; its boxes are looser), 64 blocks (512 history

@@ -4,10 +4,11 @@
         --input=examples/reuse_requests.jsonl --output=reuse_results.jsonl \
         [--config.reuse.method=cacheblend] [--config.reuse.storage=float16]
 
-Requests run one at a time; each prompt's segments (schemas, documents, any run
-of 32+ tokens an earlier prompt contained) are spliced from the host store with
-delta-RoPE and admitted by tier (exact, depth-guarded approx, CacheBlend probe),
-the rest prefilled. Decoding is greedy.
+Requests run in the batch engine as reuse requests, in file order; each prompt's
+segments (schemas, documents, any run of 32+ tokens an earlier prompt contained) are
+spliced from the host store with delta-RoPE and admitted by tier (exact,
+depth-guarded approx, CacheBlend probe), the rest prefilled. Greedy by default (a
+request's sampling settings are honoured).
 """
 
 from jaxkv.config import (

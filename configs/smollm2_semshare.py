@@ -4,11 +4,12 @@
         --input=examples/semshare_requests.jsonl --output=semshare_results.jsonl \
         [--config.semshare.threshold=0.8] [--config.semshare.method=fuzzy_full]
 
-Requests run one at a time; a prompt whose E-cache LSH similarity to a stored
-earlier prompt reaches the threshold reuses that prompt's K/V token by token
-(aliased, not copied), recomputing layer 0 and its most deviating tokens, and
-keeps fewer tokens in deeper layers; other prompts are prefilled in full and
-stored as references. Decoding is greedy.
+Requests run in the batch engine as SemShareKV requests, in file order; a prompt
+whose E-cache LSH similarity to a stored earlier prompt reaches the threshold reuses
+that prompt's K/V token by token (aliased, not copied), recomputing layer 0 and its
+most deviating tokens, and keeps fewer tokens in deeper layers; other prompts are
+prefilled in full and stored as references. Greedy by default (a request's sampling
+settings are honoured).
 """
 
 from jaxkv.config import (
