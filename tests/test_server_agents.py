@@ -172,6 +172,14 @@ def test_memart_session_prefills_only_the_question(served):
   assert u["prefill_tokens"] < r.usage.prompt_tokens / 3
   assert metric(url, "jaxkv_memart_blocks_retrieved_total") == u["retrieved_blocks"]
   assert metric(url, "jaxkv_memart_chat_tokens_total") == r.usage.prompt_tokens
+  # memart requests run in the batch engine: the same turn again, streamed token by token
+  chunks = list(served.client.chat.completions.create(
+      model=MODEL, messages=msgs, max_tokens=8, stream=True,
+      stream_options={"include_usage": True}, extra_body={"session_id": sid}))
+  deltas = [c.choices[0].delta.content for c in chunks if c.choices and
+            c.choices[0].delta.content]
+  assert "".join(deltas) == r.choices[0].message.content and len(deltas) > 1
+  assert chunks[-1].usage.model_extra["jaxkv"]["blocks_written"] == 0   # nothing new
   assert httpx.post(url + "/v1/sessions", json={"session_id": sid, "kind": "pruned"}
                     ).status_code == 400                        # open as memart already
   assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
