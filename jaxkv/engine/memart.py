@@ -293,7 +293,7 @@ class MemArtRunner:
     return _drain(self.write_steps(mem, ids, tag))
 
   def write_steps(self, mem: Memory, ids, tag=None, *, chunk: int | None = None):
-    """`write` as a generator that yields after each prefill chunk (`chunk` tokens,
+    """`write` as a generator that yields between prefill chunks (`chunk` tokens,
     default `prefill_chunk`) and returns the memory rows: the engine's MemArt
     mechanism writes a long history a slice per engine step. The span's sequence is
     freed if the generator is closed part way (a cancelled request)."""
@@ -560,7 +560,7 @@ class MemArtSessions:
     return _drain(self.prepare_steps(session, messages))
 
   def prepare_steps(self, session: str, messages: list[dict], *, chunk: int | None = None):
-    """`prepare` as a generator: yields after each chunk of the history's write."""
+    """`prepare` as a generator: yields between chunks of the history's write."""
     lines = self.check(session, messages)
     mem, seen = self.sessions.get(session) or (self.runner.new_memory(), [])
     new = lines[len(seen):]

@@ -270,9 +270,7 @@ class ReuseRunner:
     except Exception:
       self.alloc.free_sequence(seq)
       raise
-    pre = self.prefill_into(seq, ids, hit, spans, defer_store=True, t0=t0)
-    pre.finish(store)
-    return pre
+    return self.prefill_into(seq, ids, hit, spans, store=store, t0=t0)
 
   def prefill_into(self, seq: int, ids: np.ndarray, hit: int,
                    spans: Sequence[tuple[int, int]] | None = None, *,

@@ -310,10 +310,7 @@ class SemShareRunner:
     n = ids.size
     key, sim, idx, codes = None, 0.0, None, None
     if self.cfg.method in semshare.REUSE_METHODS:   # the others never reuse: no matching
-      c = plan_lib.chunk_len(n)
-      pos = np.where(np.arange(c) < n, np.arange(c), 0).astype(np.int32)
-      codes = np.asarray(_codes(self.graphdef, self.weights, jnp.asarray(_pad(ids, c)),
-                                jnp.asarray(pos), self.planes, self.cfg.e_rope_theta))
+      codes = _pad(self.codes(ids), plan_lib.chunk_len(n))   # a bucketed shape for _best
       key, sim, idx, _ = self._best(codes, n)
       if key is not None and sim >= self.cfg.threshold:
         self.refs.move_to_end(key)

@@ -400,36 +400,8 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
     rows += [("jaxkv_sessions_open", "gauge", "open agent sessions", len(held)),
              ("jaxkv_session_held_tokens", "gauge", "tokens the open sessions keep cached",
               sum(n for _, n in held.values()))]
-    if backends.pruned is not None:
-      ps = backends.pruned.stats
-      rows += [("jaxkv_pruning_events_total", "counter", "requests whose KV was pruned",
-                ps["events"]),
-               ("jaxkv_pruned_tokens_total", "counter", "live prompt KV entries pruned away",
-                ps["pruned_tokens"]),
-               ("jaxkv_pruning_kept_tokens_total", "counter",
-                "live prompt KV entries kept by pruned requests", ps["kept_tokens"])]
-    if backends.memart is not None:
-      ms = backends.memart.stats
-      rows += [("jaxkv_memart_blocks_written_total", "counter", "memory blocks written",
-                ms["blocks_written"]),
-               ("jaxkv_memart_blocks_retrieved_total", "counter",
-                "memory blocks spliced into answers", ms["blocks_retrieved"]),
-               ("jaxkv_memart_prefill_tokens_total", "counter",
-                "tokens memart requests prefilled", ms["prefill_tokens"]),
-               ("jaxkv_memart_chat_tokens_total", "counter",
-                "tokens the same chats hold as plain prompts", ms["chat_tokens"])]
-    if backends.reuse is not None:
-      rs = backends.reuse.stats
-      rows += [("jaxkv_reuse_reused_tokens_total", "counter",
-                "prompt tokens spliced from stored segments", rs["reused_tokens"]),
-               ("jaxkv_reuse_prefix_tokens_total", "counter",
-                "prompt tokens adopted from the reuse prefix cache", rs["prefix_tokens"])]
-    if backends.semshare is not None:
-      ss = backends.semshare.stats
-      rows += [("jaxkv_semshare_reused_requests_total", "counter",
-                "requests that reused a similar earlier prompt's KV", ss["reused_requests"]),
-               ("jaxkv_semshare_reused_tokens_total", "counter",
-                "prompt tokens of the requests that reused a reference", ss["reused_tokens"])]
+    for mech in engine.mechanisms.values():   # each KV mechanism's own counters
+      rows += [(name, "counter", about, mech.stats[key]) for name, key, about in mech.metrics]
     if "agents" in backends.kinds:
       rows += [("jaxkv_agents_shared_tokens_total", "counter", "prompt tokens a role read "
                 "from KV another role (or its own earlier turn) computed", b.agents_shared_tokens),

@@ -57,6 +57,8 @@ class Mechanism:
 
   name = ""
   owns_prefill = False   # True: `prefill` computes the prompt, not the engine's chunks
+  # the `/metrics` counters it keeps in `self.stats`: (metric name, stats key, help)
+  metrics: tuple[tuple[str, str, str], ...] = ()
 
   def match(self, req) -> Match:
     """The KV to adopt for `req` (default: none). Locks what it returns."""

@@ -43,6 +43,13 @@ class MemArt(Mechanism):
 
   name = "memart"
   owns_prefill = True
+  metrics = (
+      ("jaxkv_memart_blocks_written_total", "blocks_written", "memory blocks written"),
+      ("jaxkv_memart_blocks_retrieved_total", "blocks_retrieved",
+       "memory blocks spliced into answers"),
+      ("jaxkv_memart_prefill_tokens_total", "prefill_tokens", "tokens memart requests prefilled"),
+      ("jaxkv_memart_chat_tokens_total", "chat_tokens",
+       "tokens the same chats hold as plain prompts"))
 
   def __init__(self, sessions, *, write_chunk: int | None = None):
     """write_chunk: history tokens written per engine step (None: the runner's

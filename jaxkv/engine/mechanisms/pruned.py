@@ -182,6 +182,11 @@ class Pruned(Mechanism):
   """Pruned agent sessions in the engine (module docstring)."""
 
   name = "pruned"
+  metrics = (
+      ("jaxkv_pruning_events_total", "events", "requests whose KV was pruned"),
+      ("jaxkv_pruned_tokens_total", "pruned_tokens", "live prompt KV entries pruned away"),
+      ("jaxkv_pruning_kept_tokens_total", "kept_tokens",
+       "live prompt KV entries kept by pruned requests"))
 
   def __init__(self, tokenizer, model_cfg, kv, pruning: PruningConfig, *, head=None):
     if pruning.layout != "dead_slot":

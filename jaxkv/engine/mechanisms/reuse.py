@@ -43,6 +43,11 @@ class Reuse(Mechanism):
 
   name = "reuse"
   owns_prefill = True
+  metrics = (
+      ("jaxkv_reuse_reused_tokens_total", "reused_tokens",
+       "prompt tokens spliced from stored segments"),
+      ("jaxkv_reuse_prefix_tokens_total", "prefix_tokens",
+       "prompt tokens adopted from the reuse prefix cache"))
 
   def __init__(self, runner):
     self.runner = runner
@@ -75,13 +80,10 @@ class Reuse(Mechanism):
     row.state.pre.finish(True)
 
   def finish(self, row, cache: bool) -> dict | None:
+    del cache                            # what it stores, after_prefill stored already
     t = row.state
-    try:
-      if t.pre is not None and t.pre.finish is not None and cache:
-        t.pre.finish(True)               # the row ended before after_prefill ran
-    finally:
-      if t.lock is not None:
-        self.runner.radix.release_lock(t.lock)
+    if t.lock is not None:
+      self.runner.radix.release_lock(t.lock)
     pre = t.pre
     if pre is None:
       return None

@@ -11,11 +11,10 @@ row's decode view (`decode_view`): the prompt's per-layer slot map (aliased and
 evicted entries) followed by the row's own slots for the tokens it generates.
 
 The prefill runs as one call in one engine step (its passes span layers, not token
-chunks), one call in one engine step (what the step's packed chunk call is to a plain
-row). The aliased reference slots are held while the row
-lives and released when it leaves (`finish`); the store and its references are the
-runner's, on the engine's KV manager (its evictor forgets references when the pool
-needs pages).
+chunks: what the step's packed chunk call is to a plain row). The aliased reference
+slots are held while the row lives and released when it leaves (`finish`); the store
+and its references are the runner's, on the engine's KV manager (its evictor forgets
+references when the pool needs pages).
 """
 
 from __future__ import annotations
@@ -39,6 +38,11 @@ class SemShare(Mechanism):
 
   name = "semshare"
   owns_prefill = True
+  metrics = (
+      ("jaxkv_semshare_reused_requests_total", "reused_requests",
+       "requests that reused a similar earlier prompt's KV"),
+      ("jaxkv_semshare_reused_tokens_total", "reused_tokens",
+       "prompt tokens of the requests that reused a reference"))
 
   def __init__(self, runner):
     self.runner = runner
