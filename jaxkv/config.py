@@ -169,7 +169,8 @@ class SamplingConfig:
       raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas", "interpret")  # == jaxkv.ops.IMPLS
+ATTENTION_IMPLS = ("auto", "reference", "pallas", "triton", "mosaic",  # == jaxkv.ops.IMPLS
+                   "interpret")
 
 # XLA compiler options of every jaxkv jit (pass them to your own `jax.jit` when
 # you call jaxkv functions inside it, or use `jaxkv.functional.jit`). Empty
@@ -194,9 +195,11 @@ class EngineConfig:
                               # takes several steps.
   decode_steps: int = 16      # Decode steps run in one compiled call (a lax.scan) before
                               # the engine returns to admit and finish requests.
-  attention_impl: str = "auto"  # Attention kernels: auto (Pallas on a GPU, the XLA
-                                # reference elsewhere), reference, pallas, or interpret
-                                # (the Pallas interpreter: slow, for debugging).
+  attention_impl: str = "auto"  # Attention kernels: auto (the Pallas Triton kernels on a
+                                # GPU, the XLA reference elsewhere), reference, pallas (=
+                                # triton), mosaic (paged attention on Mosaic GPU, Hopper;
+                                # Flash-LoRA stays Triton), or interpret (the Pallas
+                                # interpreter: slow, for debugging).
   prefix_cache: bool = False  # Keep finished requests' KV in a radix prefix cache (SGLang's
                               # semantics, jaxkv.kv.radix): a prompt that starts like an
                               # earlier one adopts that prefix's KV and prefills only the

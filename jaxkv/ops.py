@@ -7,7 +7,12 @@ backed by a pure-jnp reference (always available) and a Pallas kernel from
 - "auto": the Pallas (Triton) kernel when JAX's default backend is a GPU, the
   XLA reference otherwise (CPU, TPU);
 - "reference": the pure-jnp reference on any backend;
-- "pallas": the Pallas kernel, compiled for the GPU;
+- "pallas" (= "triton"): the Pallas Triton kernel, compiled for the GPU;
+- "mosaic": paged attention on Mosaic GPU (Hopper; `pallas_kernels/
+  paged_attention_mosaic.py`), which runs the Triton kernel for a call whose
+  slot map is not page by page; Flash-LoRA has no Mosaic kernel yet and runs
+  the Triton one. JAX deprecated Pallas's Triton backend; "auto" moves to
+  Mosaic once it measures at least as fast (docs/kernels.md);
 - "interpret": the Pallas kernel run by the Pallas interpreter (any backend;
   slow, for tests and debugging).
 
@@ -35,6 +40,7 @@ from jaxkv.kv.state import SENTINEL
 from jaxkv.rope import apply_rope
 from pallas_kernels import flash_lora_attention as _fla
 from pallas_kernels import paged_attention as _pa
+from pallas_kernels import paged_attention_mosaic as _pam
 from pallas_kernels.flash_lora_attention import flash_lora_attention_reference
 from pallas_kernels.paged_attention import paged_attention_reference
 
@@ -50,17 +56,25 @@ def resolve_impl(impl: str) -> str:
     raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
   if impl == "auto":
     return "pallas" if jax.default_backend() == "gpu" else "reference"
-  return impl
+  return "pallas" if impl == "triton" else impl
 
 
 def attention_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int,
-                   impl: str = "auto", lora: bool = False):
-  """The kernels' per-call set-up (live-token compaction, live-block tables) for
-  one slot map and query positions, to build once and pass to every layer of a
-  pass (`plan=`); None where `impl` resolves to the reference, which needs none.
-  `lora`: for `flash_lora_attention` (its own key-block width)."""
-  if resolve_impl(impl) == "reference":
+                   impl: str = "auto", lora: bool = False, num_slots: int | None = None):
+  """The kernels' per-call set-up (live-token compaction, live-block tables; the
+  Mosaic kernel's page list) for one slot map and query positions, to build
+  once and pass to every layer of a pass (`plan=`); None where `impl` resolves
+  to the reference, which needs none. `lora`: for `flash_lora_attention` (its
+  own key-block width). `num_slots`: slots per layer of the pool (the Mosaic
+  plan checks that every page lies inside it)."""
+  impl = resolve_impl(impl)
+  if impl == "reference":
     return None
+  if impl == "mosaic" and not lora:
+    if num_slots is None:
+      raise ValueError("the mosaic plan needs num_slots (slots per layer of the pool)")
+    return _pam.make_page_plan(slot_map, q_positions, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, num_slots=num_slots)
   make = _fla.make_plan if lora else _pa.make_plan
   return make(slot_map, q_positions, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
@@ -94,6 +108,9 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
     if impl == "reference":
       return paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,
                                        layer=layer, scale=scale)
+    if impl == "mosaic":
+      return _pam.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
+                                  scale=scale, plan=plan)
     return _pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
                                scale=scale, plan=plan, interpret=impl == "interpret")
 
@@ -106,7 +123,7 @@ def flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positi
   [B, r, Hkv, D] each sequence's B_i. See pallas_kernels/flash_lora_attention.py.
   plan: `attention_plan(..., lora=True)`, as for `paged_attention`.
   """
-  impl = resolve_impl(impl)
+  impl = "pallas" if resolve_impl(impl) == "mosaic" else resolve_impl(impl)
   with jax.named_scope(f"flash_lora_attention_{impl}"):
     if impl == "reference":
       return flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map,

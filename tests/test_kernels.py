@@ -424,10 +424,11 @@ def test_ops_dispatch():
 # Pallas -> Triton lowering, so shape/op constraints of the GPU path are checked.
 # ----------------------------------------------------------------------------
 
-def export_for_cuda(fn, *shapes):
+def export_for_cuda(fn, *shapes, targets=("__gpu$xla.gpu.triton",)):
+  """The StableHLO text of fn exported for cuda, its kernels' custom calls allowed."""
   exported = jax.export.export(
       jax.jit(fn), platforms=["cuda"],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in targets],
   )(*shapes)
   return exported.mlir_module()
 
@@ -467,10 +468,11 @@ def test_kernels_lower_for_cuda_mixed_dtypes():
 
 
 def test_mosaic_gpu_backend_cannot_take_this_kernel(monkeypatch):
-  """Why the kernels are Triton-only (README, issue 18): lowered with the Mosaic GPU
-  backend, the whole-array pool operands are staged in shared memory (Mosaic copies
-  every operand block in with TMA, which moves rectangular tiles, not the per-token
-  gathers this kernel reads). If JAX ever lowers it, a Mosaic variant is worth timing."""
+  """Why the Mosaic GPU kernel is a kernel of its own (paged_attention_mosaic.py,
+  docs/kernels.md): this one, lowered with the Mosaic GPU backend, has its
+  whole-array pool operands staged in shared memory (Mosaic copies every operand
+  block in with TMA, which moves rectangular tiles, not the per-token gathers this
+  kernel reads)."""
   plmgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   monkeypatch.setattr(pa, "compiler_params", lambda *_: plmgpu.CompilerParams())
   b, hkv, g, d, slots, t = 2, 2, 7, 128, 8192, 4096

@@ -257,7 +257,7 @@ class Transformer(nnx.Module):
     plan = None
     if not per_layer_map and recompute is None and key_shift is None:
       plan = ops.attention_plan(slot_map, positions, num_heads=h, num_kv_heads=k,
-                                impl=attn_impl, lora=decoupled)
+                                impl=attn_impl, lora=decoupled, num_slots=kv.num_slots)
     lr_ws = write_slots if lora is None or lora.lr_write_slots is None else lora.lr_write_slots
 
     def layer(carry, xs):

@@ -1,0 +1,410 @@
+"""Sentinel-masked paged attention on Mosaic GPU (Hopper): whole pages by TMA, mask in the tile.
+
+Same contract as `paged_attention.paged_attention_reference` (read that module's
+docstring): key t of row b sits in slot `slot_map[b, t]`, visible to query i iff
+the slot is not SENTINEL and t <= q_positions[b, i]; GQA folds the G query heads
+of a KV head into rows; a row with no visible key returns zeros.
+
+Why a second kernel. JAX deprecated Pallas's Triton backend; Mosaic GPU is the
+supported one. Mosaic moves memory with TMA, which copies rectangular boxes,
+not the per-token gathers the Triton kernel reads. So this kernel walks the
+slot map the way paged kernels on Hopper do (vLLM, FlashInfer): by *pages*.
+
+Pages. The slot map is cut into logical pages of PAGE = 16 tokens (the
+allocator's page size). A page is *paged* when its live tokens sit on one
+physical page, token t in slot `start + t % 16` with `start` a multiple of 16
+(what the allocator gives a sequence, also after dead-slot eviction, which only
+punches SENTINEL holes, and after a prefix-cache hit, which shares whole
+pages). Its 16 keys and values are then one TMA box `pool[start:start + 16, h,
+:]`, fetched whole; dead tokens in it are read and get exactly zero weight from
+the mask. (Mosaic tiles the pool by 8 rows for the swizzled copy, so a box
+must start on a multiple of 8 and the pool's slot count must be one too.) A slot map with a page
+that is not paged (a per-token alias map: SemShareKV's reference rows, a token
+spliced off its page) cannot be fetched this way: `paged_attention` then runs
+the `fallback` kernel for the whole call (a `lax.cond` on `PagePlan.paged`).
+
+Per call (`make_page_plan`, jnp, once per pass like `paged_attention.Plan`):
+each row's live pages are listed in position order (dead pages cost nothing),
+with their first slot and their 16 keys' positions (POS_PAD for dead tokens,
+so one compare `key_pos <= query_pos` is the whole mask: sentinel and causal);
+pages after a row block's last query are in no program's range, and where
+they share its last step the row's first page is fetched in their place. The list is
+cut into steps of `pages_per_step` pages (block_k = 16 * pages_per_step keys),
+and each program (row, KV head, row block, split) walks its share of steps.
+
+Kernel. One warpgroup per program: the query tile [64, D] (rows padded to 64,
+the WGMMA height) waits in shared memory; `stages` steps of K, V and key
+positions are in flight by TMA while the tensor cores run S = Q K^T, the
+masked online softmax (float32) and O += P V on the oldest; a consumed slot is
+refilled with the step `stages` ahead. Splits write normalised partial outputs
+with their max and denominator, merged by `paged_attention.merge_splits`.
+
+Limits (each routed to the fallback, statically): 16-bit pools and queries of
+the same dtype (WGMMA operands), head_dim a multiple of 64, a pool of whole
+pages (slots a multiple of 16), no key shift.
+Read note: a dead slot inside a page that holds a live token is read; its
+weight is exactly zero, but a non-finite value there would poison the row
+(0 * inf), as in every page-granular kernel. jaxkv's pools are zero-initialised
+and only ever hold written K/V, so such a slot holds a finite value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import paged_attention as pa
+
+PAGE = 16          # tokens per page (== jaxkv.kv.allocator's page size; tests check it)
+BLOCK_R = 64       # query rows per program: one WGMMA tile height
+POS_PAD = pa.POS_PAD
+NEG = pa.NEG
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _plgpu():
+  """jax.experimental.pallas.mosaic_gpu, imported on first use (it pulls in the
+  Mosaic GPU lowering, which a CPU-only reference call never needs)."""
+  from jax.experimental.pallas import mosaic_gpu
+  return mosaic_gpu
+
+
+class PageTiling(NamedTuple):
+  """Static tiling of one call (`choose_page_tiling`)."""
+  pages_per_step: int   # pages per pipeline step (block_k = PAGE * pages_per_step)
+  k_splits: int         # flash-decoding splits
+  stages: int           # steps in flight (TMA pipeline depth)
+  rows_p: int           # query rows padded to BLOCK_R
+  n_pages: int          # listed pages per row, padded to whole steps
+
+  @property
+  def block_k(self) -> int:
+    return PAGE * self.pages_per_step
+
+
+def choose_page_tiling(rows: int, t: int, *, programs: int = 1, pages_per_step=None,
+                       k_splits=None, stages=None) -> PageTiling:
+  """Defaults: 4 pages (64 keys) per step, 3 steps in flight; decode (one row
+  block) over long contexts splits as the Triton kernel does
+  (`paged_attention.choose_tiling`: shares of >= 512 tokens, enough programs
+  to fill the GPU)."""
+  pps = pages_per_step or 4
+  if pps < 4 or pps & (pps - 1):   # P V's WGMMA: K = block_k, a multiple of 64 at 16 bits
+    raise ValueError(f"pages_per_step={pps} must be a power of two >= 4 (block_k >= 64)")
+  rows_p = -(-rows // BLOCK_R) * BLOCK_R
+  if k_splits is None:
+    fill = max(16, -(-pa.FILL_PROGRAMS // max(programs, 1)))
+    k_splits = 1 if rows_p > BLOCK_R else max(1, min(pa.MAX_SPLITS, fill, t // pa.SPLIT_TOKENS))
+  pages = -(-max(t, 1) // PAGE)
+  n_pages = -(-pages // pps) * pps
+  return PageTiling(pps, k_splits, stages or 3, rows_p, n_pages)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=(
+    "starts", "positions", "row_pos", "bounds", "paged", "fallback"), meta_fields=("tiling",))
+@dataclasses.dataclass(frozen=True)
+class PagePlan:
+  """What the Mosaic kernel walks, from the slot map alone (`make_page_plan`);
+  built once per pass and shared by its layers, like `paged_attention.Plan`."""
+  tiling: PageTiling
+  starts: jax.Array      # [B, n_pages] first slot of each listed page (padding: a real page)
+  positions: jax.Array   # [B, n_pages * PAGE] its keys' positions, POS_PAD where dead
+  row_pos: jax.Array     # [B, rows_p] folded query-row positions (pad -1)
+  bounds: jax.Array      # [B, row blocks, k_splits, 3] step range [lo, hi) per program
+                         # and the row block's count of visible listed pages
+  paged: jax.Array       # [] bool: every page is paged (else the fallback runs)
+  fallback: pa.Plan | None   # the Triton kernel's plan for the same call (None: reference)
+
+
+def page_table(slot_map: jax.Array, num_slots: int):
+  """Logical pages of slot_map [B, T] -> (start [B, P], live [B, P, PAGE], paged []).
+
+  start: slot of the page's token 0 (`slot - t % PAGE` of any live token);
+  paged: every live token of every page sits at start + t % PAGE with start a
+  multiple of PAGE (one physical page), inside the pool of `num_slots` slots."""
+  b, t = slot_map.shape
+  p = -(-max(t, 1) // PAGE)
+  slots = jnp.pad(slot_map.astype(jnp.int32), ((0, 0), (0, p * PAGE - t)),
+                  constant_values=pa.SENTINEL).reshape(b, p, PAGE)
+  live = slots != pa.SENTINEL
+  implied = slots - jnp.arange(PAGE, dtype=jnp.int32)
+  start = jnp.max(jnp.where(live, implied, -1), axis=-1)
+  any_live = live.any(-1)
+  start = jnp.where(any_live, start, 0)
+  same = jnp.where(live, implied == start[..., None], True).all()
+  inside = jnp.where(any_live, (start >= 0) & (start + PAGE <= num_slots)
+                     & (start % PAGE == 0), True).all()
+  return start, live, same & inside
+
+
+def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
+                   num_kv_heads: int, num_slots: int, pages_per_step=None, k_splits=None,
+                   stages=None, fallback: bool = True) -> PagePlan:
+  """The page list, key positions and per-program step ranges for queries of
+  `num_heads` heads at q_positions [B, Tq] over slot_map [B, T], on a pool of
+  `num_slots` slots per layer. `fallback`: also build the Triton kernel's plan
+  (what runs when a page is not paged). Pure jnp: call it inside the caller's jit."""
+  if num_heads % num_kv_heads:
+    raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
+  b, tq = q_positions.shape
+  g = num_heads // num_kv_heads
+  tiling = choose_page_tiling(tq * g, slot_map.shape[1], programs=b * num_kv_heads,
+                              pages_per_step=pages_per_step, k_splits=k_splits, stages=stages)
+  pps, k_splits, _, rows_p, n_pages = tiling
+  start, live, paged = page_table(slot_map, num_slots)
+  p = start.shape[1]
+  page_live = live.any(-1)                                               # [B, P]
+  idx = jnp.arange(p, dtype=jnp.int32)
+  order = jnp.argsort(jnp.where(page_live, idx, p + idx), axis=-1).astype(jnp.int32)
+  n_live = page_live.sum(-1)                                             # [B]
+  listed = jnp.pad(order, ((0, 0), (0, n_pages - p)))                    # padding -> page 0 ...
+  real = jnp.arange(n_pages)[None, :] < n_live[:, None]
+  first = jnp.take_along_axis(start, order[:, :1], axis=1)               # ... read as a real page
+  starts = jnp.where(real, jnp.take_along_axis(start, listed, axis=1), first)
+  tok = listed[..., None] * PAGE + jnp.arange(PAGE, dtype=jnp.int32)     # [B, n_pages, PAGE]
+  tok_live = jnp.take_along_axis(live, listed[..., None], axis=1) & real[..., None]
+  positions = jnp.where(tok_live, tok, POS_PAD).reshape(b, n_pages * PAGE)
+  row_pos = pa.fold_positions(q_positions, g, rows_p)
+  last = row_pos.reshape(b, -1, BLOCK_R).max(-1)                         # [B, RB]
+  first_pos = jnp.where(tok_live, tok, POS_PAD).min(-1)                  # [B, n_pages]
+  n_vis = ((first_pos[:, None, :] <= last[:, :, None]) & real[:, None, :]).sum(-1)
+  steps = -(-n_vis // pps)                                               # [B, RB]
+  edges = jnp.arange(k_splits + 1)[None, None, :] * steps[..., None] // k_splits
+  visible = jnp.broadcast_to(n_vis[..., None], edges[..., 1:].shape)
+  bounds = jnp.stack([edges[..., :-1], edges[..., 1:], visible], axis=-1).astype(jnp.int32)
+  fb = pa.make_plan(slot_map, q_positions, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads) if fallback else None
+  return PagePlan(tiling, starts.astype(jnp.int32), positions, row_pos, bounds, paged, fb)
+
+
+def supported(q, k_pool, v_pool, key_shift=None) -> str | None:
+  """Why the Mosaic kernel cannot take this call (None: it can). Static."""
+  if key_shift is not None:
+    return "a key shift (rotation on read) is not in the kernel yet"
+  if k_pool.shape[-3] % PAGE:
+    return f"the pool's {k_pool.shape[-3]} slots are not whole pages of {PAGE}"
+  if q.dtype not in DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
+    return (f"WGMMA takes 16-bit operands of one dtype (q {q.dtype}, pools "
+            f"{k_pool.dtype}/{v_pool.dtype})")
+  if q.shape[-1] % 64:
+    return f"head_dim {q.shape[-1]} is not a multiple of 64"
+  return None
+
+
+def _semantics(plgpu):
+  """Lane semantics (per-thread register arrays with the explicit layouts this
+  kernel's loads and `layout_cast`s spell out): JAX 0.10's default; 0.11
+  defaults to warpgroup, whose layout inference refuses this kernel's
+  dynamically indexed shared-memory rings ("Failed to infer a possible set of
+  layouts" on 0.10, an unsatisfiable tiling divisibility on 0.11.2)."""
+  return plgpu.LoweringSemantics.Lane
+
+
+def _interpret_params():
+  """Mosaic GPU's own interpreter (simulated shared memory, TMA, barriers); the
+  generic Pallas interpreter cannot run TMA copies."""
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  return InterpretGPUParams()
+
+
+def _smem_transforms(plgpu, dtype, cols: int):
+  swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat, *,
+                 tiling: PageTiling, scale: float, out_dtype, interpret: bool):
+  """The kernel over folded rows q_rows [B, Hkv, rows_p, D]; returns per-split
+  (o [K, B, Hkv, rows_p, D], m, l [K, B, Hkv, rows_p])."""
+  plgpu = _plgpu()
+  b, hkv, rows_p, d = q_rows.shape
+  pps, k_splits, stages, _, n_pages = tiling
+  block_k = tiling.block_k
+  dtype = q_rows.dtype
+  rb_count = rows_p // BLOCK_R
+  tx = _smem_transforms(plgpu, dtype, d)
+  otx = _smem_transforms(plgpu, out_dtype, d)
+
+  # Mosaic GPU's interpreter has no rules for plgpu.load and layout_cast; it has
+  # no register layouts either, so it reads and keeps the plain arrays.
+  def load_vec(ref, layout):
+    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+  def cast(x, layout):
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+  def mma(a, b_ref, transpose=False):
+    """a @ b_ref (b_ref.T with `transpose`) into a fresh float32 accumulator: one
+    WGMMA, `a` a shared-memory ref or registers; the interpreter, whose WGMMA
+    takes no transposed operand, multiplies the loaded tiles."""
+    if interpret:
+      a = a[...] if hasattr(a, "shape") and not isinstance(a, jax.Array) else a
+      b = b_ref[...]
+      return jnp.dot(a, b.T if transpose else b, preferred_element_type=jnp.float32)
+    rows, cols = a.shape[0], b_ref.shape[0 if transpose else 1]
+
+    def run(acc_ref):
+      plgpu.wgmma(acc_ref, a, b_ref.transpose((1, 0)) if transpose else b_ref)
+      return acc_ref[...]
+    return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
+
+  def body(q_ref, rowpos_ref, starts_ref, pos_ref, bounds_ref, offset_ref, k_ref, v_ref,
+           o_ref, m_ref, l_ref, q_smem, qpos_smem, k_smem, v_smem, kpos_smem, o_smem,
+           ml_smem, q_bar, k_bar, v_bar):
+    bh, rb, split = lax.axis_index("bh"), lax.axis_index("rb"), lax.axis_index("split")
+    row, h = bh // hkv, bh % hkv
+    lo = bounds_ref[row, rb, split, 0]
+    n = bounds_ref[row, rb, split, 1] - lo
+    n_vis = bounds_ref[row, rb, split, 2]
+    base = offset_ref[0]
+    rows = pl.ds(rb * BLOCK_R, BLOCK_R)
+
+    def issue(step, slot):
+      for i in range(pps):
+        # A listed page after this row block's last query shares the last step:
+        # the row's first page is read in its place (finite; masked by position).
+        e = step * pps + i
+        s0 = starts_ref[row, jnp.where(e < n_vis, e, 0)] + base
+        dst = pl.ds(i * PAGE, PAGE)
+        plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(s0, PAGE), h], k_smem.at[slot, dst],
+                                k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(s0, PAGE), h], v_smem.at[slot, dst],
+                                v_bar.at[slot])
+      plgpu.copy_gmem_to_smem(pos_ref.at[row, pl.ds(step * block_k, block_k)],
+                              kpos_smem.at[slot], k_bar.at[slot])
+
+    for t in range(stages):
+      pl.when(t < n)(functools.partial(issue, lo + t, t))
+    plgpu.copy_gmem_to_smem(q_ref.at[row, h, rows], q_smem, q_bar.at[0])
+    plgpu.copy_gmem_to_smem(rowpos_ref.at[row, rows], qpos_smem, q_bar.at[0])
+    plgpu.barrier_wait(q_bar.at[0])
+    qpos = load_vec(qpos_smem, plgpu.Layout.WGMMA.reduce(1))
+    qpos = lax.broadcast_in_dim(qpos, (BLOCK_R, block_k), [0])
+
+    def step(i, carry):
+      acc, m, l = carry
+      slot = lax.rem(i, stages)
+      plgpu.barrier_wait(k_bar.at[slot])
+
+      s = mma(q_smem, k_smem.at[slot], transpose=True) * scale
+      kpos = load_vec(kpos_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+      mask = lax.broadcast_in_dim(kpos, (BLOCK_R, block_k), [1]) <= qpos
+      s = jnp.where(mask, s, NEG)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      corr = jnp.exp(m - m_new)
+      p = jnp.where(mask, jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+      l = corr * l + p.sum(axis=1)
+      plgpu.barrier_wait(v_bar.at[slot])
+
+      acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0]) + mma(p.astype(dtype),
+                                                                   v_smem.at[slot])
+      pl.when(i + stages < n)(functools.partial(issue, lo + i + stages, slot))
+      return acc, m_new, l
+
+    init = (cast(jnp.zeros((BLOCK_R, d), jnp.float32), plgpu.Layout.WGMMA),
+            cast(jnp.full((BLOCK_R,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            cast(jnp.zeros((BLOCK_R,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+    acc, m, l = lax.fori_loop(0, n, step, init)
+    inv = 1.0 / jnp.where(l > 0, l, 1.0)
+    o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
+    ml_smem[0] = m
+    ml_smem[1] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, row, h, rows])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[split, row, h, rows])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[split, row, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  scratch = [
+      plgpu.SMEM((BLOCK_R, d), dtype, transforms=tx),                    # q tile
+      plgpu.SMEM((BLOCK_R,), jnp.int32),                                 # its positions
+      plgpu.SMEM((stages, block_k, d), dtype, transforms=tx),            # K pages
+      plgpu.SMEM((stages, block_k, d), dtype, transforms=tx),            # V pages
+      plgpu.SMEM((stages, block_k), jnp.int32),                          # key positions
+      plgpu.SMEM((BLOCK_R, d), out_dtype, transforms=otx),               # o tile
+      plgpu.SMEM((2, BLOCK_R), jnp.float32),                             # m, l
+      plgpu.Barrier(num_arrivals=2, num_barriers=1),                     # q + positions
+      plgpu.Barrier(num_arrivals=pps + 1, num_barriers=stages),          # K pages + positions
+      plgpu.Barrier(num_arrivals=pps, num_barriers=stages),              # V pages
+  ]
+  out_type = [jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p, d), out_dtype),
+              jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32),
+              jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32)]
+  call = plgpu.kernel(body, out_type=out_type, scratch_types=scratch,
+                      grid=(b * hkv, rb_count, k_splits), grid_names=("bh", "rb", "split"),
+                      compiler_params=plgpu.CompilerParams(
+                          approx_math=True, lowering_semantics=_semantics(plgpu)),
+                      interpret=_interpret_params() if interpret else None)
+  return call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "pages_per_step", "k_splits", "stages", "fallback", "interpret"))
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map: jax.Array,
+                    q_positions: jax.Array, *, layer: jax.Array | int | None = None,
+                    scale: float | None = None, plan: PagePlan | None = None,
+                    pages_per_step: int | None = None, k_splits: int | None = None,
+                    stages: int | None = None, fallback: str = "triton",
+                    interpret: bool = False) -> jax.Array:
+  """Mosaic GPU paged attention; same arguments and result as
+  `paged_attention.paged_attention_reference`.
+
+  plan: `make_page_plan(...)` for this slot map and these query positions (the
+  tiling knobs then go there), shared by the layers of one pass. fallback:
+  "triton" (the Pallas Triton kernel) or "reference" (XLA), run for the whole
+  call when a page is not paged or the call is not `supported`.
+  `interpret=True` runs both kernels in their Pallas interpreters (CPU tests).
+  """
+  if fallback not in ("triton", "reference"):
+    raise ValueError(f"fallback must be 'triton' or 'reference', got {fallback!r}")
+  b, tq, hq, d = q.shape
+  k_flat, offset = pa.flat_pool(k_pool, layer)
+  v_flat, _ = pa.flat_pool(v_pool, layer)
+  hkv = k_flat.shape[1]
+  if hq % hkv:
+    raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+  if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
+    raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
+  num_slots = k_pool.shape[-3]
+  if plan is None:
+    plan = make_page_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv,
+                          num_slots=num_slots, pages_per_step=pages_per_step,
+                          k_splits=k_splits, stages=stages, fallback=fallback == "triton")
+  elif (pages_per_step, k_splits, stages) != (None, None, None):
+    raise ValueError("pass tiling knobs to make_page_plan, not beside a plan")
+  tiling = plan.tiling
+  if (plan.row_pos.shape != (b, tiling.rows_p) or tiling.rows_p < tq * (hq // hkv)
+      or tiling.n_pages * PAGE < slot_map.shape[1] or plan.starts.shape[0] != b):
+    raise ValueError(f"page plan (rows {plan.row_pos.shape}, pages {plan.starts.shape}) was "
+                     f"not made for q {q.shape} with {hkv} KV heads over a slot map "
+                     f"{slot_map.shape}")
+
+  def other():
+    if fallback == "reference" or plan.fallback is None:
+      return pa.paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,
+                                          layer=layer, scale=scale)
+    return pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
+                              scale=scale, plan=plan.fallback, interpret=interpret)
+
+  if supported(q, k_pool, v_pool) is not None:
+    return other()
+  scale = d ** -0.5 if scale is None else scale
+
+  def mosaic():
+    out_dtype = q.dtype if tiling.k_splits == 1 else jnp.float32
+    o, m, l = _mosaic_call(pa.fold_rows(q, hkv, tiling.rows_p), plan.row_pos, plan.starts,
+                           plan.positions, plan.bounds, offset, k_flat, v_flat, tiling=tiling,
+                           scale=scale, out_dtype=out_dtype, interpret=interpret)
+    return pa.unfold_rows(pa.merge_splits(o, m, l), tq, hq).astype(q.dtype)
+
+  return lax.cond(plan.paged, mosaic, other)
+
+
+__all__ = ["PAGE", "PagePlan", "make_page_plan", "page_table", "paged_attention", "supported"]

@@ -1,0 +1,222 @@
+"""The Mosaic GPU paged-attention kernel against the reference: compiled on a GPU,
+in Mosaic GPU's own interpreter elsewhere (simulated shared memory, TMA copies
+and barriers; its matmuls are plain dots, see `paged_attention_mosaic._mosaic_call`).
+
+Inputs come from test_kernels' seeded `_case` (`JAXKV_TEST_SEED=random` for
+fresh ones; the seed is in every failure message). Tolerance: bfloat16, as in
+test_kernels (`_check_bf16`): no worse than twice the bf16 reference, both
+scored against the reference in float32 on the same inputs.
+
+Poisoning: the kernel reads whole pages, so a dead slot inside a page that also
+holds a live token is read (with zero weight). Those slots hold large finite
+garbage (x100) here; every slot of a page that holds no live token, and every
+slot after the last query, is NaN: a kernel that read one would return NaN.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import ops
+from jaxkv.kv.allocator import PagedAllocator
+from pallas_kernels import paged_attention as pa
+from pallas_kernels import paged_attention_mosaic as pm
+from test_kernels import _case, _check, _check_bf16, _ref, export_for_cuda
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+S = jax.ShapeDtypeStruct
+
+
+def _poison_pages(seed, a, *, garbage=100.0):
+  """NaN in every slot of a page with no live token; x`garbage` noise in the dead
+  slots of pages that hold one (read with zero weight). SENTINEL stays 0 (the
+  references gather it for every dead token; no listed page holds it)."""
+  sm = np.asarray(a["slot_map"])
+  rng = np.random.default_rng(seed)
+  live = np.unique(sm[sm != pa.SENTINEL])
+  pages = np.unique(live // pm.PAGE)
+  read = (pages[:, None] * pm.PAGE + np.arange(pm.PAGE)).ravel()
+  out = {}
+  for name in ("k_pool", "v_pool"):
+    x = np.array(a[name], np.float32)
+    dead_in_page = np.setdiff1d(read, live)
+    x[:, dead_in_page] = garbage * rng.standard_normal(x[:, dead_in_page].shape)
+    x[:, np.setdiff1d(np.arange(x.shape[1]), read)] = np.nan
+    x[:, pa.SENTINEL] = 0.0               # the references gather it for dead tokens
+    out[name] = jnp.asarray(x, a[name].dtype)
+  return dict(a, **out)
+
+
+def _run(a, layer, **kw):
+  """The kernel; its fallback is the XLA reference unless `fallback` says (one
+  compile per case instead of two; the Triton fallback has its own test)."""
+  kw.setdefault("fallback", "reference")
+  return pm.paged_attention(**a, layer=layer, interpret=INTERPRET, **kw)
+
+
+SWEEP = list(itertools.product([64, 128], [1, 3, 7], [0.0, 0.5, 1.0]))
+
+
+@pytest.mark.parametrize("head_dim,groups,dead", SWEEP)
+def test_mosaic_matches_reference(head_dim, groups, dead):
+  for q_len in (1, 12):  # decode, and a prefill chunk of two row blocks at groups 7
+    seed, a = _case(page_size=16, head_dim=head_dim, groups=groups, dead=dead, q_len=q_len,
+                    dtype=jnp.bfloat16)
+    a = _poison_pages(seed, a)
+    plan = pm.make_page_plan(a["slot_map"], a["q_positions"], num_heads=groups * 2,
+                             num_kv_heads=2, num_slots=a["k_pool"].shape[1])
+    assert bool(plan.paged), f"seed={seed}: a page-by-page slot map must be paged"
+    got = _run(a, jnp.int32(1), plan=plan)
+    _check_bf16(seed, got, pa.paged_attention_reference, a, layer=1)
+    if dead == 1.0:
+      assert not np.asarray(got, np.float32).any(), "all-dead rows must return exact zeros"
+
+
+@pytest.mark.parametrize("k_splits,pages_per_step,stages", [(None, None, None), (3, 4, 2),
+                                                            (8, 8, 4)])
+def test_mosaic_splits_and_pipeline_depths(k_splits, pages_per_step, stages):
+  """Flash-decoding shares merged, and pipelines deeper or shallower than a
+  program's step count (a split with fewer steps than stages in flight)."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=1, max_len=1200,
+                  dtype=jnp.bfloat16)
+  a = _poison_pages(seed, a)
+  got = _run(a, 1, k_splits=k_splits, pages_per_step=pages_per_step, stages=stages)
+  _check_bf16(seed, got, pa.paged_attention_reference, a, layer=1)
+
+
+def test_mosaic_reads_no_future_or_dead_page():
+  """Whole dead pages inside the context, pages after every query and an
+  all-dead row are NaN (`_poison_pages`, and here also the future pages): no
+  NaN comes back."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.0, q_len=4, batch=2,
+                  max_len=160, dtype=jnp.bfloat16)
+  sm = np.array(a["slot_map"])
+  sm[:, 16:48] = pa.SENTINEL
+  sm[1, :] = pa.SENTINEL
+  q_pos = np.array([[60, 61, 62, 63], [-1, -1, -1, -1]], np.int32)
+  a.update(slot_map=jnp.asarray(sm), q_positions=jnp.asarray(q_pos))
+  want_a = dict(a, slot_map=jnp.asarray(np.where(np.arange(160) <= 63, sm, pa.SENTINEL)))
+  a = _poison_pages(seed, want_a)
+  a["slot_map"] = jnp.asarray(sm)            # the future pages are mapped, and NaN
+  got = _run(a, 0)
+  _check_bf16(seed, got, pa.paged_attention_reference, dict(a, slot_map=want_a["slot_map"]),
+              layer=0)
+
+
+def _brute_pages(slot_map, q_positions, g):
+  """Per row and row block: the logical pages with a live token at or before the
+  block's last query, in order."""
+  out = []
+  for b in range(slot_map.shape[0]):
+    rows = np.repeat(q_positions[b], g)
+    blocks = [rows[i:i + pm.BLOCK_R].max() for i in range(0, len(rows), pm.BLOCK_R)]
+    per = []
+    for last in blocks:
+      pages = [j for j in range(-(-slot_map.shape[1] // pm.PAGE))
+               if any(slot_map[b, t] != pa.SENTINEL and t <= last
+                      for t in range(j * pm.PAGE, min((j + 1) * pm.PAGE, slot_map.shape[1])))]
+      per.append(pages)
+    out.append(per)
+  return out
+
+
+@pytest.mark.parametrize("k_splits", [1, 3])
+@pytest.mark.parametrize("dead", [0.0, 0.6])
+def test_page_plan_walks_exactly_the_live_visible_pages(k_splits, dead):
+  seed, a = _case(page_size=16, head_dim=64, groups=7, dead=dead, q_len=12, max_len=200)
+  sm, qp = np.asarray(a["slot_map"]), np.asarray(a["q_positions"])
+  plan = pm.make_page_plan(a["slot_map"], a["q_positions"], num_heads=14, num_kv_heads=2,
+                           num_slots=a["k_pool"].shape[1], k_splits=k_splits,
+                           pages_per_step=4)
+  pps, starts, pos = plan.tiling.pages_per_step, np.asarray(plan.starts), np.asarray(plan.positions)
+  for b, per_block in enumerate(_brute_pages(sm, qp, 7)):
+    for rb, want in enumerate(per_block):
+      steps = [range(lo, hi) for lo, hi, _ in np.asarray(plan.bounds)[b, rb]]
+      assert (np.asarray(plan.bounds)[b, rb, :, 2] == len(want)).all(), f"seed={seed}"
+      walked = [e for st in steps for s in st for e in range(s * pps, (s + 1) * pps)]
+      assert walked == sorted(walked) and len(set(walked)) == len(walked), f"seed={seed}"
+      keys = pos[b].reshape(-1, pm.PAGE)[walked]
+      real = [e for e, k in zip(walked, keys, strict=True) if (k != pm.POS_PAD).any()]
+      got = [int(k[k != pm.POS_PAD].min()) // pm.PAGE for k in keys[[walked.index(e)
+                                                                     for e in real]]]
+      assert got[:len(want)] == want, f"seed={seed}: row {b} block {rb}"
+      assert len(walked) < len(want) + pps, f"seed={seed}: more than one step past the last"
+      for e in real:                      # each walked key: its slot and position
+        t = pos[b].reshape(-1, pm.PAGE)[e]
+        live = t != pm.POS_PAD
+        np.testing.assert_array_equal(starts[b, e] + t[live] % pm.PAGE, sm[b, t[live]])
+
+
+def test_token_level_maps_run_the_fallback():
+  """A slot map that is not page by page (tokens on single-slot 'pages', as an
+  alias map makes; or whole pages shifted off the 16-slot grid) cannot be
+  fetched by pages: the whole call runs the Triton kernel (or the reference),
+  with the same result."""
+  seed, a = _case(page_size=1, head_dim=64, groups=3, dead=0.3, q_len=3, dtype=jnp.bfloat16)
+  plan = pm.make_page_plan(a["slot_map"], a["q_positions"], num_heads=6, num_kv_heads=2,
+                           num_slots=a["k_pool"].shape[1])
+  assert not bool(plan.paged), f"seed={seed}"
+  sm = np.asarray(a["slot_map"])
+  shifted = np.where(np.arange(sm.shape[1]) < 16, 24 + np.arange(sm.shape[1]), 0)[None]
+  start, _, paged = pm.page_table(jnp.asarray(shifted, jnp.int32), 4096)
+  assert not bool(paged) and int(start[0, 0]) == 24    # consecutive slots, off the grid
+  for fallback in ("triton", "reference"):
+    got = _run(a, 1, fallback=fallback)
+    _check_bf16(seed, got, pa.paged_attention_reference, a, layer=1)
+
+
+def test_unsupported_calls_go_to_the_fallback():
+  q, pool = jnp.zeros((1, 1, 2, 64), jnp.bfloat16), jnp.zeros((2, 64, 2, 64), jnp.bfloat16)
+  assert pm.supported(q, pool, pool) is None
+  assert "16-bit" in pm.supported(q.astype(jnp.float32), pool, pool)
+  assert "16-bit" in pm.supported(q, pool.astype(jnp.float32), pool)
+  assert "head_dim" in pm.supported(jnp.zeros((1, 1, 2, 80), jnp.bfloat16),
+                                    *(jnp.zeros((2, 64, 2, 80), jnp.bfloat16),) * 2)
+  assert "whole pages" in pm.supported(q, pool[:, :40], pool[:, :40])
+  assert "key shift" in pm.supported(q, pool, pool, key_shift=jnp.zeros((1, 1), jnp.int32))
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=2)      # float32
+  got = _ref(pm.paged_attention, **a, layer=0, fallback="reference")   # no TF32 on a GPU
+  _check(seed, got, _ref(pa.paged_attention_reference, **a, layer=0))
+
+
+def test_page_size_is_the_allocators():
+  assert PagedAllocator(num_pages=4, page_size=pm.PAGE).page_size == pm.PAGE
+  with pytest.raises(ValueError, match="pages_per_step"):
+    pm.choose_page_tiling(8, 64, pages_per_step=3)
+
+
+def test_ops_mosaic_impl():
+  """impl="mosaic" through jaxkv.ops (compiled: GPU only) and its plan; on CPU the
+  plan is built and the reference path serves "reference"."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=2, dtype=jnp.bfloat16)
+  assert ops.resolve_impl("mosaic") == "mosaic"
+  plan = ops.attention_plan(a["slot_map"], a["q_positions"], num_heads=6, num_kv_heads=2,
+                            impl="mosaic", num_slots=a["k_pool"].shape[1])
+  assert isinstance(plan, pm.PagePlan)
+  with pytest.raises(ValueError, match="num_slots"):
+    ops.attention_plan(a["slot_map"], a["q_positions"], num_heads=6, num_kv_heads=2,
+                       impl="mosaic")
+  if ON_GPU:
+    got = ops.paged_attention(**a, layer=0, impl="mosaic", plan=plan)
+    _check_bf16(seed, got, pa.paged_attention_reference, a, layer=0)
+
+
+@pytest.mark.parametrize("q_len,head_dim,groups", [(1, 128, 7), (1, 64, 3), (256, 64, 3)])
+def test_mosaic_lowers_for_cuda(q_len, head_dim, groups):
+  """jax.export for cuda runs the whole Pallas -> Mosaic GPU lowering: the call
+  holds one Mosaic GPU kernel (and the Triton fallback behind its lax.cond)."""
+  b, hkv, layers, slots, t = 2, 2, 4, 8192, 4096
+  args = (S((b, q_len, hkv * groups, head_dim), jnp.bfloat16),
+          S((layers, slots, hkv, head_dim), jnp.bfloat16),
+          S((layers, slots, hkv, head_dim), jnp.bfloat16), S((b, t), jnp.int32),
+          S((b, q_len), jnp.int32), S((), jnp.int32))
+  text = export_for_cuda(lambda *x: pm.paged_attention(*x[:5], layer=x[5]), *args,
+                         targets=("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
+  assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
+  assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
