@@ -12,7 +12,8 @@ are laid end to end (what a fresh sequence gets). Rows, one run, same inputs:
 - decode (one query per row) at every context x batch x G x dead fraction:
   jaxkv's Pallas kernel (its plan, compaction + live-block tables, built in every
   call) | the same with the plan built once outside the timed loop, as a forward
-  pass shares it across layers | the kernel with every block on the gather path
+  pass shares it across layers | jaxkv's Mosaic GPU kernel (whole pages by TMA,
+  `--mosaic`), per call and planned | the kernel with every block on the gather path
   (`contiguous=False`) | the XLA reference (gather + masked softmax) |
   materialise-then-attend (gather K/V dense, then `jax.nn.dot_product_attention`)
   | JAX's own `pallas.ops.gpu.paged_attention` (block tables over
@@ -21,7 +22,8 @@ are laid end to end (what a fresh sequence gets). Rows, one run, same inputs:
   blocks die and are skipped). JAX's kernel and the dense baselines cannot skip
   dead tokens, so on a GPU they run only at dead 0, where every method reads the
   same bytes (on a CPU the reference, the only timed row, runs at every fraction).
-- prefill, batch 1, a 512-token chunk at the end of the context: Pallas | reference.
+- prefill, batch 1, a 512-token chunk at the end of the context: Pallas | Mosaic |
+  reference.
 - Flash-LoRA decode, batch 8, a different adapter per row, r = 8: Flash-LoRA |
   materialise V_base + V_lr B_i then the paged kernel | the XLA reference.
 
@@ -60,6 +62,7 @@ from jax import lax
 import common
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
+from pallas_kernels import paged_attention_mosaic as pm
 
 HKV, D, RANK, PAGE = 8, 128, 8, 16
 LORA_G = 4             # Flash-LoRA rows: Llama-3-8B heads (32 / 8), as LRAgent's models
@@ -78,6 +81,12 @@ LORA_TUNE = [dict(block_k=64, num_warps=4, num_stages=2),
              dict(block_k=128, num_warps=8, num_stages=2),
              dict(block_k=128, num_warps=4, num_stages=2)]
 LORA_KEYS = ("q", "k_pool", "v_pool", "vlr_pool", "lora_b", "slot_map", "q_positions")
+KEYS = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
+# The Mosaic GPU kernel's tiling: pages (of 16 keys) per pipeline step, steps in flight.
+# K + V of one step take 2 * 16 * pages_per_step * D * 2 bytes of shared memory
+# (32 KB at 4 pages, D 128); an H100 / H200 block has 227 KB with the q and o tiles.
+MOSAIC_TUNE = [dict(pages_per_step=4, stages=3), dict(pages_per_step=4, stages=2),
+               dict(pages_per_step=4, stages=5), dict(pages_per_step=8, stages=2)]
 
 
 def layers_for(nbytes: int, cap_bytes: int) -> int:
@@ -87,10 +96,11 @@ def layers_for(nbytes: int, cap_bytes: int) -> int:
 
 
 def slot_map_for(batch: int, context: int, dead: float, layout: str, rng) -> np.ndarray:
-  """Row b holds slots 1 + b*context ... (pages end to end; slot 0 = SENTINEL); a `dead`
+  """Row b holds slots PAGE + b*context ... (pages end to end on the page grid, as the
+  allocator lays a sequence out; page 0 holds SENTINEL and is never handed out); a `dead`
   share of tokens (`tokens`) or of pages (`pages`) is evicted. Every row keeps its last
   token (the query's own)."""
-  sm = (1 + np.arange(batch * context, dtype=np.int32)).reshape(batch, context)
+  sm = (PAGE + np.arange(batch * context, dtype=np.int32)).reshape(batch, context)
   if dead:
     if layout == "tokens":
       kill = rng.random(sm.shape) < dead
@@ -103,9 +113,9 @@ def slot_map_for(batch: int, context: int, dead: float, layout: str, rng) -> np.
 
 def make_inputs(batch: int, context: int, q_len: int, groups: int, dtype, *, layers: int = 1,
                 rank: int | None = None, dead: float = 0.0, layout: str = "tokens", seed=0):
-  """Random stacked pools [layers, 1 + batch*context, Hkv, D] and a slot map."""
+  """Random stacked pools [layers, PAGE + batch*context, Hkv, D] and a slot map."""
   key = jax.random.split(jax.random.key(seed), 5)
-  slots = 1 + batch * context
+  slots = PAGE + batch * context
   sm = slot_map_for(batch, context, dead, layout, np.random.default_rng(seed))
 
   def pool(k, *shape):
@@ -131,8 +141,8 @@ def jax_dense_paged(a):
     k_pool, v_pool = k_pool[None], v_pool[None]
   layers = k_pool.shape[0]
 
-  def pages(pool):   # each layer's slots 1..b*t -> pages; layers stacked along pages
-    return pool[:, 1:].reshape(layers * b * t // PAGE, PAGE, HKV, D).transpose(2, 0, 1, 3)
+  def pages(pool):   # each layer's slots PAGE.. -> pages; layers stacked along pages
+    return pool[:, PAGE:].reshape(layers * b * t // PAGE, PAGE, HKV, D).transpose(2, 0, 1, 3)
 
   tables = jnp.arange(b * t // PAGE, dtype=jnp.int32).reshape(b, t // PAGE)
   lengths = jnp.full((b,), t, jnp.int32)
@@ -212,12 +222,26 @@ def planned(a, make=pa.make_plan, **plan_kw):
   return {**a, "plan": plan}
 
 
-def decode_impls(kernels: bool, knobs: dict):
+def planned_pages(a, **plan_kw):
+  """a + the Mosaic kernel's page plan, built once (untimed), as `planned`."""
+  plan = jax.jit(functools.partial(
+      pm.make_page_plan, num_heads=a["q"].shape[2], num_kv_heads=a["k_pool"].shape[-2],
+      num_slots=a["k_pool"].shape[-3], **plan_kw))(a["slot_map"], a["q_positions"])
+  return {**a, "plan": plan}
+
+
+def mosaic_call(a, layer, **kw):
+  """The Mosaic GPU kernel on layer `layer` (its plan from `a` when planned)."""
+  return pm.paged_attention(*(a[k] for k in KEYS), layer=layer, plan=a.get("plan"), **kw)
+
+
+def decode_impls(kernels: bool, knobs: dict, mosaic_knobs: dict | None = None):
   """(name, prepare(a) -> x (untimed), fn(x, layer) (timed), dense only) per decode row.
 
   jaxkv_pallas builds its plan (compaction + live-block tables) in every call, as
   one layer alone would; jaxkv_planned takes it built once, as the layers of one
-  forward pass share it (`ops.attention_plan`)."""
+  forward pass share it (`ops.attention_plan`). jaxkv_mosaic(_planned): the Mosaic
+  GPU kernel (pallas_kernels/paged_attention_mosaic.py) the same two ways."""
   keys = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
   same = lambda a: a
   ours = lambda **kw: lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l, **kw)
@@ -235,6 +259,12 @@ def decode_impls(kernels: bool, knobs: dict):
              ("jax_pallas_ops_gpu", jax_dense_paged,
               functools.partial(jax_paged_call, interpret=knobs.get("interpret", False)),
               True)] + impls
+  if kernels and mosaic_knobs is not None:
+    interp = {"interpret": True} if knobs.get("interpret") else {}
+    impls[2:2] = [("jaxkv_mosaic", same,
+                   functools.partial(mosaic_call, **mosaic_knobs, **interp), False),
+                  ("jaxkv_mosaic_planned", functools.partial(planned_pages, **mosaic_knobs),
+                   functools.partial(mosaic_call, **interp), False)]
   return impls
 
 
@@ -271,6 +301,9 @@ def define_flags():
   flags.DEFINE_integer("lora_batch", 8, "Flash-LoRA decode batch")
   flags.DEFINE_integer("iters", 20, "calls per timed loop")
   flags.DEFINE_boolean("tune", False, "pick the kernel's tiling at 32k x 8 x G7 first")
+  flags.DEFINE_boolean("mosaic", True, "time the Mosaic GPU paged-attention kernel too "
+                       "(decode and prefill rows jaxkv_mosaic*)")
+  flags.DEFINE_boolean("lora", True, "the Flash-LoRA rows")
   flags.DEFINE_string("knobs", None, "paged-attention tiling instead of tuning, e.g. "
                       "block_k=128,num_warps=4,num_stages=2")
   flags.DEFINE_string("split_probe", None, "batch-1 decode at the largest context with "
@@ -368,7 +401,12 @@ def main(argv):
           *(a[k] for k in LORA_KEYS), layer=l, **kn), a, 2, LORA_TUNE)
       del a
 
-  impls = decode_impls(kernels_on, knobs)
+  mosaic_knobs = {} if args.mosaic else None
+  if args.tune and gpu and args.mosaic:
+    a = make_inputs(8, 32768, 1, 7, dtype, layers=2)
+    mosaic_knobs = tune("mosaic", lambda a, l, **kn: mosaic_call(a, l, **kn), a, 2, MOSAIC_TUNE)
+    del a
+  impls = decode_impls(kernels_on, knobs, mosaic_knobs)
   for ctx, batch, g in itertools.product(contexts, batches, groups):
     one = 2 * batch * ctx * HKV * D * isz
     layers = layers_for(one, cap)
@@ -420,13 +458,18 @@ def main(argv):
                 a, layers)
       if t:
         record("prefill", "jaxkv_pallas", 1, ctx, 512, g, 0.0, "-", cost, t)
+      if mosaic_knobs is not None:
+        interp = {"interpret": True} if args.interpret else {}
+        t = timed(functools.partial(mosaic_call, **mosaic_knobs, **interp), a, layers)
+        if t:
+          record("prefill", "jaxkv_mosaic", 1, ctx, 512, g, 0.0, "-", cost, t)
     if t_ref:
       record("prefill", "xla_reference", 1, ctx, 512, g, 0.0, "-", cost, t_ref)
     print(f"prefill ctx={ctx} done", flush=True)
     flush()
     del a
 
-  for ctx in lora_contexts:
+  for ctx in lora_contexts if args.lora else ():
     b = args.lora_batch
     one = b * ctx * (2 * HKV * D + RANK) * isz
     a = make_inputs(b, ctx, 1, LORA_G, dtype, layers=layers_for(one, cap), rank=RANK)
@@ -457,7 +500,8 @@ def main(argv):
   print(f"\n{device} ({jax.default_backend()}), jax {jax.__version__}, {dtype.name}; "
         f"measured copy bandwidth {bw:.0f} GB/s, matmul {tflops:.1f} TFLOP/s; "
         f"Hkv={HKV} D={D} page={PAGE} r={RANK}; paged-attention knobs {knobs or 'defaults'}, "
-        f"Flash-LoRA knobs {lora_knobs or 'defaults'}")
+        f"Flash-LoRA knobs {lora_knobs or 'defaults'}, Mosaic knobs "
+        f"{mosaic_knobs or 'defaults'}")
   if not kernels_on:
     print("No GPU: Pallas kernels were not timed (interpret mode is not a speed path); "
           "reference rows only.")

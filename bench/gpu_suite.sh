@@ -7,6 +7,8 @@
 #   tests       the kernel sweep compiled (tests/test_kernels.py + tests/test_ops.py),
 #               pinned seeds, then once more with fresh seeds; TESTS_K: a pytest -k
 #               filter for both runs (a short lease), TESTS_FRESH=0 skips the second
+#   mosaic      the Mosaic GPU kernel's sweep compiled (tests/test_kernels_mosaic.py, -x:
+#               a compile error stops it at once), pinned seeds, then fresh seeds
 #   kernels     bench/attention_kernels.py $KERNELS_ARGS (default --tune; decode 1k-32k x batch 1-64 x GQA 3/7 x dead
 #               0/0.5/0.9, prefill, Flash-LoRA 4k-64k) -> OUTDIR/kernels_gpu.json
 #   throughput  bench/throughput.py: the engine end to end vs HF transformers on the same
@@ -44,6 +46,14 @@ for stage in $stages; do
         $py -m pytest -q -p no:cacheprovider tests/test_kernels.py \
         -k "${TESTS_K:-matches_reference or contiguous_and}" 2>&1 | \
         tee "$out/tests_fresh.log" | tail -4 ;;
+    mosaic)
+      JAXKV_TEST_SEED=0 timeout "${MOSAIC_S:-240}" $py -m pytest -x -q -p no:cacheprovider \
+        tests/test_kernels_mosaic.py 2>&1 | tee "$out/mosaic.log" | \
+        grep -E "passed|failed|FAILED|Error" | tail -25
+      [ "${MOSAIC_FRESH:-1}" = 0 ] || JAXKV_TEST_SEED=random timeout "${MOSAIC_S:-240}" \
+        $py -m pytest -q -p no:cacheprovider \
+        tests/test_kernels_mosaic.py -k "matches_reference or splits" 2>&1 | \
+        tee "$out/mosaic_fresh.log" | tail -4 ;;
     kernels)
       timeout "${KERNELS_S:-420}" $py bench/attention_kernels.py ${KERNELS_ARGS:---tune} \
         --out="$out/kernels_gpu.json" > "$out/kernels.log" 2>&1

@@ -112,6 +112,7 @@ SOURCES = {
     "memart-pooled": "bench/results_memart_pooled.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
+    "kernels-h200-mosaic": "bench/results_kernels_h200_mosaic.json",
     "kernels-h100": "bench/results_kernels_h100.json",
     "kernels-h100-plan": "bench/results_kernels_h100_plan.json",
     "kernels-h100-splits": "bench/results_kernels_h100_splits.json",
@@ -215,7 +216,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
     out[name] = rows[name] and _render(
         [t for t in memart_bench.tables(rows[name]) if "Table 2" in t.title])
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
-               "kernels-h200-grid"):
+               "kernels-h200-grid", "kernels-h200-mosaic"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
   out["server-load"] = rows["server-load"] and _render(server_load.tables(rows["server-load"]))
   out["server-load-kinds"] = rows["server-load-kinds"] and _render(
