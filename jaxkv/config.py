@@ -197,9 +197,11 @@ class EngineConfig:
                               # the engine returns to admit and finish requests.
   attention_impl: str = "auto"  # Attention kernels: auto (the Pallas Triton kernels on a
                                 # GPU, the XLA reference elsewhere), reference, pallas (=
-                                # triton), mosaic (paged attention on Mosaic GPU, Hopper;
-                                # Flash-LoRA stays Triton), or interpret (the Pallas
-                                # interpreter: slow, for debugging).
+                                # triton), mosaic (paged attention on Mosaic GPU, Hopper,
+                                # for a 16-bit model over a pool of the same dtype, e.g.
+                                # cache.dtype=bfloat16; other calls and Flash-LoRA run
+                                # Triton), or interpret (the Pallas interpreter: slow,
+                                # for debugging).
   prefix_cache: bool = False  # Keep finished requests' KV in a radix prefix cache (SGLang's
                               # semantics, jaxkv.kv.radix): a prompt that starts like an
                               # earlier one adopts that prefix's KV and prefills only the

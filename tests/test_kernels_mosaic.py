@@ -220,3 +220,34 @@ def test_mosaic_lowers_for_cuda(q_len, head_dim, groups):
                          targets=("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
   assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 1
   assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+
+
+def test_model_forward_with_mosaic_lowers_for_cuda():
+  """A bf16 model over a bf16 pool, attn_impl="mosaic": the forward's layer scan
+  holds the Mosaic GPU kernel (its plan built once for the pass), lowered for CUDA.
+  Over a float32 pool (CacheConfig.dtype's default) the same call runs Triton."""
+  from flax import nnx
+
+  from jaxkv.config import ModelConfig
+  from jaxkv.kv import state as kv_state
+  from jaxkv.models.llama import Transformer
+
+  cfg = ModelConfig(vocab_size=97, hidden_size=128, intermediate_size=96, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=64)
+  model = Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  graphdef, weights = nnx.split(model)
+  b, c = 2, 8
+  tokens = jnp.zeros((b, c), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+  smap = pm.PAGE + jnp.arange(b * 32, dtype=jnp.int32).reshape(b, 32)
+
+  def forward(weights, pool):
+    out = nnx.merge(graphdef, weights)(tokens, pos, pool, slot_map=smap, attn_impl="mosaic")
+    return out.hidden, out.kv
+
+  for dtype, want in ((jnp.bfloat16, 1), (jnp.float32, 0)):
+    pool = kv_state.init_slots(cfg, pm.PAGE * 8, dtype)
+    text = export_for_cuda(forward, jax.eval_shape(lambda: weights),
+                           jax.eval_shape(lambda pool=pool: pool),
+                           targets=("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == want, dtype
