@@ -348,7 +348,7 @@ def test_bad_shapes_raise_clear_errors():
                        a["q_positions"], layer=0, interpret=INTERPRET)
   with pytest.raises(ValueError, match="unknown attention impl"):
     ops.paged_attention(a["q"], a["k_pool"], a["v_pool"], a["slot_map"], a["q_positions"],
-                        layer=0, impl="triton")
+                        layer=0, impl="flashinfer")
 
 
 @pytest.mark.parametrize("fla_kernel", [False, True])

@@ -115,7 +115,7 @@ def test_unknown_impl():
   with pytest.raises(ValueError, match="unknown attention impl"):
     ops.paged_attention(jnp.zeros((1, 1, 1, 2)), jnp.zeros((2, 1, 2)), jnp.zeros((2, 1, 2)),
                         jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                        impl="triton")
+                        impl="flashinfer")
 
 
 def test_key_shift_equals_attention_over_rerotated_copies():
