@@ -145,6 +145,9 @@ class CacheConfig:
     return self.num_pages * self.page_size
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1   # a request's seed: an int64, each its own stream
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """Per-request sampling; temperature 0 means greedy."""
@@ -165,6 +168,9 @@ class SamplingConfig:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not SEED_MIN <= self.seed <= SEED_MAX:
+      raise ValueError(f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], "
+                       f"got {self.seed}")
     if self.max_tokens < 1:
       raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 

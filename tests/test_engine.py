@@ -174,6 +174,20 @@ def test_sample_top_k_one_is_greedy_and_top_p_keeps_mass():
     assert all(g in t for g, t in zip(got, top3))
 
 
+def test_every_64_bit_seed_has_its_own_key():
+  """Seeds above 2^32 used to collide with their low 32 bits (PRNGKey in JAX's default
+  32-bit mode); seeds in [0, 2^32) keep the keys they always had; out of range: error."""
+  from jaxkv.config import SEED_MAX, SEED_MIN
+  from jaxkv.engine.sampling import _raw_key
+  for s in (0, 1, 12345, (1 << 32) - 1):
+    np.testing.assert_array_equal(_raw_key(s), jax.random.key_data(jax.random.PRNGKey(s)))
+  seeds = [1, (1 << 32) + 1, 1 << 40, (1 << 62) + 1, -1, SEED_MIN, SEED_MAX]
+  keys = {tuple(_raw_key(s)) for s in seeds}
+  assert len(keys) == len(seeds)
+  with pytest.raises(ValueError, match="seed"):
+    SamplingConfig(seed=SEED_MAX + 1)
+
+
 def test_compile_donation_and_sync_budgets(tiny):
   """Requests of lengths within one bucket reuse the compiled steps; the pool a
   step consumed is deleted (donated); decode syncs with the host once per

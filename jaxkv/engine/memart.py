@@ -45,6 +45,7 @@ from jaxkv.engine.driver import Driver, continue_one
 from jaxkv.engine.kv_manager import KVManager
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv.state import SENTINEL
+from jaxkv.literal_chat import literal_backend
 from jaxkv.models.forward import Capture
 from jaxkv.policies.memory import memart
 from jaxkv.rope import delta_frequencies
@@ -516,8 +517,11 @@ class MemArtSessions:
                                kv=kv)
     self.sessions: dict[str, tuple[Memory, list[str]]] = {}
 
-  def _enc(self, text: str) -> np.ndarray:
-    return np.asarray(self.tok.encode(text, add_bos=False), np.int32)
+  def _enc(self, text: str, literal: bool = False) -> np.ndarray:
+    """Ids of template text, or of message text (`literal`: special tokens stay text)."""
+    enc = literal_backend(self.tok).encode(text, add_special_tokens=False).ids if literal else (
+        self.tok.encode(text, add_bos=False))
+    return np.asarray(enc, np.int32)
 
   def ask(self, session: str, messages: list[dict], max_tokens: int) -> tuple[Answer, dict]:
     """Writes the unseen history, answers the last (user) message; returns the
@@ -548,7 +552,7 @@ class MemArtSessions:
   def tail(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """(the tokens an answer prefills: the last message and the template after it,
     which of them vote in retrieval: the message's)."""
-    q = self._enc(messages[-1]["content"])
+    q = self._enc(messages[-1]["content"], literal=True)
     tail = np.r_[q, self._enc("\n" + self.tail_text)].astype(np.int32)
     return tail, np.arange(tail.size) < q.size
 
@@ -566,7 +570,7 @@ class MemArtSessions:
     new = lines[len(seen):]
     written = written_tokens = 0
     if new:
-      span = self._enc("\n".join(new) + "\n")
+      span = self._enc("\n".join(new) + "\n", literal=True)
       written = (yield from self.runner.write_steps(mem, span, tag=len(seen),
                                                     chunk=chunk)).size
       written_tokens = span.size

@@ -9,11 +9,12 @@ is batched with.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxkv.config import SEED_MAX, SEED_MIN
 
 
 @jax.tree_util.register_dataclass
@@ -47,9 +48,15 @@ class SamplingParams:
                jnp.asarray(keys)), not np.any(temp > 0)
 
 
-@functools.lru_cache(maxsize=4096)
 def _raw_key(seed: int) -> np.ndarray:
-  return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
+  """Threefry key words [hi, lo] of a 64-bit seed (two's complement for negative
+  ones), as `PRNGKey(seed)` makes them with 64-bit JAX: every seed gets its own
+  stream (`PRNGKey` in JAX's default 32-bit mode keeps only the low 32 bits, so
+  2^32 + 1 sampled as 1). Seeds in [0, 2^32) keep the key they always had."""
+  if not SEED_MIN <= seed <= SEED_MAX:
+    raise ValueError(f"seed {seed} is outside [{SEED_MIN}, {SEED_MAX}]")
+  s = seed & ((1 << 64) - 1)
+  return np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
 
 
 def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,

@@ -107,11 +107,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   app.state.loop, app.state.backends = loop, backends
 
   async def body_of(request: HTTPRequest):
-    raw = await request.body()
-    try:
-      return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    return protocol.load_body(await request.body())
 
   async def next_event(queue: asyncio.Queue, request: HTTPRequest, rid: str):
     """The next engine event; cancels the request if its client disconnected."""
@@ -307,7 +303,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         {"id": k, "object": "session", "kind": kd, "held_tokens": n}
         for k, (kd, n) in sorted(held.items())]}
 
-  @app.delete("/v1/sessions/{sid}")
+  @app.delete("/v1/sessions/{sid:path}")     # :path: an id may hold "/"
   async def close_session(sid: str):
     """Closes a session: its hold on the cached KV is released (LRU evictable) and
     its runner forgets it (QueryMemory, MemArt memory)."""

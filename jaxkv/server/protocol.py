@@ -7,7 +7,7 @@ responses and stream chunks the `openai` client reads.
 
 Decisions where the API leaves room:
 - fields this server does not implement are refused with 400 when they would
-  change the output (`n` > 1, `logprobs`, non-zero penalties, a forced
+  change the output (`n` > 1, `logprobs`, `logit_bias`, non-zero penalties, a forced
   `tool_choice` function, `response_format` other than text); unknown extra
   fields are ignored, as OpenAI-compatible servers do, so clients that send
   their own extensions keep working;
@@ -19,6 +19,9 @@ Decisions where the API leaves room:
   the engine's prefix cache on, the session's latest turn stays cached between
   turns (see `jaxkv.server.loop`); without it `user` is only a label and
   `session_id` is refused;
+- message text is encoded as text (`jaxkv.literal_chat`): a special token's
+  spelling in content stays text, so a user or a tool output cannot write turns
+  of its own; a tool call or schema that spells one is refused;
 - tools go through the model's chat template when it renders tool calls
   (Qwen2.5); otherwise (SmolLM2) the tool list is written into the system
   message and earlier calls as ReAct text, the form the traces use
@@ -36,10 +39,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from jaxkv.config import SamplingConfig
+from jaxkv.config import SEED_MAX, SEED_MIN, SamplingConfig
 from jaxkv.data import calls as calls_lib
 from jaxkv.data import traces
 from jaxkv.engine.agent_loop import CALL_OPENERS
+from jaxkv.literal_chat import encode_chat_literal
 from jaxkv.tokens import validate_messages
 
 
@@ -100,9 +104,45 @@ def _stop(body: dict) -> tuple[str, ...]:
   return tuple(stop)
 
 
+MAX_DEPTH = 64   # JSON nesting a request body may have
+
+
+def load_body(raw: bytes) -> Any:
+  """A request body's JSON; APIError 400 for what is not valid JSON, nests deeper
+  than MAX_DEPTH, holds an integer too long to read, or a string that is not
+  Unicode text (a lone surrogate escape such as "\\ud800", which cannot be
+  encoded, echoed or logged)."""
+  try:
+    body = json.loads(raw)
+  except RecursionError:
+    raise _bad(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+  except ValueError as e:          # JSONDecodeError, UnicodeDecodeError, over-long integers
+    raise _bad(f"the request body is not valid JSON: {e}") from None
+  todo = [(body, 1)]
+  while todo:
+    x, depth = todo.pop()
+    if isinstance(x, (dict, list)):
+      if depth > MAX_DEPTH:
+        raise _bad(f"the request body nests deeper than {MAX_DEPTH} levels")
+      items = list(x.items()) if isinstance(x, dict) else [(None, v) for v in x]
+      for k, v in items:
+        todo.append((v, depth + 1))
+        if k is not None:
+          todo.append((k, depth))
+    elif isinstance(x, str):
+      try:
+        x.encode("utf-8")
+      except UnicodeEncodeError:
+        raise _bad("the request body holds a string that is not valid Unicode (a lone "
+                   "surrogate escape)") from None
+  return body
+
+
 def _unsupported(body: dict) -> None:
-  if body.get("n", 1) != 1:
+  if body.get("n") not in (None, 1):
     raise _bad("only n=1 is supported", "n")
+  if body.get("logit_bias"):
+    raise _bad("'logit_bias' is not supported (send {} or leave it out)", "logit_bias")
   if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
     raise _bad("logprobs / echo are not supported", "logprobs")
   for key in ("presence_penalty", "frequency_penalty"):
@@ -115,7 +155,7 @@ def _unsupported(body: dict) -> None:
 
 def _tools(body: dict) -> list[dict] | None:
   tools = body.get("tools")
-  choice = body.get("tool_choice", "auto")
+  choice = body.get("tool_choice") or "auto"        # null: the default, as OpenAI
   if tools is None:
     return None
   if not isinstance(tools, list) or not all(
@@ -135,7 +175,7 @@ def _tools(body: dict) -> list[dict] | None:
 def chat_prompt(tokenizer, messages: Any, tools: list[dict] | None) -> list[int]:
   """Token ids of an OpenAI chat in the form the model's template renders."""
   msgs, native = chat_messages(tokenizer, messages, tools)
-  return tokenizer.encode_chat(msgs, tools=native, add_generation_prompt=True)
+  return encode_chat_literal(tokenizer, msgs, tools=native, add_generation_prompt=True)
 
 
 def chat_messages(tokenizer, messages: Any,
@@ -171,7 +211,8 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
     raise APIError(404, f"The model '{model}' does not exist (GET /v1/models lists them)",
                    param="model", code="model_not_found")
   _unsupported(body)
-  stream = body.get("stream", False)
+  stream = body.get("stream")
+  stream = False if stream is None else stream
   if not isinstance(stream, bool):
     raise _bad("'stream' must be a boolean", "stream")
   opts = body.get("stream_options") or {}
@@ -188,7 +229,7 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
     if kind == "chat":
       tools = _tools(body)
       chat = chat_messages(tokenizer, body.get("messages"), tools)
-      prompt = tokenizer.encode_chat(chat[0], tools=chat[1], add_generation_prompt=True)
+      prompt = encode_chat_literal(tokenizer, chat[0], tools=chat[1], add_generation_prompt=True)
     else:
       prompt = _completion_prompt(tokenizer, body.get("prompt"))
   except ValueError as e:
@@ -209,7 +250,7 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
       temperature=float(_number(body, "temperature", 0.0, 2.0, defaults.temperature)),
       top_p=float(_number(body, "top_p", 1e-9, 1.0, defaults.top_p)),
       top_k=int(_number(body, "top_k", 0, 1 << 20, defaults.top_k, integer=True)),
-      seed=int(_number(body, "seed", -(1 << 62), 1 << 62, defaults.seed, integer=True)),
+      seed=int(_number(body, "seed", SEED_MIN, SEED_MAX, defaults.seed, integer=True)),
       max_tokens=max_tokens or min(defaults.max_tokens, room))
   return Parsed(kind=kind, model=model, prompt=prompt, sampling=sampling, stream=stream,
                 include_usage=bool(opts.get("include_usage")), stop=_stop(body),
