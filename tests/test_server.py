@@ -398,32 +398,42 @@ def test_failing_step_is_isolated(base, monkeypatch):
     assert metric(server.url, "jaxkv_engine_step_errors_total") == 1
 
 
-def test_shutdown_cancels_running_requests_and_stops_the_loop(base):
+def test_shutdown_answers_every_request_and_stops_the_loop(base):
+  """Shutdown with requests running past graceful_s: a non-streamed one gets 503 JSON
+  (shutting_down, Retry-After), a stream ends with an error chunk and [DONE] (issue 38:
+  a plain-text 500 and a cut stream before); nothing stays allocated."""
   llm, cfg = fresh(base)
-  done = {}
+  got = {}
+  body = {"model": MODEL, "messages": chat("Tell a very long story."), "max_tokens": 400}
   with serving(llm, cfg, graceful_s=1.0) as server:
     loop = server.config.app.state.loop
 
-    def long_request():
-      try:
-        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
-            "model": MODEL, "messages": chat("Tell a very long story."), "max_tokens": 400,
-            "stream": True}) as resp:
-          done["lines"] = sum(1 for _ in resp.iter_lines())
-      except httpx.HTTPError as e:
-        done["error"] = type(e).__name__
+    def plain():
+      r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+      got["plain"] = (r.status_code, r.headers.get("retry-after"), r.json())
 
-    t = threading.Thread(target=long_request)
-    t.start()
+    def streamed():
+      with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
+                        json={**body, "stream": True}) as resp:
+        got["stream"] = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+
+    threads = [threading.Thread(target=f) for f in (plain, streamed)]
+    for t in threads:
+      t.start()
     deadline = time.time() + 120
-    while llm.engine.allocator.num_live_slots == 0:
+    while loop.pending < 2 or llm.engine.allocator.num_live_slots == 0:
       assert time.time() < deadline
       time.sleep(0.05)
-  t.join(60)
+  for t in threads:
+    t.join(60)
+  status, retry, js = got["plain"]
+  assert status == 503 and retry and js["error"]["code"] == "shutting_down", got["plain"]
+  lines = got["stream"]
+  assert lines[-1] == "data: [DONE]", lines[-3:]
+  assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down", lines[-3:]
   assert not loop.alive
   llm.engine.allocator.check()
   assert llm.engine.allocator.num_live_slots == 0
-  assert not llm.engine.busy
 
 
 def test_protocol_tool_calls_and_text_stream():

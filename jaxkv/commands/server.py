@@ -18,8 +18,9 @@ concurrent request joins the same decode batch (`--config.engine.max_batch`
 rows); past `--config.server.max_pending` queued + running requests the server
 answers 429. Sampling defaults come from `--config.sampling.*` and each request
 may override temperature, top_p, top_k, seed, max_tokens and stop. Ctrl-C / SIGTERM
-stops accepting, lets running requests finish for up to --graceful_s, then
-cancels the rest. See jaxkv/server/app.py for what is not served yet.
+answers new requests 503, lets running ones finish for up to --graceful_s, then
+cancels the rest and answers them 503 JSON (a stream: an error chunk, then [DONE]).
+See jaxkv/server/app.py for what is not served yet.
 
 Every KV mechanism in one server: `--config=configs/smollm2_agents.py` (role
 adapters by model name, and agent sessions pruned by IntentKV, kept in MemArt
@@ -50,9 +51,7 @@ _XLA_CACHE = flags.DEFINE_string("xla_cache", None, "persistent compilation cach
 
 def _main(argv):
   del argv
-  import uvicorn
-
-  from jaxkv.server.app import create_app
+  from jaxkv.server.app import create_app, make_server
 
   cli.require({"--config": _CONFIG.value}, "--config=configs/smollm2.py")
   cfg = cli.load_config(ServeConfig, _CONFIG.value)
@@ -66,8 +65,8 @@ def _main(argv):
   port = cfg.server.port if _PORT.value is None else _PORT.value
   print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; serving "
         f"'{cfg.server.model_name or cfg.model}' on http://{host}:{port}/v1", file=sys.stderr)
-  uvicorn.run(create_app(llm, cfg), host=host, port=port, log_level="info",
-              timeout_graceful_shutdown=_GRACEFUL.value)
+  make_server(create_app(llm, cfg), host=host, port=port, log_level="info",
+              graceful_s=_GRACEFUL.value).run()
 
 
 def main() -> None:

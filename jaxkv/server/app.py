@@ -68,7 +68,12 @@ class _ClientGone(Exception):
 
 
 def _error(e: APIError) -> JSONResponse:
-  return JSONResponse(e.body(), status_code=e.status)
+  headers = {"Retry-After": "5"} if e.status == 503 else None
+  return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+SHUTDOWN = APIError(503, "the server is shutting down; retry on another replica or later",
+                    type="server_error", code="shutting_down")
 
 
 def _tokens(event: tuple) -> tuple[list[int], int]:
@@ -118,6 +123,10 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         if await request.is_disconnected():
           loop.cancel(rid)
           raise _ClientGone() from None
+
+  def cut_by_shutdown(event) -> bool:
+    """The request was cancelled because the server is shutting down (`make_server`)."""
+    return event[0] == "done" and event[1].finish_reason == "cancelled" and not loop.alive
 
   def decode(tokens: list[int]) -> str:
     return tokenizer.decode(tokens) if tokens else ""
@@ -177,6 +186,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     if first[0] == "done" and first[1].finish_reason == "error":
       return _error(APIError(500, first[1].error or "the engine failed this request",
                              type="server_error"))
+    if cut_by_shutdown(first):
+      return _error(SHUTDOWN)
     if p.stream:
       return StreamingResponse(sse(p, rid, t_created, queue, first, stream, skind),
                                media_type="text/event-stream")
@@ -192,6 +203,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
       return JSONResponse({}, status_code=499)
     if event[0] == "done" and event[1].finish_reason == "error":
       return _error(APIError(500, event[1].error, type="server_error"))
+    if cut_by_shutdown(event):
+      return _error(SHUTDOWN)
     tokens, cached = _tokens(event)
     _, stopped = stream.update(decode(tokens), final=True)
     finish = "stop" if stopped else _finish(event[1].finish_reason)
@@ -231,6 +244,11 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         if final or stopped:
           break
         event = await queue.get()
+      if cut_by_shutdown(event):       # an error chunk, then the end of the stream
+        yield data(SHUTDOWN.body())
+        yield "data: [DONE]\n\n"
+        done = True
+        return
       reason = "stop" if stopped else _finish(event[1].finish_reason)
       made = []
       if p.tools:
@@ -327,17 +345,39 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   return app
 
 
+def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
+                graceful_s: float = 5.0, log_level: str = "warning", flush_s: float = 10.0):
+  """A `uvicorn.Server` for `app` whose shutdown answers every request: new ones get
+  503 `shutting_down` at once, running ones get `graceful_s` seconds to finish, and
+  what is left is cancelled and answered 503 JSON (a stream: an error chunk, then
+  `[DONE]`) within `flush_s` before the connections close."""
+  import uvicorn
+
+  engine_loop = app.state.loop
+
+  class Server(uvicorn.Server):
+    async def shutdown(self, sockets=None) -> None:
+      engine_loop.drain()
+      deadline = time.monotonic() + graceful_s
+      while engine_loop.pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+      if engine_loop.cancel_all():
+        log.warning("shutdown: cancelled the requests still running after %.1f s", graceful_s)
+      await super().shutdown(sockets)
+
+  return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                               timeout_graceful_shutdown=flush_s))
+
+
 @contextlib.contextmanager
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                     graceful_s: float = 5.0, start_timeout_s: float = 120.0):
   """Runs `app` under uvicorn in a daemon thread (port 0: a free one) and yields the
-  `uvicorn.Server`, its base URL as `.url`; on exit it shuts down gracefully. For
-  tests and the load benchmark: the caller keeps the engine in reach."""
+  `uvicorn.Server` (`make_server`), its base URL as `.url`; on exit it shuts down
+  gracefully. For tests and the load benchmark: the caller keeps the engine in reach."""
   import threading
 
-  import uvicorn
-  server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                         timeout_graceful_shutdown=graceful_s))
+  server = make_server(app, host=host, port=port, graceful_s=graceful_s)
   thread = threading.Thread(target=server.run, name="jaxkv-uvicorn", daemon=True)
   thread.start()
   deadline = time.time() + start_timeout_s

@@ -83,6 +83,7 @@ class EngineLoop:
     self._lock = threading.Lock()
     self._wake = threading.Event()
     self._stopping = False
+    self._draining = False      # shutting down: new requests refused, running ones go on
     self._thread: threading.Thread | None = None
     self._expired_at = 0.0
 
@@ -93,7 +94,8 @@ class EngineLoop:
 
   @property
   def alive(self) -> bool:
-    return self._thread is not None and self._thread.is_alive() and not self._stopping
+    return (self._thread is not None and self._thread.is_alive() and not self._stopping
+            and not self._draining)
 
   @property
   def pending(self) -> int:
@@ -102,7 +104,7 @@ class EngineLoop:
 
   def _check_room(self) -> None:
     """Raises QueueFull while stopping or past max_pending (hold self._lock)."""
-    if self._stopping:
+    if self._stopping or self._draining:
       raise QueueFull("the server is shutting down")
     if self.pending >= self.max_pending:
       self.stats.rejected_full += 1
@@ -154,14 +156,25 @@ class EngineLoop:
       self._expired_at = time.monotonic()
       self._expire(self.session_idle_s)
 
-  def stop(self, timeout: float = 30.0) -> None:
-    """Cancels every queued and running request, lets the loop retire them, joins."""
+  def drain(self) -> None:
+    """Shutdown begins: new requests are refused (`alive` is False); running ones go on."""
     with self._lock:
-      self._stopping = True
+      self._draining = True
+
+  def cancel_all(self) -> int:
+    """Cancels every queued and running engine request; returns how many."""
+    with self._lock:
       ids = list(self._waiters)
     for rid in ids:
       self.engine.cancel(rid)
     self._wake.set()
+    return len(ids)
+
+  def stop(self, timeout: float = 30.0) -> None:
+    """Cancels every queued and running request, lets the loop retire them, joins."""
+    with self._lock:
+      self._stopping = True
+    self.cancel_all()
     if self._thread is not None:
       self._thread.join(timeout)
 
