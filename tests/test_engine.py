@@ -149,6 +149,7 @@ def test_small_pool_queues_requests(tiny):
   huge = [Request("x", rng.integers(1, VOCAB, 60).tolist(), SamplingConfig(max_tokens=8))]
   res = next(_engine(model, num_pages=9).run(huge))
   assert res.finish_reason == "error" and "KV pool too small" in res.error
+  assert res.error_code == "too_large"        # the server answers it 400, not 500
 
 
 def test_sample_top_k_one_is_greedy_and_top_p_keeps_mass():

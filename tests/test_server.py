@@ -556,6 +556,29 @@ def test_agent_sessions_hold_their_turns(base):
     assert ok.status_code == 200
 
 
+def test_pool_held_by_sessions_is_503_not_500(base):
+  """Sessions pin the pool; a request it cannot hold now is 503 kv_pool_busy with
+  Retry-After (issue 38: a 500 "KV pool too small" before) and runs once they close."""
+  cache = CacheConfig(num_pages=40, page_size=16, max_seq_len=512)
+  engine_cfg = dataclasses.replace(ENGINE, prefix_cache=True)
+  llm = jaxkv.LLM(base.model, base.tokenizer, cache, engine_cfg)
+  cfg = ServeConfig(model=MODEL, cache=cache, engine=engine_cfg,
+                    sampling=SamplingConfig(max_tokens=4), server=ServerConfig())
+  with serving(llm, cfg) as server:
+    url = server.url + "/v1/chat/completions"
+    for who, word in (("a", "word "), ("b", "house ")):   # two sessions hold 15 pages each
+      r = httpx.post(url, timeout=120, json={"model": MODEL, "user": who, "max_tokens": 4,
+                                             "messages": chat(word * 190)})
+      assert r.status_code == 200, r.text
+    body = {"model": MODEL, "messages": chat("thing " * 230), "max_tokens": 16}
+    r = httpx.post(url, json=body, timeout=120)
+    assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+    assert r.json()["error"]["code"] == "kv_pool_busy"
+    for who in ("a", "b"):
+      assert httpx.delete(f"{server.url}/v1/sessions/{who}").status_code == 200
+    assert httpx.post(url, json=body, timeout=120).status_code == 200
+
+
 @pytest.mark.slow
 def test_role_adapters_by_model_name(base):
   """server.role_adapters: "<model>:<role>" picks the shipped LRAgent adapter; a batch

@@ -201,7 +201,7 @@ class Engine(MechanismRows):
     if too_long:
       if found is not None:
         mech.unmatch(found)
-      return _error(req, too_long)
+      return _error(req, too_long, "too_large")
     if mech is None:
       if cache is not None:                        # the last prompt token is recomputed
         match = cache.match_prefix(req.prompt[:-1], lock=True)
@@ -472,10 +472,11 @@ class Engine(MechanismRows):
             if any(r is not None for r in self._rows):
               return out           # wait for a row to retire and free its slots
             others = self.allocator.num_used_pages - self.kv_manager.reclaimable(None)
-            got = _error(req, f"KV pool too small for this request: {e}" if not others else
-                         f"the KV pool cannot hold this request now: {e}; {others} pages "
-                         f"are held by open sessions and memory (close sessions, or "
-                         f"raise cache.num_pages)")
+            got = (_error(req, f"KV pool too small for this request: {e}", "too_large")
+                   if not others else
+                   _error(req, f"the KV pool cannot hold this request now: {e}; {others} "
+                          f"pages are held by open sessions and memory (close sessions, or "
+                          f"raise cache.num_pages)", "pool_busy"))
           self._waiting.popleft()
           if isinstance(got, Result):
             out.append(got)

@@ -37,6 +37,9 @@ class Result:
   error: str | None = None
   cached_tokens: int = 0  # prompt tokens served by the prefix cache (not prefilled)
   extra: dict | None = None  # what a KV mechanism did (the server's usage["jaxkv"])
+  error_code: str | None = None  # with "error": "too_large" (can never run here: the
+                                 # request's fault), "pool_busy" (the pool is held by open
+                                 # sessions and memory now: retry later), None otherwise
 
 
 @dataclasses.dataclass
@@ -72,6 +75,6 @@ def cancelled(req: Request) -> Result:
                 ttft_s=0.0, latency_s=0.0, finish_reason="cancelled")
 
 
-def error(req: Request, msg: str) -> Result:
+def error(req: Request, msg: str, code: str | None = None) -> Result:
   return Result(id=req.id, tokens=[], prompt_tokens=len(req.prompt), completion_tokens=0,
-                ttft_s=0.0, latency_s=0.0, finish_reason="error", error=msg)
+                ttft_s=0.0, latency_s=0.0, finish_reason="error", error=msg, error_code=code)

@@ -72,6 +72,18 @@ def _error(e: APIError) -> JSONResponse:
   return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+def engine_error(res) -> APIError:
+  """The HTTP answer to a request the engine failed: 400 when it can never run here
+  (`too_large`), 503 with Retry-After when the pool is held by sessions now
+  (`pool_busy`), 500 for a failure of the engine's own."""
+  msg = res.error or "the engine failed this request"
+  if res.error_code == "too_large":
+    return APIError(400, msg, code="kv_pool_too_small")
+  if res.error_code == "pool_busy":
+    return APIError(503, msg, type="server_error", code="kv_pool_busy")
+  return APIError(500, msg, type="server_error")
+
+
 SHUTDOWN = APIError(503, "the server is shutting down; retry on another replica or later",
                     type="server_error", code="shutting_down")
 
@@ -184,8 +196,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     except _ClientGone:
       return JSONResponse({}, status_code=499)
     if first[0] == "done" and first[1].finish_reason == "error":
-      return _error(APIError(500, first[1].error or "the engine failed this request",
-                             type="server_error"))
+      return _error(engine_error(first[1]))
     if cut_by_shutdown(first):
       return _error(SHUTDOWN)
     if p.stream:
@@ -202,7 +213,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     except _ClientGone:
       return JSONResponse({}, status_code=499)
     if event[0] == "done" and event[1].finish_reason == "error":
-      return _error(APIError(500, event[1].error, type="server_error"))
+      return _error(engine_error(event[1]))
     if cut_by_shutdown(event):
       return _error(SHUTDOWN)
     tokens, cached = _tokens(event)
