@@ -644,9 +644,13 @@ class ServerConfig:
   agent_max_tokens: int = 4096  # Longest trajectory of an agents session, in tokens (it
                                 # holds this many slots of the pool while open).
   agent_sessions: int = 4       # Agents sessions open at once.
+  max_body_bytes: int = 4 << 20  # Largest request body; a larger one is answered 413
+                                 # before it is read in full.
 
   def __post_init__(self):
     session_kinds(self.sessions)
+    if self.max_body_bytes < 1024:
+      raise ValueError(f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
     if self.agent_scheme not in ("non_shared", "full_shared", "base_lr_shared"):
       raise ValueError("server.agent_scheme must be non_shared, full_shared or base_lr_shared "
                        "(base_shared keeps a low-rank value pool per agent, which the server's "

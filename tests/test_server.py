@@ -255,6 +255,34 @@ def test_bad_requests_get_openai_errors(served, body, raw, status, param, code):
   assert err["param"] == param and err["code"] == code
 
 
+def test_large_bodies_are_413_and_long_prompts_do_not_stall_the_loop(served):
+  """A body past server.max_body_bytes is 413 JSON (also without a Content-Length);
+  a 2M-character prompt is tokenised off the event loop: /health answers meanwhile
+  (issue 38: it stalled /health for 5.5 s)."""
+  limit = ServerConfig().max_body_bytes
+  big = json.dumps({"model": MODEL, "messages": chat("a" * limit)}).encode()
+  for content in (big, iter([big[i:i + 65536] for i in range(0, len(big), 65536)])):
+    r = httpx.post(served.url + "/v1/chat/completions", content=content, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+  long_prompt = {"model": MODEL, "messages": chat("word " * 400_000)}     # 2M characters
+  got = {}
+
+  def post():
+    got["r"] = httpx.post(served.url + "/v1/chat/completions", json=long_prompt, timeout=120)
+  t = threading.Thread(target=post)
+  t.start()
+  time.sleep(0.3)                                  # the prompt is being tokenised now
+  worst = 0.0
+  while t.is_alive():
+    t0 = time.perf_counter()
+    assert httpx.get(served.url + "/health", timeout=30).status_code == 200
+    worst = max(worst, time.perf_counter() - t0)
+    time.sleep(0.05)
+  t.join()
+  assert got["r"].status_code == 400                # context_length_exceeded
+  assert worst < 1.0, f"/health took {worst:.2f} s while a long prompt was tokenised"
+
+
 def test_null_fields_take_their_defaults(served, reference):
   """null for n / stream / tool_choice / logit_bias is accepted, as OpenAI does."""
   r = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={

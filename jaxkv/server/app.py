@@ -123,8 +123,25 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   app = FastAPI(title="jaxkv", lifespan=lifespan)
   app.state.loop, app.state.backends = loop, backends
 
-  async def body_of(request: HTTPRequest):
-    return protocol.load_body(await request.body())
+  max_body = cfg.server.max_body_bytes
+
+  async def body_of(request: HTTPRequest, empty=None):
+    """The body's JSON (`protocol.load_body`), read up to server.max_body_bytes: a
+    larger one is 413 as soon as its length says so or its bytes pass the limit.
+    `empty`: what a blank body stands for (None: a blank body is an error)."""
+    too_big = APIError(413, f"the request body is larger than server.max_body_bytes="
+                       f"{max_body}", code="body_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_body:
+      raise too_big
+    raw = bytearray()
+    async for part in request.stream():
+      raw += part
+      if len(raw) > max_body:
+        raise too_big
+    if empty is not None and not raw.strip():
+      return empty
+    return protocol.load_body(bytes(raw))
 
   async def next_event(queue: asyncio.Queue, request: HTTPRequest, rid: str):
     """The next engine event; cancels the request if its client disconnected."""
@@ -145,9 +162,12 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
   async def handle(request: HTTPRequest, kind: str):
     try:
-      p = protocol.parse(await body_of(request), kind, models=names.get,
-                         tokenizer=tokenizer, defaults=cfg.sampling,
-                         max_seq_len=cache.max_seq_len, max_prompt_slots=prompt_slots)
+      body = await body_of(request)
+      # tokenising and rendering the template take a worker thread: a long prompt
+      # must not stall the event loop (and every other client's stream, /health)
+      p = await asyncio.to_thread(
+          protocol.parse, body, kind, models=names.get, tokenizer=tokenizer,
+          defaults=cfg.sampling, max_seq_len=cache.max_seq_len, max_prompt_slots=prompt_slots)
     except APIError as e:
       return _error(e)
     if not sessions_on and p.session is not None and p.session != p.user:
@@ -307,8 +327,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     """Opens a session ({"session_id": optional, "kind": optional, one of
     server.sessions}); its id goes in later requests' "session_id" (or "user")."""
     need_sessions()
-    raw = await request.body()
-    body = await body_of(request) if raw.strip() else {}
+    body = await body_of(request, empty={})
     if not isinstance(body, dict):
       raise APIError(400, "the request body must be a JSON object")
     sid, want = body.get("session_id"), body.get("kind")
