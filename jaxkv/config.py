@@ -646,6 +646,12 @@ class ServerConfig:
   agent_sessions: int = 4       # Agents sessions open at once.
   max_body_bytes: int = 4 << 20  # Largest request body; a larger one is answered 413
                                  # before it is read in full.
+  api_key: str = ""             # API keys clients must send (Authorization: Bearer <key>),
+                                # comma-separated; empty: $JAXKV_API_KEY, else no auth. With
+                                # keys a session belongs to the key that opened it.
+  allowed_hosts: str = ""       # Host names a request's Host / Origin header may name,
+                                # comma-separated, * for any; empty: the loopback names when
+                                # the server binds a loopback address, any otherwise.
 
   def __post_init__(self):
     session_kinds(self.sessions)

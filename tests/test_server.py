@@ -584,6 +584,46 @@ def test_agent_sessions_hold_their_turns(base):
     assert ok.status_code == 200
 
 
+def test_api_keys_hosts_and_session_owners(base):
+  """server.api_key: every endpoint but /health needs a key; a session belongs to the
+  key that opened it (another key neither lists, uses nor deletes it). Hosts: a
+  foreign Host or Origin is 403 on a loopback server (issue 38: anyone listed and
+  deleted every session; any Host and cross-origin POST was served)."""
+  llm, cfg = fresh(base, engine=dataclasses.replace(ENGINE, prefix_cache=True),
+                   api_key="key-one, key-two")
+  k1, k2 = ({"Authorization": f"Bearer key-{n}"} for n in ("one", "two"))
+  with serving(llm, cfg) as server:
+    url = server.url
+    for path in ("/v1/models", "/metrics", "/v1/sessions"):
+      r = httpx.get(url + path)
+      assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    bad = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer key"})
+    assert bad.status_code == 401
+    assert httpx.get(url + "/health").status_code == 200
+    client = openai.OpenAI(base_url=url + "/v1", api_key="key-one", max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=2,
+                                       user="alice")
+    assert r.choices[0].message is not None
+    sid = httpx.post(url + "/v1/sessions", json={}, headers=k2).json()["id"]
+    def mine(h):
+      return {d["id"] for d in httpx.get(url + "/v1/sessions", headers=h).json()["data"]}
+    assert mine(k1) == {"alice"} and mine(k2) == {sid}
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, "session_id": sid}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=k1, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    assert httpx.delete(f"{url}/v1/sessions/{sid}", headers=k1).status_code == 404
+    r = httpx.post(url + "/v1/sessions", json={"session_id": "alice"}, headers=k2)
+    assert r.status_code == 409
+    assert httpx.post(url + "/v1/chat/completions", json=body, headers=k2,
+                      timeout=60).status_code == 200
+    assert httpx.delete(f"{url}/v1/sessions/{sid}", headers=k2).json()["deleted"]
+    for headers in ({"Host": "evil.example"}, {**k1, "Origin": "http://evil.example"}):
+      r = httpx.get(url + "/v1/models", headers={**k1, **headers})
+      assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+    ok = {**k1, "Origin": "http://localhost:3000", "Host": "localhost"}
+    assert httpx.get(url + "/v1/models", headers=ok).status_code == 200
+
+
 def test_pool_held_by_sessions_is_503_not_500(base):
   """Sessions pin the pool; a request it cannot hold now is 503 kv_pool_busy with
   Retry-After (issue 38: a 500 "KV pool too small" before) and runs once they close."""

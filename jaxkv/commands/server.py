@@ -30,6 +30,7 @@ them all and prints what each did).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -65,6 +66,7 @@ def _main(argv):
   port = cfg.server.port if _PORT.value is None else _PORT.value
   print(f"loaded {cfg.model} in {time.perf_counter() - t0:.1f}s; serving "
         f"'{cfg.server.model_name or cfg.model}' on http://{host}:{port}/v1", file=sys.stderr)
+  cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, host=host))
   make_server(create_app(llm, cfg), host=host, port=port, log_level="info",
               graceful_s=_GRACEFUL.value).run()
 

@@ -54,7 +54,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from jaxkv.config import ServeConfig
 from jaxkv.engine.engine import Request
-from jaxkv.server import protocol
+from jaxkv.server import guard, protocol
 from jaxkv.server.backends import SessionBackends
 from jaxkv.server.loop import EngineLoop, QueueFull
 from jaxkv.server.protocol import APIError
@@ -122,6 +122,16 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
   app = FastAPI(title="jaxkv", lifespan=lifespan)
   app.state.loop, app.state.backends = loop, backends
+  keys = guard.api_keys(cfg.server)
+  app.add_middleware(guard.Guard, keys=keys, hosts=guard.allowed_hosts(cfg.server))
+  owners = guard.Owners(bool(keys))
+
+  def key_of(request: HTTPRequest) -> str:
+    return getattr(request.state, "api_key", "")
+
+  def not_found(sid: str) -> APIError:
+    return APIError(404, f"no open session '{sid}'", param="session_id",
+                    code="session_not_found")
 
   max_body = cfg.server.max_body_bytes
 
@@ -173,6 +183,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     if not sessions_on and p.session is not None and p.session != p.user:
       return _error(APIError(400, "sessions keep KV in the prefix cache: start the server "
                              "with --config.engine.prefix_cache=true", param="session_id"))
+    if sessions_on and p.session is not None and not owners.claim(p.session, key_of(request)):
+      return _error(not_found(p.session))       # another key's session
     rid = protocol.new_id(kind)
     t_created = int(time.time())
     skind = (backends.kind_of(p.session, role=p.adapter >= 0)
@@ -337,6 +349,9 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
       raise APIError(400, f"'kind' must be one of {', '.join(backends.kinds)} "
                      "(server.sessions)", param="kind")
     sid = sid or f"sess-{uuid.uuid4().hex[:24]}"
+    if not owners.claim(sid, key_of(request)):
+      raise APIError(409, f"session id '{sid}' is taken", param="session_id",
+                     code="session_exists")
     try:
       got = await asyncio.wrap_future(loop.call(lambda: backends.open(sid, want)))
     except ValueError as e:
@@ -344,21 +359,24 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     return {"id": sid, "object": "session", "kind": got}
 
   @app.get("/v1/sessions")
-  async def list_sessions():
+  async def list_sessions(request: HTTPRequest):
+    """The caller's open sessions (with API keys: those of the caller's key)."""
     need_sessions()
     held = await asyncio.wrap_future(loop.call(lambda: backends.sessions))
+    owners.forget_all_but(held)
     return {"object": "list", "data": [
         {"id": k, "object": "session", "kind": kd, "held_tokens": n}
-        for k, (kd, n) in sorted(held.items())]}
+        for k, (kd, n) in sorted(held.items()) if owners.owns(k, key_of(request))]}
 
   @app.delete("/v1/sessions/{sid:path}")     # :path: an id may hold "/"
-  async def close_session(sid: str):
+  async def close_session(sid: str, request: HTTPRequest):
     """Closes a session: its hold on the cached KV is released (LRU evictable) and
     its runner forgets it (QueryMemory, MemArt memory)."""
     need_sessions()
+    if not owners.owns(sid, key_of(request)):
+      raise not_found(sid)
     if await asyncio.wrap_future(loop.call(lambda: backends.close(sid))) is None:
-      raise APIError(404, f"no open session '{sid}'", param="session_id",
-                     code="session_not_found")
+      raise not_found(sid)
     return {"id": sid, "object": "session", "deleted": True}
 
   @app.get("/health")
