@@ -45,6 +45,7 @@ from jaxkv.engine.request import Request, Result, Row
 from jaxkv.engine.request import cancelled as _cancelled
 from jaxkv.engine.request import error as _error
 from jaxkv.engine.sampling import SamplingParams
+from jaxkv.engine.session_holds import SessionHolds
 from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
@@ -57,7 +58,7 @@ _OWNER = "engine"     # the engine's name for its reservation in the KV manager
 _TREE = "prefix"      # its radix trees' name there
 
 
-class Engine(MechanismRows):
+class Engine(MechanismRows, SessionHolds):
   """Serves requests on one model over the KV manager's pool and allocator."""
 
   def __init__(self, model: nnx.Module, stop_ids: Iterable[int], cache: CacheConfig,
@@ -375,12 +376,8 @@ class Engine(MechanismRows):
       if cache and r.prefilled == r.n:
         done = np.asarray(list(r.req.prompt) + r.generated[:-1], np.int64)
         tree.insert(done, self.allocator.slot_map(r.seq)[:len(done)])
-        if r.req.session is not None:   # hold the turn's path until the next turn / close
-          self.open_session(r.req.session)
-          entry = self._sessions[r.req.session]
-          if entry[0] is not None:
-            entry[2].release_lock(entry[0])
-          entry[:] = [tree.match_prefix(done, lock=True), time.monotonic(), tree]
+        if r.req.session is not None:
+          self._hold_turn(r.req.session, tree, done)
       if r.lock is not None:
         tree.release_lock(r.lock)
     self.allocator.free_sequence(r.seq)
@@ -471,6 +468,8 @@ class Engine(MechanismRows):
           except OutOfSlotsError as e:
             if any(r is not None for r in self._rows):
               return out           # wait for a row to retire and free its slots
+            if self._release_idle_pin(req.session):
+              continue             # an idle session's turn is evictable now: try again
             others = self.allocator.num_used_pages - self.kv_manager.reclaimable(None)
             got = (_error(req, f"KV pool too small for this request: {e}", "too_large")
                    if not others else
@@ -514,38 +513,6 @@ class Engine(MechanismRows):
     for res in results:
       self.metrics.add_request(res)
     return results
-
-  # ---------------------------------------------------------------- sessions
-  # An open session keeps its latest turn (prompt + reply) locked in the prefix
-  # cache, so the next turn, whose prompt extends it, finds it there however much
-  # other traffic needed pages in between. Call from the thread that steps.
-  def open_session(self, session: str) -> None:
-    """Registers `session` (idempotent). Needs `EngineConfig.prefix_cache`."""
-    if self.radix is None:
-      raise ValueError("sessions keep KV in the prefix cache: set engine.prefix_cache=True")
-    self._sessions.setdefault(session, [None, time.monotonic(), self.radix])
-
-  def close_session(self, session: str) -> bool:
-    """Releases the session's hold (its KV stays cached, evictable); False if unknown."""
-    entry = self._sessions.pop(session, None)
-    if entry is not None and entry[0] is not None:
-      entry[2].release_lock(entry[0])
-    return entry is not None
-
-  def expire_sessions(self, idle_s: float) -> list[str]:
-    """Closes the sessions unused for more than `idle_s` seconds; returns their ids."""
-    now = time.monotonic()
-    old = [k for k, (_, used, _) in self._sessions.items() if now - used > idle_s]
-    for k in old:
-      self.close_session(k)
-    return old
-
-  @property
-  def sessions(self) -> dict[str, int]:
-    """Open sessions -> tokens their hold keeps cached (from a copy: another thread
-    may read it as a snapshot)."""
-    return {k: (lock.n_matched if lock is not None else 0)
-            for k, (lock, _, _) in self._sessions.copy().items()}
 
   def abort(self, error: str) -> list[Result]:
     """Fails every queued and running request with `error` and frees their slots:
