@@ -283,6 +283,32 @@ def test_large_bodies_are_413_and_long_prompts_do_not_stall_the_loop(served):
   assert worst < 1.0, f"/health took {worst:.2f} s while a long prompt was tokenised"
 
 
+def test_slow_bodies_and_too_many_connections(base):
+  """A body that does not arrive within server.body_timeout_s is 408; past
+  server.max_connections open connections a request is 503 (issue 38: 48 half-open
+  connections were held for 40 s, without a limit)."""
+  import socket
+  llm, cfg = fresh(base, body_timeout_s=1.0, max_connections=4)
+  with serving(llm, cfg) as server:
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    s.settimeout(30)
+    head = s.recv(4096).decode()
+    s.close()
+    assert head.startswith("HTTP/1.1 408") and "body_timeout" in head, head
+    idle = [socket.create_connection((host, int(port))) for _ in range(4)]
+    try:
+      time.sleep(0.3)
+      assert httpx.get(server.url + "/health", timeout=30).status_code == 503
+    finally:
+      for c in idle:
+        c.close()
+    time.sleep(0.3)
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
 def test_null_fields_take_their_defaults(served, reference):
   """null for n / stream / tool_choice / logit_bias is accepted, as OpenAI does."""
   r = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={

@@ -122,6 +122,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
   app = FastAPI(title="jaxkv", lifespan=lifespan)
   app.state.loop, app.state.backends = loop, backends
+  app.state.max_connections = cfg.server.max_connections
   keys = guard.api_keys(cfg.server)
   app.add_middleware(guard.Guard, keys=keys, hosts=guard.allowed_hosts(cfg.server))
   owners = guard.Owners(bool(keys))
@@ -145,10 +146,15 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     if length.isdigit() and int(length) > max_body:
       raise too_big
     raw = bytearray()
-    async for part in request.stream():
-      raw += part
-      if len(raw) > max_body:
-        raise too_big
+    try:
+      async with asyncio.timeout(cfg.server.body_timeout_s):
+        async for part in request.stream():
+          raw += part
+          if len(raw) > max_body:
+            raise too_big
+    except TimeoutError:
+      raise APIError(408, f"the request body did not arrive within server.body_timeout_s="
+                     f"{cfg.server.body_timeout_s:g} s", code="body_timeout") from None
     if empty is not None and not raw.strip():
       return empty
     return protocol.load_body(bytes(raw))
@@ -394,11 +400,13 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
 
 def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
-                graceful_s: float = 5.0, log_level: str = "warning", flush_s: float = 10.0):
+                graceful_s: float = 5.0, log_level: str = "warning", flush_s: float = 10.0,
+                max_connections: int | None = None):
   """A `uvicorn.Server` for `app` whose shutdown answers every request: new ones get
   503 `shutting_down` at once, running ones get `graceful_s` seconds to finish, and
   what is left is cancelled and answered 503 JSON (a stream: an error chunk, then
-  `[DONE]`) within `flush_s` before the connections close."""
+  `[DONE]`) within `flush_s` before the connections close. Past `max_connections`
+  open connections (default the app's server.max_connections) uvicorn answers 503."""
   import uvicorn
 
   engine_loop = app.state.loop
@@ -413,8 +421,9 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
         log.warning("shutdown: cancelled the requests still running after %.1f s", graceful_s)
       await super().shutdown(sockets)
 
-  return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=flush_s))
+  return Server(uvicorn.Config(
+      app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=flush_s,
+      limit_concurrency=max_connections or app.state.max_connections))
 
 
 @contextlib.contextmanager
