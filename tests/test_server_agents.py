@@ -16,6 +16,8 @@ import math
 import pathlib
 import re
 import runpy
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -265,3 +267,48 @@ def test_agents_session_shares_one_trajectory_across_roles(served):
   assert sid not in served.app_backends.agents
   assert kv.allocator.num_live_slots <= held - 512        # its slots went back to the pool
   kv.check()
+
+
+@pytest.mark.slow
+def test_a_session_turn_batches_and_is_cancelled_when_its_client_leaves(served):
+  """Issue 38, defect 1: a long pruned-session turn no longer holds the server (a short
+  plain chat is answered while it streams, in the same batch engine), and when its
+  client leaves mid-stream the turn is cancelled and its row's slots go back."""
+  url, alloc = served.url, served.llm.engine.allocator
+  cancelled0 = metric(url, "jaxkv_requests_finished_total", finish_reason="cancelled")
+  live0 = alloc.num_live_slots
+  msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DETAILS},
+          {"role": "assistant", "content": "Noted."},
+          {"role": "user", "content": "Tell me a long story about this trip."}]
+  state = {"chunks": 0, "plain_done_while_streaming": False}
+  started, plain_done = threading.Event(), threading.Event()
+
+  def long_turn():
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 400, "stream": True,
+            "user": "leaver"}
+    with httpx.Client(timeout=120) as http, http.stream(
+        "POST", url + "/v1/chat/completions", json=body) as resp:
+      for line in resp.iter_lines():
+        if line.startswith("data: ") and '"content": "' in line:
+          state["chunks"] += 1
+          started.set()
+          if plain_done.wait(0) and state["chunks"] >= 3:
+            state["plain_done_while_streaming"] = True
+            break                                   # the client leaves mid-stream
+  t = threading.Thread(target=long_turn)
+  t.start()
+  assert started.wait(120)
+  r = served.client.chat.completions.create(model=MODEL, max_tokens=4,
+                                            messages=[{"role": "user", "content": "Hi!"}])
+  assert r.choices[0].message.content is not None
+  plain_done.set()
+  t.join(120)
+  assert state["plain_done_while_streaming"], state
+  deadline = time.time() + 120
+  while (metric(url, "jaxkv_requests_finished_total", finish_reason="cancelled")
+         < cancelled0 + 1 or served.llm.engine.busy):
+    assert time.time() < deadline, "the left turn was not cancelled"
+    time.sleep(0.5)
+  alloc.check()                                 # no row left: every slot accounted for
+  assert served.llm.engine.allocator.num_live_slots < live0 + 400, (live0, alloc.num_live_slots)
+  assert httpx.delete(url + "/v1/sessions/leaver").status_code in (200, 404)
