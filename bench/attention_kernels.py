@@ -222,14 +222,6 @@ def planned(a, make=pa.make_plan, **plan_kw):
   return {**a, "plan": plan}
 
 
-def planned_pages(a, **plan_kw):
-  """a + the Mosaic kernel's page plan, built once (untimed), as `planned`."""
-  plan = jax.jit(functools.partial(
-      pm.make_page_plan, num_heads=a["q"].shape[2], num_kv_heads=a["k_pool"].shape[-2],
-      num_slots=a["k_pool"].shape[-3], **plan_kw))(a["slot_map"], a["q_positions"])
-  return {**a, "plan": plan}
-
-
 def mosaic_call(a, layer, **kw):
   """The Mosaic GPU kernel on layer `layer` (its plan from `a` when planned)."""
   return pm.paged_attention(*(a[k] for k in KEYS), layer=layer, plan=a.get("plan"), **kw)
@@ -263,7 +255,9 @@ def decode_impls(kernels: bool, knobs: dict, mosaic_knobs: dict | None = None):
     interp = {"interpret": True} if knobs.get("interpret") else {}
     impls[2:2] = [("jaxkv_mosaic", same,
                    functools.partial(mosaic_call, **mosaic_knobs, **interp), False),
-                  ("jaxkv_mosaic_planned", functools.partial(planned_pages, **mosaic_knobs),
+                  ("jaxkv_mosaic_planned", lambda a: planned(
+                      a, make=pm.make_page_plan, num_slots=a["k_pool"].shape[-3],
+                      **mosaic_knobs),
                    functools.partial(mosaic_call, **interp), False)]
   return impls
 

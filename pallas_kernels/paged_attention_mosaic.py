@@ -107,7 +107,7 @@ def choose_page_tiling(rows: int, t: int, *, programs: int = 1, pages_per_step=N
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=(
-    "starts", "positions", "row_pos", "bounds", "paged", "fallback"), meta_fields=("tiling",))
+    "starts", "positions", "row_pos", "bounds", "paged"), meta_fields=("tiling",))
 @dataclasses.dataclass(frozen=True)
 class PagePlan:
   """What the Mosaic kernel walks, from the slot map alone (`make_page_plan`);
@@ -119,7 +119,6 @@ class PagePlan:
   bounds: jax.Array      # [B, row blocks, k_splits, 3] step range [lo, hi) per program
                          # and the row block's count of visible listed pages
   paged: jax.Array       # [] bool: every page is paged (else the fallback runs)
-  fallback: pa.Plan | None   # the Triton kernel's plan for the same call (None: reference)
 
 
 def page_table(slot_map: jax.Array, num_slots: int):
@@ -145,11 +144,12 @@ def page_table(slot_map: jax.Array, num_slots: int):
 
 def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
                    num_kv_heads: int, num_slots: int, pages_per_step=None, k_splits=None,
-                   stages=None, fallback: bool = True) -> PagePlan:
+                   stages=None) -> PagePlan:
   """The page list, key positions and per-program step ranges for queries of
   `num_heads` heads at q_positions [B, Tq] over slot_map [B, T], on a pool of
-  `num_slots` slots per layer. `fallback`: also build the Triton kernel's plan
-  (what runs when a page is not paged). Pure jnp: call it inside the caller's jit."""
+  `num_slots` slots per layer. Pure jnp: call it inside the caller's jit. (The
+  Triton fallback builds its own plan inside its `lax.cond` branch, so the common,
+  paged call never compacts the slot map for it.)"""
   if num_heads % num_kv_heads:
     raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
   b, tq = q_positions.shape
@@ -172,15 +172,13 @@ def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: in
   positions = jnp.where(tok_live, tok, POS_PAD).reshape(b, n_pages * PAGE)
   row_pos = pa.fold_positions(q_positions, g, rows_p)
   last = row_pos.reshape(b, -1, BLOCK_R).max(-1)                         # [B, RB]
-  first_pos = jnp.where(tok_live, tok, POS_PAD).min(-1)                  # [B, n_pages]
+  first_pos = positions.reshape(b, n_pages, PAGE).min(-1)                # [B, n_pages]
   n_vis = ((first_pos[:, None, :] <= last[:, :, None]) & real[:, None, :]).sum(-1)
   steps = -(-n_vis // pps)                                               # [B, RB]
   edges = jnp.arange(k_splits + 1)[None, None, :] * steps[..., None] // k_splits
   visible = jnp.broadcast_to(n_vis[..., None], edges[..., 1:].shape)
   bounds = jnp.stack([edges[..., :-1], edges[..., 1:], visible], axis=-1).astype(jnp.int32)
-  fb = pa.make_plan(slot_map, q_positions, num_heads=num_heads,
-                    num_kv_heads=num_kv_heads) if fallback else None
-  return PagePlan(tiling, starts.astype(jnp.int32), positions, row_pos, bounds, paged, fb)
+  return PagePlan(tiling, starts.astype(jnp.int32), positions, row_pos, bounds, paged)
 
 
 def supported(q, k_pool, v_pool, key_shift=None) -> str | None:
@@ -373,10 +371,20 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
   if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
     raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
   num_slots = k_pool.shape[-3]
+
+  def other():
+    if fallback == "reference":
+      return pa.paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,
+                                          layer=layer, scale=scale)
+    return pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
+                              scale=scale, interpret=interpret)
+
+  if supported(q, k_pool, v_pool) is not None:
+    return other()
   if plan is None:
     plan = make_page_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv,
                           num_slots=num_slots, pages_per_step=pages_per_step,
-                          k_splits=k_splits, stages=stages, fallback=fallback == "triton")
+                          k_splits=k_splits, stages=stages)
   elif (pages_per_step, k_splits, stages) != (None, None, None):
     raise ValueError("pass tiling knobs to make_page_plan, not beside a plan")
   tiling = plan.tiling
@@ -386,22 +394,13 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
                      f"not made for q {q.shape} with {hkv} KV heads over a slot map "
                      f"{slot_map.shape}")
 
-  def other():
-    if fallback == "reference" or plan.fallback is None:
-      return pa.paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,
-                                          layer=layer, scale=scale)
-    return pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
-                              scale=scale, plan=plan.fallback, interpret=interpret)
-
-  if supported(q, k_pool, v_pool) is not None:
-    return other()
-  scale = d ** -0.5 if scale is None else scale
+  softmax_scale = d ** -0.5 if scale is None else scale
 
   def mosaic():
     out_dtype = q.dtype if tiling.k_splits == 1 else jnp.float32
     o, m, l = _mosaic_call(pa.fold_rows(q, hkv, tiling.rows_p), plan.row_pos, plan.starts,
                            plan.positions, plan.bounds, offset, k_flat, v_flat, tiling=tiling,
-                           scale=scale, out_dtype=out_dtype, interpret=interpret)
+                           scale=softmax_scale, out_dtype=out_dtype, interpret=interpret)
     return pa.unfold_rows(pa.merge_splits(o, m, l), tq, hq).astype(q.dtype)
 
   return lax.cond(plan.paged, mosaic, other)
