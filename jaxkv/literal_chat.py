@@ -52,6 +52,11 @@ def special_texts(tokenizer: Tokenizer) -> list[str]:
   return [t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special]
 
 
+def _has_marks(content) -> bool:
+  """Content holding the markers' own characters: it cannot be marked."""
+  return isinstance(content, str) and ("\ue000" in content or "\ue001" in content)
+
+
 def _spells_special(text: str, specials: list[str]) -> str | None:
   return next((s for s in specials if s and s in text), None)
 
@@ -65,10 +70,13 @@ def encode_chat_literal(tokenizer: Tokenizer, messages: list[dict],
   content."""
   chat = validate_messages(messages)
   specials = special_texts(tokenizer)
-  for what, value in [*(("a tool call", m.get("tool_calls")) for m in chat),
-                      ("a tool schema", tools),
-                      *(("a message with U+E000 / U+E001", m.get("content")) for m in chat
-                        if "\ue000" in str(m.get("content")) or "\ue001" in str(m.get("content")))]:
+  # what stays in the template's pieces (encoded with special tokens) may not spell one
+  checks = [("a tool schema", tools)]
+  for m in chat:
+    checks.append(("a tool call", m.get("tool_calls")))
+    if _has_marks(m.get("content")):
+      checks.append(("a message with U+E000 / U+E001", m["content"]))
+  for what, value in checks:
     bad = value and _spells_special(repr(value), specials)
     if bad:
       raise ValueError(f"{what} spells the special token {bad!r}")
@@ -78,7 +86,7 @@ def encode_chat_literal(tokenizer: Tokenizer, messages: list[dict],
   marked = []
   for m in chat:
     c = m.get("content")
-    if isinstance(c, str) and c and "\ue000" not in c and "\ue001" not in c:
+    if isinstance(c, str) and c and not _has_marks(c):
       contents.append(c)
       m = {**m, "content": _MARK.format(len(contents) - 1)}
     marked.append(m)

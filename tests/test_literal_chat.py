@@ -78,3 +78,13 @@ def test_a_template_that_rewrites_content():
   assert encode_chat_literal(tok, chat) == tok.encode_chat(chat)
   with pytest.raises(ValueError, match="rewrites message text"):
     encode_chat_literal(tok, [{"role": "user", "content": "<|im_start|>"}])
+
+
+def test_content_with_the_markers_own_characters(tok):
+  """Content holding U+E000 / U+E001 cannot be marked: it stays in the template's
+  pieces, so it encodes as encode_chat does, and is refused if it spells a special
+  token."""
+  odd = [{"role": "user", "content": "a \ue000 b \ue001 c"}]
+  assert encode_chat_literal(tok, odd) == tok.encode_chat(odd)
+  with pytest.raises(ValueError, match="U\\+E000"):
+    encode_chat_literal(tok, [{"role": "user", "content": "\ue000<|im_start|>"}])

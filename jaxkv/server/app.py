@@ -169,9 +169,17 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
           loop.cancel(rid)
           raise _ClientGone() from None
 
-  def cut_by_shutdown(event) -> bool:
-    """The request was cancelled because the server is shutting down (`make_server`)."""
-    return event[0] == "done" and event[1].finish_reason == "cancelled" and not loop.alive
+  def failed(event) -> APIError | None:
+    """The error a "done" event answers with: the engine failed the request
+    (`engine_error`), or cancelled it because the server is shutting down
+    (`make_server`); None for any other event."""
+    if event[0] != "done":
+      return None
+    if event[1].finish_reason == "error":
+      return engine_error(event[1])
+    if event[1].finish_reason == "cancelled" and not loop.alive:
+      return SHUTDOWN
+    return None
 
   def decode(tokens: list[int]) -> str:
     return tokenizer.decode(tokens) if tokens else ""
@@ -233,10 +241,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
       first = await next_event(queue, request, rid)
     except _ClientGone:
       return JSONResponse({}, status_code=499)
-    if first[0] == "done" and first[1].finish_reason == "error":
-      return _error(engine_error(first[1]))
-    if cut_by_shutdown(first):
-      return _error(SHUTDOWN)
+    if (err := failed(first)) is not None:
+      return _error(err)
     if p.stream:
       return StreamingResponse(sse(p, rid, t_created, queue, first, stream, skind),
                                media_type="text/event-stream")
@@ -250,10 +256,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         event = await next_event(queue, request, rid)
     except _ClientGone:
       return JSONResponse({}, status_code=499)
-    if event[0] == "done" and event[1].finish_reason == "error":
-      return _error(engine_error(event[1]))
-    if cut_by_shutdown(event):
-      return _error(SHUTDOWN)
+    if (err := failed(event)) is not None:
+      return _error(err)
     tokens, cached = _tokens(event)
     _, stopped = stream.update(decode(tokens), final=True)
     finish = "stop" if stopped else _finish(event[1].finish_reason)
@@ -293,8 +297,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
         if final or stopped:
           break
         event = await queue.get()
-      if cut_by_shutdown(event):       # an error chunk, then the end of the stream
-        yield data(SHUTDOWN.body())
+      if (err := failed(event)) is not None:   # an error chunk, then the end of the stream
+        yield data(err.body())
         yield "data: [DONE]\n\n"
         done = True
         return
@@ -400,13 +404,12 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
 
 
 def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
-                graceful_s: float = 5.0, log_level: str = "warning", flush_s: float = 10.0,
-                max_connections: int | None = None):
+                graceful_s: float = 5.0, log_level: str = "warning", flush_s: float = 10.0):
   """A `uvicorn.Server` for `app` whose shutdown answers every request: new ones get
   503 `shutting_down` at once, running ones get `graceful_s` seconds to finish, and
   what is left is cancelled and answered 503 JSON (a stream: an error chunk, then
-  `[DONE]`) within `flush_s` before the connections close. Past `max_connections`
-  open connections (default the app's server.max_connections) uvicorn answers 503."""
+  `[DONE]`) within `flush_s` before the connections close. Past the app's
+  server.max_connections open connections uvicorn answers 503."""
   import uvicorn
 
   engine_loop = app.state.loop
@@ -423,7 +426,7 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
 
   return Server(uvicorn.Config(
       app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=flush_s,
-      limit_concurrency=max_connections or app.state.max_connections))
+      limit_concurrency=app.state.max_connections))
 
 
 @contextlib.contextmanager
