@@ -123,7 +123,8 @@ def flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positi
   [B, r, Hkv, D] each sequence's B_i. See pallas_kernels/flash_lora_attention.py.
   plan: `attention_plan(..., lora=True)`, as for `paged_attention`.
   """
-  impl = "pallas" if resolve_impl(impl) == "mosaic" else resolve_impl(impl)
+  impl = resolve_impl(impl)
+  impl = "pallas" if impl == "mosaic" else impl      # no Mosaic Flash-LoRA yet
   with jax.named_scope(f"flash_lora_attention_{impl}"):
     if impl == "reference":
       return flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map,
