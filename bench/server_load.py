@@ -11,7 +11,9 @@ server's `server.sessions` is set to that kind alone), so the level measures how
 that mechanism's requests batch; e.g. `--kind=pruned --config.pruning.method=intentkv
 --config.pruning.budget=64` prunes every request. A list (`--kind=pruned,reuse,semshare`)
 measures each kind in turn on its own server (the weights loaded once); `-` in the
-list is the plain engine (no session).
+list is the plain engine (no session). `--kind=agents` sends every request to the
+plan role adapter (`<model>:plan`) in a session of its own (the config's role
+adapters and `server.agent_scheme`).
 
 For each `--prefix_cache` setting (`engine.prefix_cache` off / on), starts the
 server in this process on a free loopback port (`--url` points at a running one
@@ -281,14 +283,21 @@ def run_levels(base, cfg, prefix_cache: bool, levels: list[int], rows: list[dict
   texts, system = prompts(), system_prompt(FLAGS.system_chars)
   model = cfg.server.model_name or cfg.model
   # the server serves this kind alone (plain requests: "prefix", the engine's own)
-  cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server,
-                                                            sessions=kind or "prefix"))
+  # (agents: every request on the plan role, one session each, so as many sessions as
+  # requests may be open)
+  cfg = dataclasses.replace(cfg, server=dataclasses.replace(
+      cfg.server, sessions=kind or "prefix", agent_sessions=max(cfg.server.agent_sessions,
+                                                                1 << 20)))
+  if kind == "agents":
+    model += ":plan"
   if FLAGS.url:
     target, device = contextlib.nullcontext(None), "remote server"
   else:
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine,
                                                               prefix_cache=prefix_cache))
-    llm = jaxkv.LLM(base.model, base.tokenizer, cfg.cache, cfg.engine)
+    llm = jaxkv.LLM(base.model, base.tokenizer, cfg.cache, cfg.engine,
+                    lora=base.lora, adapters=base.adapters)
+    llm.kv_lr_rank = base.kv_lr_rank if kind == "agents" else 0
     target = serve_in_thread(create_app(llm, cfg))
     dev = jax.devices()[0]
     device = f"{dev.device_kind} ({dev.platform}), max_batch {cfg.engine.max_batch}, {cfg.model}"

@@ -23,10 +23,10 @@ One server, one model, one config:
   - "prefix": the batch engine, the session's latest turn locked in its cache.
 Each request's `usage["jaxkv"]` says what its mechanism did; `/metrics` sums it.
 Every kind runs on one KV pool (`cache`: 2,048 pages of 16 slots, ~1.5 GB for SmolLM2
-in float32, with the role adapters' low-rank value cache): the batch engine (which
-runs the pruned, memart, reuse and semshare sessions' requests as mechanisms, batched
-with every other request) and the agents sessions allocate from it, and each open
-agents session holds `server.agent_max_tokens` (2,048) of its slots.
+in float32, with the role adapters' low-rank value cache): the batch engine runs
+every kind's requests as mechanisms, batched with every other request, and an agents
+session's trajectory (at most `server.agent_max_tokens`, 2,048 tokens) stays in the
+pool while the session is idle until the pool needs the room.
 """
 
 from jaxkv.config import (

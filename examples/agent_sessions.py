@@ -8,7 +8,10 @@ session where the plan and action roles extend one trajectory (the action role
 reads the KV the plan role computed), an executor session whose growing history
 (tool schemas, tool results) is pruned by IntentKV, a memory session that
 answers from MemArt blocks, and a second executor whose prompt repeats the first
-one's tool schemas in another order (segment reuse).
+one's tool schemas in another order (segment reuse). Then a composed session
+(`{"kind": ["agents", "pruned"]}`): the plan, action and reflect roles extend one
+trajectory whose history IntentKV prunes, each role reading the pruned KV the
+others computed.
 Prints what `usage["jaxkv"]` says each mechanism did, then the server's
 mechanism counters from /metrics.
 """
@@ -71,6 +74,12 @@ def main() -> None:
     reply = ask(f"executor turn {turn + 1} (pruned)", chat, session="executor", kind=(
         "pruned" if turn == 0 else None))
     chat += [{"role": "assistant", "content": reply},
+             {"role": "user", "content": "Tool result: " + json.dumps(ORDER)}]
+  crew = chat[:2]          # composed: three roles share one trajectory that IntentKV prunes
+  for turn, role in enumerate(("plan", "action", "reflect")):
+    said = ask(f"{role} role (agents+pruned)", crew, model=f"{args.model}:{role}",
+               session="crew", kind=["agents", "pruned"] if turn == 0 else None)
+    crew += [{"role": "assistant", "content": said},
              {"role": "user", "content": "Tool result: " + json.dumps(ORDER)}]
   notes = [{"role": "user", "content": f"Plan: {plan}"}, {"role": "assistant", "content": "Ok."},
            {"role": "user", "content": "Order #W2378156 was bought with credit_card_4421."},

@@ -208,9 +208,12 @@ def load_config(cls: type, cd) -> object:
     fail(str(e))
 
 
-def load_llm(cfg):
+def load_llm(cfg, agents: bool | None = None):
   """`jaxkv.load` for a ServeConfig (on its mesh); a missing or unreadable model,
-  or a mesh the devices do not allow, is a one-line error (exit 2)."""
+  or a mesh the devices do not allow, is a one-line error (exit 2). `agents`: whether
+  LRAgent agents sessions run (None: when `server.sessions` names them); under a
+  decoupled `server.agent_scheme` the pool then keeps the low-rank value cache and
+  the engine runs every adapter row decoupled."""
   import jaxkv
   mesh = None
   try:
@@ -240,8 +243,9 @@ def load_llm(cfg):
     llm.adapters = agents.ROLES
     from jaxkv.config import session_kinds
     from jaxkv.policies.sharing import lragent
-    if ("agents" in session_kinds(cfg.server.sessions)
-        and cfg.server.agent_scheme in lragent.DECOUPLED):
+    if agents is None:
+      agents = "agents" in session_kinds(cfg.server.sessions)
+    if agents and cfg.server.agent_scheme in lragent.DECOUPLED:
       llm.kv_lr_rank = llm.lora.rank   # the one pool keeps the low-rank value cache too
   return llm
 

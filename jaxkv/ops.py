@@ -116,13 +116,23 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
 
 
 def flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positions, *,
-                         layer=None, scale=None, impl: str = "auto", plan=None):
+                         layer=None, scale=None, impl: str = "auto", plan=None,
+                         key_shift=None, shift_freq=None):
   """Paged attention with a low-rank value term: V = V_base + V_lr B_i (LRAgent).
 
   vlr_pool [S, r] (or [L, S, r]) is the shared rank-r value cache; lora_b
   [B, r, Hkv, D] each sequence's B_i. See pallas_kernels/flash_lora_attention.py.
   plan: `attention_plan(..., lora=True)`, as for `paged_attention`.
+  key_shift / shift_freq: keys rotated on read, as for `paged_attention` (a MemArt
+  row in a batch with decoupled adapter rows); the reference path runs it.
   """
+  if key_shift is not None:
+    if shift_freq is None:
+      raise ValueError("key_shift needs shift_freq (jaxkv.rope.delta_frequencies)")
+    with jax.named_scope("flash_lora_attention_shifted"):
+      k = apply_rope(_pa.gather_kv(k_pool, slot_map, layer), key_shift, shift_freq, 1.0)
+      v = _fla.materialise_v(v_pool, vlr_pool, lora_b, slot_map, layer)
+      return _pa.attend_reference(q, k, v, slot_map, q_positions, scale)
   impl = resolve_impl(impl)
   impl = "pallas" if impl == "mosaic" else impl      # no Mosaic Flash-LoRA yet
   with jax.named_scope(f"flash_lora_attention_{impl}"):

@@ -200,6 +200,14 @@ def shard_weights(weights: Any, mesh: Mesh, model_cfg) -> Any:
   return jax.device_put(host, param_shardings(weights, mesh, model_cfg))
 
 
+def replicate(tree: Any, mesh: Mesh) -> Any:
+  """Every array of `tree` whole on every device of the mesh (LoRA adapter stacks:
+  small, and each row picks its own adapter's B). Host copies first, as
+  `shard_weights`."""
+  host = jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
+  return jax.device_put(host, NamedSharding(mesh, P()))
+
+
 def init_pool(model_cfg, cache_cfg, mesh: Mesh, lr_rank: int = 0):
   """`jaxkv.kv.state.init_pool` built in place on the mesh (no single-device copy)."""
   make = functools.partial(kv_state.init_pool, model_cfg, cache_cfg, lr_rank=lr_rank)

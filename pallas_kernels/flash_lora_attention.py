@@ -49,13 +49,18 @@ from pallas_kernels import paged_attention as pa
 DEFAULT_BLOCK_K = 32
 
 
-def flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positions,
-                                   *, layer=None, scale=None):
-  """Materialise V = V_base + V_lr B_i per sequence, then masked paged attention."""
+def materialise_v(v_pool, vlr_pool, lora_b, slot_map, layer=None):
+  """V = V_base + V_lr B_i of each sequence's slots: [B, T, Hkv, D] in the pool's dtype."""
   v_lr = pa.gather_kv(vlr_pool, slot_map, layer)                       # [B, T, r]
   delta = jnp.einsum("btr,brhd->bthd", v_lr.astype(jnp.float32), lora_b.astype(jnp.float32),
                      precision=lax.Precision.HIGHEST)
-  v = (pa.gather_kv(v_pool, slot_map, layer).astype(jnp.float32) + delta).astype(v_pool.dtype)
+  return (pa.gather_kv(v_pool, slot_map, layer).astype(jnp.float32) + delta).astype(v_pool.dtype)
+
+
+def flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positions,
+                                   *, layer=None, scale=None):
+  """Materialise V = V_base + V_lr B_i per sequence, then masked paged attention."""
+  v = materialise_v(v_pool, vlr_pool, lora_b, slot_map, layer)
   return pa.attend_reference(q, pa.gather_kv(k_pool, slot_map, layer), v, slot_map,
                              q_positions, scale)
 

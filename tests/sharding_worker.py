@@ -89,9 +89,10 @@ def logits(model, prompts, mesh):
 
 
 def mechanisms(meshes) -> None:
-  """--mode=mechanisms: a plain request and a pruned, a reuse, a SemShareKV and a MemArt
-  request in one batch (tests/test_mechanisms_mixed.py's) on each mesh, against one
-  device: tokens and what each mechanism did."""
+  """--mode=mechanisms: a plain request and a pruned, a reuse, a SemShareKV, a MemArt and
+  an agents request (a role adapter, replicated on the mesh) in one batch
+  (tests/test_mechanisms_mixed.py's) on each mesh, against one device: tokens and what
+  each mechanism did."""
   import hf_util
   import test_mechanisms_mixed as mixed
   llm = hf_util.random_llm_with_real_tokenizer()
@@ -100,6 +101,7 @@ def mechanisms(meshes) -> None:
     eng = mixed._engine(llm, mesh=mesh, max_batch=8)
     got = {r.id: r for r in eng.run(mixed._requests(llm, eng))}
     eng.kv_manager.check()
+    eng.mechanisms["agents"].close("team")     # the session's trajectory: its state
     return ({k: r.tokens for k, r in got.items()}, {k: r.extra for k, r in got.items()},
             {k: r.finish_reason for k, r in got.items()}, eng)
 

@@ -274,6 +274,14 @@ def test_a_line_names_its_kv_mechanism():
   assert batch.parse_line(json.dumps({"id": "x", "prompt": "p"}), 2, defaults).kind is None
   with pytest.raises(batch.RequestError, match="'kind' must be one of pruned, memart"):
     batch.parse_line(json.dumps({"id": "b", "prompt": "p", "kind": "prefix"}), 3, defaults)
+  a = batch.parse_line(json.dumps({"id": "a", "prompt": "p", "kind": "agents", "role": "plan",
+                                   "user": "t"}), 4, defaults)
+  assert (a.kind, a.role, a.user) == ("agents", "plan", "t")
+  for bad, why in (({"kind": "agents"}, "names its role adapter"),
+                   ({"role": "plan"}, "give \"kind\": \"agents\""),
+                   ({"kind": "agents", "role": 3}, "'role' must be")):
+    with pytest.raises(batch.RequestError, match=why):
+      batch.parse_line(json.dumps({"id": "r", "prompt": "p", **bad}), 5, defaults)
 
 
 def test_missing_traces_name_the_command_that_makes_them(tmp_path):

@@ -344,9 +344,10 @@ def test_serve_memart_mode_keeps_session_history_in_memory(tmp_path):
 @pytest.mark.slow
 def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
   """One JSONL names a KV mechanism per line ("kind", the server's session kinds):
-  plain, reuse, SemShareKV, MemArt and pruned requests run in one batch engine
-  (configs/smollm2_agents.py), each record saying its kind and what its mechanism
-  did; an unknown kind is that line's error."""
+  plain, reuse, SemShareKV, MemArt, pruned and agents (role adapter) requests run in
+  one batch engine (configs/smollm2_agents.py), each record saying its kind and what
+  its mechanism did; an unknown kind, an unknown role and a role outside an agents
+  line are that line's error."""
   reuse = [json.loads(x) for x in (ROOT / "examples/reuse_requests.jsonl").read_text()
            .splitlines()[:2]]
   sem = [json.loads(x) for x in (ROOT / "examples/semshare_requests.jsonl").read_text()
@@ -358,7 +359,10 @@ def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
            *({**r, "kind": "reuse"} for r in reuse), *({**r, "kind": "semshare"} for r in sem),
            {"id": "mem", "kind": "memart", "user": "m", "messages": chat},
            {"id": "prn", "kind": "pruned", "user": "p", "messages": chat},
-           {"id": "bad", "kind": "bogus", "prompt": "Hi"}]
+           {"id": "ag", "kind": "agents", "role": "plan", "user": "t", "messages": chat},
+           {"id": "bad", "kind": "bogus", "prompt": "Hi"},
+           {"id": "boss", "kind": "agents", "role": "boss", "user": "t", "prompt": "Hi"},
+           {"id": "norole", "role": "plan", "prompt": "Hi"}]
   inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
   inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
   proc = _run([sys.executable, str(ROOT / "scripts/serve.py"),
@@ -372,5 +376,10 @@ def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
   assert recs["s1"]["kind"] == "semshare" and recs["s1"]["reused"]
   assert recs["mem"]["session"] == "m" and recs["mem"]["blocks_written"] > 0
   assert recs["prn"]["kind"] == "pruned" and "kv_live_after" in recs["prn"]
+  assert recs["ag"]["role"] == "plan" and recs["ag"]["session"] == "t"
+  assert recs["ag"]["computed_tokens"] == recs["ag"]["prompt_tokens"]     # a new session
+  assert recs["ag"]["kv_bytes"] < recs["ag"]["kv_bytes_non_shared"]
   assert "'kind' must be one of" in recs["bad"]["error"]
-  assert sum(r["finish_reason"] == "error" for r in recs.values()) == 1
+  assert "not one of the role adapters" in recs["boss"]["error"]
+  assert "give \"kind\": \"agents\"" in recs["norole"]["error"]
+  assert sum(r["finish_reason"] == "error" for r in recs.values()) == 3

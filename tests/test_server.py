@@ -402,29 +402,6 @@ def test_queue_full_gets_429_and_the_rest_complete(base):
     assert metric(server.url, "jaxkv_requests_rejected_total") == got.count(429)
 
 
-def test_counted_calls_share_max_pending_with_requests(base):
-  """EngineLoop.call(counted=True) (a session runner's turn) counts toward
-  max_pending like a submitted request: past it QueueFull (429 in the app), and the
-  count drops once the call ran, also when it raised."""
-  from jaxkv.server.loop import EngineLoop, QueueFull
-  llm, _ = fresh(base)
-  loop = EngineLoop(llm.engine, max_pending=2)
-  calls = [loop.call(lambda: 1, counted=True), loop.call(lambda: 1 / 0, counted=True)]
-  assert loop.pending == 2
-  with pytest.raises(QueueFull, match="max_pending=2"):
-    loop.call(lambda: 3, counted=True)
-  assert loop.stats.rejected_full == 1
-  admin = loop.call(lambda: 4)                           # uncounted (session admin): always
-  loop.start()
-  try:
-    assert calls[0].result(60) == 1 and admin.result(60) == 4
-    with pytest.raises(ZeroDivisionError):
-      calls[1].result(60)
-    assert loop.pending == 0
-  finally:
-    loop.stop()
-
-
 def test_failing_step_is_isolated(base, monkeypatch):
   """Fault injection: the engine's decode raises once. That request gets a 500 with
   an error body, its slots are freed, and the next request is served."""

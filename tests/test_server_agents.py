@@ -255,17 +255,28 @@ def test_agents_session_shares_one_trajectory_across_roles(served):
   assert u2["computed_tokens"] + u2["shared_tokens"] == r2.usage.prompt_tokens
   assert metric(url, "jaxkv_agents_shared_tokens_total") == u2["shared_tokens"]
   kv = served.app_backends.kv
-  assert served.app_backends.agents[sid].kv is kv          # its trajectory is in the one pool
-  held = kv.allocator.num_live_slots
+  assert served.app_backends.agents.kv is kv               # its trajectory is in the one pool
   listed = {d["id"]: d for d in httpx.get(url + "/v1/sessions").json()["data"]}
   assert listed[sid]["kind"] == "agents"
   assert listed[sid]["held_tokens"] == u2["trajectory_tokens"]
   base = httpx.post(url + "/v1/chat/completions", json={
       "model": MODEL, "messages": msgs, "session_id": sid})
   assert base.status_code == 400 and "role model name" in base.json()["error"]["message"]
+  # a role's turn samples and streams token by token like any engine request
+  msgs += [{"role": "assistant", "content": r2.choices[0].message.content},
+           {"role": "user", "content": "And the second step?"}]
+  chunks = list(client.chat.completions.create(
+      model=f"{MODEL}:reflect", messages=msgs, max_tokens=12, temperature=0.8, seed=3,
+      stream=True, stream_options={"include_usage": True}, extra_body={"session_id": sid}))
+  texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+  assert len(texts) >= 2                                    # more than one piece
+  u3 = chunks[-1].usage.model_extra["jaxkv"]
+  assert u3["role"] == "reflect" and u3["shared_tokens"] >= u2["trajectory_tokens"]
+  held = kv.allocator.num_live_slots
   assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
-  assert sid not in served.app_backends.agents
-  assert kv.allocator.num_live_slots <= held - 512        # its slots went back to the pool
+  assert sid not in served.app_backends.agents.sessions
+  # its trajectory's slots went back to the pool
+  assert held - kv.allocator.num_live_slots == u3["trajectory_tokens"]
   kv.check()
 
 
@@ -312,3 +323,41 @@ def test_a_session_turn_batches_and_is_cancelled_when_its_client_leaves(served):
   alloc.check()                                 # no row left: every slot accounted for
   assert served.llm.engine.allocator.num_live_slots < live0 + 400, (live0, alloc.num_live_slots)
   assert httpx.delete(url + "/v1/sessions/leaver").status_code in (200, 404)
+
+
+@pytest.mark.slow
+def test_a_composed_session_prunes_the_trajectory_its_roles_share(served):
+  """Issue 38, composition: a session of ["agents", "pruned"] through the openai client:
+  the roles extend one trajectory (the second reads the first's KV), IntentKV prunes it
+  past the budget (48 here), usage names both mechanisms' effects; kinds that do not
+  combine are a 400 saying why."""
+  url, client = served.url, served.client
+  opened = httpx.post(url + "/v1/sessions", json={"kind": ["pruned", "agents"]}).json()
+  sid = opened["id"]
+  assert opened["kind"] == "agents+pruned"
+  chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DETAILS}]
+  got = []
+  for role in ("plan", "action"):
+    r = client.chat.completions.create(model=f"{MODEL}:{role}", messages=chat, max_tokens=8,
+                                       extra_body={"session_id": sid})
+    got.append(usage(r))
+    chat += [{"role": "assistant", "content": r.choices[0].message.content},
+             {"role": "user", "content": TURNS[0]}]
+  u1, u2 = got
+  assert u1["session_kind"] == "agents+pruned" and u1["mechanisms"] == ["agents", "pruned"]
+  assert u1["role"] == "plan" and u2["role"] == "action" and u2["shared_tokens"] > 0
+  assert u1["kv_live_before"] > 48 and u1["query_memory_cos"] == 1.0   # a new session
+  # turn 2: the first user message is history now, and pruned away in part
+  assert u2["pruned"] and u2["kv_live_after"] < u2["kv_live_before"]
+  assert u2["query_memory_cos"] < 1.0                            # M_t carries turn 1
+  listed = {d["id"]: d for d in httpx.get(url + "/v1/sessions").json()["data"]}
+  assert listed[sid]["kind"] == "agents+pruned"
+  for kinds, why in ((["memart", "agents"], "plans its own prefill"),
+                     (["prefix", "pruned"], "does not combine"),
+                     (["agents", "bogus"], "not served here")):
+    bad = httpx.post(url + "/v1/sessions", json={"kind": kinds})
+    assert bad.status_code == 400 and why in bad.json()["error"]["message"], bad.text
+  assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
+  assert sid not in served.app_backends.agents.sessions
+  assert sid not in served.app_backends.pruned.state.seen       # QueryMemory forgotten
+  served.app_backends.kv.check()

@@ -174,9 +174,10 @@ def test_two_processes_equal_one_device():
 
 @pytest.mark.slow
 def test_mechanisms_on_meshes_equal_one_device():
-  """A plain request and a pruned, a reuse, a SemShareKV and a MemArt request in one
-  batch on the (data, model) meshes of 8 CPU devices: every row's tokens and what its
-  mechanism did equal the single-device run, and nothing is left allocated."""
+  """A plain request and a pruned, a reuse, a SemShareKV, a MemArt and an agents
+  request (role adapters) in one batch on the (data, model) meshes of 8 CPU devices:
+  every row's tokens and what its mechanism did equal the single-device run, and
+  nothing is left allocated once the agents session closes."""
   rows = _worker("--mode=mechanisms", "--meshes=1x8,2x4,4x2,8x1", timeout=900)
   assert [r["mesh"] for r in rows] == [[1, 8], [2, 4], [4, 2], [8, 1]]
   for r in rows:
@@ -184,6 +185,18 @@ def test_mechanisms_on_meshes_equal_one_device():
     assert set(r["finish"].values()) <= {"stop", "length"}, r
     assert r["pool_devices"] == 8 and r["sequences_left"] == 0, r
   assert [r["alloc_shards"] for r in rows] == [1, 2, 4, 8]
+
+
+@pytest.mark.slow
+def test_mechanisms_on_two_processes_equal_one_device():
+  """The same mixed batch (plain, pruned, reuse, SemShareKV, MemArt, agents on a role
+  adapter) on one 2 x 4 mesh over 2 processes x 4 CPU devices (scripts/launch.py):
+  tokens and what each mechanism did equal the single-device run."""
+  (r,) = _worker("--mode=mechanisms", "--meshes=2x4", timeout=600, processes=2)
+  assert r["mesh"] == [2, 4] and r["processes"] == 2 and r["pool_devices"] == 8, r
+  assert r["tokens_equal"] and r["extra_equal"], r
+  assert set(r["finish"]) == {"plain", "pruned", "reuse", "semshare", "memart", "agents"}
+  assert set(r["finish"].values()) <= {"stop", "length"} and r["sequences_left"] == 0, r
 
 
 def test_launcher_ends_every_process_when_one_fails():

@@ -12,11 +12,12 @@ between runs in --xla_cache (default ~/.cache/jaxkv/xla, or $JAX_COMPILATION_CAC
 --xla_cache= turns it off), so a rerun skips most of the compilation.
 
 A line may name the KV mechanism it runs on (`"kind": "pruned" | "memart" | "reuse" |
-"semshare"`, the server's session kinds; `"user"` names a pruned or memart line's
-session); lines that name none run on the config's mode=reuse / semshare / memart, or
-as plain requests. Every kind runs in the same batch engine as a request of that
-mechanism (`jaxkv.engine.mechanisms`), so they batch, sample and stream like plain
-ones, mixed in one file. Requests are admitted in file order and the mechanisms' prefills run in
+"semshare" | "agents"`, the server's session kinds; `"user"` names a pruned, memart or
+agents line's session, an agents line its role adapter with `"role"`); lines that name
+none run on the config's mode=reuse / semshare / memart, or as plain requests. Every
+kind runs in the same batch engine as a request of that mechanism
+(`jaxkv.engine.mechanisms`), so they batch, sample and stream like plain ones, mixed in
+one file. Requests are admitted in file order and the mechanisms' prefills run in
 admission order within an engine step, so a request sees the segments, references and
 session history the requests before it stored or wrote (a radix prefix is matched at
 admission, so one admitted in the same step as an earlier request with that prefix
@@ -38,6 +39,12 @@ what its mechanism did (the server's `usage["jaxkv"]`):
   first time it is seen; the last (user) message alone is prefilled over the blocks
   retrieved for it; records add the blocks retrieved, the session's memory size and
   the prefilled / probe token counts.
+- LRAgent agents (`--config.server.role_adapters=shipped`, the scheme
+  `--config.server.agent_scheme`): `{"kind": "agents", "role": "plan", "user": <session>}`
+  lines extend their session's one trajectory, each role reading the KV the others
+  computed (base_lr_shared) instead of prefilling it; sessions open on their first line,
+  with no cap (an idle session's trajectory gives way when the pool needs room);
+  records add the role, the computed and shared prompt tokens and the KV bytes.
 
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
 --input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
@@ -152,7 +159,7 @@ def _main(argv):
     return serve_sessions(cfg, src, out)
   order, errors, todo, kinds = _scan(src, cfg, out.done)
   if (cfg.mode in ("reuse", "semshare", "memart") or kinds) and todo:
-    return serve_mechanism(cfg, src, out, todo)
+    return serve_mechanism(cfg, src, out, todo, kinds)
   total = len(order)
   answered = total - todo - len(errors)   # every input line is one of the three
   if total == 0:
@@ -224,10 +231,18 @@ def _main(argv):
 
 
 def _mechanism(kind: str, cfg, llm):
-  """The engine mechanism `kind` (pruned / reuse / semshare / memart) on the LLM's
-  engine, and a line saying what it is."""
+  """The engine mechanism `kind` (pruned / reuse / semshare / memart / agents) on the
+  LLM's engine, and a line saying what it is."""
   kv, impl = llm.engine.kv_manager, cfg.engine.attention_impl
-  if kind == "pruned":
+  if kind == "agents":
+    from jaxkv.engine.mechanisms.agents import Agents
+    if llm.lora is None:
+      raise ValueError("agents lines run role adapters: set --config.server.role_adapters")
+    mech = Agents(llm.engine, cfg.server.agent_scheme, names=llm.adapters,
+                  max_tokens=cfg.server.agent_max_tokens, max_sessions=1 << 62)
+    what = (f"agents {cfg.server.agent_scheme} (roles {', '.join(llm.adapters)}, "
+            f"trajectories up to {cfg.server.agent_max_tokens} tokens)")
+  elif kind == "pruned":
     from jaxkv import artifacts
     from jaxkv.engine.mechanisms.pruned import Pruned
     p = cfg.pruning
@@ -257,7 +272,7 @@ def _mechanism(kind: str, cfg, llm):
   return llm.engine.add_mechanism(mech), what
 
 
-def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
+def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozenset()) -> None:
   """JSONL requests of KV mechanisms (a line's "kind", or the config's mode=reuse /
   semshare / memart for lines that name none; plain requests where neither does) in
   the batch engine (module docstring); records are the plain ones plus "kind" and what
@@ -269,7 +284,7 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
   from jaxkv.engine.engine import Request
 
   t0 = time.perf_counter()
-  llm = cli.load_llm(cfg)
+  llm = cli.load_llm(cfg, agents="agents" in kinds)
   default = cfg.mode if cfg.mode in batch.KINDS else None
   mechs: dict[str, object] = {}
   refused: dict[str, str] = {}          # kind -> why this config cannot serve it
@@ -312,6 +327,15 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
       return Request(p.id, llm.encode(prompt, tools=p.tools), p.sampling, mechanism=kind)
     session = sessions[p.id] = p.user or p.id
     mech = mechs[kind]
+    if kind == "agents":
+      if p.role not in llm.adapters:
+        raise ValueError(f"role {p.role!r} is not one of the role adapters "
+                         f"{', '.join(llm.adapters)}")
+      prompt = llm.encode(with_system(messages(p.prompt)), tools=p.tools)
+      mech.check(session, len(prompt), p.sampling.max_tokens)
+      mech.open(session)
+      return Request(p.id, prompt, p.sampling, adapter=llm.adapters.index(p.role),
+                     mechanism="agents", context={"session": session})
     if kind == "memart":                # the session's history + question, no tools
       if p.tools:
         raise ValueError("memart requests do not take tools")
@@ -346,7 +370,7 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int) -> None:
       ttfts.append(res.ttft_s)
     if kind is not None:
       rec["kind"] = kind
-    if kind in ("pruned", "memart"):
+    if kind in ("pruned", "memart", "agents"):
       rec["session"] = sessions.pop(res.id, res.id)
     out.add({**rec, **(res.extra or {})})
     bar.update(1)

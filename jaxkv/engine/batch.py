@@ -3,13 +3,13 @@
 Input lines (one JSON object each):
     {"id": ..., "messages": [{"role": ..., "content": ...}, ...], "tools": [...]}
     {"id": ..., "prompt": "raw text"}
-with optional "max_tokens", "temperature", "top_p", "top_k", "seed" overriding
-the config's sampling defaults, "user" (OpenAI's end-user id: the session a
-request belongs to for the pruned and memart kinds; ignored elsewhere) and "kind"
-(the KV mechanism the request runs on: "pruned", "memart", "reuse" or "semshare",
-the server's session kinds; default: the config's mode, plain requests for
-mode=requests). Unknown keys are rejected (a misspelt "max_token" must not be
-silently ignored).
+with optional "max_tokens", "temperature", "top_p", "top_k", "seed" overriding the
+config's sampling defaults, "user" (OpenAI's end-user id: the session a request belongs
+to for the pruned, memart and agents kinds; ignored elsewhere), "kind" (the KV mechanism
+the request runs on: "pruned", "memart", "reuse", "semshare" or "agents", the server's
+session kinds; default: the config's mode, plain requests for mode=requests) and "role"
+(an agents line's role adapter, e.g. "plan": the server's `<model>:<role>`). Unknown
+keys are rejected (a misspelt "max_token" must not be silently ignored).
 
 Output lines, written and flushed as each request finishes:
     {"id", "text", "prompt_tokens", "completion_tokens", "ttft_s", "latency_s",
@@ -40,8 +40,8 @@ from jaxkv.config import SamplingConfig
 from jaxkv.engine.engine import Request
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-_KEYS = {"id", "messages", "prompt", "tools", "user", "kind", *_SAMPLING_KEYS}
-KINDS = ("pruned", "memart", "reuse", "semshare")   # a line's "kind": an engine mechanism
+_KEYS = {"id", "messages", "prompt", "tools", "user", "kind", "role", *_SAMPLING_KEYS}
+KINDS = ("pruned", "memart", "reuse", "semshare", "agents")   # a line's "kind": a mechanism
 
 
 class RequestError(ValueError):
@@ -65,6 +65,7 @@ class ParsedLine:
   sampling: SamplingConfig
   user: str | None = None
   kind: str | None = None
+  role: str | None = None       # an agents line's role adapter
 
 
 def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
@@ -119,7 +120,14 @@ def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
   kind = obj.get("kind")
   if kind is not None and kind not in KINDS:
     raise RequestError(line, f"'kind' must be one of {', '.join(KINDS)}, got {kind!r}", rid)
-  return ParsedLine(rid, line, prompt, tools, sampling, user, kind)
+  role = obj.get("role")
+  if (role is not None) != (kind == "agents"):
+    raise RequestError(line, "an agents line names its role adapter ('role', e.g. \"plan\")"
+                       if kind == "agents" else "'role' runs a role adapter in an agents "
+                       "session: give \"kind\": \"agents\"", rid)
+  if role is not None and (not isinstance(role, str) or not role):
+    raise RequestError(line, "'role' must be a role adapter's name", rid)
+  return ParsedLine(rid, line, prompt, tools, sampling, user, kind, role)
 
 
 def _records(path: pathlib.Path) -> Iterator[dict]:

@@ -66,20 +66,27 @@ class Engine(MechanismRows, SessionHolds):
     """mesh: a `jaxkv.sharding.make_mesh` ("data", "model") mesh to shard the
     weights, the pool and the batch rows on (None: one device).
     lora: a `jaxkv.models.lora.LoraWeights` adapter stack (LRAgent's shared-A role
-    adapters); each request picks one with `Request.adapter` (-1: the base model),
-    and one batch mixes them. The prefix cache keeps one radix tree per adapter (an
-    adapter's K/V differ from the base's), all on the one pool: a request adopts and
-    caches in its own adapter's tree, and eviction takes from every tree.
-    lr_rank: the pool's LoRA low-rank value cache (`KVManager`), for runners that
-    share this engine's KV manager and need it (LRAgent's decoupled schemes).
+    adapters; replicated on a mesh); each request picks one with `Request.adapter` (-1:
+    the base model), and one batch mixes them. The prefix cache keeps one radix tree per
+    adapter (an adapter's K/V differ from the base's), all on the one pool: a request
+    adopts and caches in its own adapter's tree, and eviction takes from every tree.
+    lr_rank: the pool's LoRA low-rank value cache (`KVManager`; 0: none). With one
+    (of the adapters' rank, which need a LoRA on v) every adapter row runs decoupled
+    (`LoraInputs.mode`, `lora_mode`): the pool keeps the base value and x A_v s, and
+    attention applies the row's B_v (LRAgent's base_lr_shared, which the `agents`
+    mechanism serves); the adapters' prefix-cache trees then hold that form too.
+    Without one they run "full" (the adapter's own K/V in the pool).
 
     The engine's `kv_manager` (`jaxkv.engine.kv_manager.KVManager`) owns the pool,
     the allocator and the radix trees; session runners given the same manager
     (`kv=engine.kv_manager`) allocate from the same pool, and the engine keeps the
     pages its running rows may still need reserved against them."""
-    if lora is not None and mesh is not None:
-      raise ValueError("LoRA adapters on a device mesh are not supported yet")
+    if lora is not None and lr_rank and (lr_rank != lora.rank or "v" not in lora.targets):
+      raise ValueError(f"a pool low-rank value cache of rank {lr_rank} runs the adapters "
+                       f"decoupled: they need rank {lr_rank} and a LoRA on v (they have "
+                       f"rank {lora.rank}, targets {lora.targets})")
     self.lora = lora
+    self.lora_mode = "decoupled" if lora is not None and lr_rank else "full"
     self.model_cfg = model.cfg
     self.cache_cfg = cache
     self.cfg = engine
@@ -87,6 +94,8 @@ class Engine(MechanismRows, SessionHolds):
     self.graphdef, self.weights = nnx.split(model)
     if mesh is not None:
       self.weights = sharding.shard_weights(self.weights, mesh, model.cfg)
+      if lora is not None:          # replicated: each row picks its adapter's B
+        self.lora = sharding.replicate(lora, mesh)
     self.stop_ids = sorted({int(t) for t in stop_ids})
     self.driver: Driver | None = None     # the pool is allocated on the first run
     # with the pool's slots split on the mesh's "data" axis, each data shard's rows
@@ -146,11 +155,12 @@ class Engine(MechanismRows, SessionHolds):
                           width)
 
   def _lora(self, rows: list[Row | None]) -> dict:
-    """`lora=` for the driver: each row's adapter (-1 base, and for idle rows)."""
-    if self.lora is None:
-      return {}
+    """`lora=` for the driver: each row's adapter (-1 base, and for idle rows); none
+    when no row runs on an adapter (the base model's step, no low-rank work)."""
     ids = np.asarray([-1 if r is None else r.req.adapter for r in rows], np.int32)
-    return {"lora": LoraInputs(self.lora, self.driver.put(ids))}
+    if self.lora is None or not (ids >= 0).any():
+      return {}
+    return {"lora": LoraInputs(self.lora, self.driver.put(ids), mode=self.lora_mode)}
 
   def _note_memory(self) -> None:
     self.metrics.observe_live_slots(self.allocator.num_live_slots)
@@ -188,7 +198,7 @@ class Engine(MechanismRows, SessionHolds):
       if mech is None:
         return _error(req, f"mechanism {req.mechanism!r} is not served here (the engine has "
                            f"{sorted(self.mechanisms) or 'none'})")
-      if req.adapter != -1:
+      if req.adapter != -1 and not mech.adapters:
         return _error(req, f"mechanism {req.mechanism!r} runs on the base model, not on an "
                            "adapter")
       try:

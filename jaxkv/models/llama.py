@@ -248,8 +248,6 @@ class Transformer(nnx.Module):
     decoupled = _check_lora(lora, kv)
     shift_freq = None
     if key_shift is not None:
-      if decoupled:
-        raise ValueError("key_shift is not supported with decoupled (Flash-LoRA) attention")
       shift_freq = delta_frequencies(cfg.rope, dh)      # refuses dynamic NTK
     targets = () if lora is None else lora.weights.targets
     # The kernels' compaction and live-block tables depend on the slot map and
@@ -302,7 +300,8 @@ class Transformer(nnx.Module):
                                        lora_lib.down(y, lw["a"]["v"], lora.weights.scale))
           b_v = rows_b["v"].reshape(b, -1, k, dh)                  # [B, r, Hkv, D]
           o = ops.flash_lora_attention(q, pool_k, pool_v, pool_vlr, b_v, lmap, pos,
-                                       layer=idx, impl=attn_impl, plan=plan)
+                                       layer=idx, impl=attn_impl, plan=plan,
+                                       key_shift=key_shift, shift_freq=shift_freq)
         else:
           o = ops.paged_attention(q, pool_k, pool_v, lmap, pos, layer=idx, impl=attn_impl,
                                   key_shift=key_shift, shift_freq=shift_freq, plan=plan)

@@ -33,9 +33,9 @@ lists them), so a multi-agent framework points each agent at its role's name.
 
 One config turns every mechanism on (`configs/smollm2_agents.py`): role adapters
 in the batch engine, and a session kind each for pruning, MemArt, reuse and LRAgent
-sharing. Not yet here: one session combining several kinds (e.g. MemArt blocks
-spliced into a pruned session's context), continuous batching inside the
-non-prefix kinds (they are batch-1 runners between engine steps).
+sharing, each an engine mechanism batched with every other request. Not yet here:
+one session combining several kinds (e.g. MemArt blocks spliced into a pruned
+session's context).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import contextlib
 import json
 import logging
 import time
-import traceback
 import uuid
 
 from fastapi import FastAPI
@@ -203,12 +202,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     t_created = int(time.time())
     skind = (backends.kind_of(p.session, role=p.adapter >= 0)
              if sessions_on and p.session is not None else None)
-    # a batch-1 session runner, between engine steps (the engine serves the others)
-    runner = skind not in (None, *backends.ENGINE_KINDS)
     try:
-      if runner:
-        fut = loop.call(lambda: backends.run(skind, p.session, p, rid), counted=True)
-      elif skind not in (None, "prefix"):     # a mechanism's request: built on the loop
+      if skind not in (None, "prefix"):     # a mechanism's request: built on the loop
         try:
           req = await asyncio.wrap_future(
               loop.call(lambda: backends.engine_request(skind, p.session, p, rid)))
@@ -223,18 +218,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
       if not loop.alive:
         return _error(APIError(503, str(e), type="server_error", code="shutting_down"))
       return _error(APIError(429, str(e), type="rate_limit_error", code="queue_full"))
-    if runner:
-      try:
-        res = await asyncio.wrap_future(fut)
-      except ValueError as e:
-        return _error(APIError(400, str(e), param="session_id"))
-      except Exception as e:   # broad: isolated like a failing engine step
-        log.error("session %s (%s) failed:\n%s", p.session, skind, traceback.format_exc())
-        return _error(APIError(500, f"the '{skind}' session runner failed this request: "
-                               f"{type(e).__name__}: {e}", type="server_error"))
-      queue = asyncio.Queue()
-      queue.put_nowait(("done", res))
-    elif p.adapter >= 0:
+    if p.adapter >= 0 and skind != "agents":
       backends.stats.adapter_requests[llm.adapters[p.adapter]] += 1
     stream = protocol.TextStream(p.stop, hold_calls=p.tools)
     try:
@@ -347,7 +331,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   @app.post("/v1/sessions")
   async def open_session(request: HTTPRequest):
     """Opens a session ({"session_id": optional, "kind": optional, one of
-    server.sessions}); its id goes in later requests' "session_id" (or "user")."""
+    server.sessions or a list of them composed, e.g. ["agents", "pruned"]}); its id
+    goes in later requests' "session_id" (or "user")."""
     need_sessions()
     body = await body_of(request, empty={})
     if not isinstance(body, dict):
@@ -355,9 +340,11 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
     sid, want = body.get("session_id"), body.get("kind")
     if sid is not None and (not isinstance(sid, str) or not sid):
       raise APIError(400, "'session_id' must be a non-empty string", param="session_id")
-    if want is not None and want not in backends.kinds:
+    if isinstance(want, list) and want and all(isinstance(k, str) for k in want):
+      pass                                        # a composition: checked by backends
+    elif want is not None and want not in backends.kinds:
       raise APIError(400, f"'kind' must be one of {', '.join(backends.kinds)} "
-                     "(server.sessions)", param="kind")
+                     "(server.sessions), or a list of them to compose", param="kind")
     sid = sid or f"sess-{uuid.uuid4().hex[:24]}"
     if not owners.claim(sid, key_of(request)):
       raise APIError(409, f"session id '{sid}' is taken", param="session_id",
@@ -498,11 +485,6 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
               sum(n for _, n in held.values()))]
     for mech in engine.mechanisms.values():   # each KV mechanism's own counters
       rows += [(name, "counter", about, mech.stats[key]) for name, key, about in mech.metrics]
-    if "agents" in backends.kinds:
-      rows += [("jaxkv_agents_shared_tokens_total", "counter", "prompt tokens a role read "
-                "from KV another role (or its own earlier turn) computed", b.agents_shared_tokens),
-               ("jaxkv_agents_computed_tokens_total", "counter",
-                "prompt tokens roles computed in agents sessions", b.agents_computed_tokens)]
     if engine.lora is not None:   # LRAgent's shared A: one down-projection for every role
       a_bytes = sum(a.nbytes for a in engine.lora.a.values())
       rows += [("jaxkv_lora_adapters", "gauge", "role adapters served",

@@ -18,26 +18,22 @@ KV is kept, and all of them run in one server (`server.sessions`).
              one (LSH token matching, `ServeConfig.semshare.threshold`) reuses that
              prompt's KV with selective recompute; others are prefilled and kept as
              references (shared by every semshare session)
-             (every kind above runs in the batch engine with every other request:
-             continuous batching, sampling, streaming)
-    agents   `AgentRunner`: LRAgent's multi-LoRA sharing. Each request names a role
-             adapter (`<model>:<role>`) and extends the session's one trajectory;
-             under `server.agent_scheme` (base_lr_shared by default) a role reads
-             the KV other roles computed instead of prefilling it again. A session
-             holds `server.agent_max_tokens` slots of the pool while it is open, at
-             most `server.agent_sessions` open
+    agents   the engine's `Agents` mechanism: LRAgent's multi-LoRA sharing. Each
+             request names a role adapter (`<model>:<role>`) and extends the
+             session's one trajectory; under `server.agent_scheme` (base_lr_shared
+             by default) a role reads the KV other roles computed instead of
+             prefilling it again. A trajectory is at most `server.agent_max_tokens`
+             tokens, at most `server.agent_sessions` sessions are open, and idle
+             sessions' trajectories give way under pool pressure
 
 A session names its kind when it is opened (`POST /v1/sessions {"kind": ...}`);
 one first seen in a request gets the first listed kind. Every kind runs on one KV
 pool: the engine's `KVManager` (`ServeConfig.cache` sizes it), whose allocator,
 radix trees and reservations the runners share, so a server holds one pool
-whatever kinds it serves. Every kind but agents is an engine mechanism
-(`jaxkv.engine.mechanisms`): its requests are engine requests built on the loop
-thread (`engine_request`). Agents sessions are batch-1 runners whose calls run on the
-engine loop thread between engine steps (`EngineLoop.call`), so engine and runners
-never run at once and need no locks; the engine keeps the pages its running rows may
-still take reserved against them. They decode greedily; a streamed reply arrives in
-one piece once it is complete.
+whatever kinds it serves. Every kind is an engine mechanism
+(`jaxkv.engine.mechanisms`) or the engine's own prefix cache: its requests are engine
+requests built on the loop thread (`engine_request`) and run in the batch engine with
+every other request (continuous batching, sampling, token streaming, cancellation).
 
 What each mechanism did comes back in `usage["jaxkv"]`; the mechanisms' counters
 (and `BackendStats`) feed `/metrics`.
@@ -49,11 +45,12 @@ import collections
 import dataclasses
 import time
 
-import numpy as np
-
 from jaxkv.config import ServeConfig, session_kinds
-from jaxkv.engine.engine import Request, Result
+from jaxkv.engine.engine import Request
 from jaxkv.policies.sharing import lragent
+
+# the order a composed session's kinds are named in: the one that lays out the KV first
+COMPOSE_ORDER = ("agents", "pruned", "memart", "reuse", "semshare")
 
 
 @dataclasses.dataclass
@@ -62,8 +59,6 @@ class BackendStats:
   requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   adapter_requests: collections.Counter = dataclasses.field(    # written by the server
       default_factory=collections.Counter)                       # thread (role -> count)
-  agents_shared_tokens: int = 0    # prompt tokens a role read from KV it did not compute
-  agents_computed_tokens: int = 0  # prompt tokens roles computed
 
 
 class SessionBackends:
@@ -81,19 +76,22 @@ class SessionBackends:
     self.tok, self.llm, self.server_cfg = llm.tokenizer, llm, cfg.server
     self.stats = BackendStats()
     self._open: dict[str, list] = {}     # session -> [kind, last use] (not prefix ones)
-    self.agents: dict[str, object] = {}   # "agents" session -> its AgentRunner
     impl = cfg.engine.attention_impl
     self.kv = self.engine.kv_manager       # the one pool every kind allocates from
-    self.pruned = self.memart = self.reuse = self.semshare = None
-    if "agents" in self.kinds and llm.lora is None:
-      raise ValueError("server.sessions: 'agents' sessions run the role adapters: set "
-                       "server.role_adapters")
-    if ("agents" in self.kinds and cfg.server.agent_scheme in lragent.DECOUPLED
-        and self.kv.lr_rank != llm.lora.rank):
-      raise ValueError(f"server.agent_scheme={cfg.server.agent_scheme} keeps the value "
-                       f"cache as base + low rank: the KV pool needs a low-rank value cache "
-                       f"of rank {llm.lora.rank} (set llm.kv_lr_rank before the engine is "
-                       f"made; cli.load_llm does)")
+    self.pruned = self.memart = self.reuse = self.semshare = self.agents = None
+    if "agents" in self.kinds:
+      if llm.lora is None:
+        raise ValueError("server.sessions: 'agents' sessions run the role adapters: set "
+                         "server.role_adapters")
+      if (cfg.server.agent_scheme in lragent.DECOUPLED) != (self.kv.lr_rank > 0):
+        raise ValueError(f"server.agent_scheme={cfg.server.agent_scheme}: the engine's "
+                         f"pool needs {'a' if self.kv.lr_rank == 0 else 'no'} low-rank value "
+                         "cache (llm.kv_lr_rank, set before the engine is made; "
+                         "cli.load_llm does)")
+      from jaxkv.engine.mechanisms.agents import Agents
+      self.agents = self.engine.mechanisms.get("agents") or self.engine.add_mechanism(Agents(
+          self.engine, cfg.server.agent_scheme, names=llm.adapters,
+          max_tokens=cfg.server.agent_max_tokens, max_sessions=cfg.server.agent_sessions))
     if "pruned" in self.kinds:
       from jaxkv.engine.mechanisms.pruned import Pruned
       self.pruned = self.engine.mechanisms.get("pruned") or self.engine.add_mechanism(
@@ -120,8 +118,7 @@ class SessionBackends:
   def kv_managers(self) -> list:
     """The distinct KV managers (pools) of the engine and every runner: one."""
     runners = [self.reuse and self.reuse.runner, self.semshare and self.semshare.runner,
-               self.memart and self.memart.runner,
-               *self.agents.copy().values()]
+               self.memart and self.memart.runner]
     found = [self.kv, *(r.kv for r in runners if r is not None)]
     return list({id(k): k for k in found}.values())
 
@@ -130,11 +127,36 @@ class SessionBackends:
     return self.kinds[0]
 
   # ------------------------------------------------------------------ sessions
-  def open(self, session: str, kind: str | None = None) -> str:
-    """The session's kind, opening it on `kind` (None: the default) if it is new;
-    naming another kind than an open session's is refused. "prefix" sessions
-    live in the engine (`Engine.open_session`), the others here."""
-    if kind is not None and kind not in self.kinds:
+  def compose(self, kinds) -> str:
+    """The kind of a session composing several served kinds (e.g. ["pruned",
+    "agents"]): "+"-joined in `COMPOSE_ORDER` (e.g. "agents+pruned"), its `Composed`
+    mechanism added to the engine on first use. ValueError (the server's 400) for kinds that are not
+    served or do not combine, saying why (`jaxkv.engine.mechanisms.composed`)."""
+    kinds = list(dict.fromkeys(kinds))
+    bad = [k for k in kinds if k not in self.kinds]
+    if bad:
+      raise ValueError(f"session kind(s) {bad} not served here (server.sessions = "
+                       f"{','.join(self.kinds)})")
+    if "prefix" in kinds:
+      raise ValueError("'prefix' is the engine's own prefix cache, not a mechanism: it does "
+                       "not combine (every mechanism caches its session's KV itself)")
+    if len(kinds) == 1:
+      return kinds[0]
+    kinds.sort(key=COMPOSE_ORDER.index)
+    name = "+".join(kinds)
+    if name not in self.engine.mechanisms:
+      from jaxkv.engine.mechanisms.composed import Composed
+      self.engine.add_mechanism(Composed([self.engine.mechanisms[k] for k in kinds]))
+    return name
+
+  def open(self, session: str, kind: str | list | None = None) -> str:
+    """The session's kind, opening it on `kind` (None: the default; a list: those
+    kinds composed, `compose`) if it is new; naming another kind than an open
+    session's is refused. "prefix" sessions live in the engine
+    (`Engine.open_session`), the others here."""
+    if isinstance(kind, (list, tuple)):
+      kind = self.compose(kind)
+    elif kind is not None and kind not in self.kinds and kind not in self.engine.mechanisms:
       raise ValueError(f"session kind {kind!r} is not served here (server.sessions = "
                        f"{','.join(self.kinds)})")
     have = self._open.get(session)
@@ -150,16 +172,8 @@ class SessionBackends:
     kind = kind or self.default
     if kind == "prefix":
       self.engine.open_session(session)
-    elif kind == "agents":
-      if len(self.agents) >= self.server_cfg.agent_sessions:
-        raise ValueError(f"{len(self.agents)} 'agents' sessions are open (server."
-                         "agent_sessions): close one first")
-      from jaxkv.engine.agents import AgentRunner
-      runner = AgentRunner(self.llm, self.llm.lora, self.server_cfg.agent_scheme,
-                           max_tokens=self.server_cfg.agent_max_tokens,
-                           attn_impl=self.engine.attn_impl, kv=self.kv)
-      runner.start()
-      self.agents[session] = runner
+    elif "agents" in kind.split("+"):
+      self.agents.open(session)
     if kind != "prefix":
       self._open[session] = [kind, time.monotonic()]
     return kind
@@ -172,12 +186,13 @@ class SessionBackends:
       return "prefix" if self.engine.radix is not None and self.engine.close_session(
           session) else None
     kind = entry[0]
-    if kind == "pruned":
+    parts = kind.split("+")
+    if "pruned" in parts:
       self.pruned.close(session)
-    elif kind == "memart":
+    if "memart" in parts:
       self.memart.close(session)
-    elif kind == "agents":
-      self.agents.pop(session).release()  # its trajectory's slots go back to the pool
+    if "agents" in parts:
+      self.agents.close(session)     # its trajectory's slots go back to the pool
     return kind
 
   def expire(self, idle_s: float) -> list[str]:
@@ -208,17 +223,13 @@ class SessionBackends:
     """Open sessions -> (kind, tokens kept for it: the engine hold of a prefix
     session, the trajectory of an agents session, 0 otherwise). A copy: the server
     thread reads it as a snapshot."""
-    agents = self.agents.copy()
-    out = {k: (v[0], int(agents[k].held.size) if k in agents else 0)
+    out = {k: (v[0], self.agents.held_tokens(k) if "agents" in v[0].split("+") else 0)
            for k, v in self._open.copy().items()}
     if self.engine.radix is not None:
       out.update({k: ("prefix", n) for k, n in self.engine.sessions.items()})
     return out
 
   # ------------------------------------------------------------------ requests
-  # served by the batch engine (the others: a session runner between engine steps)
-  ENGINE_KINDS = ("prefix", "pruned", "memart", "reuse", "semshare")
-
   def engine_request(self, kind: str, session: str, p, rid: str):
     """The engine `Request` of a request on a session kind the engine serves; raises
     ValueError for one this kind cannot take (the server's 400). Call on the loop
@@ -226,9 +237,26 @@ class SessionBackends:
     if kind == "prefix":
       return Request(id=rid, prompt=p.prompt, sampling=p.sampling, session=session,
                      adapter=p.adapter)
-    if p.adapter >= 0:
-      raise ValueError("role adapters run in the batch engine or in 'agents' sessions: "
-                       "use one of those or no session")
+    parts = kind.split("+")
+    if (p.adapter >= 0) != ("agents" in parts):
+      raise ValueError(f"'{kind}' sessions need a role model name (<model>:<role>)"
+                       if "agents" in parts else "role adapters run in the batch engine or "
+                       "in 'agents' sessions: use one of those or no session")
+    if len(parts) > 1:                   # a composition (only agents + pruned combine)
+      if p.chat is None:
+        raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
+      prompt, ctx = self.pruned.context(session, *p.chat)
+      self.agents.check(session, len(prompt), p.sampling.max_tokens)
+      self.open(session, kind)
+      self.stats.requests[kind] += 1
+      return Request(id=rid, prompt=prompt, sampling=p.sampling, adapter=p.adapter,
+                     mechanism=kind, context=ctx)
+    if kind == "agents":
+      self.agents.check(session, len(p.prompt), p.sampling.max_tokens)
+      self.open(session, kind)
+      self.stats.requests[kind] += 1
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, adapter=p.adapter,
+                     mechanism="agents", context={"session": session})
     if kind in ("reuse", "semshare"):    # any prompt (reuse: its lines are the spans)
       self.open(session, kind)
       self.stats.requests[kind] += 1
@@ -249,43 +277,3 @@ class SessionBackends:
     self.stats.requests[kind] += 1
     return Request(id=rid, prompt=prompt, sampling=p.sampling, mechanism="pruned",
                    context=ctx)
-
-  def run(self, kind: str, session: str, p, rid: str) -> Result:
-    """Answers the parsed request `p` (`protocol.Parsed`) on the session's runner.
-    Raises ValueError for a request this kind cannot take (the server's 400)."""
-    if p.sampling.temperature > 0:
-      raise ValueError(f"'{kind}' sessions decode greedily: send temperature 0")
-    if (p.adapter >= 0) != (kind == "agents"):
-      raise ValueError("'agents' sessions need a role model name (<model>:<role>)"
-                       if kind == "agents" else "role adapters run in the batch engine or in "
-                       "'agents' sessions: use one of those or no session")
-    self.open(session, kind)
-    t0 = time.perf_counter()
-    max_tokens = p.sampling.max_tokens
-    ids, ttft, cached, extra = self._agents(session, p, max_tokens)
-    self.stats.requests[kind] += 1
-    stop = set(self.tok.stop_ids)
-    finish = "stop" if ids and ids[-1] in stop else "length"
-    if finish == "stop":
-      ids = ids[:-1]
-    return Result(id=rid, tokens=[int(t) for t in ids], prompt_tokens=len(p.prompt),
-                  completion_tokens=len(ids), ttft_s=ttft,
-                  latency_s=time.perf_counter() - t0, finish_reason=finish,
-                  cached_tokens=cached, extra=extra)
-
-  def _agents(self, session, p, max_tokens):
-    runner = self.agents[session]
-    reply, info = runner.respond(p.prompt, p.adapter, max_tokens, self.tok.stop_ids)
-    self.stats.agents_shared_tokens += info["shared"]
-    self.stats.agents_computed_tokens += info["computed"]
-    m, n = runner.cfg, runner.held.size
-    kv = {s: lragent.kv_bytes(s, n, num_layers=m.num_layers, d_kv=m.d_kv,
-                              hidden=m.hidden_size, rank=runner.lora.rank,
-                              num_agents=runner.n_agents,
-                              bytes_per_elem=np.dtype(runner.dtype).itemsize)
-          for s in (runner.scheme, "non_shared")}
-    extra = {"scheme": runner.scheme, "role": self.llm.adapters[p.adapter],
-             "computed_tokens": info["computed"], "shared_tokens": info["shared"],
-             "trajectory_tokens": int(n), "kv_bytes": kv[runner.scheme],
-             "kv_bytes_non_shared": kv["non_shared"]}
-    return reply.tolist(), info["ttft_s"], info["shared"], extra

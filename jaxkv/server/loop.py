@@ -76,8 +76,7 @@ class EngineLoop:
     self._expire = expire
     self.max_pending = max_pending
     self.session_idle_s = session_idle_s
-    self._ops: collections.deque = collections.deque()   # (fn, future, counted): loop thread
-    self._counted = 0   # counted calls (session-runner requests) queued or running
+    self._ops: collections.deque = collections.deque()   # (fn, future): loop thread
     self.stats = LoopStats()
     self._waiters: dict[str, _Waiter] = {}
     self._lock = threading.Lock()
@@ -99,8 +98,8 @@ class EngineLoop:
 
   @property
   def pending(self) -> int:
-    """Requests queued or running: engine requests and counted calls."""
-    return len(self._waiters) + self._counted
+    """Requests queued or running."""
+    return len(self._waiters)
 
   def _check_room(self) -> None:
     """Raises QueueFull while stopping or past max_pending (hold self._lock)."""
@@ -127,31 +126,22 @@ class EngineLoop:
     if self.engine.cancel(request_id):
       self._wake.set()
 
-  def call(self, fn, *, counted: bool = False) -> concurrent.futures.Future:
+  def call(self, fn) -> concurrent.futures.Future:
     """Runs `fn()` on the loop thread between steps (engine state such as sessions
-    is only touched there); the future carries its result or exception. `counted`:
-    `fn` is a request (a session runner's turn): it counts toward max_pending like
-    a submitted one and raises QueueFull past it or while stopping."""
-    if counted:
-      with self._lock:
-        self._check_room()
-        self._counted += 1
+    is only touched there: session admin, building a mechanism's request); the
+    future carries its result or exception."""
     fut = concurrent.futures.Future()
-    self._ops.append((fn, fut, counted))
+    self._ops.append((fn, fut))
     self._wake.set()
     return fut
 
   def _run_ops(self) -> None:
     while self._ops:
-      fn, fut, counted = self._ops.popleft()
+      fn, fut = self._ops.popleft()
       try:
         fut.set_result(fn())
       except Exception as e:  # handed to the caller
         fut.set_exception(e)
-      finally:
-        if counted:
-          with self._lock:
-            self._counted -= 1
     if self._expire is not None and time.monotonic() - self._expired_at > 1.0:
       self._expired_at = time.monotonic()
       self._expire(self.session_idle_s)

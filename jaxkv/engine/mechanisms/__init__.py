@@ -24,6 +24,11 @@ hooks where its KV management differs from a plain request:
                           still go to its own slots
     finish(row, cache)    the row leaves: cache what it wrote, release its locks, keep
                           per-session state; returns what it did (usage["jaxkv"])
+    join(req) / leave(row, cache)
+                          match / finish for a mechanism running inside a composition
+                          (`composed.Composed`) whose KV another mechanism lays out: it
+                          adopts and caches nothing of its own, and keeps only its
+                          per-session state (pruning: QueryMemory); default: refused
 
 The shape follows vLLM v1's KV-connector hooks (match before allocation, act after
 it, save at the end), which is how CacheBlend runs inside vLLM, and SGLang's one
@@ -57,6 +62,7 @@ class Mechanism:
 
   name = ""
   owns_prefill = False   # True: `prefill` computes the prompt, not the engine's chunks
+  adapters = False       # True: its requests run on a role adapter (`Request.adapter`)
   # the `/metrics` counters it keeps in `self.stats`: (metric name, stats key, help)
   metrics: tuple[tuple[str, str, str], ...] = ()
 
@@ -100,5 +106,15 @@ class Mechanism:
   def finish(self, row, cache: bool) -> dict | None:
     """The row is done (`cache`: it finished normally; False on cancel / error).
     Must release whatever `match` locked. Returns usage["jaxkv"] or None."""
+    del row, cache
+    return None
+
+  def join(self, req) -> object:
+    """The row's state when it runs inside a composition whose KV layout another
+    mechanism owns (`match` there); ValueError when this mechanism cannot."""
+    raise ValueError(f"{self.name!r} cannot run on another mechanism's KV layout")
+
+  def leave(self, row, cache: bool) -> dict | None:
+    """`finish` for a row this mechanism `join`ed."""
     del row, cache
     return None

@@ -221,6 +221,19 @@ class Pruned(Mechanism):
   def unmatch(self, match: Match) -> None:
     self.tree.release_lock(match.state.lock)
 
+  def join(self, req) -> _Turn:
+    """Pruning of a row whose KV another mechanism lays out and caches (an agents
+    trajectory): the same event after the prefill, no radix tree of its own."""
+    ctx = req.context
+    width = plan.width(len(req.prompt) + req.sampling.max_tokens)
+    return _Turn(ctx["session"], ctx["qs"], ctx["sys_len"], width, None)
+
+  def leave(self, row, cache: bool) -> dict | None:
+    t = row.state
+    if cache and row.prefilled == len(row.req.prompt):
+      self.state.commit(t.session, t.new_memory, len(row.req.prompt) + len(row.generated))
+    return self._usage(t)
+
   def capture_q(self, row) -> bool:
     del row
     return policy.query_rows(self.pruning) is not None
@@ -272,6 +285,9 @@ class Pruned(Mechanism):
                           (toks.copy(), slots == SENTINEL))
     finally:
       self.tree.release_lock(t.lock)
+    return self._usage(t)
+
+  def _usage(self, t: _Turn) -> dict:
     cfg = self.pruning
     extra = {"pruning": cfg.method, "budget": cfg.budget, "pruned": bool(t.pruned),
              "kv_live_before": t.live_before, "kv_live_after": t.live_after}
