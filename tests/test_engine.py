@@ -435,3 +435,31 @@ def test_sessions_expire_and_need_the_prefix_cache(tiny):
   assert eng.sessions == {} and eng.radix.locked_tokens == 0
   with pytest.raises(ValueError, match="prefix_cache"):
     _engine(model).open_session("s")
+
+
+def test_forced_requests_score_a_continuation_like_hf(tiny):
+  """Teacher forcing (`Request.forced`, evaluation through the engine): the engine
+  feeds the given continuation, stop tokens in it included, and returns each token's
+  log-probability and the greedy token at each step, equal to HF's one forward pass
+  over prompt + continuation; a plain row in the same batch gives its solo tokens."""
+  hf, model = tiny
+  rng = np.random.default_rng(3)
+  prompt = rng.integers(1, VOCAB, 21).tolist()
+  forced = rng.integers(1, VOCAB, 11).tolist()
+  forced[4] = 7                                   # a stop token: it does not end the row
+  plain = Request("plain", rng.integers(1, VOCAB, 9).tolist(), SamplingConfig(max_tokens=6))
+  solo = next(_engine(model, stop=(7,)).run([plain]))
+  eng = _engine(model, stop=(7,), chunk=8)
+  got = {r.id: r for r in eng.run([Request("f", prompt, SamplingConfig(max_tokens=3),
+                                           forced=forced), plain])}
+  f = got["f"]
+  assert f.finish_reason == "length" and f.tokens == forced and len(f.logprob) == len(forced)
+  with torch.no_grad():
+    logits = hf(torch.tensor([prompt + forced])).logits[0].float()
+  logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+  want = logp[torch.arange(len(forced)), torch.tensor(forced)].numpy()
+  np.testing.assert_allclose(f.logprob, want, atol=1e-4)
+  assert f.argmax == logp.argmax(-1).tolist()
+  assert got["plain"].tokens == solo.tokens and got["plain"].logprob is None
+  assert "at least one" in next(eng.run([Request("e", prompt, forced=[])])).error
+  eng.allocator.check()

@@ -116,8 +116,9 @@ def forward_chunk(graphdef, weights, kv: kv_state.KVPool | None, tokens, positio
 
 def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_map, remaining,
                 *, stop_ids=None, sampling: SamplingParams | None = None, forced=None,
-                write_map=None, lora: fwd.LoraInputs | None = None, key_shift=None,
-                capture: fwd.Capture = fwd.Capture(), num_steps: int, attn_impl: str = "auto",
+                forced_rows=None, write_map=None, lora: fwd.LoraInputs | None = None,
+                key_shift=None, capture: fwd.Capture = fwd.Capture(), num_steps: int,
+                attn_impl: str = "auto",
                 greedy_only: bool = True) -> tuple[DecodeOutput, kv_state.KVPool]:
   """`num_steps` decode steps in one `lax.scan`.
 
@@ -131,6 +132,9 @@ def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
     sampling: per-row sampling (None: greedy).
     forced: [num_steps, B] int32 teacher forcing: step s scores forced[s] and
       feeds it to step s + 1 instead of the sampled token.
+    forced_rows: [B] bool, with `forced`: the rows it forces (None: every row); the
+      others sample and feed their own tokens. A forced row does not stop at a stop
+      token (it runs its `remaining` steps).
     write_map: [B, T] slot map that destination slots are read from (default
       `slot_map`; required when `slot_map` has a layer axis).
     lora, capture, key_shift: see `Transformer.__call__` (capture.q is not supported
@@ -161,8 +165,11 @@ def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
     if forced_s is not None:
       lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), forced_s[:, None],
                                axis=-1)[:, 0]
-    feed = nxt if forced_s is None else forced_s
+    feed = nxt if forced_s is None else (
+        forced_s if forced_rows is None else jnp.where(forced_rows, forced_s, nxt))
     stop = jnp.any(nxt[:, None] == stops[None, :], axis=-1)
+    if forced_rows is not None:
+      stop = stop & ~forced_rows
     left = jnp.where(live, jnp.where(stop, 0, left - 1), left)
     hid = None if out.hidden_at is None else out.hidden_at[:, 0]
     carry = (out.kv, jnp.where(live, feed, tok), jnp.where(live, pos + 1, pos), left)

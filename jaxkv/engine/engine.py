@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -41,7 +42,7 @@ from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.mechanism_rows import MechanismRows
 from jaxkv.engine.mechanisms import Mechanism
 from jaxkv.engine.metrics import EngineMetrics
-from jaxkv.engine.request import Request, Result, Row
+from jaxkv.engine.request import Request, Result, Row, forced_block
 from jaxkv.engine.request import cancelled as _cancelled
 from jaxkv.engine.request import error as _error
 from jaxkv.engine.sampling import SamplingParams
@@ -188,6 +189,11 @@ class Engine(MechanismRows, SessionHolds):
     n = len(req.prompt)
     if n == 0:
       return _error(req, "empty prompt")
+    if req.forced is not None:           # teacher forcing: len(forced) greedy steps
+      if not len(req.forced):
+        return _error(req, "forced must hold at least one token")
+      req.sampling = dataclasses.replace(req.sampling, max_tokens=len(req.forced),
+                                         temperature=0.0)
     if req.adapter != -1 and (self.lora is None or not 0 <= req.adapter < self.lora.num_adapters):
       return _error(req, f"adapter {req.adapter} does not exist (the engine has "
                          f"{0 if self.lora is None else self.lora.num_adapters})")
@@ -292,10 +298,14 @@ class Engine(MechanismRows, SessionHolds):
     n_tokens = 0
     segments = [None if r is None else plan.Row(np.asarray(r.req.prompt[r.prefilled:], np.int32),
                                                 r.prefilled) for r in rows]
+    targets = None           # forced rows: log p(forced[0]) at their last prompt token
+    if any(r is not None and r.req.forced is not None for r in rows):
+      targets = [None if r is None or r.req.forced is None else
+                 np.append(r.req.prompt[r.prefilled + 1:], r.req.forced[0]) for r in rows]
     for ch, out in self.driver.prefill(
         segments, chunk=self.cfg.prefill_chunk, max_width=self.cache_cfg.max_seq_len,
-        slot_map=lambda w: self._slot_map(rows, w), read="last", sampling=sampling,
-        greedy_only=greedy_only, options=lambda ch: opts):
+        slot_map=lambda w: self._slot_map(rows, w), read="last", targets=targets,
+        sampling=sampling, greedy_only=greedy_only, options=lambda ch: opts):
       n_tokens += int(ch.count.sum())
       for i, r in enumerate(rows):
         if r is not None and ch.count[i]:
@@ -304,19 +314,21 @@ class Engine(MechanismRows, SessionHolds):
           r.prefilled += int(ch.count[i])
       if ch.ends.any():
         nxt = distributed.fetch(out.token)
+        lp = None if targets is None else distributed.fetch(out.logprob)[:, 0]
         now = time.perf_counter()
         for i in np.nonzero(ch.ends)[0]:
           r = rows[i]
           if mechs[i] is not None:
             mechs[i].after_prefill(r)      # e.g. prune, before the row decodes
           r.first_token_at = now
-          self._emit(r, int(nxt[i]))
+          self._emit(r, int(nxt[i]), None if lp is None else float(lp[i]))
       break                              # the next chunk runs in the next step
     self.metrics.add_prefill(n_tokens, time.perf_counter() - t0)
 
-  def _emit(self, r: Row, token: int) -> None:
+  def _emit(self, r: Row, token: int, logprob: float | None = None) -> None:
+    token = r.take(token, logprob)       # a forced row appends its forced token
     r.generated.append(token)
-    if token in self.stop_ids:
+    if token in self.stop_ids and r.req.forced is None:
       r.finish = "stop"
     elif len(r.generated) >= r.req.sampling.max_tokens:
       r.finish = "length"
@@ -352,18 +364,24 @@ class Engine(MechanismRows, SessionHolds):
     sampling, greedy_only = self._sampling(rows)
     slot_map = self._slot_map(rows, plan.width(need, self.cache_cfg.max_seq_len))
     views = self._views([rows[i] if i in live else None for i in range(B)], slot_map)
+    forced = forced_block(rows, live, n, B)
+    if forced is not None:          # teacher-forced rows: steps on axis 0, rows on axis 1
+      views.update(forced=jax.device_put(forced[0], None if self.mesh is None else
+                                         sharding.batch_sharding(self.mesh, forced[0].shape, 1)),
+                   forced_rows=self.driver.put(forced[1]))
     t0 = time.perf_counter()
     res = self.driver.decode(tokens, positions, views.pop("slot_map", slot_map), remaining,
                              num_steps=n, stop_ids=stop_ids, sampling=sampling,
                              greedy_only=greedy_only, **self._lora(rows), **views)
     out, emitted = distributed.fetch(res.tokens), distributed.fetch(res.emitted)
+    lp = None if res.logprob is None else distributed.fetch(res.logprob)
     dt = time.perf_counter() - t0
     count = 0
     for i in live:
       r = rows[i]
       for s in range(n):
         if emitted[s, i] and r.finish is None:
-          self._emit(r, int(out[s, i]))
+          self._emit(r, int(out[s, i]), None if lp is None else float(lp[s, i]))
           count += 1
     self.metrics.add_decode(count, dt)
 
@@ -403,7 +421,8 @@ class Engine(MechanismRows, SessionHolds):
                   ttft_s=(r.first_token_at or now) - r.admitted,
                   latency_s=now - r.admitted, finish_reason=r.finish or "length",
                   error=r.error, cached_tokens=r.cached if r.served is None else r.served,
-                  extra=r.extra)
+                  extra=r.extra, **({} if r.req.forced is None else
+                                    {"logprob": list(r.logprob), "argmax": list(r.argmax)}))
 
   # -------------------------------------------------------------------- API
   def _ensure_driver(self) -> None:

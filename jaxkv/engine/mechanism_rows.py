@@ -67,11 +67,14 @@ class MechanismRows:
       return True
     n = r.n                        # the mechanism may lay out another sequence (MemArt)
     params, greedy_only = SamplingParams.from_configs([r.req.sampling], 1)
-    token = _sample_one(jnp.asarray(logits, jnp.float32)[None], params,
-                        jnp.asarray([n], jnp.int32), greedy_only=greedy_only)
+    logits = jnp.asarray(logits, jnp.float32)
+    token = _sample_one(logits[None], params, jnp.asarray([n], jnp.int32),
+                        greedy_only=greedy_only)
+    lp = (None if r.req.forced is None else
+          float(jax.nn.log_softmax(logits)[int(r.req.forced[0])]))
     r.prefilled = n
     r.first_token_at = time.perf_counter()
-    self._emit(r, int(token[0]))
+    self._emit(r, int(token[0]), lp)
     self.metrics.add_prefill(n - r.cached, r.first_token_at - t0)
     mech.after_prefill(r)
     return True

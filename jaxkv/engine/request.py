@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxkv.config import SamplingConfig
 
 
@@ -23,6 +25,10 @@ class Request:
   adapter: int = -1            # index into the engine's LoRA adapter stack (-1: base)
   mechanism: str | None = None  # a KV mechanism the engine has (`Engine.add_mechanism`)
   context: dict | None = None  # what that mechanism needs (e.g. its session, spans)
+  # teacher forcing (evaluation): the continuation to feed instead of sampled tokens;
+  # the engine runs len(forced) greedy steps, no stop token ends them, and the result
+  # carries each forced token's log-probability and the greedy token at each step
+  forced: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -40,6 +46,8 @@ class Result:
   error_code: str | None = None  # with "error": "too_large" (can never run here: the
                                  # request's fault), "pool_busy" (the pool is held by open
                                  # sessions and memory now: retry later), None otherwise
+  logprob: list[float] | None = None  # forced requests: log p(forced[t]) at each step t
+  argmax: list[int] | None = None     # forced requests: the greedy token at each step
 
 
 @dataclasses.dataclass
@@ -64,10 +72,36 @@ class Row:
   # the row's prompt positions: the request's prompt, unless its mechanism lays out
   # another sequence (MemArt: the chat head, retrieved blocks and the question)
   n: int = -1
+  logprob: list[float] = dataclasses.field(default_factory=list)   # forced rows
+  argmax: list[int] = dataclasses.field(default_factory=list)
 
   def __post_init__(self):
     if self.n < 0:
       self.n = len(self.req.prompt)
+
+  def take(self, token: int, logprob: float | None) -> int:
+    """The token the row appends after the model chose `token`: a forced row records
+    it (and `logprob`, its forced token's) and appends its forced token."""
+    if self.req.forced is None:
+      return token
+    self.argmax.append(token)
+    self.logprob.append(logprob)
+    return int(self.req.forced[len(self.generated)])
+
+
+def forced_block(rows: list[Row | None], live: list[int], steps: int,
+                 batch: int) -> tuple[np.ndarray, np.ndarray] | None:
+  """(forced [steps, batch] int32, forced_rows [batch] bool) of a decode call with
+  teacher-forced rows (row i's step s scores and feeds its next forced token), or
+  None when no live row is forced."""
+  rows_f = [i for i in live if rows[i].req.forced is not None]
+  if not rows_f:
+    return None
+  forced, mask = np.zeros((steps, batch), np.int32), np.zeros(batch, bool)
+  for i in rows_f:
+    nxt = np.asarray(rows[i].req.forced[len(rows[i].generated):][:steps], np.int32)
+    forced[:nxt.size, i], mask[i] = nxt, True
+  return forced, mask
 
 
 def cancelled(req: Request) -> Result:

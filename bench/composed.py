@@ -1,0 +1,261 @@
+"""Composed KV mechanisms on one agent workload: LRAgent sharing and IntentKV pruning,
+each alone and composed in one session, through the batch engine.
+
+    python bench/composed.py --traces=data_local/tau2_heldout.json \\
+        --out=bench/results_composed.json [--budget=1024] [--max_sessions=0]
+        [--max_tokens=6144] [--methods=non_shared,pruned,agents,agents+pruned,agents+random]
+
+Each held-out session becomes an LRAgent trajectory (`jaxkv.data.agents`: plan /
+action / reflect calls over one token stream) on SmolLM2 with the shipped role
+adapters. Every method runs every trajectory as one session of the engine: each agent
+call is a teacher-forced request (`Request.forced`: prompt = the trajectory before the
+call, forced = the call's gold tokens, on the call's role adapter), so every method
+reads the same contexts; the calls of a trajectory run in order, up to `max_batch`
+trajectories at once (one open session each, closed when its trajectory ends).
+
+    non_shared      agents (non_shared): every role keeps its own cache (the reference)
+    pruned          agents (non_shared) + pruned: each role's own cache pruned by
+                    IntentKV (memory mode) at --budget: pruning alone
+    agents          agents (base_lr_shared): the roles share one base + low-rank cache
+    agents+pruned   composed: that shared trajectory pruned by IntentKV at --budget
+    agents+random   composed with random pruning at --budget: the chance line for
+                    IntentKV's choice of what to keep
+
+Per call: prompt tokens prefilled (not read from the session's cache), TTFT (admission
+to first token, inside the engine), exact: the greedy token equals the gold one at
+every step, i.e. free greedy generation over this cache writes the call exactly
+(`jaxkv.engine.agents.call_accuracy`'s rule, the same for every method). Per
+trajectory, at its end: the KV bytes its session holds (live slots of its regions x
+bytes per slot, the low-rank value cache included).
+
+Pruning context (decided here, the traces have no IntentKV spans): the protected
+system prompt is the rendered system message; a call's actionable query span is the
+trajectory since the previous call began (that call's output and the new context:
+the tool result, the action cue).
+
+Table per method: action calls exact with n and a Wilson 95% interval, exact McNemar
+p (paired by call) against non_shared and agents; over every call's tokens, greedy
+agreement with the gold token and Delta-NLL against non_shared (LRAgent's fidelity),
+each with a 95% bootstrap interval over trajectories (the unit that varies); mean
+prefilled tokens per call, TTFT p50, mean KV MB per trajectory. (Without non_shared
+in the run, Delta-NLL is read against agents.)
+--tables_from=FILE reprints the tables.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+import common
+import jaxkv
+from jaxkv import artifacts
+from jaxkv.config import CacheConfig, EngineConfig, PruningConfig, SamplingConfig
+from jaxkv.data import agents, traces
+from jaxkv.data import calls as calls_lib
+from jaxkv.engine.engine import Engine, Request
+from jaxkv.engine.mechanisms.agents import Agents
+from jaxkv.engine.mechanisms.composed import Composed
+from jaxkv.engine.mechanisms.pruned import Pruned
+from jaxkv.kv.state import SENTINEL
+
+METHODS = ("non_shared", "pruned", "agents", "agents+pruned", "agents+random")
+PAGE = 16
+
+
+def define_flags():
+  flags.DEFINE_string("traces", None, "ToolBench-format held-out traces (scripts/make_traces.py)")
+  flags.DEFINE_string("out", None, "JSON rows: one per call and one per trajectory")
+  flags.DEFINE_string("methods", ",".join(METHODS), "methods to run, comma-separated")
+  flags.DEFINE_integer("budget", 1024, "pruning budget C (live prompt KV entries)")
+  flags.DEFINE_integer("max_sessions", 0, "first N sessions (0: all)")
+  flags.DEFINE_integer("max_tokens", 6144, "trajectories longer than this are skipped")
+  flags.DEFINE_integer("max_batch", 4, "trajectories in flight")
+  flags.DEFINE_string("tables_from", None, "reprint the tables of a results file")
+
+
+def contexts(session, traj, tok) -> list[dict]:
+  """Per call: the pruning context (protected system prompt, query span start)."""
+  messages, tools = traces.session_chat(session, tok)
+  sys_len = 0
+  if messages and messages[0]["role"] == "system":
+    sys_len = len(tok.encode(tok.render_chat(messages[:1], tools=tools,
+                                             add_generation_prompt=False)))
+  out, prev = [], sys_len
+  for c in traj.calls:
+    qs = min(max(prev, sys_len), c.start - 1)
+    out.append({"sys_len": int(min(sys_len, qs)), "qs": int(qs)})
+    prev = c.start
+  return out
+
+
+def make_engine(llm, lora, method: str, budget: int, max_tokens: int, batch: int):
+  """The method's engine and the mechanism name its requests carry."""
+  shared = method.startswith("agents")
+  scheme = "base_lr_shared" if shared else "non_shared"
+  regions = 1 if shared else lora.num_adapters
+  pages = batch * (regions + 1) * (-(-max_tokens // PAGE) + 1) + 8
+  eng = Engine(llm.model, llm.tokenizer.stop_ids,
+               CacheConfig(num_pages=pages, page_size=PAGE, max_seq_len=max_tokens + PAGE),
+               EngineConfig(max_batch=batch, prefill_chunk=256, decode_steps=16),
+               lora=lora, lr_rank=lora.rank if shared else 0)
+  ag = eng.add_mechanism(Agents(eng, scheme, names=agents.ROLES, max_tokens=max_tokens + PAGE,
+                                max_sessions=batch))
+  prune = {"pruned": "intentkv", "agents+pruned": "intentkv", "agents+random": "random"}
+  if method not in prune:
+    return eng, ag, ag.name
+  pr = eng.add_mechanism(Pruned(llm.tokenizer, llm.config, eng.kv_manager,
+                                PruningConfig(method=prune[method], budget=budget)))
+  return eng, ag, eng.add_mechanism(Composed([ag, pr])).name
+
+
+def run_method(llm, lora, method: str, trajs, ctxs, args) -> list[dict]:
+  eng, ag, mech = make_engine(llm, lora, method, args.budget, args.max_tokens, args.max_batch)
+  todo = collections.deque(range(len(trajs)))
+  nxt: dict[str, int] = {}          # session -> index of its next call
+  rows: list[dict] = []
+
+  def submit(t: int) -> None:
+    traj, k = trajs[t], nxt[trajs[t].session]
+    c = traj.calls[k]
+    eng.submit(Request(f"{t}:{k}", traj.ids[:c.start].tolist(), SamplingConfig(max_tokens=1),
+                       adapter=c.role, mechanism=mech,
+                       context={"session": traj.session, **ctxs[t][k]},
+                       forced=traj.ids[c.start:c.end].tolist()))
+
+  def start_next() -> None:
+    if todo:
+      t = todo.popleft()
+      ag.open(trajs[t].session)
+      nxt[trajs[t].session] = 0
+      submit(t)
+
+  for _ in range(args.max_batch):
+    start_next()
+  bar = tqdm(total=sum(len(t.calls) for t in trajs), desc=method, unit="call", file=sys.stderr)
+  while eng.busy:
+    for res in eng.step():
+      t, k = (int(x) for x in res.id.split(":"))
+      traj = trajs[t]
+      if res.finish_reason != "length":
+        raise RuntimeError(f"{method}: call {res.id} failed: {res.error}")
+      c = traj.calls[k]
+      x = res.extra or {}
+      rows.append(dict(method=method, trace=traj.session, call=k, role=agents.ROLES[c.role],
+                       tokens=c.end - c.start, prompt_tokens=c.start,
+                       prefilled=x.get("computed_tokens"), ttft_s=res.ttft_s,
+                       exact=res.argmax == traj.ids[c.start:c.end].tolist(),
+                       agree=int(np.sum(np.asarray(res.argmax) == traj.ids[c.start:c.end])),
+                       logprob=float(np.sum(res.logprob)),
+                       kv_live_before=x.get("kv_live_before"),
+                       kv_live_after=x.get("kv_live_after")))
+      bar.update(1)
+      nxt[traj.session] = k + 1
+      if k + 1 < len(traj.calls):
+        submit(t)
+        continue
+      s = ag.sessions[traj.session]
+      live = sum(int((eng.allocator.slot_map(r.seq) != SENTINEL).sum())
+                 for r in s.regions.values())
+      rows.append(dict(method=method, trace=traj.session, trajectory=True,
+                       tokens=len(traj), kv_bytes=live * eng.kv_manager.bytes_per_slot))
+      ag.close(traj.session)
+      start_next()
+  bar.close()
+  eng.kv_manager.check()
+  return rows
+
+
+def _boot(per_traj: dict, stat, reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+  """stat over trajectories and its 95% bootstrap interval (trajectories resampled)."""
+  keys = sorted(per_traj)
+  rng = np.random.default_rng(seed)
+  draws = [stat([per_traj[keys[i]] for i in rng.integers(0, len(keys), len(keys))])
+           for _ in range(reps)]
+  return stat([per_traj[k] for k in keys]), *np.percentile(draws, [2.5, 97.5])
+
+
+def table(rows: list[dict]) -> common.Table:
+  calls = [r for r in rows if not r.get("trajectory")]
+  methods = list(dict.fromkeys(r["method"] for r in calls))
+  base = "non_shared" if "non_shared" in methods else "agents"     # the dNLL reference
+  by = {m: {(r["trace"], r["call"]): r for r in calls if r["method"] == m} for m in methods}
+  lines = []
+  for m in methods:
+    act = {k: r for k, r in by[m].items() if r["role"] == "action"}
+    n, k = len(act), sum(r["exact"] for r in act.values())
+    lo, hi = calls_lib.wilson(k, n)
+
+    def p_vs(ref):
+      if ref not in by or ref == m:
+        return "-"
+      keys = [key for key in act if key in by[ref]]
+      b = sum(act[key]["exact"] and not by[ref][key]["exact"] for key in keys)
+      c = sum(by[ref][key]["exact"] and not act[key]["exact"] for key in keys)
+      return f"{calls_lib.mcnemar(b, c):.2f} ({b}-{c})"
+
+    per = collections.defaultdict(lambda: np.zeros(3))    # trace -> agree, tokens, logprob
+    ref = collections.defaultdict(float)                   # trace -> the reference's logprob
+    for key, r in by[m].items():
+      per[key[0]] += (r["agree"], r["tokens"], r["logprob"])
+      if key in by.get(base, {}):
+        ref[key[0]] += by[base][key]["logprob"]
+    agree = _boot(per, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
+    dnll = "-"
+    if base in by and m != base:
+      paired = {t: np.array([per[t][1], per[t][2], ref[t]]) for t in per}
+      d = _boot(paired, lambda xs: sum(x[2] - x[1] for x in xs) / sum(x[0] for x in xs))
+      dnll = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
+    traj = [r for r in rows if r.get("trajectory") and r["method"] == m]
+    lines.append([m, str(n), f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]" if n else "-",
+                  p_vs("non_shared"), p_vs("agents"),
+                  f"{agree[0]:.3f} [{agree[1]:.3f}, {agree[2]:.3f}]", dnll,
+                  f"{np.mean([r['prefilled'] for r in by[m].values()]):.0f}",
+                  f"{np.median([r['ttft_s'] for r in by[m].values()]):.3f}",
+                  f"{np.mean([r['kv_bytes'] for r in traj]) / 2 ** 20:.1f}" if traj else "-"])
+  n_traj = len({r["trace"] for r in calls})
+  return common.Table(
+      f"agent calls teacher-forced through the engine ({n_traj} trajectories; action calls "
+      "exact = greedy writes the call's arguments exactly; McNemar p (wins-losses), paired "
+      "by call)",
+      ["method", "n action", "action exact [95% CI]", "p vs non_shared", "p vs agents",
+       "token agreement [95% CI]", f"dNLL vs {base} [95% CI]", "prefilled / call",
+       "TTFT p50 s", "KV MB / trajectory"], lines)
+
+
+def main(argv):
+  del argv
+  args = flags.FLAGS
+  if args.tables_from:
+    common.print_tables_from(args.tables_from, lambda rows: [table(rows)])
+    return
+  if not args.traces:
+    raise app.UsageError("--traces is required")
+  methods = common.method_names(args.methods, METHODS)
+  llm = jaxkv.load("smollm2-135m", verbose=False)
+  _, lora = artifacts.load_role_adapters(llm.config)
+  sessions = traces.load_toolbench(args.traces)
+  if args.max_sessions:
+    sessions = sessions[:args.max_sessions]
+  trajs, ctxs = [], []
+  for s in sessions:
+    traj = agents.build(s, llm.tokenizer)
+    if len(traj) <= args.max_tokens and traj.calls and traj.calls[0].start >= 1:
+      trajs.append(traj)
+      ctxs.append(contexts(s, traj, llm.tokenizer))
+  print(f"{len(trajs)} of {len(sessions)} trajectories fit {args.max_tokens} tokens",
+        file=sys.stderr)
+  rows: list[dict] = []
+  for m in methods:
+    rows = [r for r in rows if r["method"] != m] + run_method(llm, lora, m, trajs, ctxs, args)
+    common.write_rows(args.out, rows)
+  common.print_tables([table(rows)])
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
