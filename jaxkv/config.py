@@ -644,6 +644,9 @@ class ServerConfig:
   agent_max_tokens: int = 4096  # Longest trajectory of an agents session, in tokens (it
                                 # holds this many slots of the pool while open).
   agent_sessions: int = 4       # Agents sessions open at once.
+  max_sessions: int = 256       # Sessions open at once, every kind together (one first
+                                # seen in a request included); one more is a 400 until a
+                                # session closes or idles out.
   max_body_bytes: int = 4 << 20  # Largest request body; a larger one is answered 413
                                  # before it is read in full.
   body_timeout_s: float = 30.0  # Seconds a client may take to send its request body; a
@@ -668,6 +671,8 @@ class ServerConfig:
                        "(base_shared keeps a low-rank value pool per agent, which the server's "
                        "one KV pool cannot hold; droidspeak needs a profiled window), got "
                        f"{self.agent_scheme!r}")
+    if self.max_sessions < 1:
+      raise ValueError(f"server.max_sessions must be >= 1, got {self.max_sessions}")
     if self.agent_max_tokens < 16 or self.agent_sessions < 1:
       raise ValueError("server.agent_max_tokens must be >= 16 and server.agent_sessions >= 1")
     if not 0 <= self.port < 65536:

@@ -537,6 +537,25 @@ def test_load_bench_level_against_the_server(served):
   assert server_load.table([row]).lines[0][:4] == ["-", "off", "4", "6"]
 
 
+def test_sessions_are_capped(base):
+  """server.max_sessions counts every open session, one first seen in a request
+  included: one more is a 400 naming the setting; closing one makes room."""
+  llm, cfg = fresh(base, engine=dataclasses.replace(ENGINE, prefix_cache=True),
+                   max_sessions=2)
+  with serving(llm, cfg) as server:
+    ids = [httpx.post(server.url + "/v1/sessions", json={}).json()["id"] for _ in range(2)]
+    more = httpx.post(server.url + "/v1/sessions", json={})
+    assert more.status_code == 400 and "server.max_sessions=2" in more.json()["error"]["message"]
+    body = {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, "user": "carol"}
+    late = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert late.status_code == 400 and "server.max_sessions" in late.json()["error"]["message"]
+    plain = {k: v for k, v in body.items() if k != "user"}
+    assert httpx.post(server.url + "/v1/chat/completions", json=plain).status_code == 200
+    assert httpx.delete(f"{server.url}/v1/sessions/{ids[0]}").json()["deleted"]
+    assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+    assert "carol" in {d["id"] for d in httpx.get(server.url + "/v1/sessions").json()["data"]}
+
+
 def test_agent_sessions_hold_their_turns(base):
   """Sessions with the prefix cache: open, multi-turn chat whose every turn adopts the
   previous turn's prompt + reply, a hold visible in /v1/sessions and /metrics, close

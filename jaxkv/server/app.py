@@ -211,6 +211,11 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
           return _error(APIError(400, str(e), param="session_id"))
         queue = loop.submit(req)
       else:
+        if skind == "prefix" and p.session not in backends.engine.sessions:
+          try:                                 # a new session: counted against the cap
+            await asyncio.wrap_future(loop.call(lambda: backends.open(p.session, "prefix")))
+          except ValueError as e:
+            return _error(APIError(400, str(e), param="session_id"))
         queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
                                     session=p.session if skind == "prefix" else None,
                                     adapter=p.adapter))

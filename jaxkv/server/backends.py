@@ -170,6 +170,12 @@ class SessionBackends:
         have[1] = time.monotonic()
       return have[0]
     kind = kind or self.default
+    n_open = len(self._open) + (len(self.engine.sessions) if self.engine.radix is not None
+                                else 0)
+    if n_open >= self.server_cfg.max_sessions:
+      raise ValueError(f"{n_open} sessions are open (server.max_sessions="
+                       f"{self.server_cfg.max_sessions}): close one or wait for idle ones "
+                       f"to expire (server.session_idle_s={self.server_cfg.session_idle_s:g})")
     if kind == "prefix":
       self.engine.open_session(session)
     elif "agents" in kind.split("+"):
