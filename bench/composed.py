@@ -2,7 +2,7 @@
 each alone and composed in one session, through the batch engine.
 
     python bench/composed.py --traces=data_local/tau2_heldout.json \\
-        --out=bench/results_composed.json [--budget=1024] [--max_sessions=0]
+        --out=bench/results_composed.json [--budget=3584] [--max_sessions=0]
         [--max_tokens=6144] [--methods=non_shared,pruned,agents,agents+pruned,agents+random]
 
 Each held-out session becomes an LRAgent trajectory (`jaxkv.data.agents`: plan /
@@ -33,20 +33,32 @@ system prompt is the rendered system message; a call's actionable query span is 
 trajectory since the previous call began (that call's output and the new context:
 the tool result, the action cue).
 
-Table per method: action calls exact with n and a Wilson 95% interval, exact McNemar
+Pick a budget above the protected system prompt plus the query span: below it the
+forced set alone fills the budget, every scorer keeps the same entries, and IntentKV
+and random pruning are identical by construction (the tau2 system prompts with their
+tool schemas are 3,171-3,288 SmolLM2 tokens, so C = 1,024 prunes every trajectory to
+that set; C = 3,584 leaves the scorer a choice).
+
+Table per method: calls whose KV pruning cut, action calls exact with n and a Wilson
+95% interval, exact McNemar
 p (paired by call) against non_shared and agents; over every call's tokens, greedy
-agreement with the gold token and Delta-NLL against non_shared (LRAgent's fidelity),
-each with a 95% bootstrap interval over trajectories (the unit that varies); mean
+agreement with the gold token, its paired difference to agents+random (the chance
+line) and Delta-NLL against non_shared (LRAgent's fidelity), each with a 95% bootstrap
+interval over trajectories (the unit that varies); mean
 prefilled tokens per call, TTFT p50, mean KV MB per trajectory. (Without non_shared
 in the run, Delta-NLL is read against agents.)
---tables_from=FILE reprints the tables.
+--tables_from=FILE reprints the tables. A run keeps --out's rows of the methods it
+does not run (so methods can run one process each).
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import os
 import sys
 
+import jax
 import numpy as np
 from absl import app, flags
 from tqdm import tqdm
@@ -71,7 +83,7 @@ def define_flags():
   flags.DEFINE_string("traces", None, "ToolBench-format held-out traces (scripts/make_traces.py)")
   flags.DEFINE_string("out", None, "JSON rows: one per call and one per trajectory")
   flags.DEFINE_string("methods", ",".join(METHODS), "methods to run, comma-separated")
-  flags.DEFINE_integer("budget", 1024, "pruning budget C (live prompt KV entries)")
+  flags.DEFINE_integer("budget", 3584, "pruning budget C (live prompt KV entries)")
   flags.DEFINE_integer("max_sessions", 0, "first N sessions (0: all)")
   flags.DEFINE_integer("max_tokens", 6144, "trajectories longer than this are skipped")
   flags.DEFINE_integer("max_batch", 4, "trajectories in flight")
@@ -210,21 +222,39 @@ def table(rows: list[dict]) -> common.Table:
       paired = {t: np.array([per[t][1], per[t][2], ref[t]]) for t in per}
       d = _boot(paired, lambda xs: sum(x[2] - x[1] for x in xs) / sum(x[0] for x in xs))
       dnll = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
+    vs_random = "-"                      # the chance line: paired over trajectories
+    rnd = "agents+random"
+    if rnd in by and m != rnd:
+      pair = {}
+      for key, r in by[m].items():
+        if key in by[rnd]:
+          o = by[rnd][key]
+          pair.setdefault(key[0], np.zeros(2))
+          pair[key[0]] += (r["agree"] - o["agree"], r["tokens"])
+      d = _boot(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
+      vs_random = f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
     traj = [r for r in rows if r.get("trajectory") and r["method"] == m]
-    lines.append([m, str(n), f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]" if n else "-",
+    cut = sum(1 for r in by[m].values() if r.get("kv_live_before") is not None
+              and r["kv_live_after"] < r["kv_live_before"])
+    lines.append([m, str(n), str(cut), f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]" if n else "-",
                   p_vs("non_shared"), p_vs("agents"),
-                  f"{agree[0]:.3f} [{agree[1]:.3f}, {agree[2]:.3f}]", dnll,
+                  f"{agree[0]:.3f} [{agree[1]:.3f}, {agree[2]:.3f}]", vs_random, dnll,
                   f"{np.mean([r['prefilled'] for r in by[m].values()]):.0f}",
                   f"{np.median([r['ttft_s'] for r in by[m].values()]):.3f}",
                   f"{np.mean([r['kv_bytes'] for r in traj]) / 2 ** 20:.1f}" if traj else "-"])
   n_traj = len({r["trace"] for r in calls})
+  header = ["method", "n action", "calls pruned", "action exact [95% CI]", "p vs non_shared",
+            "p vs agents", "token agreement [95% CI]", "agreement - random (paired)",
+            f"dNLL vs {base} [95% CI]",
+            "prefilled / call", "TTFT p50 s", "KV MB / trajectory"]
+  if "non_shared" not in by:               # no reference run: no column of dashes
+    header.pop(4)
+    lines = [line[:4] + line[5:] for line in lines]
   return common.Table(
       f"agent calls teacher-forced through the engine ({n_traj} trajectories; action calls "
       "exact = greedy writes the call's arguments exactly; McNemar p (wins-losses), paired "
       "by call)",
-      ["method", "n action", "action exact [95% CI]", "p vs non_shared", "p vs agents",
-       "token agreement [95% CI]", f"dNLL vs {base} [95% CI]", "prefilled / call",
-       "TTFT p50 s", "KV MB / trajectory"], lines)
+      header, lines)
 
 
 def main(argv):
@@ -250,9 +280,13 @@ def main(argv):
   print(f"{len(trajs)} of {len(sessions)} trajectories fit {args.max_tokens} tokens",
         file=sys.stderr)
   rows: list[dict] = []
+  if args.out and os.path.exists(args.out):      # a rerun keeps the other methods' rows
+    with open(args.out) as f:
+      rows = [r for r in json.load(f) if r["method"] not in methods]
   for m in methods:
     rows = [r for r in rows if r["method"] != m] + run_method(llm, lora, m, trajs, ctxs, args)
     common.write_rows(args.out, rows)
+    jax.clear_caches()      # each method compiles its own pool's steps: free the last one's
   common.print_tables([table(rows)])
 
 

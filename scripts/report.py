@@ -44,6 +44,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             the 5-6k recall conversations
   bench/results_kernels_h200*.json bench/attention_kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
+  bench/results_composed.json      bench/composed.py        agents / pruning alone and
+                                                            composed (agent calls)
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -69,6 +71,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 import agent_eval  # noqa: E402  (bench/)
 import attention_kernels as kernels_bench  # noqa: E402
 import common  # noqa: E402
+import composed as composed_bench  # noqa: E402
 import config_reference  # noqa: E402  (scripts/)
 import lragent as lragent_bench  # noqa: E402
 import memart_tables as memart_bench  # noqa: E402
@@ -120,6 +123,7 @@ SOURCES = {
     "throughput-h200": "bench/results_throughput_h200.json",
     "server-load": "bench/results_server_load.json",
     "server-load-kinds": "bench/results_server_load_kinds.json",
+    "composed": "bench/results_composed.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -221,6 +225,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["server-load"] = rows["server-load"] and _render(server_load.tables(rows["server-load"]))
   out["server-load-kinds"] = rows["server-load-kinds"] and _render(
       [server_load.batching_table(rows["server-load-kinds"])])
+  out["composed"] = rows["composed"] and _render([composed_bench.table(rows["composed"])])
   out["throughput-h200"] = rows["throughput-h200"] and _render(
       [throughput.table(rows["throughput-h200"])], titles=False)
   out["throughput-h100"] = rows["throughput-h100"] and _render([

@@ -1,0 +1,213 @@
+"""Soak: the server under a mixed, partly hostile load for a fixed time, then the books.
+
+    python bench/soak.py [--config=configs/smollm2_agents.py] [--duration_s=600]
+        [--clients=4] [--max_tokens=12] [--out=bench/results_soak.json]
+
+Starts the server in this process on a free loopback port with every session kind
+on (the config's pools and budgets), and `--clients` client tasks send requests back
+to back until `--duration_s` has passed. Each request is drawn (seeded) from:
+
+    chat        a plain chat completion, half of them streamed
+    session     a session of a random kind (pruned, memart, reuse, semshare, agents,
+                agents+pruned, prefix) opened, 1-3 turns, deleted
+    cancel      a stream the client drops after its first chunk
+    bad         a malformed request: invalid JSON, a lone surrogate, nesting 100 deep,
+                an unknown model, a prompt over the cache, a bad session kind list
+
+Then the server drains, every session is deleted, and the run reports: requests by
+kind and status, 5xx responses (must be 0: no fault is injected), RSS and the
+compiled variants of the engine's jitted steps at the start (after a warm-up round),
+at the middle and at the end, and the KV books: sessions left, sequences left,
+live slots (= tokens the radix trees cache + slots held by `retain`: SemShareKV's
+references, MemArt's shared chat head, when no sequence is left), and
+`KVManager.check()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import pathlib
+import random
+import resource
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import common
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+KINDS = ("pruned", "memart", "reuse", "semshare", "agents", ["agents", "pruned"], "prefix")
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  config_flags.DEFINE_config_file("config", str(ROOT / "configs/smollm2_agents.py"),
+                                  "server config", lock_config=True)
+  flags.DEFINE_float("duration_s", 600.0, "seconds of load")
+  flags.DEFINE_integer("clients", 4, "client tasks sending back to back")
+  flags.DEFINE_integer("max_tokens", 12, "completion tokens per request")
+  flags.DEFINE_integer("seed", 0, "draws of the request mix")
+  flags.DEFINE_string("out", None, "JSON summary")
+
+
+def rss_mb() -> float:
+  """Resident set size now (Linux /proc), MB."""
+  for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+    if line.startswith("VmRSS:"):
+      return int(line.split()[1]) / 1024
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def compiled() -> int:
+  """Compiled variants of the jitted steps every request runs through."""
+  from jaxkv.engine import driver, mechanism_rows
+  return sum(f._cache_size() for f in (driver.chunk_step, driver.decode_scan,
+                                        mechanism_rows._sample_one))
+
+
+async def client(url: str, rng: random.Random, deadline: float, counts, statuses,
+                 max_tokens: int, name: str) -> None:
+  import httpx
+  chat_url = url + "/v1/chat/completions"
+  async with httpx.AsyncClient(timeout=600) as http:
+
+    async def post(what, path, body=None, raw=None):
+      r = await http.post(url + path, json=body, content=raw,
+                          headers={"Content-Type": "application/json"})
+      counts[what] += 1
+      statuses[r.status_code] += 1
+      return r
+
+    n = 0
+    while time.monotonic() < deadline:
+      n += 1
+      msg = [{"role": "user", "content": f"{name} request {n}: name a colour and a city."}]
+      pick = rng.random()
+      if pick < 0.3:
+        await post("chat", "/v1/chat/completions", {"model": MODEL, "messages": msg,
+                                                     "max_tokens": max_tokens,
+                                                     "stream": rng.random() < 0.5})
+      elif pick < 0.65:
+        kind = rng.choice(KINDS)
+        role = isinstance(kind, list) or kind == "agents"
+        r = await post("session_open", "/v1/sessions", {"kind": kind})
+        if r.status_code != 200:
+          continue
+        sid = r.json()["id"]
+        chat = list(msg)
+        for turn in range(rng.randint(1, 3)):
+          model = MODEL + (":" + ("plan", "action", "reflect")[turn] if role else "")
+          r = await post("session_turn", "/v1/chat/completions", {
+              "model": model, "messages": chat, "max_tokens": max_tokens,
+              "session_id": sid, "stream": rng.random() < 0.3})
+          if r.status_code != 200:
+            break
+          text = "ok" if r.headers.get("content-type", "").startswith("text/event-stream") \
+              else r.json()["choices"][0]["message"]["content"] or "ok"
+          chat += [{"role": "assistant", "content": text},
+                   {"role": "user", "content": f"Tool result: step {turn} done."}]
+        d = await http.delete(f"{url}/v1/sessions/{sid}")
+        counts["session_delete"] += 1
+        statuses[d.status_code] += 1
+      elif pick < 0.8:
+        async with http.stream("POST", chat_url, json={"model": MODEL, "messages": msg,
+                                                       "max_tokens": 64, "stream": True}) as r:
+          statuses[r.status_code] += 1
+          async for _ in r.aiter_lines():
+            break                               # the client leaves mid-stream
+        counts["cancel"] += 1
+      else:
+        bad = rng.choice([
+            ("raw", b"{not json"),
+            ("raw", b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", '
+                    b'"content": "\\ud800"}]}'),
+            ("raw", b"[" * 100 + b"]" * 100),
+            ("json", {"model": "no-such-model", "messages": msg}),
+            ("json", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 40000}]}),
+        ])
+        if rng.random() < 0.2:
+          await post("bad", "/v1/sessions", {"kind": ["memart", "reuse"]})
+        elif bad[0] == "raw":
+          await post("bad", "/v1/chat/completions", raw=bad[1])
+        else:
+          await post("bad", "/v1/chat/completions", bad[1])
+
+
+def main(argv):
+  del argv
+  import httpx
+
+  from jaxkv import cli
+  from jaxkv.config import ServeConfig
+  from jaxkv.server.app import create_app, serve_in_thread
+  cfg = cli.load_config(ServeConfig, FLAGS.config)
+  llm = cli.load_llm(cfg)
+  rng = random.Random(FLAGS.seed)
+  counts, statuses = collections.Counter(), collections.Counter()
+  marks = {}
+  app_ = create_app(llm, cfg)
+  backends = app_.state.backends
+  with serve_in_thread(app_) as server:
+    url = server.url
+
+    async def load(seconds: float):
+      deadline = time.monotonic() + seconds
+      await asyncio.gather(*[client(url, random.Random(rng.random()), deadline, counts,
+                                    statuses, FLAGS.max_tokens, f"c{i}")
+                             for i in range(FLAGS.clients)])
+
+    print("warm-up round (compiles)...", file=sys.stderr, flush=True)
+    asyncio.run(load(min(120.0, FLAGS.duration_s / 4)))
+    marks["start"] = (rss_mb(), compiled(), time.monotonic())
+    counts.clear()
+    statuses.clear()
+    half = FLAGS.duration_s / 2
+    for mark in ("middle", "end"):
+      print(f"load for {half:.0f} s...", file=sys.stderr, flush=True)
+      asyncio.run(load(half))
+      marks[mark] = (rss_mb(), compiled(), time.monotonic())
+    for sid in [d["id"] for d in httpx.get(url + "/v1/sessions").json()["data"]]:
+      httpx.delete(f"{url}/v1/sessions/{sid}")
+    engine = llm.engine
+    deadline = time.monotonic() + 60
+    while engine.busy and time.monotonic() < deadline:
+      time.sleep(0.1)
+    left = httpx.get(url + "/v1/sessions").json()["data"]
+    kv = engine.kv_manager
+    kv.check()
+    books = {"sessions_left": len(left), "engine_busy": engine.busy,
+             "sequences": len(kv.allocator.sequences()),
+             "live_slots": kv.allocator.num_live_slots,
+             "cached_tokens": sum(t.num_cached_tokens for t in kv.trees()),
+             # slots held by `retain` (SemShareKV's references, MemArt's shared head)
+             "held_slots": sum(kv.allocator.holds(s) > 0
+                               for s in range(1, kv.allocator.num_slots)),
+             "memart_sessions": len(backends.memart.sessions.sessions) if backends.memart else 0,
+             "agents_sessions": len(backends.agents.sessions) if backends.agents else 0,
+             "check": "clean"}
+  out = {"duration_s": marks["end"][2] - marks["start"][2], "clients": FLAGS.clients,
+         "requests": dict(counts), "statuses": {str(k): v for k, v in sorted(statuses.items())},
+         "server_errors": sum(v for k, v in statuses.items() if k >= 500),
+         "rss_mb": {k: round(v[0], 1) for k, v in marks.items()},
+         "compiled_steps": {k: v[1] for k, v in marks.items()}, "books": books}
+  print(json.dumps(out, indent=1))
+  common.print_tables([common.Table(
+      f"soak: {out['duration_s']:.0f} s, {FLAGS.clients} clients, {sum(counts.values())} "
+      "requests", ["", "start", "middle", "end"],
+      [["RSS MB", *(f"{marks[k][0]:.0f}" for k in ("start", "middle", "end"))],
+       ["compiled step variants", *(str(marks[k][1]) for k in ("start", "middle", "end"))]])])
+  if FLAGS.out:
+    pathlib.Path(FLAGS.out).write_text(json.dumps(out, indent=1) + "\n")
+  if out["server_errors"] or books["sessions_left"] or books["engine_busy"]:
+    sys.exit(f"soak: failed: {out['server_errors']} 5xx, {books['sessions_left']} sessions "
+             f"left, engine busy {books['engine_busy']}")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
