@@ -1,5 +1,6 @@
 """Helpers of the mechanism tests: a mechanism that records each request's
-first-token logits, and a runner's tokens cut at the first stop as the engine's are."""
+first-token logits, a runner's tokens cut at the first stop as the engine's are, and a
+request cancelled after its first engine step."""
 
 import inspect
 
@@ -35,3 +36,15 @@ def clip(tokens, stop_ids):
     if t in stop_ids:
       return tokens[:i + 1]
   return tokens
+
+
+def cancel_after_first_step(eng, req) -> list:
+  """Submits `req`, runs one engine step, cancels it and steps until the engine is
+  idle; returns every result those steps gave."""
+  eng.submit(req)
+  eng.step()
+  eng.cancel(req.id)
+  out = []
+  while eng.busy:
+    out += eng.step()
+  return out

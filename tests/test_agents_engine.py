@@ -16,6 +16,7 @@ from jaxkv.engine.agents import AgentRunner
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.agents import SERVED, Agents
 from jaxkv.policies.sharing import lragent
+from mechanism_util import cancel_after_first_step
 from test_agents import _lora
 
 STEPS = ("Plan a trip to Lisbon in three steps.", "Now step two, briefly.",
@@ -142,15 +143,11 @@ def test_cancel_keeps_the_trajectory_and_refusals(llm):
   mech.open("s")
   ids = tok.encode_chat([{"role": "user", "content": STEPS[0]}], add_generation_prompt=True)
   next(eng.run([_call("a", ids, 0)]))
-  held = mech.sessions["s"].held.copy()
-  eng.submit(_call("c", ids, 0, max_tokens=64))
-  eng.step()
-  eng.cancel("c")
-  out = []
-  while eng.busy:
-    out += eng.step()
+  held = {k: r.tokens.copy() for k, r in mech.sessions["s"].regions.items()}
+  out = cancel_after_first_step(eng, _call("c", ids, 0, max_tokens=64))
   assert [r.finish_reason for r in out] == ["cancelled"]
-  assert np.array_equal(mech.sessions["s"].held, held)
+  now = mech.sessions["s"].regions
+  assert set(now) == set(held) and all(np.array_equal(now[k].tokens, held[k]) for k in held)
   eng.kv_manager.check()
   base = Request("b", ids, SamplingConfig(max_tokens=4), mechanism="agents",
                  context={"session": "s"})

@@ -21,6 +21,7 @@ from jaxkv.engine.mechanisms.agents import Agents
 from jaxkv.engine.mechanisms.pruned import Pruned
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models import lora as lora_lib
+from mechanism_util import cancel_after_first_step
 from test_agents import _lora
 from test_sessions import MESSAGES
 
@@ -112,13 +113,8 @@ def test_both_on_the_roles_read_the_pruned_trajectory(llm):
   assert len(pr.state.seen) == 1
   before = (region.tokens.copy(), pr.state.seen["s"])
   prompt, ctx = pr.context("s", MESSAGES[:TURNS[3]])
-  eng.submit(Request("c", prompt, SamplingConfig(max_tokens=64), adapter=2, mechanism=PAIR,
-                     context=ctx))
-  eng.step()
-  eng.cancel("c")
-  res = []
-  while eng.busy:
-    res += eng.step()
+  res = cancel_after_first_step(eng, Request("c", prompt, SamplingConfig(max_tokens=64),
+                                             adapter=2, mechanism=PAIR, context=ctx))
   assert [r.finish_reason for r in res] == ["cancelled"]
   now = ag.sessions["s"].regions[0]
   assert np.array_equal(now.tokens, before[0]) and pr.state.seen["s"] == before[1]

@@ -332,7 +332,7 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
         raise ValueError(f"role {p.role!r} is not one of the role adapters "
                          f"{', '.join(llm.adapters)}")
       prompt = llm.encode(with_system(messages(p.prompt)), tools=p.tools)
-      mech.check(session, len(prompt), p.sampling.max_tokens)
+      mech.check(len(prompt), p.sampling.max_tokens)
       mech.open(session)
       return Request(p.id, prompt, p.sampling, adapter=llm.adapters.index(p.role),
                      mechanism="agents", context={"session": session})

@@ -210,12 +210,12 @@ class Driver:
     self.graphdef, self.weights, self.kv, self.attn_impl = graphdef, weights, kv, attn_impl
     self.mesh = mesh   # jax.sharding.Mesh: host batches go out with rows on "data"
 
-  def put(self, x) -> jax.Array:
-    """A host array onto the device(s): rows split on the mesh's "data" axis when
-    the driver has a mesh (jaxkv.sharding), else the default device."""
+  def put(self, x, batch_axis: int = 0) -> jax.Array:
+    """A host array onto the device(s): rows (axis `batch_axis`) split on the mesh's
+    "data" axis when the driver has a mesh (jaxkv.sharding), else the default device."""
     if self.mesh is None:
       return jax.device_put(x)
-    return jax.device_put(x, sharding.batch_sharding(self.mesh, np.shape(x)))
+    return jax.device_put(x, sharding.batch_sharding(self.mesh, np.shape(x), batch_axis))
 
   def prefill(self, rows: Sequence[plan.Row | None], *, chunk: int,
               slot_map: np.ndarray | SlotMapFn, max_width: int | None = None,

@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -366,8 +365,7 @@ class Engine(MechanismRows, SessionHolds):
     views = self._views([rows[i] if i in live else None for i in range(B)], slot_map)
     forced = forced_block(rows, live, n, B)
     if forced is not None:          # teacher-forced rows: steps on axis 0, rows on axis 1
-      views.update(forced=jax.device_put(forced[0], None if self.mesh is None else
-                                         sharding.batch_sharding(self.mesh, forced[0].shape, 1)),
+      views.update(forced=self.driver.put(forced[0], batch_axis=1),
                    forced_rows=self.driver.put(forced[1]))
     t0 = time.perf_counter()
     res = self.driver.decode(tokens, positions, views.pop("slot_map", slot_map), remaining,

@@ -33,9 +33,10 @@ lists them), so a multi-agent framework points each agent at its role's name.
 
 One config turns every mechanism on (`configs/smollm2_agents.py`): role adapters
 in the batch engine, and a session kind each for pruning, MemArt, reuse and LRAgent
-sharing, each an engine mechanism batched with every other request. Not yet here:
-one session combining several kinds (e.g. MemArt blocks spliced into a pruned
-session's context).
+sharing, each an engine mechanism batched with every other request; a session may
+compose agents and pruned (`{"kind": ["agents", "pruned"]}`). Not yet here: MemArt,
+reuse or SemShareKV composed with another kind (they plan their prefill on the base
+model).
 """
 
 from __future__ import annotations

@@ -252,13 +252,13 @@ class SessionBackends:
       if p.chat is None:
         raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
       prompt, ctx = self.pruned.context(session, *p.chat)
-      self.agents.check(session, len(prompt), p.sampling.max_tokens)
+      self.agents.check(len(prompt), p.sampling.max_tokens)
       self.open(session, kind)
       self.stats.requests[kind] += 1
       return Request(id=rid, prompt=prompt, sampling=p.sampling, adapter=p.adapter,
                      mechanism=kind, context=ctx)
     if kind == "agents":
-      self.agents.check(session, len(p.prompt), p.sampling.max_tokens)
+      self.agents.check(len(p.prompt), p.sampling.max_tokens)
       self.open(session, kind)
       self.stats.requests[kind] += 1
       return Request(id=rid, prompt=p.prompt, sampling=p.sampling, adapter=p.adapter,

@@ -57,7 +57,6 @@ class _Region:
 @dataclasses.dataclass
 class _Session:
   regions: dict[int, _Region] = dataclasses.field(default_factory=dict)
-  held: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
   used: float = 0.0
   running: int = 0         # calls admitted and not finished
 
@@ -139,16 +138,16 @@ class Agents(Mechanism):
     return True
 
   def held_tokens(self, session: str) -> int:
+    """The trajectory the session keeps (its longest region; 0 once evicted)."""
     s = self.sessions.get(session)
-    return 0 if s is None else int(s.held.size)
+    return max((r.tokens.size for r in s.regions.values()), default=0) if s else 0
 
-  def check(self, session: str, prompt_tokens: int, max_tokens: int) -> None:
-    """ValueError for a call the session cannot take (what the server answers 400)."""
+  def check(self, prompt_tokens: int, max_tokens: int) -> None:
+    """ValueError for a call no session can take (what the server answers 400)."""
     if prompt_tokens + max_tokens > self.max_tokens:
       raise ValueError(f"{prompt_tokens} prompt + {max_tokens} reply tokens exceed the "
                        f"'agents' session's trajectory cap {self.max_tokens} "
                        "(server.agent_max_tokens)")
-    del session
 
   def _region(self, role: int) -> int:
     return role if self.scheme == "non_shared" else 0
@@ -186,7 +185,7 @@ class Agents(Mechanism):
       raise ValueError(f"'agents' session {sid!r} is not open")
     if not 0 <= req.adapter < self.lora.num_adapters:
       raise ValueError("an 'agents' call runs on a role adapter (<model>:<role>)")
-    self.check(sid, len(req.prompt), req.sampling.max_tokens)
+    self.check(len(req.prompt), req.sampling.max_tokens)
     reg = s.regions.get(self._region(req.adapter))
     hit = 0 if reg is None else min(_common(reg.tokens, np.asarray(req.prompt, np.int32)),
                                     len(req.prompt) - 1)
@@ -218,7 +217,6 @@ class Agents(Mechanism):
     if old is not None:
       alloc.free_sequence(old.seq)
     s.regions[self._region(c.role)] = _Region(seq, tokens)
-    s.held = tokens
     computed = row.n - c.hit
     self.stats["requests"] += 1
     self.stats["shared_tokens"] += c.hit

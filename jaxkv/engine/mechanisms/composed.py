@@ -66,12 +66,10 @@ def check(mechanisms: list[Mechanism]) -> Mechanism:
   if len(layouts) > 1:
     raise ValueError(f"{[m.name for m in layouts]} each lay out and cache the row's KV: "
                      "at most one may")
-  if layouts:
-    return layouts[0]
-  for m in mechanisms:          # every one can join: the first that adopts KV lays out
-    if m.adapters:
-      return m
-  return mechanisms[0]
+  if not layouts:
+    raise ValueError(f"none of {names} lays out and caches the row's KV (they only join "
+                     "one): compose them with one that does, e.g. agents")
+  return layouts[0]
 
 
 class Composed(Mechanism):
