@@ -9,7 +9,7 @@ Next-call accuracy over replayed sessions:
 
 Any ToolBench-format file works. For every assistant turn of a session that makes
 a tool call, the real history up to that turn (tool outputs included) goes through
-`SessionRunner` with the method under test -- radix prefix cache on, pruning events
+the engine with the method under test -- radix prefix cache on, pruning events
 exactly as in serving, one QueryMemory per session -- and the model then generates
 the turn freely (greedy, its own tool-call template, up to --max_tokens). The call
 it writes is scored against the trace (`jaxkv.data.calls`): exact match of tool name
@@ -38,8 +38,13 @@ compl, raw_acc, true_acc with intervals, n_tasks, the outcome counts and each
 episode (`episodes`); both: pruned_share and the efficiency columns of
 `bench/pruning.py` over the real decode steps: pt, eff_live_kv, raw_reads,
 eff_reads, prefix_hit_rate, wall_s. `full` (no pruning) is the headroom; `random`
-the chance baseline. All configurations run on one `SessionRunner`; between them
-only the system prompts every session shares stay cached (`set_policy`).
+the chance baseline. The dead-slot layout and the full cache replay through the serving
+engine's `pruned` mechanism, --batch sessions side by side (`jaxkv.evaluation.replay`:
+a free turn with the tool name given stops at the token that completes the call);
+the compact layout, which serving does not use, through the batch-1 `SessionRunner`
+(--replay=runner: everything there, a free turn checked for completion every 16
+tokens). Between configurations only the system prompts every session shares stay
+cached.
 """
 
 from __future__ import annotations
@@ -47,17 +52,21 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+import agent_stats
 import common
 import jaxkv
 import pruning
 from jaxkv import artifacts
-from jaxkv.config import CacheConfig, PruningConfig
-from jaxkv.data import calls, envs, traces
+from jaxkv.config import CacheConfig, PruningConfig, SamplingConfig
+from jaxkv.data import calls, envs, labels, traces
 from jaxkv.engine import agent_loop
+from jaxkv.engine.request import Request
 from jaxkv.engine.sessions import SessionRunner
+from jaxkv.evaluation import replay
 
 METHODS = {"full": dict(method="none"), **pruning.METHODS, **pruning.LEARNABLE}
 
@@ -84,9 +93,9 @@ def argument_prefix(tokenizer, gold) -> int:
   return k
 
 
-def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
-                max_tokens: int, given: str = "none") -> list[dict]:
-  """One sample per tool-call turn: {turn, exact, name, text} plus the turn's metrics.
+def plan_session(session: traces.Session, tokenizer, max_tokens: int,
+                 given: str = "none") -> replay.Session:
+  """The turns to run for one session's samples: one per tool-call turn.
 
   Every assistant turn up to the last scored one runs (so pruning and the memory
   advance as in serving); a turn without a gold call (a text reply in between) is
@@ -98,28 +107,52 @@ def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
   of well-formed argument objects."""
   messages, tools = traces.session_chat(session, tokenizer)
   scored = set(call_turns(session))
-  out = []
+  # with the head forced, the reply is done once it completes the call
+  done = lambda ids: bool(calls.completed_call("", tokenizer.decode(list(ids))))
+  turns, prunable = [], {}
   for i, m in enumerate(messages):
     if m.get("role") != "assistant" or i == 0 or i > max(scored, default=-1):
       continue
     k = 0
-    if given == "name" and i in scored:
-      k = argument_prefix(tokenizer, runner.prepare(messages, tools, i)["gold"])
-    # with the head forced, the reply is done once it completes the call
-    done = lambda ids: bool(calls.completed_call("", tokenizer.decode(list(ids))))
-    t = runner.run_turn(session.id, messages, tools, i, generate=i in scored,
-                        max_tokens=max_tokens, forced_reply=k, until=done if k else None)
-    rec = dict(turn=i, metrics=t)
     if i in scored:
-      gold = session.turns[i].tool_calls
+      p = labels.prepare_turn(tokenizer, messages, tools, i)
+      prunable[i] = labels.prunable_only_values(p, messages, i)
+      if given == "name":
+        k = argument_prefix(tokenizer, p["gold"])
+    turns.append(replay.Turn(i, generate=i in scored, max_tokens=max_tokens, forced_reply=k,
+                             until=done if k else None))
+  return replay.Session(session.id, messages, tools, turns, meta={"prunable": prunable})
+
+
+def score_session(session: traces.Session, plan: replay.Session, metrics) -> list[dict]:
+  """One sample per tool-call turn: {turn, exact, name, text, prunable (gold argument
+  values found only in prunable history), ...} plus the turn's metrics; the other
+  turns' records carry their metrics only."""
+  out = []
+  for t, m in zip(plan.turns, metrics):
+    rec = dict(session=session.id, turn=t.i, metrics=m)
+    if t.generate:
+      gold = session.turns[t.i].tool_calls
       # with the head forced, the call is the gold name and the arguments written
-      pred = calls.completed_call(gold[0].name, t.text) if k else calls.parse_calls(t.text)
+      pred = (calls.completed_call(gold[0].name, m.text) if t.forced_reply
+              else calls.parse_calls(m.text))
       exact, name = calls.match(pred, gold)
       hits, n_args = calls.argument_hits(pred, gold)
-      rec.update(exact=exact, name=name, arg_hits=hits, n_args=n_args, text=t.text,
-                 arg_mentions=calls.argument_mentions(t.text, gold)[0])
+      rec.update(exact=exact, name=name, arg_hits=hits, n_args=n_args, text=m.text,
+                 arg_mentions=calls.argument_mentions(m.text, gold)[0],
+                 prunable=len(plan.meta.get("prunable", {}).get(t.i, [])))
     out.append(rec)
   return out
+
+
+def run_session(runner: SessionRunner, session: traces.Session, tokenizer,
+                max_tokens: int, given: str = "none") -> list[dict]:
+  """`plan_session`'s turns on the batch-1 `SessionRunner`, scored."""
+  plan = plan_session(session, tokenizer, max_tokens, given)
+  metrics = [runner.run_turn(session.id, plan.messages, plan.tools, t.i, generate=t.generate,
+                             max_tokens=t.max_tokens, forced_reply=t.forced_reply,
+                             until=t.until) for t in plan.turns]
+  return score_session(session, plan, metrics)
 
 
 def summarize(samples_by_session: list[list[dict]]) -> dict:
@@ -131,6 +164,9 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
   k_copied = sum(s["arg_mentions"] for s in flat)
   turns = [[s["metrics"] for s in ss] for ss in samples_by_session]
   eff = pruning.summarize(turns, turns)
+  # evidence recall with its interval over sessions (the unit that varies)
+  ev = [[sum(t.evidence_kept for t in ts), sum(t.evidence for t in ts)] for ts in turns]
+  _, ev_lo, ev_hi = calls.ratio_ci([k for k, _ in ev], [n for _, n in ev])
   keep = ("pt", "eff_live_kv", "raw_reads", "eff_reads", "prefix_hit_rate", "wall_s",
           "pruned_share", "n_sessions", "n_turns", "future_evidence_recall")
   return dict(next_call_exact=k_exact / n if n else float("nan"),
@@ -144,6 +180,10 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
               next_call_copied=k_copied / n_args if n_args else float("nan"),
               next_call_copied_ci=list(calls.wilson(k_copied, n_args)),
               texts=[s["text"] for s in flat],
+              # per call, for the paired tests (agent_stats.annotate)
+              calls=[dict(session=s["session"], turn=s["turn"], exact=bool(s["exact"]),
+                          name=bool(s["name"]), prunable=s["prunable"]) for s in flat],
+              evidence_by_session=ev, future_evidence_recall_ci=[ev_lo, ev_hi],
               **{k: eff[k] for k in keep})
 
 
@@ -164,29 +204,70 @@ def rescore(rows: list[dict], sessions) -> int:
   return done
 
 
-def evaluate(llm, sessions, cfg: PruningConfig, cache: CacheConfig, *, head=None,
-             max_tokens: int = 96, desc: str = "", runner: SessionRunner | None = None,
-             keep_prefixes=(), given: str = "none") -> dict:
-  """One configuration over `sessions`: on a fresh runner, or on `runner` switched to
-  `cfg` (`SessionRunner.set_policy`: sessions start afresh; of the radix cache only
+class Replay:
+  """Both replays behind one switch: dead-slot layouts (and the full cache) through
+  the serving engine, --batch sessions side by side (`jaxkv.evaluation.replay`);
+  compact through the batch-1 `SessionRunner` (or everything there, engine=False),
+  on the engine's pool and radix tree.
+
+  Every configuration starts from the same cache, as on a server that has served the
+  domain before: every session forgotten, and the system prompts every session of a
+  domain shares (`keep_prefixes`) cached -- prefilled first if they are not. (Before,
+  the first configuration of a process started cold and showed the full cache's
+  83% prefix hits instead of the 91% of every later dead-slot row.)"""
+
+  def __init__(self, llm, cache: CacheConfig, *, batch: int = 8, engine: bool = True):
+    self.llm, self.use_engine = llm, engine
+    self.engine, self.rec = replay.engine_for(llm, PruningConfig(method="none"), cache,
+                                              max_batch=batch)
+    self.runner = SessionRunner(llm, PruningConfig(method="none"), cache=cache,
+                                kv=self.engine.kv_manager)
+
+  def _warm(self, prefixes) -> None:
+    """Prefills (no pruning) each of `prefixes` the radix tree does not hold whole."""
+    cold = [list(p) for p in prefixes
+            if self.rec.tree.match_prefix(np.asarray(p[:-1], np.int64)).n_matched < len(p) - 1]
+    reqs = [Request(f"warm/{k}", p, SamplingConfig(max_tokens=1), mechanism=self.rec.name,
+                    context={"session": f"warm/{k}", "qs": len(p) - 1, "sys_len": len(p)})
+            for k, p in enumerate(cold)]
+    for res in self.engine.run(reqs):
+      if res.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"warming the shared system prompts: {res.error}")
+    self.rec.kept.clear()
+
+  def run(self, plans: list[replay.Session], cfg: PruningConfig, *, head=None,
+          keep_prefixes=(), desc: str = "") -> list[list]:
+    """The metrics of every planned turn under `cfg`, per session."""
+    self.rec.set_policy(PruningConfig(method="none"), keep_prefixes=keep_prefixes)
+    self._warm(keep_prefixes)
+    if self.use_engine and cfg.layout == "dead_slot":
+      self.rec.set_policy(cfg, head=head, keep_prefixes=keep_prefixes)
+      return replay.timed(self.engine, self.rec, plans, desc=desc)
+    self.runner.set_policy(cfg, head=head, keep_prefixes=keep_prefixes)
+    return [[self.runner.run_turn(p.id, p.messages, p.tools, t.i, generate=t.generate,
+                                  max_tokens=t.max_tokens, forced_reply=t.forced_reply,
+                                  until=t.until) for t in p.turns]
+            for p in tqdm(plans, desc=desc, leave=False)]
+
+
+def evaluate(llm, sessions, cfg: PruningConfig, replayer: Replay, *, head=None,
+             max_tokens: int = 96, desc: str = "", keep_prefixes=(),
+             given: str = "none") -> dict:
+  """One configuration over `sessions` (sessions start afresh; of the cache only
   `keep_prefixes`, the shared system prompts, stay)."""
   head = head if cfg.method == "intentkv" and cfg.intent_mode == "learnable" else None
-  if runner is None:
-    runner = SessionRunner(llm, cfg, cache=cache, head=head)
-  else:
-    runner.set_policy(cfg, head=head, keep_prefixes=keep_prefixes)
-  samples = [run_session(runner, s, llm.tokenizer, max_tokens, given)
-             for s in tqdm(sessions, desc=desc, leave=False)]
-  return summarize(samples)
+  plans = [plan_session(s, llm.tokenizer, max_tokens, given) for s in sessions]
+  metrics = replayer.run(plans, cfg, head=head, keep_prefixes=keep_prefixes, desc=desc)
+  return summarize([score_session(s, p, m) for s, p, m in zip(sessions, plans, metrics)])
 
 
-def system_prefixes(runner: SessionRunner, sessions) -> list:
+def system_prefixes(tokenizer, sessions) -> list:
   """The distinct system-prompt token prefixes of `sessions` (what every session of a
   domain shares, so a server prefills it once)."""
   out = {}
   for s in sessions:
-    messages, tools = traces.session_chat(s, runner.tok)
-    p = runner.prepare(messages, tools, call_turns(s)[0])
+    messages, tools = traces.session_chat(s, tokenizer)
+    p = labels.prepare_turn(tokenizer, messages, tools, call_turns(s)[0])
     out[tuple(p["ids"][:p["sys_len"]])] = None
   return [list(k) for k in out]
 
@@ -195,8 +276,8 @@ FLAGS = flags.FLAGS
 
 
 def define_flags():
-  flags.DEFINE_string("traces", None, "ToolBench-format JSON (scripts/make_traces.py): "
-                      "next-call accuracy over its sessions")
+  flags.DEFINE_string("traces", None, "ToolBench-format JSON (scripts/make_traces.py), or "
+                      "several comma-separated: next-call accuracy over their sessions")
   flags.DEFINE_string("out", None, "write JSON rows here (a rerun resumes)")
   flags.DEFINE_string("tables_from", None, "print the table of an earlier --out JSON and exit")
   flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
@@ -205,13 +286,17 @@ def define_flags():
   flags.DEFINE_string("head", artifacts.PRUNER_HEAD, "residual head for learnable methods")
   flags.DEFINE_string("layouts", "dead_slot,compact", "dead_slot and/or compact")
   flags.DEFINE_string("budgets", "2048,3072", "C, with the tool-schema system prompt forced")
-  flags.DEFINE_integer("max_sessions", 8, "sessions to replay")
+  flags.DEFINE_integer("max_sessions", 8, "sessions to replay (per --traces file)")
   flags.DEFINE_integer("max_prompt", 7000, "skip sessions whose final prompt exceeds this; "
                        "--env: an episode whose prompt + reply would exceed it overflows")
   flags.DEFINE_integer("min_calls", 1, "skip sessions with fewer tool-call turns (a session's "
                        "first call has no history to prune, so short sessions add little)")
   flags.DEFINE_integer("max_tokens", 96, "generated tokens per turn")
-  flags.DEFINE_integer("num_pages", 2048, "KV pool pages")
+  common.define_replay_flags(flags, "max_prompt")
+  flags.DEFINE_enum("calls", "discriminative", list(agent_stats.MODES),
+                    "calls the paired table scores: discriminative = a gold argument value "
+                    "found only in prunable history and solved by the full cache (needs "
+                    "the full method); all = every call")
   flags.DEFINE_enum("given", "none", ["none", "name"], "next-call mode: none = the model writes "
                     "the whole turn; name = the gold turn up to the arguments (thought, tool "
                     "name) is forced and the model writes the arguments, the values it must "
@@ -349,6 +434,9 @@ def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
   calls_rows = [r for r in rows if "next_call_exact" in r]
   env_rows = [r for r in rows if "true_acc" in r]
   if calls_rows:
+    stats = agent_stats.table(calls_rows)
+    if stats is not None:
+      out.append(stats)
     shapes = paper_tables(calls_rows)
     out += shapes
     if everything or not shapes:
@@ -359,18 +447,23 @@ def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
 
 
 def _sessions(llm) -> list:
-  if not os.path.exists(FLAGS.traces):
-    raise app.UsageError(f"{FLAGS.traces} does not exist; make it with scripts/make_traces.py "
-                         "--source=tau2 --domains=airline,retail --out=data_local/tau2_train.json "
-                         "--held_out=data_local/tau2_heldout.json")
   sessions = []
-  for s in traces.load_toolbench(FLAGS.traces):
-    msgs, tools = traces.session_chat(s, llm.tokenizer)
-    n = len(llm.tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=False))
-    if n + FLAGS.max_tokens <= FLAGS.max_prompt and len(call_turns(s)) >= max(FLAGS.min_calls, 1):
-      sessions.append(s)
-    if len(sessions) == FLAGS.max_sessions:
-      break
+  for path in FLAGS.traces.split(","):
+    if not os.path.exists(path):
+      raise app.UsageError(f"{path} does not exist; make it with scripts/make_traces.py "
+                           "--source=tau2 --domains=airline,retail --out=data_local/"
+                           "tau2_train.json --held_out=data_local/tau2_heldout.json (or "
+                           "--source=agentdojo)")
+    found = 0
+    for s in traces.load_toolbench(path):
+      msgs, tools = traces.session_chat(s, llm.tokenizer)
+      n = len(llm.tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=False))
+      if n + FLAGS.max_tokens <= FLAGS.max_prompt and len(call_turns(s)) >= max(FLAGS.min_calls,
+                                                                                 1):
+        sessions.append(s)
+        found += 1
+      if found == FLAGS.max_sessions:
+        break
   return sessions
 
 
@@ -395,17 +488,19 @@ def main(argv):
   llm = jaxkv.load(FLAGS.model)
   head = (artifacts.load_pruner_head(FLAGS.head, model_name=FLAGS.model)
           if set(names) & set(pruning.LEARNABLE) else None)
-  # one runner for every configuration; between them only the system prompts every
-  # session shares stay cached (SessionRunner.set_policy), as on a server
+  # one replay for every configuration; between them only the system prompts every
+  # session shares stay cached (Replay), as on a server
   if env is None:
     sessions = _sessions(llm)
-    cache = CacheConfig(num_pages=FLAGS.num_pages, page_size=16,
-                        max_seq_len=FLAGS.max_prompt + 1024)
-    runner = SessionRunner(llm, PruningConfig(method="none"), cache=cache)
-    shared = system_prefixes(runner, sessions)
+    pages = common.replay_pages(FLAGS.num_pages, FLAGS.batch, FLAGS.replay,
+                                FLAGS.max_prompt + 1024)
+    cache = CacheConfig(num_pages=pages, page_size=16, max_seq_len=FLAGS.max_prompt + 1024)
+    replayer = Replay(llm, cache, batch=FLAGS.batch, engine=FLAGS.replay == "engine")
+    shared = system_prefixes(llm.tokenizer, sessions)
     what = f"{len(sessions)} sessions from {FLAGS.traces}"
   else:
-    ids = ([s.id for s in traces.load_toolbench(FLAGS.traces)] if FLAGS.traces else None)
+    ids = ([s.id for path in FLAGS.traces.split(",") for s in traces.load_toolbench(path)]
+           if FLAGS.traces else None)
     tasks, trivial = select_tasks(env, ids, FLAGS.max_tasks)
     if not tasks:
       raise app.UsageError(f"no task of --env={FLAGS.env} to run ({len(trivial)} trivial)")
@@ -434,8 +529,8 @@ def main(argv):
            PruningConfig(layout=layout, budget=budget, **METHODS[name]))
     desc = f"{name}/{layout}/C={budget}"
     if env is None:
-      r = evaluate(llm, sessions, cfg, cache, head=head, max_tokens=FLAGS.max_tokens,
-                   desc=desc, runner=runner, keep_prefixes=shared, given=FLAGS.given)
+      r = evaluate(llm, sessions, cfg, replayer, head=head, max_tokens=FLAGS.max_tokens,
+                   desc=desc, keep_prefixes=shared, given=FLAGS.given)
       line = f"exact={r['next_call_exact']:.3f} name={r['next_call_name']:.3f} n={r['n_calls']}"
     else:
       r = evaluate_env(runner, env, tasks, cfg, head=head, keep_prefixes=shared,
@@ -446,7 +541,9 @@ def main(argv):
       r["given"] = FLAGS.given
     rows.append(dict(method=name, layout=layout, budget=budget, **r))
     print(f"{name:18s} {layout:9s} C={budget:5d} {line}", flush=True)
+    agent_stats.annotate(rows, FLAGS.calls)      # paired fields against the rows so far
     common.write_rows(FLAGS.out, rows)
+  agent_stats.annotate(rows, FLAGS.calls)
   print(f"\n{FLAGS.model}, {what}")
   common.print_tables(tables(rows))
 

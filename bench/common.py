@@ -108,3 +108,20 @@ def matmul_gflops(n: int = 1024, reps: int = 5, dtype=jnp.float32) -> float:
   a = jax.random.normal(jax.random.key(0), (n, n), dtype)
   f = jax.jit(lambda x, y: x @ y, compiler_options=COMPILER_OPTIONS)
   return 2 * n ** 3 / timeit(f, a, a, reps=reps) / 1e9
+
+
+def define_replay_flags(flags, length: str) -> None:
+  """--num_pages, --batch and --replay of the session-replay benchmarks (`length`: the
+  flag bounding a session's tokens)."""
+  flags.DEFINE_integer("num_pages", 2048, "KV pool pages (with the engine replay: at "
+                       f"least --batch sessions of --{length})")
+  flags.DEFINE_integer("batch", 8, "sessions replayed side by side in the engine")
+  flags.DEFINE_enum("replay", "engine", ["engine", "runner"],
+                    "engine: dead-slot layouts and the full cache through the serving "
+                    "engine (batched); runner: every layout through the batch-1 "
+                    "SessionRunner")
+
+
+def replay_pages(num_pages: int, batch: int, replay: str, max_len: int) -> int:
+  """Pool pages for a replay: the engine's holds --batch whole sessions of max_len."""
+  return max(num_pages, batch * -(-max_len // 16)) if replay == "engine" else num_pages

@@ -6,17 +6,21 @@
         [--model=smollm2-135m]
 
 Any ToolBench-format file works (`jaxkv.data.traces.load_toolbench`). Every
-session is replayed teacher-forced (assistant turns from the trace) through
-`SessionRunner` with a radix prefix cache; each configuration starts from a
-fresh pool, cache and QueryMemory store. A full-cache run (no pruning, same
-radix cache) gives the reference NLL for Delta-NLL.
+session is replayed teacher-forced (assistant turns from the trace) with a radix
+prefix cache; each configuration starts from a fresh cache and QueryMemory store.
+The dead-slot layout (and the full cache) replays through the serving engine's
+`pruned` mechanism, --batch sessions side by side (`jaxkv.evaluation.replay`);
+the compact layout, which serving does not use, through the batch-1
+`SessionRunner` (--replay=runner sends every layout there). A full-cache run (no
+pruning, same radix cache) gives the reference NLL for Delta-NLL.
 
 Columns (IntentKV section 4.1; means over sessions unless stated):
   PT           per-session max of the raw request size |R_t| (tokens)
   Eff. live    per-session max of the live KV |K_t| after pruning
   Raw / Eff.   per-session sums of |R_t| / |K_t| over decode steps (reply tokens)
   hit %        prefix-cache hit tokens / prompt tokens (all requests)
-  wall s       per-session wall time (this machine)
+  wall s       per-session wall time (this machine; through the engine, where
+               sessions overlap, the configuration's elapsed time / sessions)
   dNLL         mean over turns of NLL(gold turn | pruned) - NLL(gold turn | full)
   recall       future-evidence recall: kept / all history tokens copied into
                the next five tool-call arguments (micro-average)
@@ -41,6 +45,7 @@ from jaxkv import artifacts
 from jaxkv.config import CacheConfig, PruningConfig
 from jaxkv.data import traces
 from jaxkv.engine.sessions import SessionRunner
+from jaxkv.evaluation import replay
 
 METHODS = {
     "random": dict(method="random"),          # chance control: same forced set and budget
@@ -60,14 +65,33 @@ LEARNABLE = {
 }
 
 
-def run_config(llm, sessions, pruning: PruningConfig, cache: CacheConfig, desc: str,
-               head=None):
-  runner = SessionRunner(llm, pruning, cache=cache,
-                         head=head if pruning.intent_mode == "learnable" else None)
-  turns = []
-  for s in tqdm(sessions, desc=desc, leave=False):
-    turns.append(runner.run_session(s.id, *traces.session_chat(s, llm.tokenizer)))
-  return turns
+class Runner:
+  """Runs one configuration over the sessions: dead-slot layouts through one engine
+  (built once, its policy switched between configurations: every session and cached
+  path forgotten), compact ones through a fresh batch-1 `SessionRunner`."""
+
+  def __init__(self, llm, cache: CacheConfig, *, batch: int = 8, engine: bool = True):
+    self.llm, self.cache, self.batch, self.use_engine = llm, cache, batch, engine
+    self.engine = self.rec = None
+
+  def __call__(self, sessions, pruning: PruningConfig, desc: str, head=None):
+    llm = self.llm
+    head = head if pruning.intent_mode == "learnable" else None
+    if not self.use_engine or pruning.layout != "dead_slot":      # on the engine's pool
+      runner = SessionRunner(llm, pruning, cache=self.cache, head=head,
+                             kv=None if self.engine is None else self.engine.kv_manager)
+      return [runner.run_session(s.id, *traces.session_chat(s, llm.tokenizer))
+              for s in tqdm(sessions, desc=desc, leave=False)]
+    if self.engine is None:
+      self.engine, self.rec = replay.engine_for(llm, pruning, self.cache, max_batch=self.batch,
+                                                head=head)
+    else:
+      self.rec.set_policy(pruning, head=head)
+    jobs = []
+    for s in sessions:
+      msgs, tools = traces.session_chat(s, llm.tokenizer)
+      jobs.append(replay.Session(s.id, msgs, tools, replay.all_turns(msgs)))
+    return replay.timed(self.engine, self.rec, jobs, desc=desc)
 
 
 def summarize(turns_by_session, full_by_session) -> dict:
@@ -132,8 +156,7 @@ def define_flags():
   flags.DEFINE_integer("max_sessions", 8, "sessions to replay")
   flags.DEFINE_integer("max_tokens", 7000,
                        "skip sessions whose final prompt exceeds this many tokens")
-  flags.DEFINE_integer("num_pages", 2048, "KV pool pages")
-
+  common.define_replay_flags(flags, "max_tokens")
 
 def main(argv):
   del argv
@@ -161,7 +184,8 @@ def main(argv):
       sessions.append(s)
     if len(sessions) == args.max_sessions:
       break
-  cache = CacheConfig(num_pages=args.num_pages, page_size=16, max_seq_len=args.max_tokens + 1024)
+  pages = common.replay_pages(args.num_pages, args.batch, args.replay, args.max_tokens + 1024)
+  cache = CacheConfig(num_pages=pages, page_size=16, max_seq_len=args.max_tokens + 1024)
   # Rows are written as each configuration finishes; a rerun with the same --out
   # resumes (configurations already in the file are not run again).
   rows = []
@@ -173,7 +197,8 @@ def main(argv):
                                        sort_keys=True).encode()).hexdigest()[:12]
              if head is not None else None)
   have = {(r["method"], r["layout"], r["budget"], r.get("head")) for r in rows}
-  full = run_config(llm, sessions, PruningConfig(method="none"), cache, "full cache")
+  run_config = Runner(llm, cache, batch=args.batch, engine=args.replay == "engine")
+  full = run_config(sessions, PruningConfig(method="none"), "full cache")
   if ("full", "-", 0, None) not in have:
     rows.insert(0, dict(method="full", layout="-", budget=0, **summarize(full, full)))
   for budget in [int(b) for b in args.budgets.split(",")]:
@@ -186,7 +211,7 @@ def main(argv):
         if (name, layout, budget, row_head) in have:
           continue
         cfg = PruningConfig(layout=layout, budget=budget, **methods[name])
-        turns = run_config(llm, sessions, cfg, cache, f"{name}/{layout}/C={budget}", head)
+        turns = run_config(sessions, cfg, f"{name}/{layout}/C={budget}", head)
         rows.append(dict(method=name, layout=layout, budget=budget, **summarize(turns, full),
                          **({"head": row_head} if row_head else {})))
         r = rows[-1]

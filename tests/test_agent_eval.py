@@ -3,6 +3,7 @@ call, with the efficiency columns over the real decode steps."""
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 import hf_util
 from jaxkv.config import CacheConfig, PruningConfig
-from jaxkv.data import traces
+from jaxkv.data import labels, traces
 from jaxkv.engine.sessions import SessionRunner
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
@@ -28,41 +29,29 @@ def _session():
 
 @pytest.mark.slow
 def test_each_call_turn_is_scored_against_its_own_gold(llm, monkeypatch):
+  """Through the engine (dead-slot, full cache) and the batch-1 runner (compact)."""
   s = _session()
   assert agent_eval.call_turns(s) == [2, 4, 6]
-  real = SessionRunner.run_turn
+  real = agent_eval.Replay.run
 
-  def run_turn(self, sid, messages, tools, i, **kw):
-    t = real(self, sid, messages, tools, i, **kw)
-    assert kw["generate"] and t.reply_tokens >= 1
-    # the model under test writes the gold call at turn 2, the right tool with a wrong
-    # argument at turn 4, and whatever it generated at turn 6
-    gold = s.turns[i]
-    if i == 2:
-      return dataclasses.replace(t, text=traces.format_react(gold))
-    if i == 4:
-      return dataclasses.replace(t, text='Action: get_reservation_details\n'
-                                        'Action Input: {"reservation_id": "AIXC01"}')
-    return t
+  def run(self, plans, cfg, **kw):
+    out = real(self, plans, cfg, **kw)
+    for t, m in zip(plans[0].turns, out[0]):
+      assert t.generate and m.reply_tokens >= 1
+      # the model under test writes the gold call at turn 2, the right tool with a
+      # wrong argument at turn 4, and whatever it generated at turn 6
+      if t.i == 2:
+        m.text = traces.format_react(s.turns[2])
+      elif t.i == 4:
+        m.text = 'Action: get_reservation_details\nAction Input: {"reservation_id": "AIXC01"}'
+    return out
 
-  monkeypatch.setattr(SessionRunner, "run_turn", run_turn)
-  cache = CacheConfig(num_pages=512, page_size=4, max_seq_len=2048)
-  for cfg in (PruningConfig(method="none"), PruningConfig(method="intentkv", budget=60)):
-    r = agent_eval.evaluate(llm, [s], cfg, cache, max_tokens=8)
-    # the final answer (turn 7) follows the last call and cannot change a score: skipped
-    assert r["n_calls"] == 3 and r["n_sessions"] == 1 and r["n_turns"] == 3
-    # turn 6 from a tiny random model is no call: 1 exact of 3, 2 names of 3
-    assert r["next_call_exact"] == pytest.approx(1 / 3)
-    assert r["next_call_name"] == pytest.approx(2 / 3)
-    lo, hi = r["next_call_exact_ci"]
-    assert 0 < lo < 1 / 3 < hi < 1
-    assert r["raw_reads"] >= r["eff_reads"] > 0
-    # raw-text reading finds at least what the parsed calls carry
-    assert r["next_call_copied"] >= r["next_call_args"] > 0
-    old = lambda: {k: v for k, v in r.items() if not k.startswith("next_call_copied")}
-    again = old()
-    assert agent_eval.rescore([again], [s]) == 1 and again == r      # rows written before
-    assert agent_eval.rescore([old()], [s, s]) == 0                  # another sample: untouched
+  monkeypatch.setattr(agent_eval.Replay, "run", run)
+  replayer = agent_eval.Replay(llm, CacheConfig(num_pages=512, page_size=4, max_seq_len=2048),
+                               batch=2)
+  for cfg in (PruningConfig(method="none"), PruningConfig(method="intentkv", budget=60),
+              PruningConfig(method="intentkv", budget=60, layout="compact")):
+    r = agent_eval.evaluate(llm, [s], cfg, replayer, max_tokens=8)
   assert r["pruned_share"] > 0
   assert agent_eval.table([dict(method="intentkv_memory", layout="dead_slot", budget=60, **r)])
 
@@ -126,3 +115,60 @@ def test_paper_tables_pick_the_published_layouts_and_both_layouts():
   assert [t.title.split(",")[:2] for t in one_tables] == [["C=3584", " dead_slot layout"],
                                                           ["C=4096", " dead_slot layout"]]
   assert [c[0] for c in one_tables[0].lines] == ["full", "random", "h2o", "intentkv_query"]
+
+
+def test_prunable_only_values_are_the_ones_pruning_can_take(llm):
+  """A value in the current query span (the tool output just read, the user's request)
+  or in the system prompt is safe; one only in the history between is prunable."""
+  s = _session()
+  messages, tools = traces.session_chat(s, llm.tokenizer)
+  got = {i: labels.prunable_only_values(labels.prepare_turn(llm.tokenizer, messages, tools, i),
+                                        messages, i) for i in agent_eval.call_turns(s)}
+  # turn 2 copies the user id from the request, turn 4 the reservation from the tool
+  # output it answers; turn 6's user id lies only in the (prunable) first user message
+  assert got == {2: [], 4: [], 6: ["mia_li_3668"]}
+
+
+def test_paired_fields_score_discriminative_calls_only():
+  import agent_stats
+
+  def row(method, exact, layout="dead_slot", budget=100):
+    calls = [dict(session="a", turn=t, exact=e, name=True, prunable=p)
+             for t, e, p in zip((1, 2, 3, 4), exact, (1, 0, 2, 1))]
+    return dict(method=method, layout=layout, budget=budget, calls=calls, pruned_share=1.0,
+                future_evidence_recall=0.5, future_evidence_recall_ci=[0.4, 0.6])
+  full = row("full", (True, True, True, False), "-", 0)
+  rand = row("random", (False, True, False, False))
+  ikv = row("intentkv_query", (True, True, False, False))
+  other = row("random", (True, True, True, True), budget=200)   # another budget: not paired
+  rows = [full, rand, ikv, other]
+  agent_stats.annotate(rows, "discriminative")          # calls 1 and 3 (prunable, full solves)
+  assert (ikv["n_scored"], ikv["exact_scored"]) == (2, 0.5)
+  assert ikv["split_vs_random"] == [1, 0] and ikv["p_vs_random"] == 1.0
+  assert ikv["split_vs_full"] == [0, 1] and ikv["p_vs_snapkv"] is None
+  assert rand["p_vs_random"] is None and other["split_vs_random"] is None
+  assert full["split_vs_full"] is None and full["exact_scored"] == 1.0
+  agent_stats.annotate(rows, "all")
+  assert ikv["n_scored"] == 4 and ikv["split_vs_random"] == [1, 0]
+  t = agent_stats.table(rows)
+  assert len(t.lines) == 4 and "every call" in t.title
+  agent_stats.annotate([rand, ikv], "discriminative")   # no full row: nothing to define it
+  assert ikv["n_scored"] is None and math.isnan(ikv["exact_scored"])
+
+
+def test_every_configuration_starts_from_the_same_warm_cache(llm):
+  """The shared system prompt is cached before each configuration, so the first one
+  run in a process sees the same prefix hits as the ones after it."""
+  s = _session()
+  plan = agent_eval.plan_session(s, llm.tokenizer, 4)
+  shared = agent_eval.system_prefixes(llm.tokenizer, [s])
+  rep = agent_eval.Replay(llm, CacheConfig(num_pages=512, page_size=4, max_seq_len=2048),
+                          batch=2)
+  first = []
+  for cfg in (PruningConfig(method="none"), PruningConfig(method="snapkv", budget=60),
+              PruningConfig(method="snapkv", budget=60, layout="compact"),
+              PruningConfig(method="none")):
+    (ms,) = rep.run([plan], cfg, keep_prefixes=shared)
+    first.append(ms[0].hit_tokens)
+  assert first[0] >= len(shared[0]) - 1 and len(set(first)) == 1, first
+  rep.engine.kv_manager.check()

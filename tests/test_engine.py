@@ -13,6 +13,8 @@ import hf_util
 from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine import driver
 from jaxkv.engine.engine import Engine, Request
+from jaxkv.engine.mechanisms import Mechanism
+from jaxkv.engine.request import Row
 from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.kv import state as kv_state
 
@@ -463,3 +465,20 @@ def test_forced_requests_score_a_continuation_like_hf(tiny):
   assert got["plain"].tokens == solo.tokens and got["plain"].logprob is None
   assert "at least one" in next(eng.run([Request("e", prompt, forced=[])])).error
   eng.allocator.check()
+  # a row whose mechanism reads the pool through a decode view (here a zero key
+  # shift: MemArt's kind) is fed by decode steps instead of prefill chunks: same values
+  eng.add_mechanism(_ZeroShift())
+  g = next(eng.run([Request("v", prompt, forced=forced, mechanism="zero_shift")]))
+  assert not eng._forced_by_prefill(Row(Request("x", prompt, forced=forced,
+                                                mechanism="zero_shift"), seq=0, admitted=0.0))
+  np.testing.assert_allclose(g.logprob, want, atol=1e-4)
+  assert g.argmax == f.argmax and g.tokens == forced
+  eng.allocator.check()
+
+
+class _ZeroShift(Mechanism):
+  """A mechanism whose decode view is a key shift of zero (no effect on the values)."""
+  name = "zero_shift"
+
+  def decode_view(self, row, width):
+    return None, np.zeros(width, np.int32)

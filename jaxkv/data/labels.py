@@ -88,6 +88,19 @@ def evidence_mask(text: str, offsets: Sequence[tuple[int, int]], values: Iterabl
   return (cum[ends] - cum[starts]) > 0
 
 
+def prunable_only_values(p: dict, messages: Sequence[dict], i: int,
+                         min_len: int = 3) -> list[str]:
+  """Argument values of the tool call at messages[i] that its prompt (`prepare_turn`'s
+  dict p) carries only in the prunable history: between the system prompt and the
+  query span, and nowhere in either. Only those can be lost to pruning; a call with
+  none is solved or failed the same under every policy that keeps the forced set."""
+  text, offsets = p["text"], p["offsets"]
+  at = lambda t: offsets[t][0] if t < len(offsets) else len(text)
+  sys_c, q_c = at(p["sys_len"]), at(p["qs"])
+  return [v for v in future_tool_arguments(messages, i, lookahead=1, min_len=min_len)
+          if v in text[sys_c:q_c] and v not in text[:sys_c] and v not in text[q_c:]]
+
+
 def query_start(messages: Sequence[dict], i: int) -> int:
   """Index of the first message of the actionable query span before message i:
   the trailing run of user / tool messages (the latest request or tool results)."""

@@ -37,6 +37,7 @@ from flax import nnx
 from jaxkv import distributed, sharding
 from jaxkv.config import CacheConfig, EngineConfig
 from jaxkv.engine.driver import Driver
+from jaxkv.engine.forced import ForcedRows
 from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.mechanism_rows import MechanismRows
 from jaxkv.engine.mechanisms import Mechanism
@@ -58,7 +59,7 @@ _OWNER = "engine"     # the engine's name for its reservation in the KV manager
 _TREE = "prefix"      # its radix trees' name there
 
 
-class Engine(MechanismRows, SessionHolds):
+class Engine(MechanismRows, SessionHolds, ForcedRows):
   """Serves requests on one model over the KV manager's pool and allocator."""
 
   def __init__(self, model: nnx.Module, stop_ids: Iterable[int], cache: CacheConfig,
@@ -327,14 +328,15 @@ class Engine(MechanismRows, SessionHolds):
   def _emit(self, r: Row, token: int, logprob: float | None = None) -> None:
     token = r.take(token, logprob)       # a forced row appends its forced token
     r.generated.append(token)
-    if token in self.stop_ids and r.req.forced is None:
+    if r.req.forced is None and (token in self.stop_ids or (
+        r.req.until is not None and r.req.until(r.generated))):
       r.finish = "stop"
     elif len(r.generated) >= r.req.sampling.max_tokens:
       r.finish = "length"
 
   def _decode(self, rows: list[Row | None]) -> None:
     live = [i for i, r in enumerate(rows) if r is not None and r.finish is None
-            and r.prefilled == r.n]
+            and r.prefilled == r.n and not self._forced_by_prefill(r)]
     if not live:
       return
     B = self.cfg.max_batch
@@ -532,6 +534,7 @@ class Engine(MechanismRows, SessionHolds):
     if any(r is not None for r in self._rows):
       self._note_memory()
       self._prefill(self._rows)
+      self._forced_prefill(self._rows)       # teacher-forced continuations (forced.py)
       if after_prefill is not None:
         after_prefill()
       self._decode(self._rows)

@@ -9,6 +9,7 @@ engine's per-row state while it runs (mechanisms read and extend it: `state`,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,6 +30,10 @@ class Request:
   # the engine runs len(forced) greedy steps, no stop token ends them, and the result
   # carries each forced token's log-probability and the greedy token at each step
   forced: list[int] | None = None
+  # a host-side stop condition on the tokens generated so far, checked after every
+  # token: True ends the request there as "stop" (e.g. once the tool call it writes is
+  # complete); the tokens a decode call computed past that point are dropped
+  until: Callable[[list[int]], bool] | None = None
 
 
 @dataclasses.dataclass

@@ -203,6 +203,16 @@ class Pruned(Mechanism):
   def pruning(self) -> PruningConfig:
     return self.state.pruning
 
+  def set_policy(self, pruning: PruningConfig, *, head=None, keep_prefixes=()) -> None:
+    """Switches the policy between evaluations on an idle engine: every session is
+    forgotten, and of this mechanism's radix tree only `keep_prefixes` (token arrays:
+    the system prompts sessions share, as on a server) stay cached, so each policy's
+    own hits and re-prefills are what its metrics show."""
+    if pruning.layout != "dead_slot":
+      raise ValueError("serving prunes with the dead_slot layout only")
+    self.state.set_policy(pruning, head=head)
+    self.tree.retain(keep_prefixes)
+
   def context(self, session: str, messages, tools=None) -> tuple[list[int], dict]:
     """(prompt token ids, `Request.context`) of a turn whose prompt is `messages`."""
     p = labels.prepare_turn(self.tok, messages, tools, len(messages), reply=False)

@@ -1,0 +1,114 @@
+"""Paired statistics for bench/agent_eval.py's next-call rows: which calls can tell
+methods apart, and whether one method beats another on them.
+
+A call is **discriminative** when a gold argument value of it is found only in the
+prunable history of its prompt (not in the forced system prompt, not in the current
+query span: `labels.prunable_only_values`) and the full cache solves it (exact
+match). Elsewhere every policy that keeps the forced set has the same evidence in
+view, or nothing can be lost because nothing is won, so those calls only dilute a
+comparison. `--calls=all` scores every call instead.
+
+Per row, over the scored calls: the exact rate with its Wilson 95% interval, n, and
+for each reference method (random, SnapKV, H2O at the same layout and budget; the
+full cache) the exact two-sided McNemar p of the paired outcomes (fields
+`p_vs_random`, `p_vs_snapkv`, `p_vs_h2o`, `p_vs_full`, with the discordant split
+`split_vs_*` = [only this row right, only the reference right]); a row compared
+with itself, or with a reference that was not run, gets None. Evidence recall's
+interval is a bootstrap over sessions (agent_eval.summarize).
+"""
+
+from __future__ import annotations
+
+import math
+
+import common
+from jaxkv.data import calls as calls_lib
+
+REFERENCES = ("random", "snapkv", "h2o", "full")
+MODES = ("discriminative", "all")
+
+
+def _outcomes(row: dict) -> dict[tuple[str, int], bool]:
+  return {(c["session"], c["turn"]): bool(c["exact"]) for c in row.get("calls", ())}
+
+
+def scored_calls(rows: list[dict], mode: str) -> list[tuple[str, int]] | None:
+  """The (session, turn) keys scored under `mode`; None when `discriminative` has no
+  full-cache row to define it."""
+  if mode not in MODES:
+    raise ValueError(f"calls mode must be one of {MODES}, got {mode!r}")
+  with_calls = [r for r in rows if r.get("calls")]
+  if not with_calls:
+    return []
+  full = next((r for r in with_calls if r["method"] == "full"), None)
+  if mode == "all":
+    return sorted(_outcomes(full or with_calls[0]))
+  if full is None:
+    return None
+  return sorted((c["session"], c["turn"]) for c in full["calls"]
+                if c["exact"] and c["prunable"] > 0)
+
+
+def _reference(rows: list[dict], row: dict, name: str) -> dict | None:
+  for r in rows:
+    if r.get("calls") and r["method"] == name and (
+        name == "full" or (r["layout"], r["budget"]) == (row["layout"], row["budget"])):
+      return r
+  return None
+
+
+def annotate(rows: list[dict], mode: str = "discriminative") -> None:
+  """Writes the scored-call fields into every next-call row of `rows` (in place)."""
+  keys = scored_calls(rows, mode)
+  for r in rows:
+    if not r.get("calls"):
+      continue
+    mine = _outcomes(r)
+    r["calls_scored"] = mode
+    if keys is None:                       # no full-cache row yet
+      r.update(n_scored=None, exact_scored=math.nan, exact_scored_ci=[math.nan, math.nan],
+               **{f"p_vs_{b}": None for b in REFERENCES},
+               **{f"split_vs_{b}": None for b in REFERENCES})
+      continue
+    ks = [k for k in keys if k in mine]
+    hit = sum(mine[k] for k in ks)
+    r.update(n_scored=len(ks), exact_scored=hit / len(ks) if ks else math.nan,
+             exact_scored_ci=list(calls_lib.wilson(hit, len(ks))))
+    for name in REFERENCES:
+      ref = _reference(rows, r, name)
+      if ref is None or ref is r:
+        r[f"p_vs_{name}"] = r[f"split_vs_{name}"] = None
+        continue
+      theirs = _outcomes(ref)
+      both = [k for k in ks if k in theirs]
+      b = sum(mine[k] and not theirs[k] for k in both)
+      c = sum(theirs[k] and not mine[k] for k in both)
+      r[f"p_vs_{name}"], r[f"split_vs_{name}"] = calls_lib.mcnemar(b, c), [b, c]
+
+
+HEADER = ("method", "layout", "C", "pruned %", "exact", "95% CI", "n") + tuple(
+    f"p vs {b} (split)" for b in REFERENCES) + ("recall", "95% CI (sessions)")
+
+
+def _p(r: dict, name: str) -> str:
+  p, split = r.get(f"p_vs_{name}"), r.get(f"split_vs_{name}")
+  return "-" if p is None else f"{p:.3f} ({split[0]}-{split[1]})"
+
+
+def table(rows: list[dict]) -> common.Table | None:
+  """The scored-call table of annotated rows (None when no row is annotated)."""
+  done = [r for r in rows if r.get("calls_scored")]
+  if not done:
+    return None
+  ci = lambda x: "-" if x is None or math.isnan(x[0]) else f"[{x[0]:.2f}, {x[1]:.2f}]"
+  mode = done[0]["calls_scored"]
+  what = ("discriminative calls (a gold argument value only in prunable history, solved by "
+          "the full cache)" if mode == "discriminative" else "every call")
+  return common.Table(
+      f"next-call exact on {what}; Wilson 95%; exact McNemar p against each reference "
+      "(split: calls only this row solves - only the reference solves); recall = "
+      "future-evidence recall, bootstrap over sessions", HEADER,
+      [(r["method"], r["layout"], str(r["budget"]), f"{100 * r['pruned_share']:.0f}",
+        f"{r['exact_scored']:.3f}", ci(r["exact_scored_ci"]), str(r["n_scored"]),
+        *(_p(r, b) for b in REFERENCES), f"{r['future_evidence_recall']:.3f}",
+        ci(r.get("future_evidence_recall_ci"))) for r in done])
