@@ -651,6 +651,9 @@ class ServerConfig:
                                  # before it is read in full.
   body_timeout_s: float = 30.0  # Seconds a client may take to send its request body; a
                                 # slower one is answered 408.
+  header_timeout_s: float = 10.0  # Seconds a connection may take to send a request's
+                                  # headers (from opening, or from its previous
+                                  # response); a slower one is closed.
   max_connections: int = 512    # Open connections at most; a request past them is
                                 # answered 503 at once.
   api_key: str = ""             # API keys clients must send (Authorization: Bearer <key>),
@@ -664,8 +667,9 @@ class ServerConfig:
     session_kinds(self.sessions)
     if self.max_body_bytes < 1024:
       raise ValueError(f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-    if self.body_timeout_s <= 0 or self.max_connections < 1:
-      raise ValueError("server.body_timeout_s must be > 0 and server.max_connections >= 1")
+    if self.body_timeout_s <= 0 or self.header_timeout_s <= 0 or self.max_connections < 1:
+      raise ValueError("server.body_timeout_s and server.header_timeout_s must be > 0 and "
+                       "server.max_connections >= 1")
     if self.agent_scheme not in ("non_shared", "full_shared", "base_lr_shared"):
       raise ValueError("server.agent_scheme must be non_shared, full_shared or base_lr_shared "
                        "(base_shared keeps a low-rank value pool per agent, which the server's "

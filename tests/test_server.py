@@ -284,13 +284,32 @@ def test_large_bodies_are_413_and_long_prompts_do_not_stall_the_loop(served):
 
 
 def test_slow_bodies_and_too_many_connections(base):
-  """A body that does not arrive within server.body_timeout_s is 408; past
+  """Headers that do not arrive within server.header_timeout_s close the connection;
+  a body that does not arrive within server.body_timeout_s is 408; past
   server.max_connections open connections a request is 503 (issue 38: 48 half-open
   connections were held for 40 s, without a limit)."""
   import socket
-  llm, cfg = fresh(base, body_timeout_s=1.0, max_connections=4)
+  llm, cfg = fresh(base, body_timeout_s=1.0, max_connections=4, header_timeout_s=1.0)
   with serving(llm, cfg) as server:
     host, port = server.url.removeprefix("http://").split(":")
+    # headers trickled a byte at a time are cut off at server.header_timeout_s
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    t0, closed = time.monotonic(), False
+    while time.monotonic() - t0 < 8 and not closed:
+      time.sleep(0.2)
+      try:
+        s.sendall(b"a")
+        s.setblocking(False)
+        closed = s.recv(1) == b""
+      except BlockingIOError:
+        pass
+      except OSError:
+        closed = True
+      finally:
+        s.setblocking(True)
+    s.close()
+    assert closed and 0.9 < time.monotonic() - t0 < 4, time.monotonic() - t0
     s = socket.create_connection((host, int(port)))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
               b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")

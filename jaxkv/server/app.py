@@ -123,6 +123,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   app = FastAPI(title="jaxkv", lifespan=lifespan)
   app.state.loop, app.state.backends = loop, backends
   app.state.max_connections = cfg.server.max_connections
+  app.state.header_timeout_s = cfg.server.header_timeout_s
   keys = guard.api_keys(cfg.server)
   app.add_middleware(guard.Guard, keys=keys, hosts=guard.allowed_hosts(cfg.server))
   owners = guard.Owners(bool(keys))
@@ -402,7 +403,8 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
   503 `shutting_down` at once, running ones get `graceful_s` seconds to finish, and
   what is left is cancelled and answered 503 JSON (a stream: an error chunk, then
   `[DONE]`) within `flush_s` before the connections close. Past the app's
-  server.max_connections open connections uvicorn answers 503."""
+  server.max_connections open connections uvicorn answers 503; a connection whose
+  request headers take longer than server.header_timeout_s is closed."""
   import uvicorn
 
   engine_loop = app.state.loop
@@ -419,7 +421,8 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
 
   return Server(uvicorn.Config(
       app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=flush_s,
-      limit_concurrency=app.state.max_connections))
+      limit_concurrency=app.state.max_connections,
+      http=guard.header_deadline_protocol(app.state.header_timeout_s)))
 
 
 @contextlib.contextmanager

@@ -11,6 +11,12 @@
   `host_not_allowed`. That keeps a web page the user visits from reaching a
   server on the user's machine (DNS rebinding, cross-origin `text/plain` POSTs).
 
+- Header deadline (`server.header_timeout_s`): a connection whose request headers
+  are not complete that long after it opened, or after its previous response, is
+  closed (`header_deadline_protocol`: uvicorn's HTTP/1.1 protocol with a timer; its
+  own keep-alive timer restarts on every byte, so a client trickling a header a
+  byte at a time held a connection for as long as it liked).
+
 `Guard` is plain ASGI middleware (no `BaseHTTPMiddleware`, which would hide a
 client's disconnect from the streaming endpoints); the key a request carried is
 `request.state.api_key`.
@@ -119,3 +125,42 @@ class Owners:
     """Drops the owners of sessions that are gone (closed or expired)."""
     for sid in [s for s in self._owner if s not in live]:
       del self._owner[sid]
+
+
+def header_deadline_protocol(timeout_s: float):
+  """uvicorn's h11 HTTP protocol class that closes a connection whose request headers
+  are still incomplete `timeout_s` after the connection opened or after its previous
+  response (module docstring)."""
+  import h11  # pylint: disable=import-outside-toplevel
+  from uvicorn.protocols.http.h11_impl import H11Protocol  # pylint: disable=import-outside-toplevel
+
+  class HeaderDeadline(H11Protocol):
+    _deadline = None
+
+    def _arm(self) -> None:
+      if self._deadline is not None:
+        self._deadline.cancel()
+      self._deadline = self.loop.call_later(timeout_s, self._late)
+
+    def _late(self) -> None:
+      self._deadline = None
+      # their_state is IDLE until a request's headers are complete (SEND_BODY / DONE
+      # after), and again once a keep-alive connection waits for its next request
+      if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        self.transport.close()
+
+    def connection_made(self, transport) -> None:
+      super().connection_made(transport)
+      self._arm()
+
+    def on_response_complete(self) -> None:
+      super().on_response_complete()
+      self._arm()
+
+    def connection_lost(self, exc) -> None:
+      if self._deadline is not None:
+        self._deadline.cancel()
+        self._deadline = None
+      super().connection_lost(exc)
+
+  return HeaderDeadline
