@@ -272,6 +272,23 @@ def system_prefixes(tokenizer, sessions) -> list:
   return [list(k) for k in out]
 
 
+def discriminative_sessions(rows: list[dict], sessions, tokenizer) -> list:
+  """The sessions that can hold a discriminative call: before the full cache has run,
+  those with a call whose gold value lies only in prunable history; after it, those
+  with a call it solved among them (the others cannot change a discriminative score)."""
+  keys = agent_stats.scored_calls(rows, "discriminative")
+  if keys is not None:
+    ids = {sid for sid, _ in keys}
+    return [s for s in sessions if s.id in ids]
+  out = []
+  for s in sessions:
+    messages, tools = traces.session_chat(s, tokenizer)
+    if any(labels.prunable_only_values(labels.prepare_turn(tokenizer, messages, tools, i),
+                                       messages, i) for i in call_turns(s)):
+      out.append(s)
+  return out
+
+
 FLAGS = flags.FLAGS
 
 
@@ -297,6 +314,10 @@ def define_flags():
                     "calls the paired table scores: discriminative = a gold argument value "
                     "found only in prunable history and solved by the full cache (needs "
                     "the full method); all = every call")
+  flags.DEFINE_bool("skip_sessions", False, "with --calls=discriminative, run only the "
+                    "sessions that can hold a discriminative call (a call with a gold value "
+                    "only in prunable history; after the full cache, one it solved): the "
+                    "efficiency and recall columns then cover those sessions alone")
   flags.DEFINE_enum("given", "none", ["none", "name"], "next-call mode: none = the model writes "
                     "the whole turn; name = the gold turn up to the arguments (thought, tool "
                     "name) is forced and the model writes the arguments, the values it must "
@@ -525,12 +546,15 @@ def main(argv):
   for name, layout, budget in configs:
     if (name, layout, budget) in have:
       continue
+    if env is None and FLAGS.calls == "discriminative" and FLAGS.skip_sessions:
+      sessions = discriminative_sessions(rows, sessions, llm.tokenizer)
     cfg = (PruningConfig(method="none") if name == "full" else
            PruningConfig(layout=layout, budget=budget, **METHODS[name]))
     desc = f"{name}/{layout}/C={budget}"
     if env is None:
       r = evaluate(llm, sessions, cfg, replayer, head=head, max_tokens=FLAGS.max_tokens,
-                   desc=desc, keep_prefixes=shared, given=FLAGS.given)
+                   desc=f"{desc} ({len(sessions)} sessions)", keep_prefixes=shared,
+                   given=FLAGS.given)
       line = f"exact={r['next_call_exact']:.3f} name={r['next_call_name']:.3f} n={r['n_calls']}"
     else:
       r = evaluate_env(runner, env, tasks, cfg, head=head, keep_prefixes=shared,

@@ -39,7 +39,7 @@ def scored_calls(rows: list[dict], mode: str) -> list[tuple[str, int]] | None:
     raise ValueError(f"calls mode must be one of {MODES}, got {mode!r}")
   with_calls = [r for r in rows if r.get("calls")]
   if not with_calls:
-    return []
+    return [] if mode == "all" else None
   full = next((r for r in with_calls if r["method"] == "full"), None)
   if mode == "all":
     return sorted(_outcomes(full or with_calls[0]))

@@ -172,3 +172,17 @@ def test_every_configuration_starts_from_the_same_warm_cache(llm):
     first.append(ms[0].hit_tokens)
   assert first[0] >= len(shared[0]) - 1 and len(set(first)) == 1, first
   rep.engine.kv_manager.check()
+
+
+def test_discriminative_sessions_are_the_ones_that_can_score(llm):
+  s = _session()
+  entry = hf_util.tool_session_entry("short")
+  entry["conversations"] = entry["conversations"][:4] + entry["conversations"][-1:]
+  short = traces.parse_entry(entry)                   # one call, its value in the request
+  assert agent_eval.discriminative_sessions([], [s, short], llm.tokenizer) == [s]
+  full = dict(method="full", layout="-", budget=0,
+              calls=[dict(session=s.id, turn=6, exact=True, name=True, prunable=1),
+                     dict(session="short", turn=2, exact=True, name=True, prunable=0)])
+  assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer) == [s]
+  full["calls"][0]["exact"] = False                   # the full cache fails it: nothing left
+  assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer) == []
