@@ -232,6 +232,7 @@ class Replay:
             for k, p in enumerate(cold)]
     for res in self.engine.run(reqs):
       if res.finish_reason not in ("stop", "length"):
+        self.engine.abort("warming failed")
         raise RuntimeError(f"warming the shared system prompts: {res.error}")
     self.rec.kept.clear()
 
@@ -468,7 +469,7 @@ def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
 
 
 def _sessions(llm) -> list:
-  sessions = []
+  sessions, seen = [], set()
   for path in FLAGS.traces.split(","):
     if not os.path.exists(path):
       raise app.UsageError(f"{path} does not exist; make it with scripts/make_traces.py "
@@ -481,6 +482,9 @@ def _sessions(llm) -> list:
       n = len(llm.tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=False))
       if n + FLAGS.max_tokens <= FLAGS.max_prompt and len(call_turns(s)) >= max(FLAGS.min_calls,
                                                                                  1):
+        if s.id in seen:
+          raise app.UsageError(f"session {s.id!r} appears twice in --traces")
+        seen.add(s.id)
         sessions.append(s)
         found += 1
       if found == FLAGS.max_sessions:

@@ -13,8 +13,10 @@ for each reference method (random, SnapKV, H2O at the same layout and budget; th
 full cache) the exact two-sided McNemar p of the paired outcomes (fields
 `p_vs_random`, `p_vs_snapkv`, `p_vs_h2o`, `p_vs_full`, with the discordant split
 `split_vs_*` = [only this row right, only the reference right]); a row compared
-with itself, or with a reference that was not run, gets None. Evidence recall's
-interval is a bootstrap over sessions (agent_eval.summarize).
+with itself, or with a reference that was not run, gets None. The full cache solves
+every discriminative call by construction, so against it the split is [0, c]: its
+p says whether a method loses calls the full cache solves, not a symmetric test.
+Evidence recall's interval is a bootstrap over sessions (agent_eval.summarize).
 """
 
 from __future__ import annotations

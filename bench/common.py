@@ -123,5 +123,8 @@ def define_replay_flags(flags, length: str) -> None:
 
 
 def replay_pages(num_pages: int, batch: int, replay: str, max_len: int) -> int:
-  """Pool pages for a replay: the engine's holds --batch whole sessions of max_len."""
-  return max(num_pages, batch * -(-max_len // 16)) if replay == "engine" else num_pages
+  """Pool pages for a replay: the engine's holds --batch whole sessions of max_len, and
+  a quarter more (shared system prompts, a page per adopting row) so no cached path
+  is evicted under pressure, which would change the prefix hits."""
+  return (max(num_pages, batch * -(-max_len // 16) * 5 // 4) if replay == "engine"
+          else num_pages)

@@ -34,11 +34,15 @@ def _close(a, b, tol):
   return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= tol
 
 
-@pytest.mark.parametrize("method", ["none", "intentkv", "snapkv", "h2o"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("method", ["none", pytest.param("intentkv", marks=SLOW),
+                                    pytest.param("snapkv", marks=SLOW), "h2o"])
 def test_forced_replay_equals_session_runner(llm, method):
-  """Teacher-forced: NLL within 1e-5 (the engine writes the reply's KV by decode
-  steps, the runner by a prefill), prefix hits, the pruning event, the kept
-  positions and evidence identical."""
+  """Teacher-forced: NLL within 1e-5 (the engine prefills the reply in its own
+  chunks beside other rows), prefix hits, the pruning event, the kept positions and
+  evidence identical."""
   pruning = PruningConfig(method=method, budget=64)
   ref = SessionRunner(llm, pruning, cache=CACHE, prefill_chunk=64).run_session("s", MESSAGES)
   eng, rec = replay.engine_for(llm, pruning, CACHE, prefill_chunk=64, decode_steps=4)
@@ -121,6 +125,9 @@ def test_a_failed_turn_raises_and_frees_everything(llm):
   eng.kv_manager.check()
   with pytest.raises(ValueError, match="gold reply"):
     replay.replay(eng, rec, [_session("s", [replay.Turn(len(MESSAGES))])])
+  with pytest.raises(ValueError, match="unique"):
+    replay.replay(eng, rec, [_session("s", [replay.Turn(2)]), _session("s", [replay.Turn(2)])])
+  assert not eng.busy and eng.allocator.sequences() == []
 
 
 def test_pruning_bench_columns_reproduce_through_the_engine(llm):
@@ -145,7 +152,9 @@ def test_pruning_bench_columns_reproduce_through_the_engine(llm):
         assert a[k] == pytest.approx(b[k], abs=1e-5, nan_ok=True), (layout, k)
 
 
-@pytest.mark.parametrize("method", ["random", "streaming_llm", "snapkv", "h2o", "intentkv"])
+@pytest.mark.parametrize("method", [pytest.param("random", marks=SLOW),
+                                    pytest.param("streaming_llm", marks=SLOW),
+                                    pytest.param("snapkv", marks=SLOW), "h2o", "intentkv"])
 def test_every_dead_slot_method_adopts_its_holes(llm, method):
   """After a pruned turn the next turn is served from the cache up to the end of the
   previous reply, holes included (they stay pruned, nothing is recomputed)."""

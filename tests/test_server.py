@@ -310,6 +310,21 @@ def test_slow_bodies_and_too_many_connections(base):
         s.setblocking(True)
     s.close()
     assert closed and 0.9 < time.monotonic() - t0 < 4, time.monotonic() - t0
+    # so is a body trickled after its early answer (413: too large, read no further)
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: 99999999\r\n\r\n{")
+    s.settimeout(30)
+    assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    t0, closed = time.monotonic(), False
+    while time.monotonic() - t0 < 8 and not closed:
+      time.sleep(0.2)
+      try:
+        s.sendall(b"a")
+      except OSError:
+        closed = True
+    s.close()
+    assert closed and time.monotonic() - t0 < 4, time.monotonic() - t0
     s = socket.create_connection((host, int(port)))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
               b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")

@@ -90,8 +90,9 @@ def evidence_mask(text: str, offsets: Sequence[tuple[int, int]], values: Iterabl
 
 def prunable_only_values(p: dict, messages: Sequence[dict], i: int,
                          min_len: int = 3) -> list[str]:
-  """Argument values of the tool call at messages[i] that its prompt (`prepare_turn`'s
-  dict p) carries only in the prunable history: between the system prompt and the
+  """Argument values of the (first) tool call at messages[i] -- the one next-call
+  accuracy scores -- that its prompt (`prepare_turn`'s dict p) carries only in the
+  prunable history: between the system prompt and the
   query span, and nowhere in either. Only those can be lost to pruning; a call with
   none is solved or failed the same under every policy that keeps the forced set."""
   text, offsets = p["text"], p["offsets"]

@@ -15,9 +15,9 @@ The metrics are `TurnMetrics`, the same fields as `SessionRunner.run_turn` repor
 (IntentKV section 4.1, NLL, future-evidence recall), read from the engine's result
 and the prompt positions the mechanism kept. Differences from the batch-1
 `SessionRunner` (which still runs the `compact` layout, a layout serving does not
-use): a teacher-forced reply's KV is written token by token by decode steps (the
-runner prefills it), so logits and a later pruning event's scores can differ in the
-last bits; `wall_s` is the turn's latency inside the batch (`timed`: the replay's
+use): a teacher-forced reply is prefilled in the engine's chunks beside other rows
+(`jaxkv.engine.forced`), so logits and a later pruning event's scores can differ in
+the last bits; `wall_s` is the turn's latency inside the batch (`timed`: the replay's
 elapsed time spread over its turns); and a free turn's `until` is checked after every
 token instead of every 16.
 """
@@ -39,6 +39,7 @@ from jaxkv.engine.engine import Engine
 from jaxkv.engine.mechanisms.pruned import Pruned
 from jaxkv.engine.request import Request, Result
 from jaxkv.engine.sessions import TurnMetrics
+from jaxkv.kv import plan
 from jaxkv.kv.state import SENTINEL
 
 
@@ -68,6 +69,13 @@ class Recorder(Pruned):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.kept: dict[str, np.ndarray] = {}
+
+  def match(self, req):
+    found = super().match(req)
+    ahead = req.context.get("lookahead", 0)     # the runner's width: prompt + reply
+    if ahead:
+      found.state.width = plan.width(len(req.prompt) + req.sampling.max_tokens - ahead)
+    return found
 
   def after_prefill(self, row) -> None:
     super().after_prefill(row)
@@ -107,12 +115,14 @@ def _prepare(rec: Recorder, s: Session, t: Turn) -> dict:
   return labels.prepare_turn(rec.tok, msgs, s.tools, t.i, reply=t.i < len(msgs))
 
 
-def _request(rec: Recorder, s: Session, t: Turn, p: dict, after=None) -> tuple[Request, dict]:
+def _request(rec: Recorder, s: Session, t: Turn, p: dict, after=None,
+             limit: int | None = None) -> tuple[Request, dict]:
   """The engine request of turn t (prepared as p) and the labels its metrics read.
 
   A teacher-forced turn also feeds the token that follows its reply in `after`, the
-  next turn's prompt, without scoring it: the reply's last token then has its KV
-  written and cached like the rest, as a prefill of the reply would leave it."""
+  next turn's prompt, without scoring it (when it fits `limit`, the cache's longest
+  sequence): the reply's last token then has its KV written and cached like the
+  rest, as a prefill of the reply would leave it."""
   prompt, gold = [int(x) for x in p["ids"]], [int(x) for x in p.get("gold", [])]
   evidence = np.asarray(p["evidence"], bool)
   if t.forced_reply:
@@ -129,7 +139,8 @@ def _request(rec: Recorder, s: Session, t: Turn, p: dict, after=None) -> tuple[R
   else:
     whole = prompt + gold
     extra = ([int(after[len(whole)])] if after is not None and len(after) > len(whole)
-             and list(after[:len(whole)]) == whole else [])
+             and list(after[:len(whole)]) == whole
+             and (limit is None or len(whole) < limit) else [])
     req = Request(rid, prompt, SamplingConfig(max_tokens=len(gold) + len(extra)),
                   mechanism=rec.name, context=dict(ctx, lookahead=len(extra)),
                   forced=gold + extra)
@@ -163,15 +174,21 @@ def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: 
   """Every listed turn of every session through `engine` (sessions side by side in its
   batch, each session's turns in order); the metrics per session, in turn order.
 
-  Sessions that open with the same system prompt start one at a time until the first
-  of them has cached it: the others then find it in the radix tree, as they would one
-  after another (otherwise a batch of a domain's sessions would each prefill the
-  domain's tool schemas, thousands of tokens, side by side).
+  Of the sessions that open with the same system prompt the first starts alone, and
+  the others start together once its first turn has cached that prompt: they find it
+  in the radix tree, as they would one after another (otherwise a batch of a
+  domain's sessions would each prefill the domain's tool schemas, thousands of
+  tokens, side by side).
 
   Raises:
     RuntimeError: a turn failed in the engine (its error, e.g. a prompt longer than
-      the cache); the engine is left idle.
+      the cache); the engine is left idle (every request in it aborted).
+    ValueError: two sessions share an id (they would share pruning state).
   """
+  ids = [s.id for s in sessions]
+  if len(set(ids)) != len(ids):
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    raise ValueError(f"session ids must be unique; repeated: {dup[:5]}")
   out: list[list[TurnMetrics]] = [[] for _ in sessions]
   nxt = [0] * len(sessions)
   inflight: dict[str, tuple[int, Turn, dict]] = {}
@@ -184,7 +201,8 @@ def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: 
     if nxt[k] + 1 < len(turns):
       prepared[k] = _prepare(rec, sessions[k], turns[nxt[k] + 1])
       after = prepared[k]["ids"]
-    req, prep = _request(rec, sessions[k], turns[nxt[k]], p, after)
+    req, prep = _request(rec, sessions[k], turns[nxt[k]], p, after,
+                         engine.cache_cfg.max_seq_len)
     inflight[req.id] = (k, turns[nxt[k]], prep)
     engine.submit(req)
 
@@ -193,7 +211,7 @@ def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: 
   for k, s in enumerate(sessions):
     if s.turns:
       p = prepared[k] = _prepare(rec, s, s.turns[0])
-      waiting.setdefault(tuple(p["ids"][:p["sys_len"]]) or (k,), []).append(k)
+      waiting.setdefault(tuple(p["ids"][:p["sys_len"]]) or ("solo", k), []).append(k)
   leaders = {group[0]: key for key, group in waiting.items()}
 
   total = sum(len(s.turns) for s in sessions)
@@ -219,10 +237,7 @@ def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: 
           if nxt[k] < len(sessions[k].turns):
             submit(k)
     except BaseException:
-      for rid in inflight:
-        engine.cancel(rid)
-      while engine.busy:
-        engine.step()
+      engine.abort("the replay stopped")     # fails and frees everything it holds
       rec.kept.clear()
       raise
   return out

@@ -12,10 +12,12 @@
   server on the user's machine (DNS rebinding, cross-origin `text/plain` POSTs).
 
 - Header deadline (`server.header_timeout_s`): a connection whose request headers
-  are not complete that long after it opened, or after its previous response, is
-  closed (`header_deadline_protocol`: uvicorn's HTTP/1.1 protocol with a timer; its
-  own keep-alive timer restarts on every byte, so a client trickling a header a
-  byte at a time held a connection for as long as it liked).
+  are not complete that long after it opened, or that is still sending a body that
+  long after its response went out (a 408 / 413 / 401 answered early), is closed
+  (`header_deadline_protocol`: uvicorn's HTTP/1.1 protocol with a timer; uvicorn's
+  keep-alive timer is cancelled by the first byte and not re-armed until a response,
+  so a client trickling a header a byte at a time held a connection as long as it
+  liked).
 
 `Guard` is plain ASGI middleware (no `BaseHTTPMiddleware`, which would hide a
 client's disconnect from the streaming endpoints); the key a request carried is
@@ -144,9 +146,14 @@ def header_deadline_protocol(timeout_s: float):
 
     def _late(self) -> None:
       self._deadline = None
+      if self.transport.is_closing():
+        return
       # their_state is IDLE until a request's headers are complete (SEND_BODY / DONE
-      # after), and again once a keep-alive connection waits for its next request
-      if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+      # after), and again once a keep-alive connection waits for its next request; a
+      # body still arriving after its response went out is no request either
+      state = self.conn.their_state
+      answered = self.cycle is not None and self.cycle.response_complete
+      if state is h11.IDLE or (answered and state is not h11.DONE):
         self.transport.close()
 
     def connection_made(self, transport) -> None:
