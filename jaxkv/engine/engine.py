@@ -339,7 +339,10 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
             and r.prefilled == r.n and not self._forced_by_prefill(r)]
     if not live:
       return
-    B = self.cfg.max_batch
+    if self.mesh is None:   # packed like the prefill: a lone row costs one row, not max_batch
+      nb = plan.bucket(len(live), 1, self.cfg.max_batch, hi=self.cfg.max_batch)
+      rows, live = [rows[i] for i in live] + [None] * (nb - len(live)), list(range(len(live)))
+    B = len(rows)
     # Steps this call: the most any live row may still take, rounded up to a power
     # of two (a handful of compiled variants) and capped at decode_steps, so short
     # completions do not pay for decode_steps steps.
