@@ -19,7 +19,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_lragent.json       bench/lragent.py         TTFT / throughput / KV / fidelity /
                                                             call accuracy tables, TTFT and
                                                             throughput vs context
-  bench/results_agent_eval_*.json  bench/agent_eval.py      next-call accuracy in Table 2 / 7
+  bench/results_agent_eval_*.json  bench/agent_eval.py      next-call accuracy in Table 2 / 7;
+                                                            paired tests on discriminative calls
                                                             shapes (qwen, smollm2) and
                                                             closed-loop (tau2, agentdojo)
                                                             tables
@@ -95,6 +96,7 @@ SOURCES = {
     "agent-eval-qwen-free": "bench/results_agent_eval_qwen_free.json",
     "agent-eval-qwen": "bench/results_agent_eval_qwen.json",
     "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
+    "agent-eval-disc": "bench/results_agent_eval_disc.json",
     "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
     "closed-loop-agentdojo": "bench/results_closed_loop_agentdojo.json",
     "reuse": "bench/results_reuse.json",
@@ -195,7 +197,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   # the stopped free-generation grid: one flat table (every row is 0-5%)
   out["agent-eval-qwen-free"] = rows["agent-eval-qwen-free"] and _render(
       [agent_eval.table(rows["agent-eval-qwen-free"])])
-  for name in ("agent-eval-qwen", "agent-eval-smollm2", "closed-loop-tau2",
+  for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
   out["reuse"] = rows["reuse"] and _render(reuse_bench.tables(rows["reuse"]))
