@@ -179,6 +179,10 @@ def pruner_epoch_table(metrics: list[dict]) -> common.Table:
           (f"Phase-1 rule, recall@{ms[0]['half_budget']}", "half_recall_phase1", "{:.3f}"),
           (f"Phase-2, recall@{ms[0]['half_budget']}", "half_recall_phase2", "{:.3f}"),
           ("val loss (eq. 8)", "val_loss", "{:.2f}"), ("alpha", "alpha", "{:.3f}")]
+  if all("recall_random" in m for m in ms):        # runs logged since the chance line
+    rows[2:2] = [(f"random top-{b} (chance), recall@{b}", "recall_random", "{:.3f}")]
+    rows[5:5] = [(f"random (chance), recall@{ms[0]['half_budget']}", "half_recall_random",
+                  "{:.3f}")]
   return common.Table(f"validation ({ms[0]['val_rows']} held-out rows with evidence)",
                       ["", *(f"epoch {m['epoch']}" for m in ms)],
                       [[label, *(fmt.format(m[key]) for m in ms)] for label, key, fmt in rows])

@@ -358,6 +358,10 @@ def test_recall_at_budget_compares_rule_and_phase2():
   m = r.summary()
   assert m["recall_phase1"] == pytest.approx(1 / 3) and m["recall_phase2"] == 1.0
   assert m["recall_phase1_over"] == 0.0 and m["rows_over_budget"] == 1
+  # chance: a random 2 of the first window's 6 keeps 2 * 2/6 of its positives; the
+  # second window fits the budget whole
+  assert m["recall_random"] == pytest.approx((2 * 2 / 6 + 1) / 3)
+  assert m["recall_random_over"] == pytest.approx(2 / 6)
 
 
 def test_training_curve_png(tmp_path):

@@ -111,12 +111,23 @@ def recall_at(scores: np.ndarray, labels: np.ndarray, budget: int) -> tuple[int,
   return int(pos[top].sum()), int(pos.sum())
 
 
+def random_kept_at(labels: np.ndarray, budget: int) -> float:
+  """Expected kept positives when a uniformly random `budget` of one row's window is
+  kept: the chance line beside `recall_at`."""
+  labels = np.asarray(labels)
+  pos = int((labels == 1).sum())
+  return float(pos) if labels.size <= budget else pos * budget / labels.size
+
+
 @dataclasses.dataclass
 class RecallAtBudget:
-  """Micro-averaged future-evidence recall@C* of the Phase-1 rule vs Phase-2 scores."""
+  """Micro-averaged future-evidence recall@C* of the Phase-1 rule vs Phase-2 scores,
+  beside a random top-C* pick's expected recall (the chance line)."""
   budget: int
   kept1: int = 0
   kept2: int = 0
+  kept_random: float = 0.0
+  kept_random_over: float = 0.0
   positives: int = 0
   rows: int = 0
   kept1_over: int = 0
@@ -130,9 +141,12 @@ class RecallAtBudget:
     a2, _ = recall_at(phase2, labels, self.budget)
     self.kept1, self.kept2, self.positives, self.rows = (self.kept1 + a1, self.kept2 + a2,
                                                         self.positives + p, self.rows + 1)
+    chance = random_kept_at(labels, self.budget)
+    self.kept_random += chance
     if np.asarray(rule).size > self.budget:
       self.kept1_over += a1
       self.kept2_over += a2
+      self.kept_random_over += chance
       self.positives_over += p
       self.rows_over += 1
 
@@ -142,4 +156,6 @@ class RecallAtBudget:
             f"{prefix}recall_phase2": div(self.kept2, self.positives),
             f"{prefix}recall_phase1_over": div(self.kept1_over, self.positives_over),
             f"{prefix}recall_phase2_over": div(self.kept2_over, self.positives_over),
+            f"{prefix}recall_random": div(self.kept_random, self.positives),
+            f"{prefix}recall_random_over": div(self.kept_random_over, self.positives_over),
             f"{prefix}rows_over_budget": self.rows_over, f"{prefix}positives": self.positives}
