@@ -30,13 +30,18 @@ class ForcedRows:
   """Mixin of `Engine` (module docstring)."""
 
   def _forced_by_prefill(self, r: Row) -> bool:
-    """Whether the row is forced and its continuation runs as prefill chunks."""
+    """Whether the row is forced and its continuation runs as prefill chunks (asked of
+    its mechanism's decode view once, when its prompt is done; cached on the row)."""
     if r.req.forced is None:
       return False
-    if r.req.mechanism is None:
-      return True
-    width = plan.width(r.n + len(r.req.forced), self.cache_cfg.max_seq_len)
-    return all(v is None for v in self.mechanisms[r.req.mechanism].decode_view(r, width))
+    if r.by_prefill is None:
+      if r.req.mechanism is None:
+        r.by_prefill = True
+      else:
+        width = plan.width(r.n + len(r.req.forced), self.cache_cfg.max_seq_len)
+        view = self.mechanisms[r.req.mechanism].decode_view(r, width)
+        r.by_prefill = all(v is None for v in view)
+    return r.by_prefill
 
   def _forced_prefill(self, rows: list[Row | None]) -> None:
     """One prefill chunk of every forced row past its prompt with tokens left to

@@ -77,6 +77,7 @@ class Row:
   # the row's prompt positions: the request's prompt, unless its mechanism lays out
   # another sequence (MemArt: the chat head, retrieved blocks and the question)
   n: int = -1
+  by_prefill: bool | None = None   # forced rows: continuation fed as prefill (decided once)
   logprob: list[float] = dataclasses.field(default_factory=list)   # forced rows
   argmax: list[int] = dataclasses.field(default_factory=list)
 
