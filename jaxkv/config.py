@@ -213,10 +213,18 @@ class EngineConfig:
                               # earlier one adopts that prefix's KV and prefills only the
                               # rest. Cached pages are evicted least recently used first
                               # when the pool needs them.
+  pack_prefill: str = "auto"  # How the prefill work of mechanisms that plan their own
+                              # (MemArt's history write and question) runs: packed (every
+                              # row's work in one batched call per round, as plain prompts
+                              # are), rows (one call per row's work: a CPU's prefill is
+                              # compute-bound, so packing only adds padding rows), or auto
+                              # (rows on a CPU, packed on an accelerator).
 
   def __post_init__(self):
     if self.max_batch < 1 or self.prefill_chunk < 1 or self.decode_steps < 1:
       raise ValueError("max_batch, prefill_chunk and decode_steps must be >= 1")
+    if self.pack_prefill not in ("auto", "packed", "rows"):
+      raise ValueError(f"pack_prefill must be auto, packed or rows, got {self.pack_prefill!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
                        f"got {self.attention_impl!r}")

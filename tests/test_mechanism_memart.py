@@ -12,6 +12,7 @@ import pytest
 
 import hf_util
 from jaxkv.config import CacheConfig, EngineConfig, MemArtConfig, SamplingConfig
+from jaxkv.engine import mechanism_rows
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.memart import MemArt
 from jaxkv.engine.memart import MemArtSessions
@@ -45,9 +46,10 @@ def _turns():
 _Recording = recording(MemArt)
 
 
-def _engine(llm, max_batch=4):
+def _engine(llm, max_batch=4, pack="auto"):
   eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
-               EngineConfig(max_batch=max_batch, prefill_chunk=64, decode_steps=4))
+               EngineConfig(max_batch=max_batch, prefill_chunk=64, decode_steps=4,
+                            pack_prefill=pack))
   sessions = MemArtSessions(llm, CFG, CACHE, attn_impl="reference", kv=eng.kv_manager)
   return eng, eng.add_mechanism(_Recording(sessions))
 
@@ -82,27 +84,40 @@ def test_engine_turns_equal_memart_sessions(llm):
   assert eng.allocator.num_live_slots == 0 < live
 
 
-def test_memart_rows_batch_with_plain_rows_and_errors_stay_alone(llm):
-  """Two sessions' turns and a plain request in one batch equal their runs alone; an
-  edited history fails its own request only."""
+@pytest.mark.parametrize("pack", ["rows", "packed"])
+def test_memart_rows_batch_with_plain_rows_and_errors_stay_alone(llm, pack, monkeypatch):
+  """Two sessions' turns and a plain request in one batch equal their runs alone
+  (tokens identical, first-token logits within 1e-5), with the sessions' prefill work
+  (history writes, probes, questions) run one call per row or packed into one call
+  per round (`EngineConfig.pack_prefill`); an edited history fails its own request
+  only."""
   turns = _turns()
   other = [[{"role": m["role"], "content": m["content"].replace("Lisbon", "Porto")}
             for m in t] for t in turns]
   plain = np.random.default_rng(1).integers(100, 40000, 60).tolist()
-  alone = {}
+  alone, logits = {}, {}
   for sid, ts in (("a", turns), ("b", other)):
     eng, mech = _engine(llm)
     for i, msgs in enumerate(ts[:2]):
       alone[sid, i] = next(iter(eng.run([_request(llm, mech, f"{sid}{i}", sid, msgs)]))).tokens
+      logits[sid, i] = mech.logits[f"{sid}{i}"]
   eng, _ = _engine(llm)
   alone["p"] = next(iter(eng.run([Request("p", plain, SamplingConfig(max_tokens=MAX))]))).tokens
-  eng, mech = _engine(llm)
+  calls = []
+  run_chunk = mechanism_rows.run_chunk
+  monkeypatch.setattr(mechanism_rows, "run_chunk",
+                      lambda d, works, c: calls.append(len(works)) or run_chunk(d, works, c))
+  eng, mech = _engine(llm, pack=pack)
   for i in range(2):
     batch = [_request(llm, mech, f"a{i}", "a", turns[i]), Request(
         "p", plain, SamplingConfig(max_tokens=MAX)), _request(llm, mech, f"b{i}", "b", other[i])]
     got = {r.id: r for r in eng.run(batch)}
     assert got[f"a{i}"].tokens == alone["a", i] and got[f"b{i}"].tokens == alone["b", i]
     assert got["p"].tokens == alone["p"] and got["p"].extra is None
+    for sid in "ab":
+      np.testing.assert_allclose(mech.logits[f"{sid}{i}"], logits[sid, i], atol=1e-5, rtol=0)
+  assert got["a1"].extra["probe_tokens"] > 0        # the second turn's memory is probed
+  assert max(calls) == (2 if pack == "packed" else 1)
   with pytest.raises(ValueError, match="no longer extends"):
     mech.context("a", other[2])                       # the server's 400
   stale = Request("x", llm.encode(other[2]), SamplingConfig(max_tokens=MAX), mechanism="memart",
@@ -128,7 +143,7 @@ def test_a_long_history_is_written_one_chunk_per_step(llm):
   eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
                EngineConfig(max_batch=2, prefill_chunk=32, decode_steps=2))
   mech = eng.add_mechanism(MemArt(MemArtSessions(llm, CFG, CACHE, attn_impl="reference",
-                                                 kv=eng.kv_manager), write_chunk=32))
+                                                 kv=eng.kv_manager)))
   short = Request("short", np.random.default_rng(2).integers(100, 40000, 6).tolist(),
                   SamplingConfig(max_tokens=200))
   eng.submit(short)
@@ -161,7 +176,7 @@ def test_closed_mid_turn_long_chats_and_a_failing_finish(llm):
   eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
                EngineConfig(max_batch=2, prefill_chunk=32, decode_steps=2))
   mech = eng.add_mechanism(MemArt(MemArtSessions(llm, CFG, CACHE, attn_impl="reference",
-                                                 kv=eng.kv_manager), write_chunk=32))
+                                                 kv=eng.kv_manager)))
   head = eng.allocator.num_live_slots
   msgs = _turns()[2]
   eng.submit(_request(llm, mech, "t", "s", msgs))

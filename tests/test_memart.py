@@ -241,7 +241,6 @@ def test_pooled_boxes_span_every_head_and_still_bound():
   """`box_heads=pooled`: one box per layer and block over every KV head's keys =
   the per-head boxes' min / max over heads; its eq. 3 bound is >= the per-head
   bound >= every key's score."""
-  from jaxkv.engine.memart import _boxes  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng()
   l, slots_n, hkv, g, d, bs, nb = 2, 64, 3, 2, 8, 4, 5
   pool_k = jnp.asarray(rng.standard_normal((l, slots_n, hkv, d)), jnp.float32)
@@ -250,8 +249,8 @@ def test_pooled_boxes_span_every_head_and_still_bound():
   valid[:, 0] = True
   pos = jnp.asarray(rng.integers(0, 500, (nb, bs)), jnp.int32)
   inv = delta_frequencies(RopeConfig(), d)
-  lo, hi = _boxes(pool_k, slots, jnp.asarray(valid), pos, inv, raw=True)
-  plo, phi = _boxes(pool_k, slots, jnp.asarray(valid), pos, inv, raw=True, pooled=True)
+  lo, hi = memart.pool_boxes(pool_k, slots, jnp.asarray(valid), pos, inv, raw=True)
+  plo, phi = memart.pool_boxes(pool_k, slots, jnp.asarray(valid), pos, inv, raw=True, pooled=True)
   assert plo.shape == (l, nb, 1, d)
   np.testing.assert_array_equal(plo[:, :, 0], lo.min(axis=2))
   np.testing.assert_array_equal(phi[:, :, 0], hi.max(axis=2))

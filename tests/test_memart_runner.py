@@ -13,6 +13,7 @@ import hf_util
 from jaxkv.config import CacheConfig, MemArtConfig
 from jaxkv.engine.driver import chunk_step
 from jaxkv.engine.memart import MemArtRunner
+from jaxkv.engine.prefill_work import drain, run_chunk
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv import state as kv_state
 from jaxkv.kv.splice import rerotate
@@ -108,13 +109,56 @@ def test_chunked_prefill_equals_one_chunk(llm):
   np.testing.assert_allclose(got.logits, want, atol=1e-4, rtol=1e-4)
   assert int(got.tokens[0]) == int(np.argmax(want))
   with pytest.raises(ValueError, match="prefill_chunk"):
-    r.answer(mem, tail, 4)
+    r.answer(mem, tail, 4, top_k=1)                   # more blocks than k: a probe
   r.forget(mem)
   r.close()
   r.alloc.check()
   assert r.alloc.num_used_pages == 0                  # the refused probe held nothing
   with pytest.raises(ValueError, match="prefill_chunk"):
     MemArtRunner(llm, MemArtConfig(), head, cache=CACHE, prefill_chunk=0)
+
+
+def test_prefill_work_chunked_or_packed_equals_alone(llm):
+  """The engine's side of a runner's prefill work (`prefill_work.run_chunk`): a probe
+  run in chunks of 5 tokens gives its one-chunk queries (valid tokens within 1e-5, the
+  same positions), and two probes and a question packed into one call per round equal
+  each run alone (logits and queries within 1e-5)."""
+  r, mem, rng = _random_memory(llm, MemArtConfig(), spans=3, dead=1)
+  tails = [rng.integers(100, 40000, n).astype(np.int32) for n in (12, 9)]
+  q1, p1 = r.probe(tails[0])
+  q5, p5 = drain(r.probe_steps(tails[0]), r.driver, 5)
+  assert q5.shape[2] == 16 and np.all(p5[12:] == -1)         # joined, padded to 2^k
+  np.testing.assert_array_equal(p5[:12], p1[:12])
+  np.testing.assert_allclose(np.asarray(q5[:, :, :12]), np.asarray(q1[:, :, :12]),
+                             atol=1e-5, rtol=0)
+  seqs = [r.alloc.new_sequence() for _ in range(2)]
+  try:
+    alone = [r.probe(t) for t in tails]
+    want = r.prefill_into(seqs[0], mem, tails[1], 4, top_k=2)
+    gens = [r.probe_steps(t) for t in tails] + [
+        r.prefill_into_steps(seqs[1], mem, tails[1], 4, top_k=2)]
+    works = [next(g) for g in gens]
+    got = [None] * 3
+    while any(w is not None for w in works):
+      live = [i for i, w in enumerate(works) if w is not None]
+      for i, done in zip(live, run_chunk(r.driver, [works[i] for i in live], 4)):
+        if done is None:
+          continue
+        try:
+          works[i] = gens[i].send(done)
+        except StopIteration as end:
+          works[i], got[i] = None, end.value
+    for (q, p), (qa, pa) in zip(got[:2], alone):
+      n = int((pa >= 0).sum())
+      np.testing.assert_array_equal(p[:n], pa[:n])
+      np.testing.assert_allclose(np.asarray(q[:, :, :n]), np.asarray(qa[:, :, :n]),
+                                 atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got[2].blocks, want.blocks)
+    np.testing.assert_allclose(got[2].logits, want.logits, atol=1e-5, rtol=0)
+  finally:
+    for seq in seqs:
+      r.alloc.free_sequence(seq)
+  r.alloc.check()
 
 
 def test_budget_holds_least_retrieved_go_first_and_nothing_leaks(llm):
@@ -175,6 +219,35 @@ def test_host_select_equals_jitted_rank(llm):
     sc = r.scores(mem, pr, norm=norm, agg=agg)
     for k in (1, 3, 50):
       np.testing.assert_array_equal(r.select(mem, sc, k), r.rank(mem, pr, k, norm=norm, agg=agg))
+
+
+@pytest.mark.parametrize("rerank,neighbors", [(0, 0), (4, 0), (0, 1)])
+def test_a_memory_within_top_k_is_retrieved_whole_without_a_probe(llm, rerank, neighbors):
+  """With at most top_k live blocks retrieval returns them all, chronological, without
+  running the probe (probe_tokens 0): what the scored path (`rank` of a probe) returns
+  for the same memory, for plain, re-ranked and windowed retrieval."""
+  r, mem, rng = _random_memory(llm, MemArtConfig(rerank=rerank, neighbors=neighbors),
+                               spans=4, dead=2)
+  live, tail = mem.num_blocks, rng.integers(100, 40000, 12).astype(np.int32)
+  assert not r.needs_probe(mem, live) and r.needs_probe(mem, live - 1)
+  calls = []
+  probe = r.probe_steps
+  r.probe_steps = lambda *a: calls.append(1) or (yield from probe(*a))
+  got = r.retrieve(mem, tail, live)
+  assert calls == []
+  np.testing.assert_array_equal(got, r.rank(mem, r.probe(tail), live))
+  assert np.all(np.diff(mem.time[got]) > 0) and got.size == live
+  seq = r.alloc.new_sequence()
+  try:
+    assert r.prefill_into(seq, mem, tail, 4, top_k=live).probe_tokens == 0
+  finally:
+    r.alloc.free_sequence(seq)
+  seq = r.alloc.new_sequence()
+  try:
+    assert r.prefill_into(seq, mem, tail, 4, top_k=live - 1).probe_tokens == tail.size
+  finally:
+    r.alloc.free_sequence(seq)
+  r.alloc.check()
 
 
 def test_bench_layout_spans_hold_each_turn(llm):

@@ -266,7 +266,7 @@ def _mechanism(kind: str, cfg, llm):
     from jaxkv.engine.mechanisms.memart import MemArt
     from jaxkv.engine.memart import MemArtSessions
     mech = MemArt(MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
-                                 attn_impl=impl, kv=kv), write_chunk=cfg.engine.prefill_chunk)
+                                 attn_impl=impl, kv=kv))
     what = (f"memart top-k {cfg.memart.top_k} x {cfg.memart.block_size}-token blocks, "
             f"{cfg.memart.norm}-{cfg.memart.agg}")
   return llm.engine.add_mechanism(mech), what

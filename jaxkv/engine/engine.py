@@ -396,7 +396,7 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     if r.req.mechanism is not None:
       if r.pending is not None:          # a prefill cut short (cancel, abort): its finally
         r.pending.close()
-        r.pending = None
+        r.pending = r.work = r.reply = None
       try:
         r.extra = self.mechanisms[r.req.mechanism].finish(r, cache)
       finally:

@@ -33,88 +33,21 @@ Budget: memory bytes = blocks x BS x slot bytes + boxes; a write past
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.config import COMPILER_OPTIONS, CacheConfig, MemArtConfig
+from jaxkv.config import CacheConfig, MemArtConfig
 from jaxkv.engine.driver import Driver, continue_one
 from jaxkv.engine.kv_manager import KVManager
+from jaxkv.engine.prefill_work import Work, drain
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv.state import SENTINEL
 from jaxkv.literal_chat import literal_backend
-from jaxkv.models.forward import Capture
 from jaxkv.policies.memory import memart
 from jaxkv.rope import delta_frequencies
-
-
-@functools.partial(jax.jit, static_argnames=("raw", "pooled"), compiler_options=COMPILER_OPTIONS)
-def _boxes(pool_k, slots, valid, positions, inv_freq, *, raw: bool, pooled: bool = False):
-  """AABBs [L, nb, Hkv, D] of the blocks at slots [nb, BS] (written `valid`);
-  `pooled`: [L, nb, 1, D], each over every KV head's keys."""
-  l, (nb, bs) = pool_k.shape[0], slots.shape
-  k = pool_k[:, slots.reshape(-1)]                                 # [L, nb*BS, Hkv, D]
-  if raw:
-    k = memart.derotate(k, positions.reshape(-1), inv_freq)
-  k = k.reshape((l, nb, bs) + k.shape[2:])
-  if pooled:                                   # heads folded into the block's tokens
-    k = k.reshape(l, nb, bs * k.shape[3], 1, k.shape[4])
-    valid = jnp.repeat(valid, pool_k.shape[2], axis=1)
-  return memart.block_boxes(k, valid)
-
-
-_STATIC = ("k", "norm", "agg", "scale", "rr_c", "raw", "neighbors")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, compiler_options=COMPILER_OPTIONS)
-def _retrieve(q, positions, valid, lo, hi, live, times, segment, inv_freq, *, k, norm, agg,
-              scale, rr_c, raw: bool, neighbors: int = 0):
-  """q [L, 1, C, Hq, D] post-RoPE at positions [C] -> (blocks [k], scores)."""
-  q = q[:, 0]
-  if raw:
-    q = memart.derotate(q, positions, inv_freq)
-  return memart.retrieve(q, valid, lo, hi, live, times, k=k, norm=norm, agg=agg,
-                         scale=scale, rr_c=rr_c, segment=segment, neighbors=neighbors)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC + ("r",), compiler_options=COMPILER_OPTIONS)
-def _retrieve_rerank(q, positions, valid, lo, hi, live, times, segment, pool_k, slots,
-                     block_pos, inv_freq, *, k, r, norm, agg, scale, rr_c, raw: bool,
-                     neighbors: int = 0):
-  """`_retrieve` for r x k candidates (no neighbours yet), then their exact
-  re-scoring (`memart.rerank`, neighbours there): only the candidates' keys are
-  gathered. -> (blocks [k], candidates' scores)."""
-  cand, _ = _retrieve(q, positions, valid, lo, hi, live, times, segment, inv_freq, k=r * k,
-                      norm=norm, agg=agg, scale=scale, rr_c=rr_c, raw=raw)
-  qd = memart.derotate(q[:, 0], positions, inv_freq)
-  rows = jnp.maximum(cand, 0)
-  cs = slots[rows]                                                      # [R, BS]
-  keys = _block_keys(pool_k, cs, block_pos[rows], inv_freq)
-  return memart.rerank(qd, valid, cand, keys, cs != SENTINEL, times, k=k, norm=norm, agg=agg,
-                       scale=scale, rr_c=rr_c, live=live, segment=segment,
-                       neighbors=neighbors)
-
-
-def _block_keys(pool_k, slots, block_pos, inv_freq):
-  """Content-only keys [L, n, BS, Hkv, D] of the blocks at slots / block_pos [n, BS]."""
-  k = memart.derotate(pool_k[:, slots.reshape(-1)], block_pos.reshape(-1), inv_freq)
-  return k.reshape((k.shape[0],) + slots.shape + k.shape[2:])
-
-
-@functools.partial(jax.jit, static_argnames=("norm", "agg", "scale", "rr_c"),
-                   compiler_options=COMPILER_OPTIONS)
-def _exact(q, positions, valid, pool_k, slots, block_pos, live, inv_freq, *, norm, agg,
-           scale, rr_c):
-  """Aggregated scores [cap] from each block's exact content-only max q.k (the
-  quantity eq. 3 bounds): q [L, 1, C, Hq, D] post-RoPE at positions [C]; the blocks'
-  keys at slots / block_pos [cap, BS] (SENTINEL: unused entry)."""
-  qd = memart.derotate(q[:, 0], positions, inv_freq)
-  k = _block_keys(pool_k, slots, block_pos, inv_freq)
-  exact = memart.exact_block_max(qd, k, slots != SENTINEL)             # [L, C, Hq, cap]
-  return memart.aggregate(memart.normalise(exact, live, norm, scale, rr_c), agg, valid)
 
 
 @dataclasses.dataclass
@@ -218,34 +151,22 @@ class MemArtRunner:
     """ids at positions start.. appended to `seq` (fresh slots), in chunks of at
     most `prefill_chunk` tokens (a long history's attention scores stay
     chunk x context, not context^2): (new slots, logits [V] of the last token,
-    q or None, the last chunk's padded positions)."""
-    return _drain(self._prefill_steps(seq, ids, start, capture_q=capture_q,
-                                      key_shift=key_shift, owner=owner))
+    q or None, q's padded positions)."""
+    return self._drain(self._prefill_steps(seq, ids, start, capture_q=capture_q,
+                                           key_shift=key_shift, owner=owner))
+
+  def _drain(self, steps):
+    return drain(steps, self.driver, self.prefill_chunk)
 
   def _prefill_steps(self, seq: int, ids: np.ndarray, start: int, *, capture_q: bool = False,
-                     key_shift: np.ndarray | None = None, owner: str = _OWNER,
-                     chunk: int | None = None):
-    """`_prefill` as a generator that yields between chunks (of `chunk` tokens,
-    default `prefill_chunk`; not after the last) and returns its result."""
-    n = ids.size
-    chunk = chunk or self.prefill_chunk
-    assert not (capture_q and n > self.prefill_chunk), "probe checks its length"
-    slots = self.kv.extend(seq, n, owner=owner)
-    extra = dict(capture=Capture(q=capture_q), return_logits=True)
-
-    def options(ch):
-      if key_shift is None:
-        return extra
-      w = plan_lib.width(ch.need)
-      return dict(extra, key_shift=jnp.asarray(_pad(key_shift[:w], w)[None]))
-
-    for i, (ch, out) in enumerate(self.driver.prefill(   # noqa: B007 (the last chunk's are read)
-        [plan_lib.Row(ids, start)], chunk=chunk,
-        slot_map=lambda w: plan_lib.slot_rows([self.alloc.slot_map(seq)], w), options=options)):
-      if (i + 1) * chunk < n:             # more chunks to come: the rest in the next step
-        yield
-    return (slots, np.asarray(out.logits[0, 0], np.float32), (out.q if capture_q else None),
-            ch.positions[0])
+                     key_shift: np.ndarray | None = None, owner: str = _OWNER):
+    """`_prefill` as a generator that yields its `Work` (the engine packs it with
+    other rows' work; `drain` runs it alone) and returns its result."""
+    ids = np.asarray(ids, np.int32)
+    slots = self.kv.extend(seq, ids.size, owner=owner)
+    done = yield Work(ids, start, lambda: self.alloc.slot_map(seq), capture_q=capture_q,
+                      key_shift=key_shift)
+    return slots, done.logits, done.q, done.positions
 
   def _adopt_head(self, seq: int) -> None:
     self.alloc.adopt(seq, self.head_slots)
@@ -291,12 +212,12 @@ class MemArtRunner:
   def write(self, mem: Memory, ids, tag=None) -> np.ndarray:
     """Appends a span of history (its own prefill after the head) as blocks;
     returns their memory rows. Evicts least-retrieved blocks past the budget."""
-    return _drain(self.write_steps(mem, ids, tag))
+    return self._drain(self.write_steps(mem, ids, tag))
 
-  def write_steps(self, mem: Memory, ids, tag=None, *, chunk: int | None = None):
-    """`write` as a generator that yields between prefill chunks (`chunk` tokens,
-    default `prefill_chunk`) and returns the memory rows: the engine's MemArt
-    mechanism writes a long history a slice per engine step. The span's sequence is
+  def write_steps(self, mem: Memory, ids, tag=None):
+    """`write` as a generator of prefill work (`jaxkv.engine.prefill_work`) that
+    returns the memory rows: the engine's MemArt mechanism writes a long history a
+    chunk per engine step, batched with other rows' work. The span's sequence is
     freed if the generator is closed part way (a cancelled request)."""
     ids = plan_lib.prompt_ids(ids, self.max_len - self.head.size)
     bs = self.cfg.block_size
@@ -310,7 +231,7 @@ class MemArtRunner:
     seq = self.alloc.new_sequence()
     try:
       self._adopt_head(seq)
-      slots = (yield from self._prefill_steps(seq, ids, self.head.size, chunk=chunk))[0]
+      slots = (yield from self._prefill_steps(seq, ids, self.head.size))[0]
     except BaseException:
       self.alloc.free_sequence(seq)
       raise
@@ -334,9 +255,10 @@ class MemArtRunner:
     mem.writes += 1
     for j, r in enumerate(rows):
       mem.spans[r], mem.tags[r] = (j * bs, min(ids.size, (j + 1) * bs)), tag
-    lo, hi = _boxes(self.driver.kv.k, jnp.asarray(slots_b), jnp.asarray(slots_b != SENTINEL),
-                    jnp.asarray(pos_b), self.inv_freq, raw=self.cfg.box_keys == "raw",
-                    pooled=self.cfg.box_heads == "pooled")
+    lo, hi = memart.pool_boxes(self.driver.kv.k, jnp.asarray(slots_b),
+                               jnp.asarray(slots_b != SENTINEL), jnp.asarray(pos_b),
+                               self.inv_freq, raw=self.cfg.box_keys == "raw",
+                               pooled=self.cfg.box_heads == "pooled")
     idx = jnp.asarray(rows)
     mem.lo, mem.hi = mem.lo.at[:, idx].set(lo), mem.hi.at[:, idx].set(hi)
     mem.nbytes += nb * self.block_nbytes()
@@ -347,6 +269,10 @@ class MemArtRunner:
     """The tail run after the head alone: (every layer's queries, positions);
     `voters` ([n] bool, default all) picks the tail tokens whose queries score
     blocks (e.g. the question without the instruction around it)."""
+    return self._drain(self.probe_steps(tail_ids, voters))
+
+  def probe_steps(self, tail_ids, voters=None):
+    """`probe` as a generator of prefill work."""
     tail = np.asarray(tail_ids, np.int32)
     if tail.size > self.prefill_chunk:
       raise ValueError(f"a probe of {tail.size} tokens exceeds prefill_chunk "
@@ -354,7 +280,7 @@ class MemArtRunner:
     seq = self.alloc.new_sequence()
     try:
       self._adopt_head(seq)
-      _, _, q, pos = self._prefill(seq, tail, self.head.size, capture_q=True)
+      _, _, q, pos = yield from self._prefill_steps(seq, tail, self.head.size, capture_q=True)
     finally:
       self.alloc.free_sequence(seq)
     if voters is not None:
@@ -374,9 +300,10 @@ class MemArtRunner:
     kw = dict(k=k, norm=norm or self.cfg.norm, agg=agg or self.cfg.agg, scale=float(scale),
               rr_c=float(self.cfg.rr_c), raw=self.cfg.box_keys == "raw", neighbors=neighbors)
     if rerank:
-      return _retrieve_rerank(*args, self.driver.kv.k, jnp.asarray(mem.slots),
-                              jnp.asarray(mem.positions), self.inv_freq, r=rerank, **kw)
-    return _retrieve(*args, self.inv_freq, **kw)
+      return memart.retrieve_probe_rerank(*args, self.driver.kv.k, jnp.asarray(mem.slots),
+                                          jnp.asarray(mem.positions), self.inv_freq, r=rerank,
+                                          **kw)
+    return memart.retrieve_probe(*args, self.inv_freq, **kw)
 
   def rank(self, mem: Memory, probe, top_k: int | None = None, *, norm: str | None = None,
            agg: str | None = None, rerank: int | None = None,
@@ -404,10 +331,11 @@ class MemArtRunner:
     read from every block's keys (the retrieval ablation's upper bound)."""
     q, pos = probe
     scale = self.cfg.softmax_scale or self.mcfg.head_dim ** -0.5
-    got = _exact(q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), self.driver.kv.k,
-                 jnp.asarray(mem.slots), jnp.asarray(mem.positions), jnp.asarray(mem.live),
-                 self.inv_freq, norm=norm or self.cfg.norm, agg=agg or self.cfg.agg,
-                 scale=float(scale), rr_c=float(self.cfg.rr_c))
+    got = memart.exact_probe_scores(
+        q, jnp.asarray(np.maximum(pos, 0)), jnp.asarray(pos >= 0), self.driver.kv.k,
+        jnp.asarray(mem.slots), jnp.asarray(mem.positions), jnp.asarray(mem.live),
+        self.inv_freq, norm=norm or self.cfg.norm, agg=agg or self.cfg.agg,
+        scale=float(scale), rr_c=float(self.cfg.rr_c))
     return np.where(mem.live, np.asarray(got), -np.inf)
 
   @staticmethod
@@ -422,10 +350,22 @@ class MemArtRunner:
                voters=None, rerank: int | None = None,
                neighbors: int | None = None) -> np.ndarray:
     """`rank` of the tail's `probe`."""
-    if not mem.live.any():
-      return np.zeros(0, np.int32)
-    return self.rank(mem, self.probe(tail_ids, voters), top_k, rerank=rerank,
-                     neighbors=neighbors)
+    return self._drain(self.retrieve_steps(mem, tail_ids, top_k, voters, rerank, neighbors))
+
+  def needs_probe(self, mem: Memory, top_k: int | None = None) -> bool:
+    """Whether retrieval must score: more live blocks than it keeps."""
+    return mem.num_blocks > (top_k or self.cfg.top_k)
+
+  def retrieve_steps(self, mem: Memory, tail_ids, top_k: int | None = None, voters=None,
+                     rerank: int | None = None, neighbors: int | None = None):
+    """`retrieve` as a generator of prefill work. A memory of at most k live blocks
+    is retrieved whole (chronological) without a probe: every score would pick them
+    all."""
+    if not self.needs_probe(mem, top_k):
+      live = np.flatnonzero(mem.live)
+      return live[np.argsort(mem.time[live], kind="stable")].astype(np.int32)
+    probe = yield from self.probe_steps(tail_ids, voters)
+    return self.rank(mem, probe, top_k, rerank=rerank, neighbors=neighbors)
 
   def answer(self, mem: Memory, tail_ids, max_tokens: int, *, blocks=None, forced=None,
              stop_ids=None, top_k: int | None = None, voters=None,
@@ -463,11 +403,20 @@ class MemArtRunner:
     shift that moves the blocks' keys to their new positions: what `answer` runs
     before decoding, and the engine's `MemArt` mechanism on its row (`owner`: whose
     allocation the tail's slots are, for the KV manager's reservations)."""
+    return self._drain(self.prefill_into_steps(
+        seq, mem, tail_ids, max_tokens, blocks=blocks, top_k=top_k, voters=voters,
+        rerank=rerank, neighbors=neighbors, owner=owner))
+
+  def prefill_into_steps(self, seq: int, mem: Memory, tail_ids, max_tokens: int, *,
+                         blocks=None, top_k: int | None = None, voters=None,
+                         rerank: int | None = None, neighbors: int | None = None,
+                         owner: str = _OWNER):
+    """`prefill_into` as a generator of prefill work (the probe's, then the tail's)."""
     tail = np.asarray(tail_ids, np.int32)
     probe = 0
     if blocks is None:
-      blocks = self.retrieve(mem, tail, top_k, voters, rerank, neighbors)
-      probe = tail.size if mem.live.any() else 0
+      probe = tail.size if self.needs_probe(mem, top_k) else 0
+      blocks = yield from self.retrieve_steps(mem, tail, top_k, voters, rerank, neighbors)
     blocks = np.asarray(blocks, np.int32)
     h = self.head.size
     ok = mem.slots[blocks] != SENTINEL                     # partly filled blocks: packed
@@ -484,7 +433,8 @@ class MemArtRunner:
                   np.zeros(tail.size + max_tokens, np.int32)].astype(np.int32)
     if not shift.any():             # nothing moved (full context): the kernels' path
       shift = None
-    _, logits, _, _ = self._prefill(seq, tail, start, key_shift=shift, owner=owner)
+    _, logits, _, _ = yield from self._prefill_steps(seq, tail, start, key_shift=shift,
+                                                     owner=owner)
     return TailPrefill(logits, blocks, probe, start, start + tail.size, shift)
 
   def close(self) -> None:
@@ -561,18 +511,17 @@ class MemArtSessions:
     """Writes the history the session's memory has not seen; returns (its memory, the
     tail to answer: the question and the template after it, the tail tokens whose
     queries vote in retrieval, what happened: memory blocks, blocks written, bytes)."""
-    return _drain(self.prepare_steps(session, messages))
+    return self.runner._drain(self.prepare_steps(session, messages))
 
-  def prepare_steps(self, session: str, messages: list[dict], *, chunk: int | None = None):
-    """`prepare` as a generator: yields between chunks of the history's write."""
+  def prepare_steps(self, session: str, messages: list[dict]):
+    """`prepare` as a generator of prefill work (the history's write)."""
     lines = self.check(session, messages)
     mem, seen = self.sessions.get(session) or (self.runner.new_memory(), [])
     new = lines[len(seen):]
     written = written_tokens = 0
     if new:
       span = self._enc("\n".join(new) + "\n", literal=True)
-      written = (yield from self.runner.write_steps(mem, span, tag=len(seen),
-                                                    chunk=chunk)).size
+      written = (yield from self.runner.write_steps(mem, span, tag=len(seen))).size
       written_tokens = span.size
       seen = seen + new
     self.sessions[session] = (mem, seen)
@@ -584,15 +533,6 @@ class MemArtSessions:
     """Frees a session's memory."""
     mem, _ = self.sessions.pop(session)
     self.runner.forget(mem)
-
-
-def _drain(steps):
-  """Runs a generator to its end; returns its return value."""
-  while True:
-    try:
-      next(steps)
-    except StopIteration as done:
-      return done.value
 
 
 def _pad(x, n: int, value=0) -> np.ndarray:

@@ -70,6 +70,8 @@ class Row:
   extra: dict | None = None        # what its mechanism did (Result.extra)
   error: str | None = None         # why it failed (finish "error")
   pending: object = None           # a mechanism's prefill generator, part way through
+  work: object = None              # the `prefill_work.Work` that generator waits on
+  reply: object = None             # its `Done`, sent to the generator when it resumes
   # prompt tokens reported as served without prefill (Result.cached_tokens) when that
   # is not `cached`: a mechanism that lays out its own sequence sets it (MemArt)
   served: int | None = None

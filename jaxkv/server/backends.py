@@ -101,7 +101,7 @@ class SessionBackends:
       from jaxkv.engine.memart import MemArtSessions
       self.memart = self.engine.mechanisms.get("memart") or self.engine.add_mechanism(MemArt(
           MemArtSessions(llm, cfg.memart, cfg.cache, system_prompt=cfg.system_prompt,
-                         attn_impl=impl, kv=self.kv), write_chunk=cfg.engine.prefill_chunk))
+                         attn_impl=impl, kv=self.kv)))
     if "reuse" in self.kinds:
       from jaxkv.engine.mechanisms.reuse import Reuse
       from jaxkv.engine.reuse import ReuseRunner

@@ -12,10 +12,12 @@ that sequence's length and `cached` the adopted head + blocks. The engine sample
 first token and decodes the row with the batch; its decode view (`decode_view`) is
 the same key shift (zeros for the tokens it generates).
 
-The prefill is a generator: the history's write runs one chunk (`write_chunk`
-tokens) per engine step, so the rows decoding beside it wait for one chunk at a time,
-never for a whole history; the probe and the question's prefill (short) run in the
-step of the last chunk. The engine reserves the chat prompt + max_tokens
+The prefill is a generator of prefill work (`jaxkv.engine.prefill_work`): the
+history's write, the retrieval probe and the question, each packed with the other
+prefilling rows' work into one batched call, one engine chunk of each per step. The
+rows decoding beside it wait for one chunk at a time, never for a whole history; the
+probe and the question's prefill (short) follow the history's last chunk in the same
+step. The engine reserves the chat prompt + max_tokens
 pages for the row, which bounds the question and the answer; memory blocks are
 session state on the same pool (`owner` "memart"), kept until the session closes.
 """
@@ -51,10 +53,8 @@ class MemArt(Mechanism):
       ("jaxkv_memart_chat_tokens_total", "chat_tokens",
        "tokens the same chats hold as plain prompts"))
 
-  def __init__(self, sessions, *, write_chunk: int | None = None):
-    """write_chunk: history tokens written per engine step (None: the runner's
-    prefill_chunk; a server passes its engine's prefill_chunk)."""
-    self.sessions, self.runner, self.write_chunk = sessions, sessions.runner, write_chunk
+  def __init__(self, sessions):
+    self.sessions, self.runner = sessions, sessions.runner
     self._writing: set[str] = set()      # sessions whose history a row is writing
     self._inflight: collections.Counter = collections.Counter()   # session -> rows
     self._closing: set[str] = set()      # closed while a turn was in flight
@@ -98,11 +98,12 @@ class MemArt(Mechanism):
     self._writing.add(ctx["session"])
     try:
       mem, tail, voters, info = yield from self.sessions.prepare_steps(
-          ctx["session"], ctx["messages"], chunk=self.write_chunk)
+          ctx["session"], ctx["messages"])
     finally:
       self._writing.discard(ctx["session"])
-    pre = self.runner.prefill_into(row.seq, mem, tail, row.req.sampling.max_tokens,
-                                   voters=voters, owner="engine")
+    pre = yield from self.runner.prefill_into_steps(row.seq, mem, tail,
+                                                    row.req.sampling.max_tokens,
+                                                    voters=voters, owner="engine")
     row.state.pre, row.state.info = pre, info
     row.n, row.cached = pre.n, pre.start
     # usage's cached tokens: the chat's tokens this request did not prefill (neither as

@@ -42,6 +42,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxkv.config import COMPILER_OPTIONS
+from jaxkv.kv.state import SENTINEL
 from jaxkv.rope import apply_rope
 
 
@@ -239,3 +241,72 @@ def exact_block_max(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.Array:
   s = jnp.einsum("ltkgd,lnbkd->ltkgnb", qg, k.astype(jnp.float32))
   s = jnp.where(valid[None, None, None, None], s, -jnp.inf)
   return jnp.max(s, axis=-1).reshape(l, t, h, -1)
+
+
+# -- reads of the pool: the runner's jitted retrieval over a probe's queries (pure
+#    functions of the pool's keys and the memory's block rows)
+
+@functools.partial(jax.jit, static_argnames=("raw", "pooled"), compiler_options=COMPILER_OPTIONS)
+def pool_boxes(pool_k, slots, valid, positions, inv_freq, *, raw: bool, pooled: bool = False):
+  """AABBs [L, nb, Hkv, D] of the blocks at slots [nb, BS] (written `valid`);
+  `pooled`: [L, nb, 1, D], each over every KV head's keys."""
+  l, (nb, bs) = pool_k.shape[0], slots.shape
+  k = pool_k[:, slots.reshape(-1)]                                 # [L, nb*BS, Hkv, D]
+  if raw:
+    k = derotate(k, positions.reshape(-1), inv_freq)
+  k = k.reshape((l, nb, bs) + k.shape[2:])
+  if pooled:                                   # heads folded into the block's tokens
+    k = k.reshape(l, nb, bs * k.shape[3], 1, k.shape[4])
+    valid = jnp.repeat(valid, pool_k.shape[2], axis=1)
+  return block_boxes(k, valid)
+
+
+_PROBE_STATIC = ("k", "norm", "agg", "scale", "rr_c", "raw", "neighbors")
+
+
+@functools.partial(jax.jit, static_argnames=_PROBE_STATIC, compiler_options=COMPILER_OPTIONS)
+def retrieve_probe(q, positions, valid, lo, hi, live, times, segment, inv_freq, *, k, norm,
+                   agg, scale, rr_c, raw: bool, neighbors: int = 0):
+  """q [L, 1, C, Hq, D] post-RoPE at positions [C] -> (blocks [k], scores)."""
+  q = q[:, 0]
+  if raw:
+    q = derotate(q, positions, inv_freq)
+  return retrieve(q, valid, lo, hi, live, times, k=k, norm=norm, agg=agg, scale=scale,
+                  rr_c=rr_c, segment=segment, neighbors=neighbors)
+
+
+@functools.partial(jax.jit, static_argnames=_PROBE_STATIC + ("r",),
+                   compiler_options=COMPILER_OPTIONS)
+def retrieve_probe_rerank(q, positions, valid, lo, hi, live, times, segment, pool_k, slots,
+                          block_pos, inv_freq, *, k, r, norm, agg, scale, rr_c, raw: bool,
+                          neighbors: int = 0):
+  """`retrieve_probe` for r x k candidates (no neighbours yet), then their exact
+  re-scoring (`rerank`, neighbours there): only the candidates' keys are
+  gathered. -> (blocks [k], candidates' scores)."""
+  cand, _ = retrieve_probe(q, positions, valid, lo, hi, live, times, segment, inv_freq,
+                           k=r * k, norm=norm, agg=agg, scale=scale, rr_c=rr_c, raw=raw)
+  qd = derotate(q[:, 0], positions, inv_freq)
+  rows = jnp.maximum(cand, 0)
+  cs = slots[rows]                                                      # [R, BS]
+  keys = pool_block_keys(pool_k, cs, block_pos[rows], inv_freq)
+  return rerank(qd, valid, cand, keys, cs != SENTINEL, times, k=k, norm=norm, agg=agg,
+                scale=scale, rr_c=rr_c, live=live, segment=segment, neighbors=neighbors)
+
+
+def pool_block_keys(pool_k, slots, block_pos, inv_freq):
+  """Content-only keys [L, n, BS, Hkv, D] of the blocks at slots / block_pos [n, BS]."""
+  k = derotate(pool_k[:, slots.reshape(-1)], block_pos.reshape(-1), inv_freq)
+  return k.reshape((k.shape[0],) + slots.shape + k.shape[2:])
+
+
+@functools.partial(jax.jit, static_argnames=("norm", "agg", "scale", "rr_c"),
+                   compiler_options=COMPILER_OPTIONS)
+def exact_probe_scores(q, positions, valid, pool_k, slots, block_pos, live, inv_freq, *, norm,
+                       agg, scale, rr_c):
+  """Aggregated scores [cap] from each block's exact content-only max q.k (the
+  quantity eq. 3 bounds): q [L, 1, C, Hq, D] post-RoPE at positions [C]; the blocks'
+  keys at slots / block_pos [cap, BS] (SENTINEL: unused entry)."""
+  qd = derotate(q[:, 0], positions, inv_freq)
+  k = pool_block_keys(pool_k, slots, block_pos, inv_freq)
+  exact = exact_block_max(qd, k, slots != SENTINEL)             # [L, C, Hq, cap]
+  return aggregate(normalise(exact, live, norm, scale, rr_c), agg, valid)
