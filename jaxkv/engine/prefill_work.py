@@ -4,11 +4,12 @@ A mechanism whose prefill is a generator (`Mechanism.prefill`, MemArt's history
 write, retrieval probe and question) does not call the model itself: it yields
 `Work` -- ids to run at positions start.. of a sequence whose slots it has already
 allocated -- and gets the work's `Done` back (`generator.send`) once the work's last
-token has run. The engine packs the work of every prefilling row into one
-`Driver.prefill` call per round (`run_chunk`: one chunk of each, a batch of the next
-power of two), as it packs plain prompts, so eight MemArt turns cost one batched
-call per round rather than eight batch-1 calls. Outside the engine, `drain` runs a
-generator's work alone, chunk by chunk (the batch-1 runner, the benchmarks).
+token has run. The engine runs one chunk of every prefilling row's work per step:
+packed into one `Driver.prefill` call per round (`run_chunk`: a batch of the next
+power of two, as plain prompts are packed), so eight MemArt turns share one call on an
+accelerator, or one call per row where prefill is compute-bound and packing only pads
+(`EngineConfig.pack_prefill`, auto: rows on a CPU). Outside the engine, `drain` runs
+a generator's work alone, chunk by chunk (the batch-1 runner, the benchmarks).
 
 A bare `yield` (None) means "nothing to run now": the row waits for the next engine
 step (e.g. another turn of its session is writing its history).
