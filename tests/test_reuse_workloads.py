@@ -244,3 +244,63 @@ def test_drift_tables_and_plot(tmp_path):
   assert by["naive"][2] == "0.005 / +0.010 / 0.50"
   path = reuse.drift_plot(rows, str(tmp_path / "drift.png"))
   assert pathlib.Path(path).stat().st_size > 10_000
+
+
+# ToolBench's released shape (toolllama's system prompt): the API list inline, as a
+# Python literal, after "Specifically, you have access to the following APIs:".
+TB_APIS = [{"name": f"api_{i}_for_svc{i % 5}", "description": (
+    f'This is the subfunction for tool "svc{i % 5}", you can use this tool.The description '
+    f'of this function is: "Returns record {i} of the service with every field."'),
+    "parameters": {"type": "object", "properties": {"record_id": {
+        "type": "string", "description": "the record", "example_value": f"R{i}"}},
+        "required": ["record_id"], "optional": []}} for i in range(32)]
+TB_SYSTEM = (
+    "You are AutoGPT, you can use many tools(functions) to do the following task.\nFirst I "
+    "will give you the task description, and your task start.\nAt each step, you need to give "
+    "your thought to analyze the status now and what to do next, with a function call to "
+    "actually excute your step. Your output should follow this format:\nThought:\nAction:\n"
+    "Action Input:\n\nAfter the call, you will get the call result, and you are now in a new "
+    "state.\nThen you will analyze your status now, then decide what to do next...\nAfter many "
+    "(Thought-call) pairs, you finally perform the task, then you can give your finial answer."
+    "\nRemember: \n1.the state change is irreversible, you can't go back to one of the former "
+    "state, if you want to restart the task, say \"I give up and restart\".\n2.All the thought "
+    "is short, at most in 5 sentence.\nLet's Begin!\nTask description: You should use "
+    "functions to help handle the real time user querys. Remember:\n1.ALWAYS call \"Finish\" "
+    "function at the end of the task.\n2.Do not use origin tool APIs, use only subfunctions"
+    "(APIs).\nSpecifically, you have access to the following APIs: " + repr(TB_APIS))
+
+
+def test_toolbench_shaped_sessions_carry_each_api_once(tok, tmp_path):
+  """A ToolBench file in its released shape (32 APIs inline in the system prompt): the
+  list becomes the session's tools and leaves the system text, so the workload's header
+  and sections hold no API and a request holds exactly the 4-8 schemas it drew; chat
+  messages list each API once either way, and the file round-trips."""
+  entries = [{"id": f"tb/{i}", "conversations": [
+      {"from": "system", "value": TB_SYSTEM},
+      {"from": "user", "value": f"Get record R{i} of svc{i % 5}.\nBegin!\n"},
+      {"from": "assistant", "value": f"Thought: look it up.\nAction: api_{i}_for_svc{i % 5}\n"
+                                     f"Action Input: {{\"record_id\": \"R{i}\"}}"}]}
+             for i in range(3)]
+  path = tmp_path / "tb.json"
+  path.write_text(json.dumps(entries))
+  sessions = traces.load_toolbench(path)
+  s = sessions[0]
+  names = [t["name"] for t in TB_APIS]
+  assert [t["name"] for t in s.tools] == names
+  system = s.turns[0].content
+  assert system.endswith("you have access to the following APIs:")
+  assert not any(n in system for n in names)
+  assert not any(n in x for n in names for x in [W._header(s), *W.policy_sections(s)])
+  for r in W.tool_subset(sessions, tok, 6, seed=1):
+    text = tok.decode(r.ids)
+    counts = [text.count(f'"{n}"') for n in names]
+    assert sorted(counts)[-1] == 1 and sum(counts) == r.meta["tools"]
+    assert 4 <= r.meta["tools"] <= 8 and r.ids.size < 1500
+  react = traces.to_messages(s, react=True)[0]["content"]       # tools in the system text
+  assert all(react.count(n) == 1 for n in names)
+  assert not any(n in traces.to_messages(s)[0]["content"] for n in names)   # template's
+  out = tmp_path / "again.json"
+  traces.dump_toolbench(sessions, out)
+  assert traces.load_toolbench(out) == sessions
+  value = traces.to_entry(s)["conversations"][0]["value"]
+  assert value.startswith(system) and all(value.count(n) == 1 for n in names)

@@ -75,7 +75,8 @@ def test_parse_toolbench(tmp_path):
   assert [t.role for t in a.turns] == ["system", "user", "assistant", "tool", "assistant", "tool",
                                        "assistant"]
   assert a.tools[0]["name"] == "search_hotels_for_booking"  # recovered from the Python literal
-  assert a.turns[0].content == TOOLBENCH[0]["conversations"][0]["value"]
+  value = TOOLBENCH[0]["conversations"][0]["value"]          # the list leaves the text
+  assert a.turns[0].content == value[:value.index(" [{")]
   call = ToolCall("search_hotels_for_booking", {"city": "Paris", "nights": 2})
   assert a.turns[2] == Turn("assistant", "I should search hotels in Paris.", (call,))
   assert a.turns[3].name == "search_hotels_for_booking"
@@ -138,8 +139,12 @@ def test_round_trip(tmp_path):
     path = tmp_path / f"out{suffix}"
     traces.dump_toolbench([*sessions, made], path)
     assert traces.load_toolbench(path) == [*sessions, made]
-  # ToolBench's own values come back unchanged (no second tool list in the system value).
-  assert traces.to_entry(sessions[0])["conversations"][0] == TOOLBENCH[0]["conversations"][0]
+  # ToolBench's own values come back with their API list in place (as JSON), once.
+  value = traces.to_entry(sessions[0])["conversations"][0]["value"]
+  want = TOOLBENCH[0]["conversations"][0]["value"]
+  assert value.startswith(want[:want.index(" [{")] + " [{")
+  assert value.count("search_hotels_for_booking") == 1
+  assert json.loads(value[value.index(" [{") + 1:]) == list(sessions[0].tools)
   with pytest.raises(ValueError, match="Action:"):
     traces.to_entry(Session("x", "x", (Turn("assistant", "Action: f"),)))
 

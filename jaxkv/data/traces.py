@@ -18,7 +18,9 @@ additions stay readable by ToolBench's own tools: an optional `"task"` key (the
 grouping key of `split_by_task`; defaults to the id) and the tool schemas in
 the system value, as a JSON list on the lines after `TOOLS_MARKER`. ToolBench's
 own system prompts ("... you have access to the following APIs: [...]") are
-also searched for a schema list.
+also searched for a schema list, which then leaves the system text (so that a
+template's tool list or a workload's sections do not carry it twice) and is written
+back in place, as JSON, when the session is dumped or rendered with its tools.
 
 In memory a conversation is a `Session` of `Turn`s with chat roles
 (system/user/assistant/tool); `to_messages` gives the HF/OpenAI chat messages
@@ -146,8 +148,9 @@ def format_react(turn: Turn) -> str:
   return "\n".join(parts)
 
 
-def _native_tools(text: str) -> list[dict] | None:
-  """The API list of a ToolBench system prompt (JSON or Python literal), if any."""
+def _native_tools(text: str) -> tuple[list[dict], int, int] | None:
+  """The API list of a ToolBench system prompt (JSON or Python literal) and where it
+  lies in `text` ([start, end)), if any."""
   at = text.lower().find(_TOOLBENCH_APIS)
   if at < 0:
     return None
@@ -155,14 +158,15 @@ def _native_tools(text: str) -> list[dict] | None:
   if start < 0:
     return None
   try:
-    value, _ = json.JSONDecoder().raw_decode(text, start)
+    value, end = json.JSONDecoder().raw_decode(text, start)
   except json.JSONDecodeError:
+    end = text.rfind("]") + 1
     try:
-      value = ast.literal_eval(text[start:text.rfind("]") + 1])
+      value = ast.literal_eval(text[start:end])
     except (ValueError, SyntaxError, MemoryError, RecursionError):
       return None
   if isinstance(value, list) and all(isinstance(t, dict) for t in value):
-    return value
+    return value, start, end
   return None
 
 
@@ -170,7 +174,14 @@ def _split_system(value: str) -> tuple[str, tuple[dict, ...]]:
   """System value -> (content, tools). Raises ValueError on a bad list after the marker."""
   m = _MARKER_LINE.search(value)
   if m is None:
-    return value, tuple(_native_tools(value) or ())
+    native = _native_tools(value)
+    if native is None:
+      return value, ()
+    # ToolBench's own prompt: the API list becomes the tools and leaves the text (else
+    # a chat template's tool list or a workload's sections would carry it a second
+    # time); `system_value` writes it back after "...the following APIs:".
+    tools, start, end = native
+    return value[:start].rstrip(" ") + value[end:], tuple(tools)
   head = value[:m.start()]
   content = head[:-2] if head.endswith("\n\n") else head.rstrip("\n")
   try:
@@ -183,9 +194,18 @@ def _split_system(value: str) -> tuple[str, tuple[dict, ...]]:
 
 
 def system_value(content: str, tools: Sequence[dict]) -> str:
-  """The ToolBench system value: `content`, then the tool list after `TOOLS_MARKER`."""
-  if not tools or _native_tools(content) == list(tools):
+  """The ToolBench system value: `content`, then the tool list after `TOOLS_MARKER`; a
+  ToolBench prompt ("...you have access to the following APIs:") gets it back in
+  place, as JSON."""
+  if not tools:
     return content
+  native = _native_tools(content)
+  if native is not None and native[0] == list(tools):      # the text still holds it
+    return content
+  at = content.lower().find(_TOOLBENCH_APIS)
+  if at >= 0 and native is None:
+    at += len(_TOOLBENCH_APIS)
+    return f"{content[:at]} {json.dumps(list(tools), ensure_ascii=False)}{content[at:]}"
   listing = f"{TOOLS_MARKER}\n{json.dumps(list(tools), ensure_ascii=False)}"
   return f"{content}\n\n{listing}" if content else listing
 
