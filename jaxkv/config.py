@@ -352,6 +352,11 @@ class ReuseConfig:
   ctx_window: int = 128         # Tokens of left context before a match compared with the
                                 # stored segment's own (W_ctx); their similarity is
                                 # recorded with the match.
+  ctx_threshold: float = 0.0    # Tiered: a run whose W_ctx left context has a MinHash
+                                # Jaccard similarity below this with the stored one's
+                                # (tau_ctx) is not reused approximately (exact reuse
+                                # still applies); 0 admits every context (not calibrated
+                                # yet).
   storage: str = "int8"         # Precision of the stored keys and values: int8 (a scale per
                                 # group of values), float16 or float32.
   group_size: int = 32          # Values sharing one int8 scale, along the head dimension
@@ -399,6 +404,8 @@ class ReuseConfig:
       raise ValueError("reuse needs 0 < stride <= window, min_tokens >= 1, shingle >= 1")
     if not 0.0 < self.seg_threshold <= 1.0 or not 0.0 <= self.blend_ratio <= 1.0:
       raise ValueError("reuse.seg_threshold must be in (0, 1], blend_ratio in [0, 1]")
+    if not 0.0 <= self.ctx_threshold <= 1.0:
+      raise ValueError(f"reuse.ctx_threshold must be in [0, 1], got {self.ctx_threshold}")
     if self.cut_every < 1 or self.guard_base < 1 or self.blend_layer < 0 or self.epic_tokens < 0:
       raise ValueError("reuse needs cut_every >= 1, guard_base >= 1, blend_layer >= 0, "
                        "epic_tokens >= 0")

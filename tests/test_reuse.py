@@ -11,15 +11,18 @@ import dataclasses
 import itertools
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hf_util
+import jaxkv
 from jaxkv.config import CacheConfig, ReuseConfig, RopeConfig
 from jaxkv.engine import reuse as reuse_lib
 from jaxkv.engine.reuse import ReuseRunner
 from jaxkv.kv import plan, quant
+from jaxkv.models import presets
 from jaxkv.models.forward import Capture, LayerWindow
 from jaxkv.policies.reuse import admission, index, store
 
@@ -194,6 +197,24 @@ def test_guarded_resume_deepens_along_the_run():
   assert cfg.guard_window(0) == 0
 
 
+def test_context_threshold_refuses_approximate_tiers():
+  """tau_ctx (`ctx_threshold`): a run whose left context's Jaccard with the stored
+  one's falls below it gets no approximate tier (the reason says so); at or above it,
+  or with the threshold at 0 (the default), the guard decides as before."""
+  seg = dataclasses.replace(_segment(np.random.default_rng(), 40, store.Fingerprint("m", "t", "r"),
+                                     layers=6), hidden={2: None, 4: None})
+  match = index.Match(key=0, p_lo=70, s_lo=0, n=40, ctx_match=70, ctx_jaccard=0.3)
+  for cfg, tier in [(ReuseConfig(), "approx"), (ReuseConfig(ctx_threshold=0.3), "approx"),
+                    (ReuseConfig(ctx_threshold=0.5), "reject"),
+                    (ReuseConfig(ctx_threshold=0.5, tiers=("blend",)), "reject"),
+                    (ReuseConfig(ctx_threshold=0.2, tiers=("blend",)), "blend")]:
+    d = admission.decide(match, seg, cfg, 6)
+    assert d.tier == tier, (cfg.ctx_threshold, cfg.tiers, d)
+    assert ("ctx_threshold" in d.reason) == (tier == "reject")
+  with pytest.raises(ValueError, match="ctx_threshold"):
+    ReuseConfig(ctx_threshold=1.5)
+
+
 # ----------------------------------------------------------------------------- runner
 @pytest.mark.parametrize("regime", ["A", "B"])
 def test_exact_tier_reproduces_no_reuse(llm, regime):
@@ -249,6 +270,47 @@ def test_approx_tier_recomputes_where_the_guard_refuses(llm):
   _serve(naive, p1)
   drift = np.abs(got.logits - ref.logits).max()
   assert drift < np.abs(_serve(naive, p3).logits - ref.logits).max()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  return jaxkv.load(presets.SMOLLM2)
+
+
+def test_a_run_spliced_at_position_0_recomputes_its_first_token(smollm2, monkeypatch):
+  """The attention sink (real SmolLM2 weights: a random model has none): a segment
+  stored after a left context and spliced at position 0 (the context deleted)
+  recomputes its first token at every layer under every method but exact (one more
+  token per layer), which cuts naive reuse's first-token KL against no reuse (1.27 ->
+  0.33 here; CacheBlend's probe already picks that token)."""
+  enc = lambda t: np.asarray(smollm2.tokenizer.encode(t, add_bos=False), np.int32)
+  ctx = enc("You are a helpful assistant for the airline. Follow the policy below carefully.")
+  seg = enc(" The baggage policy: each passenger may bring one carry-on bag and one personal "
+            "item. Checked bags cost 35 dollars each for economy, and are free for gold "
+            "members. Refunds go to the original payment method within seven days.")
+  q = enc(" Question: how much is a checked bag for economy?")
+  p1, p0 = np.concatenate([ctx, seg, q]), np.concatenate([seg, q])   # S at position 0
+
+  def serve(method, prompt, prime=None):
+    r = ReuseRunner(smollm2, ReuseConfig(method=method, storage="float32", min_tokens=16),
+                    cache=CACHE, attn_impl="reference")
+    if prime is not None:
+      _serve(r, prime)
+    return _serve(r, prompt)
+
+  exact = admission.Decision("exact", "same")
+  assert admission.sink_first(exact) is exact
+  assert admission.sink_first(admission.Decision("naive", "n", resume=6)).resume_of(3)[0] == 0
+  ref = serve("none", p0)
+  kl = lambda out: float(jnp.sum(jax.nn.softmax(ref.logits) * (
+      jax.nn.log_softmax(ref.logits) - jax.nn.log_softmax(out.logits))))
+  got = {True: serve("naive", p0, p1)}
+  monkeypatch.setattr(admission, "sink_first", lambda d: d)
+  got[False] = serve("naive", p0, p1)
+  (run,) = got[True].runs
+  assert run.p_lo == 0 and run.tier == "naive" and "position 0 recomputed" in run.reason
+  np.testing.assert_array_equal(got[True].layer_tokens, got[False].layer_tokens + 1)
+  assert kl(got[True]) < 0.5 * kl(got[False]), (kl(got[True]), kl(got[False]))
 
 
 def test_layer_passes_split_where_the_width_grows():

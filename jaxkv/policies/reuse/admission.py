@@ -19,11 +19,18 @@ Tiers (`ReuseConfig.method="tiered"`, tried in this order among `tiers`):
   cached ones, and recomputes the `blend_ratio` most deviating tokens at every
   later layer (CacheBlend). Needs the full stack (regime A). `probe_reject` > 0
   turns a segment whose mean deviation exceeds it into a full recompute.
-- reject: none applies (each tier's reason is recorded).
+- reject: none applies (each tier's reason is recorded). A run whose left context
+  is less similar to the stored one's than `ctx_threshold` (MinHash Jaccard over
+  `ctx_window` tokens, the seed's tau_ctx) gets no approximate tier.
 
 The baselines are one-tier methods: naive (splice every stored layer, no guard),
 epic (naive plus each segment's first `epic_tokens` recomputed at every layer)
 and cacheblend (the blend tier alone).
+
+Every method: a run spliced at position 0 that is not exact recomputes its first
+token at every layer (`sink_first`). Position 0 is the attention sink; the stored
+K/V of the same token computed with context before it are far from a sink's (real
+SmolLM2, a segment's left context deleted: naive's first-token KL 1.27 -> 0.33).
 """
 
 from __future__ import annotations
@@ -101,7 +108,23 @@ def guarded_resume(seg: Segment, m: int, n: int, cfg: ReuseConfig,
 
 
 def decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Decision:
-  """The tier (and depth) for one match under `cfg.method` (see the module doc)."""
+  """The tier (and depth) for one match under `cfg.method` (see the module doc). A run
+  spliced at position 0 that is not exact recomputes its first token at every layer,
+  whatever the method: position 0 is the attention sink, whose K/V differ most from
+  those of the same token with context before it (`sink_first`)."""
+  d = _decide(match, seg, cfg, num_layers)
+  return sink_first(d) if match.p_lo == 0 else d
+
+
+def sink_first(d: Decision) -> Decision:
+  """`d` with the run's first token recomputed at every layer (an approximate run at
+  position 0); exact and rejected decisions are kept."""
+  if d.tier in ("exact", "reject") or d.epic >= 1:
+    return d
+  return dataclasses.replace(d, epic=1, reason=f"{d.reason}; position 0 recomputed")
+
+
+def _decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Decision:
   method = cfg.method
   if method in ("naive", "epic"):
     resume, note = full_stack_resume(seg, num_layers)
@@ -130,6 +153,10 @@ def decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Dec
       why.append(f"exact: {note}")
     else:
       why.append(f"exact: left context differs ({m} of {match.p_lo} tokens identical)")
+  if match.ctx_jaccard < cfg.ctx_threshold:          # tau_ctx: no approximate tier
+    why.append(f"context: Jaccard {match.ctx_jaccard:.2f} of the left context with the "
+               f"stored one's < ctx_threshold {cfg.ctx_threshold}")
+    return Decision("reject", "; ".join(why))
   if "approx" in cfg.tiers:
     resume = guarded_resume(seg, m, match.n, cfg, num_layers)
     if resume.any():
