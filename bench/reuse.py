@@ -57,6 +57,7 @@ METHODS = {
     "exact": dict(method="tiered", tiers=("exact",)),
     "approx": dict(method="tiered", tiers=("exact", "approx")),
     "tiered": dict(method="tiered"),
+    "tiered_seed": dict(method="tiered", guard_schedule="seed"),   # the seed's W_exact(l)
 }
 TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
 FLAGS = flags.FLAGS

@@ -374,6 +374,10 @@ class ReuseConfig:
                                 # 1 after this many identical tokens before it, twice as
                                 # many every cut_every layers deeper (W_exact(l) =
                                 # guard_base x 2^((l - 1) // cut_every); layer 0 needs none).
+  guard_schedule: str = "doubling"  # The approximate tier's W_exact(l): doubling (the rule
+                                    # above) or seed (the seed's: 128 x 2^(l // 4), so
+                                    # W(0) = 128 and W(8) = 512, and the whole prefix from
+                                    # layer 16 on).
   blend_ratio: float = 0.15     # Blend tier and cacheblend: share of a segment's tokens
                                 # recomputed at every layer after the probe, those whose
                                 # keys moved most.
@@ -411,14 +415,20 @@ class ReuseConfig:
                        "epic_tokens >= 0")
     if self.max_passes < 1:
       raise ValueError(f"reuse.max_passes must be >= 1, got {self.max_passes}")
+    if self.guard_schedule not in ("doubling", "seed"):
+      raise ValueError(f"reuse.guard_schedule must be doubling or seed, got "
+                       f"{self.guard_schedule!r}")
     if self.byte_budget < 0 or self.group_size < 1 or self.num_perm < 16:
       raise ValueError("reuse needs byte_budget >= 0, group_size >= 1, num_perm >= 16")
 
-  def guard_window(self, layer: int) -> int:
+  def guard_window(self, layer: int) -> int | None:
     """W_exact(layer): identical left-context tokens needed before a segment to
-    reuse its K/V at `layer`. Layer 0's K/V depend on token and position only,
-    so W(0) = 0; deeper layers mix in more context, so the window doubles every
-    `cut_every` layers."""
+    reuse its K/V at `layer`; None: the whole prefix. doubling: layer 0's K/V depend
+    on token and position only, so W(0) = 0; deeper layers mix in more context, so
+    the window doubles every `cut_every` layers. seed: the seed's schedule (W(0) =
+    128, W(8) = 512, W(16) = the whole prefix), 128 x 2^(l // 4) below layer 16."""
+    if self.guard_schedule == "seed":
+      return None if layer >= 16 else 128 * 2 ** (layer // 4)
     return 0 if layer == 0 else self.guard_base * 2 ** ((layer - 1) // self.cut_every)
 
 

@@ -197,6 +197,24 @@ def test_guarded_resume_deepens_along_the_run():
   assert cfg.guard_window(0) == 0
 
 
+def test_seed_guard_schedule_needs_the_whole_prefix_from_layer_16():
+  """guard_schedule="seed": W(0) = 128, W(8) = 512, and from layer 16 the whole
+  prefix, which only a run whose whole left context is identical passes."""
+  cfg = ReuseConfig(guard_schedule="seed", cut_every=4)
+  assert [cfg.guard_window(x) for x in (0, 3, 4, 8, 12, 15, 16, 29)] == [
+      128, 128, 256, 512, 1024, 1024, None, None]
+  seg = dataclasses.replace(_segment(np.random.default_rng(), 8, store.Fingerprint("m", "t", "r"),
+                                     layers=24), hidden={4: None, 8: None, 16: None})
+  # boundaries 4, 8, 16 and 24 (every layer stored): need W(3), W(7), W(15), W(23)
+  r = admission.guarded_resume(seg, m=250, n=8, cfg=cfg, num_layers=24, p_lo=300)
+  np.testing.assert_array_equal(r, np.r_[[4] * 6, [8] * 2])         # W(7) = 256 <= 250 + j
+  whole = admission.guarded_resume(seg, m=300, n=8, cfg=cfg, num_layers=24, p_lo=300)
+  np.testing.assert_array_equal(whole, [24] * 8)
+  assert admission.guarded_resume(seg, m=10, n=8, cfg=cfg, num_layers=24, p_lo=300).max() == 0
+  with pytest.raises(ValueError, match="guard_schedule"):
+    ReuseConfig(guard_schedule="halving")
+
+
 def test_context_threshold_refuses_approximate_tiers():
   """tau_ctx (`ctx_threshold`): a run whose left context's Jaccard with the stored
   one's falls below it gets no approximate tier (the reason says so); at or above it,

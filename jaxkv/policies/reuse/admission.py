@@ -92,15 +92,20 @@ def boundaries(seg: Segment, num_layers: int) -> list[int]:
 
 
 def guarded_resume(seg: Segment, m: int, n: int, cfg: ReuseConfig,
-                   num_layers: int) -> np.ndarray:
+                   num_layers: int, p_lo: int | None = None) -> np.ndarray:
   """Per token of a run of n, the deepest boundary b whose layers < b all pass
   the guard (0: recompute everything). Token j of a run has m + j identical
   tokens before it (the run's own first j tokens are identical too), so
-  reuse deepens along the run: W_exact(b - 1) <= m + j."""
+  reuse deepens along the run: W_exact(b - 1) <= m + j. A layer that needs the
+  whole prefix (W None) passes when the run's whole left context is identical
+  (m == p_lo, the run at prompt position p_lo)."""
   bounds = np.asarray(boundaries(seg, num_layers), np.int64)
   if not bounds.size:
     return np.zeros(n, np.int64)
-  need = np.asarray([cfg.guard_window(b - 1) for b in bounds], np.int64)
+  whole = p_lo is not None and m >= p_lo
+  big = np.iinfo(np.int64).max
+  need = np.asarray([w if w is not None else (0 if whole else big)
+                     for w in (cfg.guard_window(b - 1) for b in bounds)], np.int64)
   have = m + np.arange(n)
   ok = need[None, :] <= have[:, None]                       # [n, B]
   return np.where(ok.any(1), bounds[np.maximum(ok.shape[1] - 1 - np.argmax(ok[:, ::-1], 1), 0)],
@@ -158,15 +163,16 @@ def _decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> De
                f"stored one's < ctx_threshold {cfg.ctx_threshold}")
     return Decision("reject", "; ".join(why))
   if "approx" in cfg.tiers:
-    resume = guarded_resume(seg, m, match.n, cfg, num_layers)
+    resume = guarded_resume(seg, m, match.n, cfg, num_layers, match.p_lo)
     if resume.any():
       reused = int((resume > 0).sum())
       return Decision("approx", f"{m} identical context tokens before the run: {reused} of "
                       f"{match.n} tokens reuse layers < {int(resume.min())}..{int(resume.max())}",
                       resume=int(resume.max()), per_token=resume)
     first = min(boundaries(seg, num_layers), default=num_layers)
+    w = cfg.guard_window(first - 1)
     why.append(f"approx: {m} + {match.n - 1} identical context tokens < W_exact({first - 1}) "
-               f"= {cfg.guard_window(first - 1)}")
+               f"= {'the whole prefix' if w is None else w}")
   if "blend" in cfg.tiers:
     if seg.kv_layers >= num_layers:
       return Decision("blend", f"blend after {'; '.join(why) or 'no other tier'}",
