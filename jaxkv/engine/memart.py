@@ -152,10 +152,12 @@ class MemArtRunner:
     most `prefill_chunk` tokens (a long history's attention scores stay
     chunk x context, not context^2): (new slots, logits [V] of the last token,
     q or None, q's padded positions)."""
-    return self._drain(self._prefill_steps(seq, ids, start, capture_q=capture_q,
+    return self.run_steps(self._prefill_steps(seq, ids, start, capture_q=capture_q,
                                            key_shift=key_shift, owner=owner))
 
-  def _drain(self, steps):
+  def run_steps(self, steps):
+    """Runs a generator of prefill work (the `*_steps` methods) alone, chunk by chunk
+    (`prefill_work.drain`); returns its result."""
     return drain(steps, self.driver, self.prefill_chunk)
 
   def _prefill_steps(self, seq: int, ids: np.ndarray, start: int, *, capture_q: bool = False,
@@ -212,7 +214,7 @@ class MemArtRunner:
   def write(self, mem: Memory, ids, tag=None) -> np.ndarray:
     """Appends a span of history (its own prefill after the head) as blocks;
     returns their memory rows. Evicts least-retrieved blocks past the budget."""
-    return self._drain(self.write_steps(mem, ids, tag))
+    return self.run_steps(self.write_steps(mem, ids, tag))
 
   def write_steps(self, mem: Memory, ids, tag=None):
     """`write` as a generator of prefill work (`jaxkv.engine.prefill_work`) that
@@ -269,7 +271,7 @@ class MemArtRunner:
     """The tail run after the head alone: (every layer's queries, positions);
     `voters` ([n] bool, default all) picks the tail tokens whose queries score
     blocks (e.g. the question without the instruction around it)."""
-    return self._drain(self.probe_steps(tail_ids, voters))
+    return self.run_steps(self.probe_steps(tail_ids, voters))
 
   def probe_steps(self, tail_ids, voters=None):
     """`probe` as a generator of prefill work."""
@@ -350,7 +352,7 @@ class MemArtRunner:
                voters=None, rerank: int | None = None,
                neighbors: int | None = None) -> np.ndarray:
     """`rank` of the tail's `probe`."""
-    return self._drain(self.retrieve_steps(mem, tail_ids, top_k, voters, rerank, neighbors))
+    return self.run_steps(self.retrieve_steps(mem, tail_ids, top_k, voters, rerank, neighbors))
 
   def needs_probe(self, mem: Memory, top_k: int | None = None) -> bool:
     """Whether retrieval must score: more live blocks than it keeps."""
@@ -361,9 +363,8 @@ class MemArtRunner:
     """`retrieve` as a generator of prefill work. A memory of at most k live blocks
     is retrieved whole (chronological) without a probe: every score would pick them
     all."""
-    if not self.needs_probe(mem, top_k):
-      live = np.flatnonzero(mem.live)
-      return live[np.argsort(mem.time[live], kind="stable")].astype(np.int32)
+    if not self.needs_probe(mem, top_k):                # every live block, chronological
+      return self.select(mem, np.zeros(mem.live.size), mem.num_blocks)
     probe = yield from self.probe_steps(tail_ids, voters)
     return self.rank(mem, probe, top_k, rerank=rerank, neighbors=neighbors)
 
@@ -403,7 +404,7 @@ class MemArtRunner:
     shift that moves the blocks' keys to their new positions: what `answer` runs
     before decoding, and the engine's `MemArt` mechanism on its row (`owner`: whose
     allocation the tail's slots are, for the KV manager's reservations)."""
-    return self._drain(self.prefill_into_steps(
+    return self.run_steps(self.prefill_into_steps(
         seq, mem, tail_ids, max_tokens, blocks=blocks, top_k=top_k, voters=voters,
         rerank=rerank, neighbors=neighbors, owner=owner))
 
@@ -511,7 +512,7 @@ class MemArtSessions:
     """Writes the history the session's memory has not seen; returns (its memory, the
     tail to answer: the question and the template after it, the tail tokens whose
     queries vote in retrieval, what happened: memory blocks, blocks written, bytes)."""
-    return self.runner._drain(self.prepare_steps(session, messages))
+    return self.runner.run_steps(self.prepare_steps(session, messages))
 
   def prepare_steps(self, session: str, messages: list[dict]):
     """`prepare` as a generator of prefill work (the history's write)."""

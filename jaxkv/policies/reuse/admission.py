@@ -30,7 +30,8 @@ and cacheblend (the blend tier alone).
 Every method: a run spliced at position 0 that is not exact recomputes its first
 token at every layer (`sink_first`). Position 0 is the attention sink; the stored
 K/V of the same token computed with context before it are far from a sink's (real
-SmolLM2, a segment's left context deleted: naive's first-token KL 1.27 -> 0.33).
+SmolLM2, one prompt whose segment lost its left context: naive's first-token KL
+1.27 -> 0.33).
 """
 
 from __future__ import annotations
