@@ -38,6 +38,7 @@ from jaxkv import distributed, sharding
 from jaxkv.config import CacheConfig, EngineConfig
 from jaxkv.engine.driver import Driver
 from jaxkv.engine.forced import ForcedRows
+from jaxkv.engine.grammar import batch_mask
 from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.mechanism_rows import MechanismRows
 from jaxkv.engine.mechanisms import Mechanism
@@ -148,8 +149,12 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
 
   # ------------------------------------------------------------------ helpers
   def _sampling(self, rows: list[Row | None]) -> tuple[SamplingParams, bool]:
-    return SamplingParams.from_configs([None if r is None else r.req.sampling for r in rows],
-                                       len(rows))
+    """Per-row sampling, with the rows' grammar bitmasks when any row has one."""
+    reqs = [None if r is None else r.req for r in rows]
+    mask = batch_mask([None if q is None else q.grammar for q in reqs],
+                      self.model_cfg.vocab_size)
+    return SamplingParams.from_configs([None if q is None else q.sampling for q in reqs],
+                                       len(rows), mask)
 
   def _slot_map(self, rows: list[Row | None], width: int) -> np.ndarray:
     return plan.slot_rows([None if r is None else self.allocator.slot_map(r.seq) for r in rows],
@@ -192,6 +197,8 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     if req.forced is not None:           # teacher forcing: len(forced) greedy steps
       if not len(req.forced):
         return _error(req, "forced must hold at least one token")
+      if req.grammar is not None:
+        return _error(req, "a teacher-forced request cannot have a grammar")
       req.sampling = dataclasses.replace(req.sampling, max_tokens=len(req.forced),
                                          temperature=0.0)
     if req.adapter != -1 and (self.lora is None or not 0 <= req.adapter < self.lora.num_adapters):
@@ -326,13 +333,7 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     self.metrics.add_prefill(n_tokens, time.perf_counter() - t0)
 
   def _emit(self, r: Row, token: int, logprob: float | None = None) -> None:
-    token = r.take(token, logprob)       # a forced row appends its forced token
-    r.generated.append(token)
-    if r.req.forced is None and (token in self.stop_ids or (
-        r.req.until is not None and r.req.until(r.generated))):
-      r.finish = "stop"
-    elif len(r.generated) >= r.req.sampling.max_tokens:
-      r.finish = "length"
+    r.emit(token, logprob, self.stop_ids)
 
   def _decode(self, rows: list[Row | None]) -> None:
     live = [i for i, r in enumerate(rows) if r is not None and r.finish is None
@@ -346,7 +347,8 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     # Steps this call: the most any live row may still take, rounded up to a power
     # of two (a handful of compiled variants) and capped at decode_steps, so short
     # completions do not pay for decode_steps steps.
-    cap = self.cfg.decode_steps
+    # A row with a grammar takes one token per call: its next mask depends on it.
+    cap = 1 if any(rows[i].req.grammar is not None for i in live) else self.cfg.decode_steps
     most = max(rows[i].req.sampling.max_tokens - len(rows[i].generated) for i in live)
     n = plan.bucket(min(most, cap), 1, cap, hi=cap)
     tokens = np.zeros(B, np.int32)

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxkv.engine.prefill_work import run_chunk
 from jaxkv.engine.request import Row
-from jaxkv.engine.sampling import SamplingParams, sample
+from jaxkv.engine.sampling import sample
 from jaxkv.kv.allocator import OutOfSlotsError
 
 _sample_one = jax.jit(sample, static_argnames=("greedy_only",))
@@ -105,7 +105,7 @@ class MechanismRows:
 
   def _first_token(self, r: Row, mech, logits) -> None:
     n = r.n                        # the mechanism may lay out another sequence (MemArt)
-    params, greedy_only = SamplingParams.from_configs([r.req.sampling], 1)
+    params, greedy_only = self._sampling([r])
     logits = jnp.asarray(logits, jnp.float32)
     token = _sample_one(logits[None], params, jnp.asarray([n], jnp.int32),
                         greedy_only=greedy_only)

@@ -34,6 +34,10 @@ class Request:
   # token: True ends the request there as "stop" (e.g. once the tool call it writes is
   # complete); the tokens a decode call computed past that point are dropped
   until: Callable[[list[int]], bool] | None = None
+  # structured output: a `jaxkv.engine.grammar.Matcher` at the start of its grammar
+  # (Grammars.compile); each token is chosen among those it allows, and the reply
+  # ends ("stop") where the grammar does. One matcher per request: it keeps state.
+  grammar: object = None
 
 
 @dataclasses.dataclass
@@ -86,6 +90,26 @@ class Row:
   def __post_init__(self):
     if self.n < 0:
       self.n = len(self.req.prompt)
+
+  def emit(self, token: int, logprob: float | None, stop_ids) -> None:
+    """Appends the token the model chose (a forced row: its forced token) and sets
+    `finish` when the row ends there: a stop token, its `until`, the end of its
+    grammar ("stop"), or its token limit ("length")."""
+    token = self.take(token, logprob)
+    self.generated.append(token)
+    grammar = self.req.grammar
+    if grammar is not None:
+      try:
+        grammar.consume(token)
+      except ValueError as e:            # its mask allowed the token: a matcher fault
+        self.finish, self.error = "error", f"structured output: {e}"
+        return
+    if self.req.forced is None and (token in stop_ids or (
+        self.req.until is not None and self.req.until(self.generated)) or (
+        grammar is not None and grammar.done)):
+      self.finish = "stop"
+    elif len(self.generated) >= self.req.sampling.max_tokens:
+      self.finish = "length"
 
   def take(self, token: int, logprob: float | None) -> int:
     """The token the row appends after the model chose `token`: a forced row records

@@ -3,7 +3,8 @@
 Sampling (per row): temperature 0 -> greedy; otherwise logits / temperature,
 top-k (0: off), top-p (1.0: off), then a categorical draw with the key
 `fold_in(PRNGKey(seed), position)` so a row's sample does not depend on what it
-is batched with.
+is batched with. A row with a token mask (structured output, `jaxkv.engine.grammar`)
+chooses among the tokens its mask allows: the others' logits are -inf first.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class SamplingParams:
   top_k: jax.Array        # [B] int32; 0 -> off
   top_p: jax.Array        # [B] float32; 1 -> off
   key: jax.Array          # [B, 2] uint32 raw PRNG keys
+  # [B, ceil(V / 32)] int32 allowed-token bitmask (bit t % 32 of word t // 32; all
+  # ones: unconstrained), or None: no row is constrained (the step compiled without it)
+  token_mask: jax.Array | None = None
 
   @classmethod
   def greedy(cls, batch: int) -> SamplingParams:
@@ -32,9 +36,11 @@ class SamplingParams:
                top_p=jnp.ones(batch, jnp.float32), key=jnp.zeros((batch, 2), jnp.uint32))
 
   @classmethod
-  def from_configs(cls, configs, batch: int) -> tuple[SamplingParams, bool]:
+  def from_configs(cls, configs, batch: int,
+                   token_mask: np.ndarray | None = None) -> tuple[SamplingParams, bool]:
     """Params for `batch` rows from per-row `SamplingConfig`s (None: an idle row),
-    and whether every row is greedy (a static flag that skips the sampler)."""
+    and whether every row is greedy (a static flag that skips the sampler).
+    token_mask: [batch, words] int32 bitmask of allowed tokens, or None."""
     temp = np.zeros(batch, np.float32)
     top_k = np.zeros(batch, np.int32)
     top_p = np.ones(batch, np.float32)
@@ -44,8 +50,9 @@ class SamplingParams:
         continue
       temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
       keys[i] = _raw_key(int(s.seed))
+    mask = None if token_mask is None else jnp.asarray(token_mask, jnp.int32)
     return cls(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
-               jnp.asarray(keys)), not np.any(temp > 0)
+               jnp.asarray(keys), mask), not np.any(temp > 0)
 
 
 def _raw_key(seed: int) -> np.ndarray:
@@ -59,9 +66,23 @@ def _raw_key(seed: int) -> np.ndarray:
   return np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
 
 
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """`logits` [B, V] with every token whose bit is 0 in `mask` [B, >= ceil(V / 32)]
+  int32 set to -inf (the bit layout of llguidance's and xgrammar's bitmasks)."""
+  vocab = logits.shape[-1]
+  if mask.shape[-1] * 32 < vocab:
+    raise ValueError(f"token mask of {mask.shape[-1]} words is narrower than {vocab} logits")
+  ids = jnp.arange(vocab, dtype=jnp.int32)
+  words = jnp.take(mask, ids >> 5, axis=-1)                # [B, V]
+  allowed = (jnp.right_shift(words, ids & 31) & 1).astype(bool)
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array, *,
            greedy_only: bool) -> jax.Array:
   """Next tokens [B] int32 from logits [B, V] float32 at positions [B]."""
+  if params.token_mask is not None:
+    logits = apply_token_mask(logits, params.token_mask)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if greedy_only:
     return greedy

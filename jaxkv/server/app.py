@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from jaxkv.config import ServeConfig
 from jaxkv.engine.engine import Request
+from jaxkv.engine.grammar import Grammars
 from jaxkv.server import guard, protocol
 from jaxkv.server.backends import SessionBackends
 from jaxkv.server.loop import EngineLoop, QueueFull
@@ -113,6 +114,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   tokenizer = llm.tokenizer
   cache = llm.cache_config
   prompt_slots = (cache.num_pages - 1) * cache.page_size
+  grammars = Grammars(tokenizer, engine.model_cfg.vocab_size)   # structured output
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -192,7 +194,8 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
       # must not stall the event loop (and every other client's stream, /health)
       p = await asyncio.to_thread(
           protocol.parse, body, kind, models=names.get, tokenizer=tokenizer,
-          defaults=cfg.sampling, max_seq_len=cache.max_seq_len, max_prompt_slots=prompt_slots)
+          defaults=cfg.sampling, max_seq_len=cache.max_seq_len, max_prompt_slots=prompt_slots,
+          grammars=grammars)
     except APIError as e:
       return _error(e)
     if not sessions_on and p.session is not None and p.session != p.user:
@@ -220,7 +223,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
             return _error(APIError(400, str(e), param="session_id"))
         queue = loop.submit(Request(id=rid, prompt=p.prompt, sampling=p.sampling,
                                     session=p.session if skind == "prefix" else None,
-                                    adapter=p.adapter))
+                                    adapter=p.adapter, grammar=p.grammar))
     except QueueFull as e:
       if not loop.alive:
         return _error(APIError(503, str(e), type="server_error", code="shutting_down"))

@@ -241,8 +241,8 @@ class SessionBackends:
     ValueError for one this kind cannot take (the server's 400). Call on the loop
     thread (it opens the session)."""
     if kind == "prefix":
-      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, session=session,
-                     adapter=p.adapter)
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, grammar=p.grammar,
+                     session=session, adapter=p.adapter)
     parts = kind.split("+")
     if (p.adapter >= 0) != ("agents" in parts):
       raise ValueError(f"'{kind}' sessions need a role model name (<model>:<role>)"
@@ -255,18 +255,19 @@ class SessionBackends:
       self.agents.check(len(prompt), p.sampling.max_tokens)
       self.open(session, kind)
       self.stats.requests[kind] += 1
-      return Request(id=rid, prompt=prompt, sampling=p.sampling, adapter=p.adapter,
-                     mechanism=kind, context=ctx)
+      return Request(id=rid, prompt=prompt, sampling=p.sampling, grammar=p.grammar,
+                     adapter=p.adapter, mechanism=kind, context=ctx)
     if kind == "agents":
       self.agents.check(len(p.prompt), p.sampling.max_tokens)
       self.open(session, kind)
       self.stats.requests[kind] += 1
-      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, adapter=p.adapter,
-                     mechanism="agents", context={"session": session})
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, grammar=p.grammar,
+                     adapter=p.adapter, mechanism="agents", context={"session": session})
     if kind in ("reuse", "semshare"):    # any prompt (reuse: its lines are the spans)
       self.open(session, kind)
       self.stats.requests[kind] += 1
-      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, mechanism=kind)
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, grammar=p.grammar,
+                     mechanism=kind)
     if p.chat is None:
       raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
     msgs, tools = p.chat
@@ -276,10 +277,10 @@ class SessionBackends:
       ctx = self.memart.context(session, msgs)       # the history must extend the memory's
       self.open(session, kind)
       self.stats.requests[kind] += 1
-      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, mechanism="memart",
-                     context=ctx)
+      return Request(id=rid, prompt=p.prompt, sampling=p.sampling, grammar=p.grammar,
+                     mechanism="memart", context=ctx)
     self.open(session, kind)
     prompt, ctx = self.pruned.context(session, msgs, tools)
     self.stats.requests[kind] += 1
-    return Request(id=rid, prompt=prompt, sampling=p.sampling, mechanism="pruned",
-                   context=ctx)
+    return Request(id=rid, prompt=prompt, sampling=p.sampling, grammar=p.grammar,
+                   mechanism="pruned", context=ctx)

@@ -7,8 +7,7 @@ responses and stream chunks the `openai` client reads.
 
 Decisions where the API leaves room:
 - fields this server does not implement are refused with 400 when they would
-  change the output (`n` > 1, `logprobs`, `logit_bias`, non-zero penalties, a forced
-  `tool_choice` function, `response_format` other than text); unknown extra
+  change the output (`n` > 1, `logprobs`, `logit_bias`, non-zero penalties); unknown extra
   fields are ignored, as OpenAI-compatible servers do, so clients that send
   their own extensions keep working;
 - `max_tokens` (or `max_completion_tokens`) defaults to the config's
@@ -27,7 +26,10 @@ Decisions where the API leaves room:
   message and earlier calls as ReAct text, the form the traces use
   (`jaxkv.data.traces.session_chat`). Calls the model writes (Hermes
   `<tool_call>` blocks, ReAct `Action:` lines or bare JSON, `jaxkv.data.calls`)
-  come back as `tool_calls` with finish_reason "tool_calls".
+  come back as `tool_calls` with finish_reason "tool_calls";
+- structured output (`response_format` json_object / json_schema, `tool_choice`
+  "required" or a named function, `strict` tools) is a grammar the engine decodes
+  under (`jaxkv.server.structured`, `jaxkv.engine.grammar`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from jaxkv.data import calls as calls_lib
 from jaxkv.data import traces
 from jaxkv.engine.agent_loop import CALL_OPENERS
 from jaxkv.literal_chat import encode_chat_literal
+from jaxkv.server import structured
 from jaxkv.tokens import validate_messages
 
 
@@ -75,6 +78,7 @@ class Parsed:
   session: str | None = None     # "session_id" (extra field), else "user"
   adapter: int = -1              # role adapter the model name selects (-1: base)
   chat: tuple | None = None      # (messages, tools) as the template takes them (chat kind)
+  grammar: object = None         # structured output: a fresh grammar Matcher, or None
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -148,14 +152,12 @@ def _unsupported(body: dict) -> None:
   for key in ("presence_penalty", "frequency_penalty"):
     if body.get(key):
       raise _bad(f"'{key}' is not supported (send 0 or leave it out)", key)
-  fmt = body.get("response_format")
-  if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-    raise _bad("only response_format {'type': 'text'} is supported", "response_format")
 
 
 def _tools(body: dict) -> list[dict] | None:
+  """The request's tools as offered to the model (None: none, or tool_choice "none");
+  `jaxkv.server.structured` checks tool_choice itself."""
   tools = body.get("tools")
-  choice = body.get("tool_choice") or "auto"        # null: the default, as OpenAI
   if tools is None:
     return None
   if not isinstance(tools, list) or not all(
@@ -164,12 +166,16 @@ def _tools(body: dict) -> list[dict] | None:
       for t in tools):
     raise _bad("'tools' must be a list of {'type': 'function', 'function': {'name': ...}}",
                "tools")
-  if choice == "none":
+  if body.get("tool_choice") == "none":
     return None
-  if choice not in ("auto", "required"):
-    raise _bad("tool_choice must be 'auto', 'required' or 'none' (forcing one function is "
-               "not supported)", "tool_choice")
   return tools or None
+
+
+def _grammar(body: dict, tools: list[dict] | None, grammars) -> tuple[object, bool]:
+  try:
+    return structured.request_grammar(body, tools, grammars)
+  except structured.FieldError as e:
+    raise _bad(str(e), e.param) from None
 
 
 def chat_prompt(tokenizer, messages: Any, tools: list[dict] | None) -> list[int]:
@@ -197,10 +203,12 @@ def chat_messages(tokenizer, messages: Any,
 
 
 def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenizer,
-          defaults: SamplingConfig, max_seq_len: int, max_prompt_slots: int) -> Parsed:
+          defaults: SamplingConfig, max_seq_len: int, max_prompt_slots: int,
+          grammars=None) -> Parsed:
   """Checks a request body; raises APIError (400, or 404 for an unknown model).
   `models(name)` is the adapter index a served model name selects (-1: the base
-  model), None for a name not served."""
+  model), None for a name not served. `grammars` (`jaxkv.engine.grammar.Grammars`)
+  compiles structured-output requests (None: they are refused)."""
   if not isinstance(body, dict):
     raise _bad("the request body must be a JSON object")
   model = body.get("model")
@@ -234,6 +242,7 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
       prompt = _completion_prompt(tokenizer, body.get("prompt"))
   except ValueError as e:
     raise _bad(str(e), "messages" if kind == "chat" else "prompt") from e
+  grammar, _ = _grammar(body, tools, grammars)
   n = len(prompt)
   room = min(max_seq_len, max_prompt_slots) - n
   if room < 1:
@@ -255,7 +264,7 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
   return Parsed(kind=kind, model=model, prompt=prompt, sampling=sampling, stream=stream,
                 include_usage=bool(opts.get("include_usage")), stop=_stop(body),
                 tools=tools is not None, user=user, session=session or user, adapter=adapter,
-                chat=chat)
+                chat=chat, grammar=grammar)
 
 
 def _completion_prompt(tokenizer, prompt: Any) -> list[int]:
