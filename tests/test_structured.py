@@ -123,6 +123,8 @@ def test_tool_call_grammars_take_the_template_form(grammars):
   assert m is not None and m.accepting
   parsed = calls_lib.parse_calls(good)
   assert [(c.name, c.arguments) for c in parsed] == [("get_weather", {"city": "Paris"})]
+  if style == "hermes":                      # the bare JSON call Qwen2.5-Coder writes
+    assert _runs(gs, text, enc('{"name": "get_weather", "arguments": {"city": "Oslo"}}'))
   two = good + "\n" + _call_text(gs, "book_flight", {"origin": "CDG", "destination": "LIM",
                                                      "passengers": 2}, style)
   assert _runs(gs, text, enc(two)).accepting
@@ -148,6 +150,10 @@ def test_auto_grammar_allows_text_but_not_a_loose_call(grammars):
   opener = "<tool_call>" if style == "hermes" else "Action:"
   loose = f"I will call {opener} get_weather with a city"          # opener spelled in text
   assert _runs(gs, text, enc(loose)) is None
+  bare = 'Sure.\n{"name": "Joke", "arguments": {}}'                 # parse_calls reads it
+  assert _runs(gs, text, enc(bare)) is None
+  after = _call_text(gs, "get_weather", {"city": "Paris"}, style) + "\n"
+  assert _runs(gs, text, enc(after)).accepting                       # a closing newline
 
 
 def test_json_schema_grammar_and_compile_errors(grammars):
@@ -207,7 +213,7 @@ def _all(srv, bodies: list[dict]) -> list:
   async def every():
     async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused",
                                   max_retries=0, timeout=600) as client:
-      return await asyncio.gather(*(client.chat.completions.create(model=MODEL, **b)
+      return await asyncio.gather(*(client.chat.completions.create(**{"model": MODEL, **b})
                                     for b in bodies))
   return asyncio.run(every())
 
@@ -305,3 +311,26 @@ def test_bad_structured_fields_are_400(server, extra, param):
   with pytest.raises(openai.BadRequestError) as e:
     _all(server, [dict(messages=_user("hi"), **extra)])
   assert e.value.body["param"] == param, e.value.body
+
+
+@pytest.mark.slow
+def test_qwen_hermes_calls_under_required_and_named():
+  """Qwen2.5's template writes calls as `<tool_call>` blocks (special tokens): under
+  tool_choice required and named, every reply is a valid call of a listed tool."""
+  name = "qwen2.5-coder-0.5b"
+  llm = jaxkv.load(name, cache=CACHE, engine=ENGINE)
+  cfg = ServeConfig(model=name, cache=CACHE, engine=ENGINE,
+                    sampling=SamplingConfig(max_tokens=64))
+  asks = [f"What is the weather in {c}?" for c in CITIES[:4]] + [
+      "Book a flight from Oslo to Rome for 2 people."]
+  with serve_in_thread(create_app(llm, cfg)) as srv:
+    required = _all(srv, [dict(model=name, messages=_user(q), tools=TOOLS,
+                               tool_choice="required") for q in asks])
+    named = _all(srv, [dict(model=name, messages=_user(q), tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}) for q in asks])
+  for r in required:
+    _check_calls(r, {"get_weather", "book_flight"})
+  for r in named:
+    _check_calls(r, {"get_weather"}, most=1)
+  assert json.loads(named[0].choices[0].message.tool_calls[0].function.arguments) == {
+      "city": CITIES[0]}

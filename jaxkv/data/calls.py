@@ -45,6 +45,11 @@ from jaxkv.data.traces import ToolCall, parse_react
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
+# Text that opens a call `parse_calls` reads (a Hermes block, a bare JSON call, a ReAct
+# action): a stream holds text back from here, and free text under a strict tool
+# grammar may not spell any of them (`jaxkv.engine.grammar.tool_calls`).
+CALL_OPENERS = ("<tool_call>", '"name"', "Action:")
+
 def _hermes(block: str) -> ToolCall | None:
   try:   # the first JSON value of the block (an unterminated block may run on)
     obj, _ = json.JSONDecoder().raw_decode(block.strip())

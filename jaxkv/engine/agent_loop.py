@@ -38,7 +38,6 @@ from jaxkv.engine.sessions import SessionRunner, TurnMetrics
 
 MAX_TURNS = 32
 OUTCOMES = ("answer", "turn_cap", "overflow", "empty", "cut_off")
-CALL_OPENERS = ("<tool_call>", '"name"', "Action:")
 
 
 @dataclasses.dataclass
@@ -117,7 +116,7 @@ def run_episode(runner: SessionRunner, env: Environment, task: str, *,
     messages.append({"role": "assistant", "content": text})
     made = calls.parse_calls(text)
     if not made:
-      cut = t.reply_tokens >= max_tokens and any(o in text for o in CALL_OPENERS)
+      cut = t.reply_tokens >= max_tokens and any(o in text for o in calls.CALL_OPENERS)
       outcome = "cut_off" if cut else "answer"
       break
     n_calls += len(made)

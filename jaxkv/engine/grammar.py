@@ -26,9 +26,10 @@ Grammar builders (`json_schema`, `json_object`, `tool_calls`, `any_text`) return
 llguidance grammar strings; `Grammars.compile` checks one against the tokenizer and
 makes a fresh `Matcher` for each request. Tool calls are written in the form the
 model's chat template writes them (`style`): "hermes" (Qwen2.5: `<tool_call>\\n{"name":
-..., "arguments": ...}\\n</tool_call>` blocks, one per line) or "react" (SmolLM2 and
-the ToolBench traces: `Action: NAME\\nAction Input: {...}`), the forms
-`jaxkv.data.calls.parse_calls` reads back.
+..., "arguments": ...}\\n</tool_call>` blocks, or the bare JSON object that Qwen2.5-Coder
+often writes instead; one per line) or "react" (SmolLM2 and the ToolBench traces:
+`Action: NAME\\nAction Input: {...}`), the forms `jaxkv.data.calls.parse_calls` reads
+back.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from collections.abc import Sequence
 
 import llguidance
 import numpy as np
+
+from jaxkv.data.calls import CALL_OPENERS
 
 # JSON as the models write it: compact, ", " and ": " separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -118,22 +121,25 @@ def tool_calls(tools: Sequence[dict], *, style: str, mode: str = "required",
   if style == "hermes":
     opener, closer = ((_lark_str("<tool_call>"), _lark_str("</tool_call>")) if text_opener
                       else ("<tool_call>", "</tool_call>"))
-    rules.append(f"block: {opener} \"\\n\" body \"\\n\" {closer}")
+    # the template's block, or the bare JSON call (Qwen2.5-Coder often drops the tags;
+    # parse_calls reads both), its schema enforced either way
+    rules.append(f"block: {opener} \"\\n\" body \"\\n\" {closer} | body")
     rules.append("body: " + " | ".join(alts))
-    one, opener_text = "block", "<tool_call>"
   else:
     rules.append("block: " + " | ".join(alts))
-    one, opener_text = "block", "Action:"
-  calls = f"{one} (\"\\n\" {one})*" if parallel else one
+  # calls one per line; a newline after the last may end the reply (Qwen2.5 writes one)
+  calls = "block (\"\\n\" block)* \"\\n\"?" if parallel else "block"
   if mode == "required":
     start = f"start: {calls}"
   elif answer is not None:
     start = f"start: answer | {calls}"
     rules.append(f"answer: {answer}")
   else:
-    # text lines that never spell the call opener, then optionally the calls; lines
-    # end at "\n", so a call may start on any line without backtracking the lexer
-    bad = f"~/(?s:.*{_regex_escape(opener_text)}.*)/"
+    # text lines that spell no call opener the parser reads (a loose call in the text
+    # would come back as a call that skipped its schema), then optionally the calls;
+    # lines end at "\n", so a call may start on any line without backtracking the lexer
+    openers = "|".join(_regex_escape(o) for o in CALL_OPENERS)
+    bad = f"~/(?s:.*({openers}).*)/"
     rules.append(f"LINE: /[^\\n]*\\n/ & {bad}")
     rules.append(f"LAST: /[^\\n]+/ & {bad}")
     start = f"start: LINE* LAST? | LINE* {calls}"

@@ -44,7 +44,7 @@ from typing import Any
 from jaxkv.config import SEED_MAX, SEED_MIN, SamplingConfig
 from jaxkv.data import calls as calls_lib
 from jaxkv.data import traces
-from jaxkv.engine.agent_loop import CALL_OPENERS
+from jaxkv.data.calls import CALL_OPENERS
 from jaxkv.literal_chat import encode_chat_literal
 from jaxkv.server import structured
 from jaxkv.tokens import validate_messages
