@@ -23,9 +23,15 @@ Closed loop in a tool environment (`jaxkv.engine.agent_loop`, `jaxkv.data.envs`)
         [--traces=data_local/tau2_heldout.json] [--max_tasks=N] [--max_turns=32] ...
 
 The model acts: its calls run in the environment until it answers (or hits the
-turn cap / the cache), and the benchmark's own offline check grades the episode.
-With --traces only the tasks its session ids name run (the held-out split); tasks
-that an agent doing nothing passes are skipped and counted.
+turn cap / the cache, or repeats its last calls and gets the same answers), and the
+benchmark's own offline check grades the episode. With --traces only the tasks its
+session ids name run (the held-out split); tasks that an agent doing nothing passes
+are skipped and counted. Episodes run --batch at a time through the engine
+(`jaxkv.evaluation.closed_loop`, bench/agent_env.py), each turn under the tool grammar
+(--constrain: calls name the environment's tools and carry only their declared
+parameters); tau2 runs with its domain policy (--policy) and a scripted user that
+answers --confirm of the agent's questions with a yes; --max_tokens is raised to fit
+the longest gold call of the tasks. Each episode's transcript is kept in the row.
 
 Rows (JSON, written as each configuration finishes; a rerun with the same --out
 resumes): method, layout, budget; next-call mode: next_call_exact / next_call_name
@@ -52,19 +58,18 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+import agent_env
 import agent_stats
 import common
 import jaxkv
 import pruning
 from jaxkv import artifacts
-from jaxkv.config import CacheConfig, PruningConfig, SamplingConfig
+from jaxkv.config import CacheConfig, PruningConfig
 from jaxkv.data import calls, envs, labels, traces
 from jaxkv.engine import agent_loop
-from jaxkv.engine.request import Request
 from jaxkv.engine.sessions import SessionRunner
 from jaxkv.evaluation import replay
 
@@ -224,16 +229,7 @@ class Replay:
                                 kv=self.engine.kv_manager)
 
   def _warm(self, prefixes) -> None:
-    """Prefills (no pruning) each of `prefixes` the radix tree does not hold whole."""
-    cold = [list(p) for p in prefixes
-            if self.rec.tree.match_prefix(np.asarray(p[:-1], np.int64)).n_matched < len(p) - 1]
-    reqs = [Request(f"warm/{k}", p, SamplingConfig(max_tokens=1), mechanism=self.rec.name,
-                    context={"session": f"warm/{k}", "qs": len(p) - 1, "sys_len": len(p)})
-            for k, p in enumerate(cold)]
-    for res in self.engine.run(reqs):
-      if res.finish_reason not in ("stop", "length"):
-        self.engine.abort("warming failed")
-        raise RuntimeError(f"warming the shared system prompts: {res.error}")
+    replay.warm(self.engine, self.rec, prefixes)
     self.rec.kept.clear()
 
   def run(self, plans: list[replay.Session], cfg: PruningConfig, *, head=None,
@@ -330,6 +326,11 @@ def define_flags():
                     "--env=agentdojo suites (default all four)")
   flags.DEFINE_integer("max_tasks", 0, "--env: at most this many non-trivial tasks (0: all)")
   flags.DEFINE_integer("max_turns", agent_loop.MAX_TURNS, "--env: assistant turns per episode")
+  flags.DEFINE_bool("constrain", True, "--env: decode each turn under the tool grammar (calls "
+                    "name the environment's tools, arguments follow their schemas)")
+  flags.DEFINE_integer("confirm", 1, "--env=tau2: questions of the agent the scripted user "
+                       "answers with a yes before a question ends the episode")
+  flags.DEFINE_bool("policy", True, "--env=tau2: the domain policy in the system prompt")
 
 
 HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "95% CI", "args", "95% CI", "n",
@@ -351,56 +352,6 @@ def table(rows: list[dict]) -> common.Table:
                 f"{100 * r['pruned_share']:.0f}",
                 f"{r['eff_live_kv']:.0f}", f"{r['eff_reads']:.0f}",
                 f"{100 * r['prefix_hit_rate']:.0f}") for r in rows])
-
-
-def select_tasks(env, ids=None, max_tasks: int = 0) -> tuple[list[str], list[str]]:
-  """(tasks to run, tasks skipped as trivial): a task that an agent doing nothing
-  (no call, answer "Done.") already passes cannot tell methods apart, so it is left
-  out. `ids` restricts to those task ids (a held-out traces file), in env order."""
-  keep, trivial = [], []
-  wanted = None if ids is None else set(ids)
-  for t in env.tasks():
-    if wanted is not None and t not in wanted:
-      continue
-    messages, _ = env.reset(t)
-    (trivial if env.score(list(messages) + [{"role": "assistant", "content": "Done."}])
-     else keep).append(t)
-    if max_tasks and len(keep) == max_tasks:
-      break
-  return keep, trivial
-
-
-def evaluate_env(runner: SessionRunner, env, tasks, cfg: PruningConfig, *, head=None,
-                 keep_prefixes=(), max_turns: int = agent_loop.MAX_TURNS,
-                 max_tokens: int = 96, desc: str = "") -> dict:
-  """Closed loop: every task once under `cfg`; Compl / Raw / True Acc, efficiency."""
-  head = head if cfg.method == "intentkv" and cfg.intent_mode == "learnable" else None
-  runner.set_policy(cfg, head=head, keep_prefixes=keep_prefixes)
-  episodes = [agent_loop.run_episode(runner, env, t, max_turns=max_turns, max_tokens=max_tokens)
-              for t in tqdm(tasks, desc=desc, leave=False)]
-  turns = [e.turns for e in episodes]
-  eff = pruning.summarize(turns, turns)
-  keep = ("pt", "eff_live_kv", "raw_reads", "eff_reads", "prefix_hit_rate", "wall_s",
-          "pruned_share", "n_turns")
-  return dict(**agent_loop.summarize(episodes), **{k: eff[k] for k in keep},
-              episodes=[e.to_json() for e in episodes])
-
-
-ENV_HEADER = ("method", "layout", "C", "Compl", "Raw", "True Acc", "95% CI", "n", "turns",
-              "pruned %", "PT", "Eff. live", "Eff. reads", "hit %", "wall s")
-
-
-def env_table(rows: list[dict]) -> common.Table:
-  ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
-  f = lambda x: "-" if x != x else f"{x:.3f}"     # nan: no completed episode
-  return common.Table(
-      "closed loop (Compl = completed / tasks, Raw = correct / completed, True = correct / "
-      "tasks; Wilson 95% interval of True)",
-      ENV_HEADER, [(r["method"], r["layout"], str(r["budget"]), f(r["compl"]), f(r["raw_acc"]),
-                    f(r["true_acc"]), ci(r["true_acc_ci"]), str(r["n_tasks"]),
-                    f"{r['mean_turns']:.1f}", f"{100 * r['pruned_share']:.0f}",
-                    f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}", f"{r['eff_reads']:.0f}",
-                    f"{100 * r['prefix_hit_rate']:.0f}", f"{r['wall_s']:.1f}") for r in rows])
 
 
 PAPER_HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "args", "copied", "95% CI",
@@ -464,7 +415,7 @@ def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
     if everything or not shapes:
       out.append(table(calls_rows))
   if env_rows:
-    out.append(env_table(env_rows))
+    out.append(agent_env.env_table(env_rows))
   return out
 
 
@@ -506,8 +457,11 @@ def main(argv):
     kwargs = {}
     if FLAGS.domains and FLAGS.env in ("tau2", "agentdojo"):
       kwargs = {"domains" if FLAGS.env == "tau2" else "suites": tuple(FLAGS.domains)}
+    if FLAGS.env == "tau2":
+      kwargs.update(include_policy=FLAGS.policy, confirmations=FLAGS.confirm)
+    make_env = lambda: envs.load_env(FLAGS.env, **kwargs)
     try:
-      env = envs.load_env(FLAGS.env, **kwargs)
+      env = make_env()
     except ValueError as e:
       raise app.UsageError(str(e)) from e
   llm = jaxkv.load(FLAGS.model)
@@ -526,16 +480,23 @@ def main(argv):
   else:
     ids = ([s.id for path in FLAGS.traces.split(",") for s in traces.load_toolbench(path)]
            if FLAGS.traces else None)
-    tasks, trivial = select_tasks(env, ids, FLAGS.max_tasks)
+    tasks, trivial = agent_env.select_tasks(env, ids, FLAGS.max_tasks)
     if not tasks:
       raise app.UsageError(f"no task of --env={FLAGS.env} to run ({len(trivial)} trivial)")
     cache = CacheConfig(num_pages=FLAGS.num_pages, page_size=16, max_seq_len=FLAGS.max_prompt)
-    runner = SessionRunner(llm, PruningConfig(method="none"), cache=cache)
+    eng, rec = replay.engine_for(llm, PruningConfig(method="none"), cache, max_batch=FLAGS.batch)
+    loop = agent_env.Loop(eng, rec, make_env, batch=FLAGS.batch, constrain=FLAGS.constrain,
+                          runner=SessionRunner(llm, PruningConfig(method="none"), cache=cache,
+                                               kv=eng.kv_manager))
     shared = list({tuple(agent_loop.system_prefix(llm.tokenizer, *env.reset(t))): None
                    for t in tasks})
+    longest = agent_env.longest_gold_call(env, tasks, llm.tokenizer)
+    max_tokens = max(FLAGS.max_tokens, longest + 16)     # room for the longest gold call
     what = (f"{len(tasks)} tasks of --env={FLAGS.env} ({len(trivial)} trivial ones skipped: "
             f"doing nothing passes them), at most {FLAGS.max_turns} turns, "
-            f"prompt + reply <= {FLAGS.max_prompt} tokens")
+            f"prompt + reply <= {FLAGS.max_prompt} tokens, {max_tokens} tokens per turn "
+            f"(longest gold call {longest}), calls "
+            f"{'under the tool grammar' if FLAGS.constrain else 'unconstrained'}")
   print(what, flush=True)
   rows = []
   if FLAGS.out and os.path.exists(FLAGS.out):
@@ -561,8 +522,8 @@ def main(argv):
                    given=FLAGS.given)
       line = f"exact={r['next_call_exact']:.3f} name={r['next_call_name']:.3f} n={r['n_calls']}"
     else:
-      r = evaluate_env(runner, env, tasks, cfg, head=head, keep_prefixes=shared,
-                       max_turns=FLAGS.max_turns, max_tokens=FLAGS.max_tokens, desc=desc)
+      r = loop.evaluate(tasks, cfg, head=head, keep_prefixes=shared, max_turns=FLAGS.max_turns,
+                        max_tokens=max_tokens, desc=desc)
       line = (f"compl={r['compl']:.3f} raw={r['raw_acc']:.3f} true={r['true_acc']:.3f} "
               f"n={r['n_tasks']}")
     if env is None:

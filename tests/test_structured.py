@@ -138,6 +138,22 @@ def test_tool_call_grammars_take_the_template_form(grammars):
     assert _runs(gs, text, enc(bad)) is None, bad
 
 
+def test_argument_schemas_with_definitions(grammars):
+  """pydantic's schemas (tau2's tools) reference "#/$defs/..." from their root; they
+  still resolve once the arguments sit inside the call object."""
+  gs, enc = grammars, grammars.tokenizer.encode
+  style = "hermes" if gs.has_token("<tool_call>") else "react"
+  fn = {"name": "book", "parameters": {
+      "$defs": {"Pax": {"type": "object", "properties": {"name": {"type": "string"}},
+                        "required": ["name"], "additionalProperties": False}},
+      "type": "object", "properties": {"pax": {"type": "array",
+                                               "items": {"$ref": "#/$defs/Pax"}}},
+      "required": ["pax"], "additionalProperties": False}}
+  text = G.tool_calls([fn], style=style, text_opener=not gs.has_token("<tool_call>"))
+  assert _runs(gs, text, enc(_call_text(gs, "book", {"pax": [{"name": "Ann"}]}, style)))
+  assert _runs(gs, text, enc(_call_text(gs, "book", {"pax": [{"nam": "Ann"}]}, style))) is None
+
+
 def test_auto_grammar_allows_text_but_not_a_loose_call(grammars):
   gs, enc = grammars, grammars.tokenizer.encode
   style = "hermes" if gs.has_token("<tool_call>") else "react"
@@ -154,6 +170,11 @@ def test_auto_grammar_allows_text_but_not_a_loose_call(grammars):
   assert _runs(gs, text, enc(bare)) is None
   after = _call_text(gs, "get_weather", {"city": "Paris"}, style) + "\n"
   assert _runs(gs, text, enc(after)).accepting                       # a closing newline
+  if style == "hermes":         # Qwen2.5-Coder's other forms: bare, and fenced + indented
+    assert _runs(gs, text, enc('{"name": "get_weather", "arguments": {"city": "Rome"}}'))
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Rome"}\n}\n```'
+    assert _runs(gs, text, enc(fenced)).accepting
+    assert calls_lib.parse_calls(fenced)[0].arguments == {"city": "Rome"}
 
 
 def test_json_schema_grammar_and_compile_errors(grammars):

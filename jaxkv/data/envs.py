@@ -10,6 +10,9 @@ An `Environment` is what `jaxkv.engine.agent_loop.run_episode` drives:
                             message the agent reads, never an exception)
     score(messages)      -> bool: did the episode solve the task? `messages` is the whole
                             transcript (assistant texts included, which some checks read)
+    user_reply(text)     -> optional: the user's next message after an agent turn without
+                            a call, or None (the turn is the final answer)
+    gold_calls(task)     -> optional: the calls a solving agent makes (sizes max_tokens)
 
 `score` takes the transcript rather than nothing (the issue's sketch) because both
 benchmarks grade what the agent *said* as well as what it did: tau2's COMMUNICATE
@@ -22,10 +25,12 @@ Two are built in, both graded offline by the benchmarks' own code:
   task's reward basis: DB (the final database hash equals the one after replaying the
   gold actions), ENV_ASSERTION and COMMUNICATE (every `communicate_info` string in an
   assistant text, tau2's own matching). NL_ASSERTION needs an LLM judge and is left
-  out (stated in `score`'s result via `Tau2Env.last_checks`). There is no user
+  out (stated in `score`'s result via `Tau2Env.last_checks`). There is no LLM user
   simulator: the user's opening message is the task's instructions (as in
-  `scripts/make_traces.py`), so a task that needs a later user turn is harder than
-  in tau2 proper.
+  `scripts/make_traces.py`); with `confirmations` > 0 a scripted user answers that
+  many of the agent's questions with a yes (`user_reply`: tau2's policies make the
+  agent ask for explicit confirmation before a write), otherwise a question ends the
+  episode, so a task that needs a later user turn is harder than in tau2 proper.
 - `AgentDojoEnv` (workspace, travel, banking, slack; injection-free): the suite's
   default environment, the task's `init_environment`, calls through its
   `FunctionsRuntime`; `score` is the task's own `utility_from_traces` or `utility`
@@ -49,6 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 from jaxkv.data.traces import ToolCall
 
 TAU2_DOMAINS = ("airline", "retail", "telecom")
+CONFIRM = "Yes, I confirm. Please go ahead."   # the scripted tau2 user's answer
 AGENTDOJO_SUITES = ("workspace", "travel", "banking", "slack")
 AGENTDOJO_VERSION = "v1.2.1"
 
@@ -152,8 +158,13 @@ def tau2_fresh_env(module, task):
 class Tau2Env:
   """tau2-bench domains, graded offline (see the module docstring)."""
 
-  def __init__(self, domains: Sequence[str] = ("airline", "retail"), include_policy: bool = False):
+  def __init__(self, domains: Sequence[str] = ("airline", "retail"), include_policy: bool = False,
+               confirmations: int = 0):
     self.include_policy = include_policy
+    # a scripted user: answers up to this many questions of the agent with a yes (tau2's
+    # policies make the agent ask for explicit confirmation before a write)
+    self.confirmations = confirmations
+    self._confirmed = 0
     self._tasks: dict[str, tuple[Any, Any, str]] = {}
     for domain in domains:
       module = tau2_module(domain)
@@ -170,7 +181,7 @@ class Tau2Env:
     if task not in self._tasks:
       raise KeyError(f"no tau2 task {task!r}")
     module, self._task, domain = self._tasks[task]
-    self._module, self._id = module, 0
+    self._module, self._id, self._confirmed = module, 0, 0
     self._env = tau2_fresh_env(module, self._task)
     tools = [t.openai_schema["function"] for t in self._env.get_tools()]
     policy = self._env.get_policy() if self.include_policy else None
@@ -185,6 +196,22 @@ class Tau2Env:
       return self._env.get_response(TauCall(id=f"call_{self._id}", name=name, arguments=args,
                                             requestor="assistant")).content
     return tool_messages(tool_calls, execute)
+
+  def gold_calls(self, task: str) -> list[ToolCall]:
+    """The agent's calls in the task's gold actions (what a solving episode writes)."""
+    crit = self._tasks[task][1].evaluation_criteria
+    if crit is None:
+      return []
+    return [ToolCall(a.name, dict(a.arguments)) for a in crit.actions or []
+            if a.requestor == "assistant"]
+
+  def user_reply(self, text: str) -> str | None:
+    """The scripted user's answer to an agent turn without a call: a confirmation when
+    the turn asks a question and confirmations are left, else None (the episode ends)."""
+    if "?" not in text or self._confirmed >= self.confirmations:
+      return None
+    self._confirmed += 1
+    return CONFIRM
 
   def score(self, messages: Sequence[dict]) -> bool:
     from tau2.data_model.tasks import RewardType  # pylint: disable=import-outside-toplevel
@@ -267,6 +294,12 @@ class AgentDojoEnv:
     self._trace = []
     return ([{"role": "system", "content": self._system},
              {"role": "user", "content": self._task.PROMPT}], agentdojo_tools(suite))
+
+  def gold_calls(self, task: str) -> list[ToolCall]:
+    """The calls of the task's ground truth on its initial environment."""
+    suite, t = self._tasks[task]
+    pre = t.init_environment(suite.load_and_inject_default_environment({}))
+    return [ToolCall(c.function, dict(c.args)) for c in t.ground_truth(pre)]
 
   def step(self, tool_calls: Sequence[ToolCall]) -> list[dict]:
     from agentdojo.agent_pipeline.tool_execution import tool_result_to_str  # pylint: disable=import-outside-toplevel

@@ -58,10 +58,11 @@ class Episode:
   def to_json(self) -> dict:
     return dict(task=self.task, outcome=self.outcome, correct=self.correct,
                 n_calls=self.n_calls, n_turns=len(self.turns), checks=self.checks,
-                answer=self.messages[-1].get("content", "") if self.completed else "")
+                answer=self.messages[-1].get("content", "") if self.completed else "",
+                messages=self.messages)
 
 
-def _strip_stop(text: str, stop_texts: Sequence[str]) -> str:
+def strip_stop(text: str, stop_texts: Sequence[str]) -> str:
   for s in stop_texts:
     if s and text.endswith(s):
       return text[:-len(s)]
@@ -109,7 +110,7 @@ def run_episode(runner: SessionRunner, env: Environment, task: str, *,
       outcome = "overflow"
       break
     turns.append(t)
-    text = _strip_stop(t.text, stop_texts).strip()
+    text = strip_stop(t.text, stop_texts).strip()
     if not text:
       outcome = "empty"
       break

@@ -48,8 +48,12 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 STYLES = ("hermes", "react")
 
 
-def _schema_text(schema: dict) -> str:
-  return json.dumps(dict(schema, **{"x-guidance": JSON_OPTIONS}))
+# JSON as Qwen2.5-Coder writes it in a ```json fence: indented, whitespace bounded per gap
+PRETTY_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[ \\t\\n]{0,24}"}
+
+
+def _schema_text(schema: dict, options: dict = JSON_OPTIONS) -> str:
+  return json.dumps(dict(schema, **{"x-guidance": options}))
 
 
 def json_schema(schema: dict) -> str:
@@ -78,8 +82,12 @@ def _call_schema(name: str, parameters: dict | None, style: str) -> dict:
   params = parameters if isinstance(parameters, dict) and parameters else {"type": "object"}
   if style == "react":
     return params
+  # the arguments sit under the call object: definitions their "#/$defs/..." references
+  # name (pydantic writes them: tau2's tools) move up to the new root
+  defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+  params = {k: v for k, v in params.items() if k not in defs}
   return {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-          "required": ["name", "arguments"], "additionalProperties": False}
+          "required": ["name", "arguments"], "additionalProperties": False, **defs}
 
 
 def tool_calls(tools: Sequence[dict], *, style: str, mode: str = "required",
@@ -111,9 +119,11 @@ def tool_calls(tools: Sequence[dict], *, style: str, mode: str = "required",
     name = fn.get("name")
     if not isinstance(name, str) or not name:
       raise ValueError("every tool needs a non-empty string name")
-    schema = _schema_text(_call_schema(name, fn.get("parameters"), style))
+    call = _call_schema(name, fn.get("parameters"), style)
+    schema = _schema_text(call)
     if style == "hermes":
       rules.append(f"call_{i}: %json {schema}")
+      rules.append(f"pretty_{i}: %json {_schema_text(call, PRETTY_OPTIONS)}")
     else:
       head = _lark_str(f"Action: {name}\nAction Input: ")
       rules.append(f"call_{i}: {head} %json {schema}")
@@ -121,10 +131,14 @@ def tool_calls(tools: Sequence[dict], *, style: str, mode: str = "required",
   if style == "hermes":
     opener, closer = ((_lark_str("<tool_call>"), _lark_str("</tool_call>")) if text_opener
                       else ("<tool_call>", "</tool_call>"))
-    # the template's block, or the bare JSON call (Qwen2.5-Coder often drops the tags;
-    # parse_calls reads both), its schema enforced either way
-    rules.append(f"block: {opener} \"\\n\" body \"\\n\" {closer} | body")
+    # the template's block, or the bare JSON call, or an indented one in a ```json
+    # fence (Qwen2.5-Coder often writes those; parse_calls reads all three), its schema
+    # enforced either way
+    fence = _lark_str("```json\n")
+    rules.append(f"block: {opener} \"\\n\" body \"\\n\" {closer} | body "
+                 f"| {fence} pretty \"\\n```\"")
     rules.append("body: " + " | ".join(alts))
+    rules.append("pretty: " + " | ".join(a.replace("call_", "pretty_") for a in alts))
   else:
     rules.append("block: " + " | ".join(alts))
   # calls one per line; a newline after the last may end the reply (Qwen2.5 writes one)
@@ -138,10 +152,13 @@ def tool_calls(tools: Sequence[dict], *, style: str, mode: str = "required",
     # text lines that spell no call opener the parser reads (a loose call in the text
     # would come back as a call that skipped its schema), then optionally the calls;
     # lines end at "\n", so a call may start on any line without backtracking the lexer
+    # and that do not start like a bare or fenced JSON call ("{", "`"): llguidance's
+    # lexer does not back up over a finished lexeme, so a line and a call may not both
+    # match the same opening bytes
     openers = "|".join(_regex_escape(o) for o in CALL_OPENERS)
     bad = f"~/(?s:.*({openers}).*)/"
-    rules.append(f"LINE: /[^\\n]*\\n/ & {bad}")
-    rules.append(f"LAST: /[^\\n]+/ & {bad}")
+    rules.append(f"LINE: /([^\\n{{`][^\\n]*)?\\n/ & {bad}")
+    rules.append(f"LAST: /[^\\n{{`][^\\n]*/ & {bad}")
     start = f"start: LINE* LAST? | LINE* {calls}"
   return llguidance.LLMatcher.grammar_from_lark("\n".join([start, *rules]))
 

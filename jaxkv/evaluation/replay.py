@@ -103,6 +103,24 @@ def engine_for(llm, pruning: PruningConfig, cache: CacheConfig, *, max_batch: in
   return eng, rec
 
 
+def warm(engine: Engine, mech: Pruned, prefixes) -> None:
+  """Prefills (no pruning, one token generated) each of `prefixes` (token sequences:
+  the system prompts an environment's sessions share) that the mechanism's radix tree
+  does not hold whole, so an evaluation starts from a server that has served the
+  domain before. Call it under the "none" policy, before setting the one evaluated."""
+  cold = [list(p) for p in prefixes
+          if mech.tree.match_prefix(np.asarray(p[:-1], np.int64)).n_matched < len(p) - 1]
+  reqs = [Request(f"warm/{k}", p, SamplingConfig(max_tokens=1), mechanism=mech.name,
+                  context={"session": f"warm/{k}", "qs": len(p) - 1, "sys_len": len(p)})
+          for k, p in enumerate(cold)]
+  for res in engine.run(reqs):
+    if res.finish_reason not in ("stop", "length"):
+      engine.abort("warming failed")
+      raise RuntimeError(f"warming the shared system prompts: {res.error}")
+  for k in range(len(cold)):
+    mech.close(f"warm/{k}")
+
+
 _ids = itertools.count()
 
 
