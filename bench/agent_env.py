@@ -13,10 +13,11 @@ import json
 
 from tqdm import tqdm
 
+import agent_stats
 import common
 import pruning
 from jaxkv.config import PruningConfig
-from jaxkv.data import traces
+from jaxkv.data import calls, traces
 from jaxkv.engine import agent_loop
 from jaxkv.engine import grammar as G
 from jaxkv.evaluation import closed_loop, replay
@@ -99,8 +100,35 @@ class Loop:
                 episodes=[e.to_json() for e in episodes])
 
 
+def _solved(row: dict) -> dict[str, bool]:
+  return {e["task"]: bool(e["correct"]) for e in row.get("episodes", ())}
+
+
+def annotate(rows: list[dict]) -> None:
+  """Paired tests of closed-loop rows over their tasks: for each reference (random,
+  SnapKV, H2O at the row's layout and budget; the full cache) the exact McNemar p of
+  solved / not solved (`p_vs_*`) and the discordant split (`split_vs_*` = [tasks only
+  this row solves, tasks only the reference solves]); None against itself or a
+  reference not run."""
+  env_rows = [r for r in rows if "true_acc" in r]
+  for r in env_rows:
+    mine = _solved(r)
+    for name in agent_stats.REFERENCES:
+      ref = next((x for x in env_rows if x["method"] == name and (
+          name == "full" or (x["layout"], x["budget"]) == (r["layout"], r["budget"]))), None)
+      if ref is None or ref is r:
+        r[f"p_vs_{name}"] = r[f"split_vs_{name}"] = None
+        continue
+      theirs = _solved(ref)
+      both = [t for t in mine if t in theirs]
+      b = sum(mine[t] and not theirs[t] for t in both)
+      c = sum(theirs[t] and not mine[t] for t in both)
+      r[f"p_vs_{name}"], r[f"split_vs_{name}"] = calls.mcnemar(b, c), [b, c]
+
+
 ENV_HEADER = ("method", "layout", "C", "Compl", "Raw", "True Acc", "95% CI", "n", "turns",
-              "pruned %", "PT", "Eff. live", "Eff. reads", "hit %", "wall s")
+              "pruned %", "PT", "Eff. live", "Eff. reads", "hit %", "wall s", "p vs random",
+              "p vs full")
 
 
 def env_table(rows: list[dict]) -> common.Table:
@@ -108,9 +136,12 @@ def env_table(rows: list[dict]) -> common.Table:
   f = lambda x: "-" if x != x else f"{x:.3f}"     # nan: no completed episode
   return common.Table(
       "closed loop (Compl = completed / tasks, Raw = correct / completed, True = correct / "
-      "tasks; Wilson 95% interval of True)",
+      "tasks; Wilson 95% interval of True; exact McNemar p over tasks, split = tasks only "
+      "this row solves - only the reference solves)",
       ENV_HEADER, [(r["method"], r["layout"], str(r["budget"]), f(r["compl"]), f(r["raw_acc"]),
                     f(r["true_acc"]), ci(r["true_acc_ci"]), str(r["n_tasks"]),
                     f"{r['mean_turns']:.1f}", f"{100 * r['pruned_share']:.0f}",
                     f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}", f"{r['eff_reads']:.0f}",
-                    f"{100 * r['prefix_hit_rate']:.0f}", f"{r['wall_s']:.1f}") for r in rows])
+                    f"{100 * r['prefix_hit_rate']:.0f}", f"{r['wall_s']:.1f}",
+                    agent_stats.p_cell(r, "random"), agent_stats.p_cell(r, "full"))
+                   for r in rows])

@@ -531,8 +531,10 @@ def main(argv):
     rows.append(dict(method=name, layout=layout, budget=budget, **r))
     print(f"{name:18s} {layout:9s} C={budget:5d} {line}", flush=True)
     agent_stats.annotate(rows, FLAGS.calls)      # paired fields against the rows so far
+    agent_env.annotate(rows)
     common.write_rows(FLAGS.out, rows)
   agent_stats.annotate(rows, FLAGS.calls)
+  agent_env.annotate(rows)
   print(f"\n{FLAGS.model}, {what}")
   common.print_tables(tables(rows))
 

@@ -92,7 +92,7 @@ HEADER = ("method", "layout", "C", "pruned %", "exact", "95% CI", "n") + tuple(
     f"p vs {b} (split)" for b in REFERENCES) + ("recall", "95% CI (sessions)")
 
 
-def _p(r: dict, name: str) -> str:
+def p_cell(r: dict, name: str) -> str:
   p, split = r.get(f"p_vs_{name}"), r.get(f"split_vs_{name}")
   return "-" if p is None else f"{p:.3f} ({split[0]}-{split[1]})"
 
@@ -112,5 +112,5 @@ def table(rows: list[dict]) -> common.Table | None:
       "future-evidence recall, bootstrap over sessions", HEADER,
       [(r["method"], r["layout"], str(r["budget"]), f"{100 * r['pruned_share']:.0f}",
         f"{r['exact_scored']:.3f}", ci(r["exact_scored_ci"]), str(r["n_scored"]),
-        *(_p(r, b) for b in REFERENCES), f"{r['future_evidence_recall']:.3f}",
+        *(p_cell(r, b) for b in REFERENCES), f"{r['future_evidence_recall']:.3f}",
         ci(r.get("future_evidence_recall_ci"))) for r in done])

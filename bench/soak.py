@@ -17,7 +17,7 @@ to back until `--duration_s` has passed. Each request is drawn (seeded) from:
 Then the server drains, every session is deleted, and the run reports: requests by
 kind and status, 5xx responses (must be 0: no fault is injected), RSS and the
 compiled variants of the engine's jitted steps at the start (after a warm-up round),
-at the middle and at the end, and the KV books: sessions left, sequences left,
+at --marks points over the run, and the KV books: sessions left, sequences left,
 live slots (= tokens the radix trees cache + slots held by `retain`: SemShareKV's
 references, MemArt's shared chat head, when no sequence is left), and
 `KVManager.check()`.
@@ -52,6 +52,8 @@ def define_flags():
   flags.DEFINE_integer("clients", 4, "client tasks sending back to back")
   flags.DEFINE_integer("max_tokens", 12, "completion tokens per request")
   flags.DEFINE_integer("seed", 0, "draws of the request mix")
+  flags.DEFINE_integer("marks", 2, "RSS and compiled variants are read this many times "
+                       "over the run (after the warm-up: start)")
   flags.DEFINE_string("out", None, "JSON summary")
 
 
@@ -166,11 +168,12 @@ def main(argv):
     marks["start"] = (rss_mb(), compiled(), time.monotonic())
     counts.clear()
     statuses.clear()
-    half = FLAGS.duration_s / 2
-    for mark in ("middle", "end"):
-      print(f"load for {half:.0f} s...", file=sys.stderr, flush=True)
-      asyncio.run(load(half))
-      marks[mark] = (rss_mb(), compiled(), time.monotonic())
+    part = FLAGS.duration_s / FLAGS.marks
+    for k in range(1, FLAGS.marks + 1):
+      print(f"load for {part:.0f} s ({k}/{FLAGS.marks})...", file=sys.stderr, flush=True)
+      asyncio.run(load(part))
+      marks["end" if k == FLAGS.marks else f"{100 * k // FLAGS.marks}%"] = (
+          rss_mb(), compiled(), time.monotonic())
     for sid in [d["id"] for d in httpx.get(url + "/v1/sessions").json()["data"]]:
       httpx.delete(f"{url}/v1/sessions/{sid}")
     engine = llm.engine
@@ -198,9 +201,9 @@ def main(argv):
   print(json.dumps(out, indent=1))
   common.print_tables([common.Table(
       f"soak: {out['duration_s']:.0f} s, {FLAGS.clients} clients, {sum(counts.values())} "
-      "requests", ["", "start", "middle", "end"],
-      [["RSS MB", *(f"{marks[k][0]:.0f}" for k in ("start", "middle", "end"))],
-       ["compiled step variants", *(str(marks[k][1]) for k in ("start", "middle", "end"))]])])
+      "requests", ["", *marks],
+      [["RSS MB", *(f"{v[0]:.0f}" for v in marks.values())],
+       ["compiled step variants", *(str(v[1]) for v in marks.values())]])])
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(out, indent=1) + "\n")
   if out["server_errors"] or books["sessions_left"] or books["engine_busy"]:

@@ -15,6 +15,7 @@ from jaxkv.data import labels, traces
 from jaxkv.engine.sessions import SessionRunner
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import agent_env
 import agent_eval
 
 
@@ -186,3 +187,24 @@ def test_discriminative_sessions_are_the_ones_that_can_score(llm):
   assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer) == [s]
   full["calls"][0]["exact"] = False                   # the full cache fails it: nothing left
   assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer) == []
+
+
+def test_closed_loop_rows_are_paired_over_tasks():
+  def row(method, solved, layout="dead_slot", budget=2048):
+    return dict(method=method, layout=layout, budget=budget, true_acc=0.0,
+                episodes=[dict(task=f"t{i}", correct=c) for i, c in enumerate(solved)])
+  full = row("full", [1, 1, 1, 1, 0, 1, 1, 1], "-", 0)
+  rnd = row("random", [0, 0, 1, 0, 0, 0, 0, 0])
+  ikv = row("intentkv_query", [1, 1, 1, 0, 1, 1, 0, 1])
+  other = row("random", [1] * 8, budget=4096)           # another budget: not ikv's reference
+  rows = [full, rnd, ikv, other]
+  agent_env.annotate(rows)
+  assert ikv["split_vs_random"] == [5, 0] and ikv["split_vs_full"] == [1, 2]
+  assert ikv["p_vs_random"] == pytest.approx(0.0625)   # exact McNemar, 5-0
+  assert ikv["p_vs_snapkv"] is None and full["p_vs_full"] is None
+  assert other["p_vs_full"] is not None and rnd["split_vs_full"] == [0, 6]
+  table = agent_env.env_table([dict(r, compl=1.0, raw_acc=0.5, true_acc_ci=[0, 1],
+                                    n_tasks=8, mean_turns=2.0, pruned_share=0.5, pt=1.0,
+                                    eff_live_kv=1.0, eff_reads=1.0, prefix_hit_rate=0.5,
+                                    wall_s=1.0) for r in rows])
+  assert "0.062 (5-0)" in table.lines[2]
