@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from jaxkv.data import calls
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _ENV: dict = {}
 
@@ -383,3 +385,36 @@ def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
   assert "not one of the role adapters" in recs["boss"]["error"]
   assert "give \"kind\": \"agents\"" in recs["norole"]["error"]
   assert sum(r["finish_reason"] == "error" for r in recs.values()) == 3
+
+
+def test_serve_structured_output_lines(tmp_path):
+  """response_format / tool_choice on JSONL lines decode under the server's grammars,
+  plain and on a mechanism (pruned); a wrong structured field is that line's error."""
+  schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}},
+            "required": ["name"], "additionalProperties": False}
+  tool = {"name": "get_weather", "parameters": {
+      "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+      "required": ["city"], "additionalProperties": False}}
+  ask = [{"role": "user", "content": "Give a cat a name. Reply with a JSON object."}]
+  lines = [
+      {"id": "schema", "messages": ask, "response_format": {
+          "type": "json_schema", "json_schema": {"name": "cat", "schema": schema}}},
+      {"id": "object", "messages": ask, "response_format": {"type": "json_object"}},
+      {"id": "call", "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
+       "messages": [{"role": "user", "content": "Weather in Paris?"}]},
+      {"id": "pruned", "kind": "pruned", "user": "u", "messages": ask,
+       "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+      {"id": "bad", "messages": ask, "response_format": {"type": "xml"}}]
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  proc = _serve(inp, out, "--config.sampling.max_tokens=48")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = {r["id"]: r for r in _records(out)}
+  assert list(recs) == [x["id"] for x in lines]
+  for rid in ("schema", "pruned"):
+    assert recs[rid]["finish_reason"] == "stop", recs[rid]
+    assert set(json.loads(recs[rid]["text"])) == {"name"}
+  assert isinstance(json.loads(recs["object"]["text"]), dict)
+  call = calls.parse_calls(recs["call"]["text"])
+  assert [c.name for c in call] == ["get_weather"] and set(call[0].arguments) == {"city"}
+  assert recs["bad"]["finish_reason"] == "error" and "response_format" in recs["bad"]["error"]

@@ -201,7 +201,8 @@ def _main(argv):
     return llm.encode(prompt, tools=tools)
 
   order: list[str] = []
-  requests = batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order)
+  requests = batch.read_requests(src, encode, cfg.sampling, out.done, on_error, order,
+                                 grammar=_grammar_of(llm))
   for completion in llm.stream(requests):
     if completion.finish_reason == "error":
       request_errors += 1
@@ -228,6 +229,28 @@ def _main(argv):
             ("peak KV bytes", f"{m['peak_kv_bytes']:,} ({m['peak_live_slots']} live slots)"),
             ("wall s", f"{m['wall_s']:.1f}"),
             ("output", f"{dst} ({n} records, one per input line)")], m)
+
+
+def _grammar_of(llm):
+  """ParsedLine -> the structured-output matcher of its response_format / tool_choice /
+  parallel_tool_calls (None without them), as the server builds it; ValueError for
+  fields that are wrong."""
+  from jaxkv.engine.grammar import Grammars
+  from jaxkv.server import structured
+  grammars = Grammars(llm.tokenizer, llm.config.vocab_size)
+
+  def build(p):
+    if not p.structured:
+      return None
+    tools = []
+    for t in p.tools or ():
+      fn = t.get("function", t) if isinstance(t, dict) else None
+      if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError("with structured output, 'tools' must be function schemas "
+                         "({'name': ..., 'parameters': ...}, or OpenAI's tool objects)")
+      tools.append({"type": "function", "function": fn})
+    return structured.request_grammar(p.structured, tools or None, grammars)[0]
+  return build
 
 
 def _mechanism(kind: str, cfg, llm):
@@ -312,6 +335,8 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
     out.add(e.record())
     bar.update(1)
 
+  grammar_of = _grammar_of(llm)
+
   def messages(prompt):
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
@@ -322,9 +347,11 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
 
   def build(p, kind) -> Request:
     """The engine request of line `p` on `kind` (ValueError: this line cannot)."""
+    grammar = grammar_of(p)
     if kind is None or kind in ("reuse", "semshare"):
       prompt = with_system(p.prompt) if isinstance(p.prompt, list) else p.prompt
-      return Request(p.id, llm.encode(prompt, tools=p.tools), p.sampling, mechanism=kind)
+      return Request(p.id, llm.encode(prompt, tools=p.tools), p.sampling, mechanism=kind,
+                     grammar=grammar)
     session = sessions[p.id] = p.user or p.id
     mech = mechs[kind]
     if kind == "agents":
@@ -335,15 +362,17 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
       mech.check(len(prompt), p.sampling.max_tokens)
       mech.open(session)
       return Request(p.id, prompt, p.sampling, adapter=llm.adapters.index(p.role),
-                     mechanism="agents", context={"session": session})
+                     mechanism="agents", context={"session": session}, grammar=grammar)
     if kind == "memart":                # the session's history + question, no tools
       if p.tools:
         raise ValueError("memart requests do not take tools")
       msgs = messages(p.prompt)
       ctx = mech.context(session, msgs)
-      return Request(p.id, llm.encode(msgs), p.sampling, mechanism="memart", context=ctx)
+      return Request(p.id, llm.encode(msgs), p.sampling, mechanism="memart", context=ctx,
+                     grammar=grammar)
     prompt, ctx = mech.context(session, with_system(messages(p.prompt)), p.tools)   # pruned
-    return Request(p.id, prompt, p.sampling, mechanism="pruned", context=ctx)
+    return Request(p.id, prompt, p.sampling, mechanism="pruned", context=ctx,
+                   grammar=grammar)
 
   def requests():
     for p, _ in batch.read_requests(src, lambda prompt, tools: None, cfg.sampling, out.done,

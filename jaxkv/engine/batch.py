@@ -8,8 +8,11 @@ config's sampling defaults, "user" (OpenAI's end-user id: the session a request 
 to for the pruned, memart and agents kinds; ignored elsewhere), "kind" (the KV mechanism
 the request runs on: "pruned", "memart", "reuse", "semshare" or "agents", the server's
 session kinds; default: the config's mode, plain requests for mode=requests) and "role"
-(an agents line's role adapter, e.g. "plan": the server's `<model>:<role>`). Unknown
-keys are rejected (a misspelt "max_token" must not be silently ignored).
+(an agents line's role adapter, e.g. "plan": the server's `<model>:<role>`), and
+"response_format" / "tool_choice" / "parallel_tool_calls" (structured output, as the
+server's `jaxkv.server.structured` reads them; a reply under a grammar is its text,
+tool calls included, unparsed). Unknown keys are rejected (a misspelt "max_token"
+must not be silently ignored).
 
 Output lines, written and flushed as each request finishes:
     {"id", "text", "prompt_tokens", "completion_tokens", "ttft_s", "latency_s",
@@ -40,7 +43,10 @@ from jaxkv.config import SamplingConfig
 from jaxkv.engine.engine import Request
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-_KEYS = {"id", "messages", "prompt", "tools", "user", "kind", "role", *_SAMPLING_KEYS}
+# structured output, as the server takes it (checked by the runner's grammar builder)
+STRUCTURED_KEYS = ("response_format", "tool_choice", "parallel_tool_calls")
+_KEYS = {"id", "messages", "prompt", "tools", "user", "kind", "role", *_SAMPLING_KEYS,
+         *STRUCTURED_KEYS}
 KINDS = ("pruned", "memart", "reuse", "semshare", "agents")   # a line's "kind": a mechanism
 
 
@@ -66,6 +72,7 @@ class ParsedLine:
   user: str | None = None
   kind: str | None = None
   role: str | None = None       # an agents line's role adapter
+  structured: dict = dataclasses.field(default_factory=dict)   # STRUCTURED_KEYS given
 
 
 def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
@@ -127,7 +134,8 @@ def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
                        "session: give \"kind\": \"agents\"", rid)
   if role is not None and (not isinstance(role, str) or not role):
     raise RequestError(line, "'role' must be a role adapter's name", rid)
-  return ParsedLine(rid, line, prompt, tools, sampling, user, kind, role)
+  structured = {k: obj[k] for k in STRUCTURED_KEYS if obj.get(k) is not None}
+  return ParsedLine(rid, line, prompt, tools, sampling, user, kind, role, structured)
 
 
 def _records(path: pathlib.Path) -> Iterator[dict]:
@@ -192,7 +200,7 @@ class ResultFile:
 
 def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: set[str],
                   on_error, order: list[str] | None = None,
-                  parsed: bool = False) -> Iterator[Request]:
+                  parsed: bool = False, grammar=None) -> Iterator[Request]:
   """Lazily yields engine Requests from a JSONL file (with `parsed`:
   (ParsedLine, encode's result) pairs, for runners that need the messages).
 
@@ -202,6 +210,8 @@ def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: se
     on_error: called with a RequestError for every unusable line.
     order: if given, each non-blank line's record key is appended to it, in
       line order (the id, or the error key of an unusable line).
+    grammar: ParsedLine -> the request's grammar matcher or None (structured output;
+      ValueError: the line's structured fields are wrong). Not with `parsed`.
   """
   seen: set[str] = set()
   with open(path) as f:
@@ -221,7 +231,8 @@ def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: se
           continue
         try:
           tokens = encode(p.prompt, p.tools)
-        except ValueError as e:   # e.g. a bad chat message
+          matcher = None if grammar is None or parsed else grammar(p)
+        except ValueError as e:   # e.g. a bad chat message, a bad response_format
           raise RequestError(line, str(e), p.id) from None
       except RequestError as e:
         if not listed:                  # the id of a refused line is taken too
@@ -232,4 +243,5 @@ def read_requests(path: pathlib.Path, encode, defaults: SamplingConfig, skip: se
             order.append(e.rid)
         on_error(e)
         continue
-      yield (p, tokens) if parsed else Request(id=p.id, prompt=tokens, sampling=p.sampling)
+      yield (p, tokens) if parsed else Request(id=p.id, prompt=tokens, sampling=p.sampling,
+                                               grammar=matcher)
