@@ -37,7 +37,9 @@ from jaxkv.data.envs import Environment
 from jaxkv.engine.sessions import SessionRunner, TurnMetrics
 
 MAX_TURNS = 32
-OUTCOMES = ("answer", "turn_cap", "overflow", "empty", "cut_off")
+# "repeat": a turn repeated the last turn's calls and got the same answers (the batch
+# engine's loop, `jaxkv.evaluation.closed_loop`, ends an episode there)
+OUTCOMES = ("answer", "turn_cap", "overflow", "empty", "cut_off", "repeat")
 
 
 @dataclasses.dataclass

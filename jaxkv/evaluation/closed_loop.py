@@ -22,7 +22,7 @@ for a loop that can score (issue 39):
   confirmations) answers a question the agent asks instead of ending the episode;
 - every episode keeps its transcript (`Episode.messages`, written by `to_json`).
 
-Outcomes as `agent_loop` (answer, turn_cap, overflow, empty, cut_off) plus "repeat".
+Outcomes as `agent_loop.OUTCOMES` (answer, turn_cap, overflow, empty, cut_off, repeat).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jaxkv.engine import agent_loop
 from jaxkv.engine import grammar as G
 from jaxkv.engine.request import Request
 
-OUTCOMES = (*agent_loop.OUTCOMES, "repeat")
+OUTCOMES = agent_loop.OUTCOMES
 
 
 @dataclasses.dataclass
