@@ -170,7 +170,9 @@ def test_tool_grammar_keeps_every_turn_a_text_or_a_valid_call(llm):
 
 def test_tool_grammar_takes_declared_tools_and_arguments_only(llm):
   gs = G.Grammars(llm.tokenizer, llm.config.vocab_size)
-  tools = Lookup().reset("look/0")[1] + [{"name": "odd", "parameters": {"type": "bogus"}}]
+  tools = Lookup().reset("look/0")[1] + [
+      {"name": "odd", "parameters": {"type": "bogus"}},
+      {"name": "now", "parameters": {"type": "object", "properties": {}}}]
   text = closed_loop.tool_grammar(gs, tools)
 
   def ok(s):
@@ -185,3 +187,4 @@ def test_tool_grammar_takes_declared_tools_and_arguments_only(llm):
   assert ok(_react("odd", {"anything": [1]}))        # a schema it cannot compile: any object
   assert not ok(_react("get", {"key": "x", "extra": 1}))   # only declared parameters
   assert not ok(_react("put", {"key": "x"}))               # only the environment's tools
+  assert ok(_react("now", {})) and not ok(_react("now", {"n": 1}))   # none declared

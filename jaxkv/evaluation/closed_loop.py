@@ -107,7 +107,7 @@ def tool_grammar(grammars: G.Grammars, tools: Sequence[dict]) -> str:
   fns = []
   for fn in tools:
     params = dict(fn.get("parameters") or {"type": "object"})
-    if params.get("properties") and "additionalProperties" not in params:
+    if "properties" in params and "additionalProperties" not in params:   # {} too
       params["additionalProperties"] = False
     try:
       grammars.check(G.json_schema(params))
