@@ -387,6 +387,7 @@ def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
   assert sum(r["finish_reason"] == "error" for r in recs.values()) == 3
 
 
+@pytest.mark.slow
 def test_serve_structured_output_lines(tmp_path):
   """response_format / tool_choice on JSONL lines decode under the server's grammars,
   plain and on a mechanism (pruned); a wrong structured field is that line's error."""

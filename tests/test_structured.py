@@ -177,6 +177,13 @@ def test_auto_grammar_allows_text_but_not_a_loose_call(grammars):
     assert calls_lib.parse_calls(fenced)[0].arguments == {"city": "Rome"}
 
 
+def test_a_model_narrower_than_the_tokenizer_is_refused(grammars):
+  narrow = G.Grammars(grammars.tokenizer, 1000)
+  for _ in range(2):                             # refused every time, not only the first
+    with pytest.raises(ValueError, match="more than the model's 1000 logits"):
+      narrow.compile(G.any_text())
+
+
 def test_json_schema_grammar_and_compile_errors(grammars):
   gs, enc = grammars, grammars.tokenizer.encode
   schema = dict(PARAMS, properties={"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},

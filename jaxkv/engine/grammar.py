@@ -43,11 +43,9 @@ import numpy as np
 
 from jaxkv.data.calls import CALL_OPENERS
 
+STYLES = ("hermes", "react")
 # JSON as the models write it: compact, ", " and ": " separators.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-STYLES = ("hermes", "react")
-
-
 # JSON as Qwen2.5-Coder writes it in a ```json fence: indented, whitespace bounded per gap
 PRETTY_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": "[ \\t\\n]{0,24}"}
 
@@ -244,11 +242,12 @@ class Grammars:
   def _lltokenizer(self) -> llguidance.LLTokenizer:
     with self._lock:
       if self._ll is None:
-        self._ll = llguidance.LLTokenizer(self.tokenizer.backend.to_str(),
-                                          eos_token=sorted(self.tokenizer.stop_ids))
-        if self._ll.vocab_size > self.vocab_size:
-          raise ValueError(f"the tokenizer has {self._ll.vocab_size} tokens, more than the "
+        ll = llguidance.LLTokenizer(self.tokenizer.backend.to_str(),
+                                    eos_token=sorted(self.tokenizer.stop_ids))
+        if ll.vocab_size > self.vocab_size:
+          raise ValueError(f"the tokenizer has {ll.vocab_size} tokens, more than the "
                            f"model's {self.vocab_size} logits")
+        self._ll = ll
       return self._ll
 
   def has_token(self, text: str) -> bool:
