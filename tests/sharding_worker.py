@@ -46,9 +46,24 @@ def tiny_model():
   return Transformer(cfg, rngs=nnx.Rngs(0)).relayout(scan_layers=False)
 
 
-def greedy(model, prompts, mesh, max_tokens):
-  """Greedy tokens of every prompt; the engine records, for every allocation, the
-  sequence's data shard and the shards of the slots it got (`eng.placed`)."""
+class EvenTokens:
+  """A grammar in the engine's matcher protocol (`jaxkv.engine.grammar.Matcher`): only
+  even token ids, so the token mask's path runs on a mesh without a tokenizer."""
+
+  done = False
+
+  def fill(self, out):
+    out[:] = np.int32(0x55555555)          # bits 0, 2, ..., 30 of every word
+
+  def consume(self, token):
+    if token % 2:
+      raise ValueError(f"odd token {token} under the even-token mask")
+
+
+def greedy(model, prompts, mesh, max_tokens, masked=False):
+  """Greedy tokens of every prompt (with `masked`, every other row under EvenTokens);
+  the engine records, for every allocation, the sequence's data shard and the shards
+  of the slots it got (`eng.placed`)."""
   eng = Engine(model, [], CACHE, EngineConfig(max_batch=8, prefill_chunk=32, decode_steps=8),
                mesh=mesh)
   alloc, extend, eng.placed = eng.allocator, eng.allocator.extend, []
@@ -58,7 +73,9 @@ def greedy(model, prompts, mesh, max_tokens):
     eng.placed.append((alloc._seqs[seq].shard, sorted(set(alloc.shard_of(slots).tolist()))))
     return slots
   alloc.extend = placed_extend
-  reqs = [Request(str(i), p, SamplingConfig(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+  reqs = [Request(str(i), p, SamplingConfig(max_tokens=max_tokens),
+                  grammar=EvenTokens() if masked and i % 2 else None)
+          for i, p in enumerate(prompts)]
   out = {r.id: r.tokens for r in eng.run(reqs)}
   return [out[str(i)] for i in range(len(prompts))], eng
 
@@ -138,10 +155,12 @@ def main():
                 "Why is the sky blue?", "What is a KV cache?") * 2]
     max_tokens = 6
   want_tok, _ = greedy(model, prompts, None, max_tokens)
+  want_masked, _ = greedy(model, prompts, None, max_tokens, masked=True)
   want_logits, _ = logits(model, prompts, None)
   for d, m in meshes:
     mesh = sharding.make_mesh(d, m)
     tok, eng = greedy(model, prompts, mesh, max_tokens)
+    masked, _ = greedy(model, prompts, mesh, max_tokens, masked=True)
     got, drv = logits(model, prompts, mesh)
     wq = jax.tree_util.tree_flatten_with_path(eng.weights)[0]
     if not distributed.is_leader():
@@ -149,6 +168,11 @@ def main():
     print(json.dumps({
         "processes": jax.process_count(), "devices": jax.device_count(),
         "mesh": [d, m], "tokens_equal": tok == want_tok, "tokens": tok,
+        # structured output's token mask on the mesh: rows under it equal one device's
+        # and write only allowed (even) tokens; the rows beside them are unchanged
+        "masked_equal": masked == want_masked,
+        "masked_even": all(t % 2 == 0 for row in masked[1::2] for t in row),
+        "unmasked_rows_equal": masked[0::2] == tok[0::2],
         "max_logit_diff": float(np.abs(got - want_logits).max()),
         "logit_scale": float(np.abs(want_logits).max()),
         "pool_k_spec": str(drv.kv.k.sharding.spec),

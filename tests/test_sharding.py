@@ -101,7 +101,8 @@ def _worker(*args, timeout, processes=0):
 
 @pytest.mark.slow
 def test_meshes_equal_one_device_tiny_model():
-  """1x8, 2x4, 4x2, 8x1: greedy tokens identical, every logit within 1e-5, the
+  """1x8, 2x4, 4x2, 8x1: greedy tokens identical (also with every other row under a
+  structured-output token mask), every logit within 1e-5, the
   pool and weights really spread over the 8 devices, the allocator consistent and
   shard-aware: one page range per data shard, exactly the pool slots that shard's
   devices hold, and every row's fresh slots in its own shard's range."""
@@ -110,6 +111,7 @@ def test_meshes_equal_one_device_tiny_model():
   for r in rows:
     assert r["tokens_equal"], r
     assert r["max_logit_diff"] <= 1e-5, r
+    assert r["masked_equal"] and r["masked_even"] and r["unmasked_rows_equal"], r
     assert r["pool_devices"] == 8 and r["allocator_check"]
     d = r["mesh"][0]
     slots = 64 * 16 // d                       # CACHE: 64 pages of 16
@@ -170,6 +172,7 @@ def test_two_processes_equal_one_device():
   for r in rows:
     assert r["processes"] == 2 and r["devices"] == 8 and r["pool_devices"] == 8, r
     assert r["tokens_equal"] and r["max_logit_diff"] <= 1e-5, r
+    assert r["masked_equal"] and r["masked_even"], r      # the token mask across processes
 
 
 @pytest.mark.slow
