@@ -17,7 +17,7 @@ import agent_stats
 import common
 import pruning
 from jaxkv.config import PruningConfig
-from jaxkv.data import calls, traces
+from jaxkv.data import traces
 from jaxkv.engine import agent_loop
 from jaxkv.engine import grammar as G
 from jaxkv.evaluation import closed_loop, replay
@@ -111,19 +111,12 @@ def annotate(rows: list[dict]) -> None:
   this row solves, tasks only the reference solves]); None against itself or a
   reference not run."""
   env_rows = [r for r in rows if "true_acc" in r]
+
+  def reference(row, name):
+    return next((x for x in env_rows if x["method"] == name and (
+        name == "full" or (x["layout"], x["budget"]) == (row["layout"], row["budget"]))), None)
   for r in env_rows:
-    mine = _solved(r)
-    for name in agent_stats.REFERENCES:
-      ref = next((x for x in env_rows if x["method"] == name and (
-          name == "full" or (x["layout"], x["budget"]) == (r["layout"], r["budget"]))), None)
-      if ref is None or ref is r:
-        r[f"p_vs_{name}"] = r[f"split_vs_{name}"] = None
-        continue
-      theirs = _solved(ref)
-      both = [t for t in mine if t in theirs]
-      b = sum(mine[t] and not theirs[t] for t in both)
-      c = sum(theirs[t] and not mine[t] for t in both)
-      r[f"p_vs_{name}"], r[f"split_vs_{name}"] = calls.mcnemar(b, c), [b, c]
+    agent_stats.pair(r, _solved(r), lambda name, r=r: reference(r, name), _solved)
 
 
 ENV_HEADER = ("method", "layout", "C", "Compl", "Raw", "True Acc", "95% CI", "n", "turns",

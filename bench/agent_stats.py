@@ -76,16 +76,25 @@ def annotate(rows: list[dict], mode: str = "discriminative") -> None:
     hit = sum(mine[k] for k in ks)
     r.update(n_scored=len(ks), exact_scored=hit / len(ks) if ks else math.nan,
              exact_scored_ci=list(calls_lib.wilson(hit, len(ks))))
-    for name in REFERENCES:
-      ref = _reference(rows, r, name)
-      if ref is None or ref is r:
-        r[f"p_vs_{name}"] = r[f"split_vs_{name}"] = None
-        continue
-      theirs = _outcomes(ref)
-      both = [k for k in ks if k in theirs]
-      b = sum(mine[k] and not theirs[k] for k in both)
-      c = sum(theirs[k] and not mine[k] for k in both)
-      r[f"p_vs_{name}"], r[f"split_vs_{name}"] = calls_lib.mcnemar(b, c), [b, c]
+    pair(r, {k: mine[k] for k in ks}, lambda name, r=r: _reference(rows, r, name), _outcomes)
+
+
+def pair(row: dict, mine: dict, reference, outcomes) -> None:
+  """Writes `row`'s paired fields against each of REFERENCES: `p_vs_*` (exact McNemar
+  p) and `split_vs_*` ([samples only `row` gets right, samples only the reference
+  does]) over the samples both have; None against itself or a reference not run.
+  `mine`: sample -> right; `reference(name)`: that reference's row or None;
+  `outcomes(ref_row)`: its sample -> right."""
+  for name in REFERENCES:
+    ref = reference(name)
+    if ref is None or ref is row:
+      row[f"p_vs_{name}"] = row[f"split_vs_{name}"] = None
+      continue
+    theirs = outcomes(ref)
+    both = [k for k in mine if k in theirs]
+    b = sum(mine[k] and not theirs[k] for k in both)
+    c = sum(theirs[k] and not mine[k] for k in both)
+    row[f"p_vs_{name}"], row[f"split_vs_{name}"] = calls_lib.mcnemar(b, c), [b, c]
 
 
 HEADER = ("method", "layout", "C", "pruned %", "exact", "95% CI", "n") + tuple(

@@ -249,7 +249,7 @@ def _grammar_of(llm):
         raise ValueError("with structured output, 'tools' must be function schemas "
                          "({'name': ..., 'parameters': ...}, or OpenAI's tool objects)")
       tools.append({"type": "function", "function": fn})
-    return structured.request_grammar(p.structured, tools or None, grammars)[0]
+    return structured.request_grammar(p.structured, tools or None, grammars)
   return build
 
 

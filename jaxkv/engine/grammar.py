@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import llguidance
 import numpy as np
 
+from jaxkv.data import traces
 from jaxkv.data.calls import CALL_OPENERS
 
 STYLES = ("hermes", "react")
@@ -186,11 +187,6 @@ class Matcher:
     out[:] = 0
     self._m.unsafe_compute_mask_ptr(out.ctypes.data, self._vocab_words * 4)
 
-  def mask(self) -> np.ndarray:
-    out = np.zeros(self.words, np.int32)
-    self.fill(out)
-    return out
-
   def consume(self, token: int) -> None:
     """Advances past `token`; ValueError if the grammar does not allow it."""
     if not self._m.consume_token(int(token)):
@@ -252,6 +248,34 @@ class Grammars:
 
   def has_token(self, text: str) -> bool:
     return self.tokenizer.backend.token_to_id(text) is not None
+
+  def tool_calls(self, tools: Sequence[dict], **kw) -> str:
+    """`tool_calls` in the form this tokenizer's chat template writes calls: "hermes"
+    when it renders tool calls itself (`traces.template_renders_tool_calls`), else
+    "react"; `<tool_call>` as its token when the tokenizer has one."""
+    style = "hermes" if traces.template_renders_tool_calls(self.tokenizer) else "react"
+    return tool_calls(tools, style=style, text_opener=not self.has_token("<tool_call>"), **kw)
+
+  def enforceable(self, fn: dict, *, strict: bool = False, closed: bool = False) -> dict:
+    """`fn` (a function definition) with `parameters` a matcher can enforce: its own
+    schema when llguidance compiles it, else any JSON object (ValueError instead when
+    `strict`). `closed`: an object schema that lists its properties and does not say
+    otherwise takes only those (additionalProperties false, OpenAI's strict mode)."""
+    params = fn.get("parameters")
+    if params is None:
+      return fn
+    if not isinstance(params, dict):
+      raise ValueError(f"tool {fn['name']!r}: 'parameters' must be a JSON schema object")
+    if closed and "properties" in params and "additionalProperties" not in params:
+      params = dict(params, additionalProperties=False)
+    try:
+      self.check(json_schema(params))
+    except ValueError as e:
+      if strict:
+        raise ValueError(f"tool {fn['name']!r} is strict but its parameters schema is not "
+                         f"supported: {e}") from None
+      params = {"type": "object"}
+    return dict(fn, parameters=params)
 
   def check(self, grammar: str) -> None:
     """ValueError with llguidance's message if `grammar` does not compile."""

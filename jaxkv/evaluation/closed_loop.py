@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.config import SamplingConfig
-from jaxkv.data import calls, traces
+from jaxkv.data import calls
 from jaxkv.data.envs import Environment
 from jaxkv.engine import agent_loop
 from jaxkv.engine import grammar as G
@@ -104,19 +104,8 @@ def tool_grammar(grammars: G.Grammars, tools: Sequence[dict]) -> str:
   """The "auto" tool grammar of an environment's tools (module docstring). Arguments
   take only the parameters a tool declares (the environments reject others: tau2
   answered an extra `total_baggages` with an error), as OpenAI's strict mode has it."""
-  fns = []
-  for fn in tools:
-    params = dict(fn.get("parameters") or {"type": "object"})
-    if "properties" in params and "additionalProperties" not in params:   # {} too
-      params["additionalProperties"] = False
-    try:
-      grammars.check(G.json_schema(params))
-      fns.append(dict(fn, parameters=params))
-    except ValueError:
-      fns.append(dict(fn, parameters={"type": "object"}))
-  style = "hermes" if traces.template_renders_tool_calls(grammars.tokenizer) else "react"
-  return G.tool_calls(fns, style=style, mode="auto",
-                      text_opener=not grammars.has_token("<tool_call>"))
+  return grammars.tool_calls([grammars.enforceable(fn, closed=True) for fn in tools],
+                             mode="auto")
 
 
 def _key(made) -> tuple:
@@ -159,13 +148,19 @@ class _Loop:
     tok = pruned.tok
     self.stop_texts = [tok.decode([t]) for t in tok.stop_ids]
     self.by_id: dict[str, _Live] = {}
+    self._grammars: dict[str, str] = {}
     self._n = 0
 
   def start(self, env: Environment, task: str) -> _Live:
     opening, env_tools = env.reset(task)
     fns = [t.get("function", t) for t in env_tools or ()]
     msgs, tools = agent_loop.chat_form(self.pruned.tok, opening, env_tools)
-    grammar = tool_grammar(self.grammars, fns) if self.grammars is not None and fns else None
+    grammar = None
+    if self.grammars is not None and fns:      # one grammar per tool list, not per episode
+      key = json.dumps(fns, sort_keys=True)
+      if key not in self._grammars:
+        self._grammars[key] = tool_grammar(self.grammars, fns)
+      grammar = self._grammars[key]
     self._n += 1
     ep = _Live(task, env, f"episode/{self._n}/{task}", msgs, tools,
                {f["name"] for f in fns}, grammar)

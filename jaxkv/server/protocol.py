@@ -171,7 +171,7 @@ def _tools(body: dict) -> list[dict] | None:
   return tools or None
 
 
-def _grammar(body: dict, tools: list[dict] | None, grammars) -> tuple[object, bool]:
+def _grammar(body: dict, tools: list[dict] | None, grammars):
   try:
     return structured.request_grammar(body, tools, grammars)
   except structured.FieldError as e:
@@ -242,7 +242,7 @@ def parse(body: Any, kind: str, *, models: Callable[[str], int | None], tokenize
       prompt = _completion_prompt(tokenizer, body.get("prompt"))
   except ValueError as e:
     raise _bad(str(e), "messages" if kind == "chat" else "prompt") from e
-  grammar, _ = _grammar(body, tools, grammars)
+  grammar = _grammar(body, tools, grammars)
   n = len(prompt)
   room = min(max_seq_len, max_prompt_slots) - n
   if room < 1:

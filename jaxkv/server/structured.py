@@ -22,16 +22,13 @@ What each combination constrains (decisions where the API leaves room):
   tool whose schema does not compile is a 400, a non-strict one falls back to any
   JSON object (OpenAI guarantees argument schemas only under `strict`).
 - Calls are written in the form the chat template writes them
-  (`jaxkv.data.traces.template_renders_tool_calls`): Hermes `<tool_call>` blocks
+  (`Grammars.tool_calls`): Hermes `<tool_call>` blocks
   (Qwen2.5) or ReAct `Action:` / `Action Input:` lines (SmolLM2), so
   `jaxkv.data.calls.parse_calls` reads them back into `tool_calls`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from jaxkv.data import traces
 from jaxkv.engine import grammar as G
 
 CHOICES = ("auto", "required", "none")
@@ -90,28 +87,11 @@ def tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
   raise FieldError(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
 
 
-def _arguments(grammars: G.Grammars, fn: dict) -> dict:
-  """`fn` with parameters the matcher can enforce (module docstring)."""
-  params = fn.get("parameters")
-  if params is None:
-    return fn
-  if not isinstance(params, dict):
-    raise FieldError(f"tool {fn['name']!r}: 'parameters' must be a JSON schema object", "tools")
-  try:
-    grammars.check(G.json_schema(params))
-    return fn
-  except ValueError as e:
-    if fn.get("strict"):
-      raise FieldError(f"tool {fn['name']!r} is strict but its parameters schema is not "
-                       f"supported: {e}", "tools") from None
-    return dict(fn, parameters={"type": "object"})
-
-
 def request_grammar(body: dict, tools: list[dict] | None,
-                    grammars: G.Grammars | None) -> tuple[Any, bool]:
-  """(a fresh `Matcher` or None, whether the reply is made of tool calls only).
-  `tools` are the request's tools ({"type": "function", "function": ...}), None when
-  it has none. FieldError for a request whose fields do not fit together."""
+                    grammars: G.Grammars | None) -> G.Matcher | None:
+  """A fresh `Matcher` for the request, or None (unconstrained). `tools` are the
+  request's tools ({"type": "function", "function": ...}), None when it has none.
+  FieldError for a request whose fields do not fit together."""
   schema = response_schema(body)
   choice = tool_choice(body, tools)
   parallel = body.get("parallel_tool_calls")
@@ -123,7 +103,7 @@ def request_grammar(body: dict, tools: list[dict] | None,
   constrained = (schema is not None or choice == "required" or isinstance(choice, dict)
                  or strict)
   if not constrained:
-    return None, False
+    return None
   if grammars is None:
     raise FieldError("structured output (response_format, tool_choice 'required' or named, "
                      "strict tools) is not enabled on this server",
@@ -134,7 +114,7 @@ def request_grammar(body: dict, tools: list[dict] | None,
     except ValueError as e:
       raise FieldError(f"response_format: {e}", "response_format") from None
   try:
-    return _compile(grammars, schema, choice, fns, parallel), bool(fns) and choice != "auto"
+    return _compile(grammars, schema, choice, fns, parallel)
   except FieldError:
     raise
   except ValueError as e:
@@ -142,19 +122,17 @@ def request_grammar(body: dict, tools: list[dict] | None,
 
 
 def _compile(grammars: G.Grammars, schema, choice, fns, parallel) -> G.Matcher:
-  style = "hermes" if traces.template_renders_tool_calls(grammars.tokenizer) else "react"
-  opts = dict(style=style, text_opener=not grammars.has_token("<tool_call>"))
   if isinstance(choice, dict):
-    text = G.tool_calls([_arguments(grammars, choice)], mode="required", parallel=False,
-                        **opts)
+    text = grammars.tool_calls([grammars.enforceable(choice, strict=choice.get("strict"))],
+                               mode="required", parallel=False)
   elif choice == "required":
-    text = G.tool_calls([_arguments(grammars, fn) for fn in fns], mode="required",
-                        parallel=parallel, **opts)
+    text = grammars.tool_calls([grammars.enforceable(fn, strict=fn.get("strict"))
+                                for fn in fns], mode="required", parallel=parallel)
   elif fns:                                  # auto, with strict tools or a JSON answer
-    loose = [fn if fn.get("strict") else dict(fn, parameters={"type": "object"}) for fn in fns]
-    text = G.tool_calls([_arguments(grammars, fn) for fn in loose], mode="auto",
-                        parallel=parallel,
-                        answer=None if schema is None else G.schema_rule(schema), **opts)
+    loose = [grammars.enforceable(fn, strict=True) if fn.get("strict")
+             else dict(fn, parameters={"type": "object"}) for fn in fns]
+    text = grammars.tool_calls(loose, mode="auto", parallel=parallel,
+                               answer=None if schema is None else G.schema_rule(schema))
   else:
     text = G.json_schema(schema)
   return grammars.compile(text)
