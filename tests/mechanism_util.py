@@ -1,8 +1,14 @@
 """Helpers of the mechanism tests: a mechanism that records each request's
-first-token logits, a runner's tokens cut at the first stop as the engine's are, and a
-request cancelled after its first engine step."""
+first-token logits, a runner's tokens cut at the first stop as the engine's are, a
+request cancelled after its first engine step, and a long prefill stepped beside a
+decoding row."""
 
 import inspect
+
+import numpy as np
+
+from jaxkv.config import SamplingConfig
+from jaxkv.engine.engine import Request
 
 
 def recording(cls):
@@ -48,3 +54,26 @@ def cancel_after_first_step(eng, req) -> list:
   while eng.busy:
     out += eng.step()
   return out
+
+
+def beside_a_decoding_row(eng, req, per_step: int) -> tuple[int, dict]:
+  """Starts a short plain request decoding, submits `req` and steps until `req` has
+  its first token, asserting that the short row gets `per_step` (the engine's
+  decode_steps) new tokens in every step: it waits for one chunk of `req`'s prefill
+  at a time, never the whole of it. Then cancels the short row and runs the engine
+  dry. Returns (the steps `req`'s prefill took, every result by id)."""
+  eng.submit(Request("short", np.random.default_rng(2).integers(100, 40000, 6).tolist(),
+                     SamplingConfig(max_tokens=400)))
+  eng.step()
+  eng.submit(req)
+  seen, steps, got = len(eng.progress()["short"][0]), 0, {}
+  while req.id not in eng.progress() and req.id not in got:
+    got.update({r.id: r for r in eng.step()})
+    steps += 1
+    now = len(eng.progress()["short"][0])
+    assert now == seen + per_step, "the decoding row waited for more than one chunk"
+    seen = now
+  eng.cancel("short")
+  while eng.busy:
+    got.update({r.id: r for r in eng.step()})
+  return steps, got

@@ -16,7 +16,7 @@ from jaxkv.engine import mechanism_rows
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.memart import MemArt
 from jaxkv.engine.memart import MemArtSessions
-from mechanism_util import clip, recording
+from mechanism_util import beside_a_decoding_row, clip, recording
 
 CACHE = CacheConfig(num_pages=512, page_size=16, max_seq_len=2048)
 MAX = 10
@@ -144,24 +144,10 @@ def test_a_long_history_is_written_one_chunk_per_step(llm):
                EngineConfig(max_batch=2, prefill_chunk=32, decode_steps=2))
   mech = eng.add_mechanism(MemArt(MemArtSessions(llm, CFG, CACHE, attn_impl="reference",
                                                  kv=eng.kv_manager)))
-  short = Request("short", np.random.default_rng(2).integers(100, 40000, 6).tolist(),
-                  SamplingConfig(max_tokens=200))
-  eng.submit(short)
-  eng.step()
-  eng.submit(_request(llm, mech, "m", "s", msgs))
-  seen, steps, got = len(eng.progress()["short"][0]), 0, {}
-  while "m" not in eng.progress() and "m" not in got:
-    got.update({r.id: r for r in eng.step()})
-    steps += 1
-    now = len(eng.progress()["short"][0])
-    assert now == seen + 2, "the decoding row waited for more than one chunk"
-    seen = now
+  steps, got = beside_a_decoding_row(eng, _request(llm, mech, "m", "s", msgs), 2)
   written = sum(len(llm.tokenizer.encode(f"{m['role']}: {m['content']}", add_bos=False))
                 for m in history)
   assert steps >= written // 32                      # the history took a step per chunk
-  eng.cancel("short")
-  while eng.busy:
-    got.update({r.id: r for r in eng.step()})
   assert got["m"].tokens == clip(want.tokens.tolist(), set(llm.tokenizer.stop_ids))
   assert got["m"].extra["retrieved_blocks"] == want.blocks.size
   eng.kv_manager.check()

@@ -14,7 +14,7 @@ from jaxkv.config import CacheConfig, EngineConfig, ReuseConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.reuse import Reuse
 from jaxkv.engine.reuse import ReuseRunner
-from mechanism_util import clip, recording
+from mechanism_util import beside_a_decoding_row, clip, recording
 from test_reuse import _prompts
 
 CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=1024)
@@ -116,8 +116,17 @@ def test_cancel_and_bad_context_free_everything(llm):
   p1, _, p3 = _prompts(seed=6)
   eng, mech = _engine(llm, "tiered")
   list(eng.run([_request("seed", p1)]))
+  eng.submit(_request("mid", p3, max_tokens=40))
+  eng.step()                                   # one 32-token piece of a 170-token prompt
+  assert eng.busy and "mid" not in eng.progress()       # no token yet
+  assert eng.cancel("mid")                     # cancelled inside its prefill
+  (res,) = eng.step()
+  assert res.finish_reason == "cancelled" and res.tokens == []
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == [] and mech.runner.radix.locked_tokens == 0
   eng.submit(_request("c", p3, max_tokens=40))
-  eng.step()                                   # prefilled whole, first token out
+  while "c" not in eng.progress():             # prefilled, first token out
+    eng.step()
   assert eng.cancel("c")
   (res,) = eng.step()
   assert res.finish_reason == "cancelled" and len(res.tokens) >= 1
@@ -126,3 +135,24 @@ def test_cancel_and_bad_context_free_everything(llm):
   assert res.finish_reason == "error" and "spans" in res.error
   eng.kv_manager.check()
   assert eng.allocator.sequences() == [] and mech.runner.radix.locked_tokens == 0
+
+
+@pytest.mark.parametrize("method", ["none", "cacheblend"])
+def test_a_long_prompt_delays_decoding_rows_by_one_chunk_at_most(llm, method):
+  """A long reuse prompt is prefilled one 32-token piece per engine step (each layer
+  pass of a blend plan too): a row already decoding gets its decode call in every one
+  of those steps, never waiting for the whole prompt; the reuse row's tokens and
+  first-token logits equal the runner's one call per pass."""
+  p1, _, p3 = _prompts(seed=3)
+  want, _ = _runner_answers(llm, method, [p1, p3])
+  eng, mech = _engine(llm, method, max_batch=2)
+  list(eng.run([_request("seed", p1)]))
+  steps, got = beside_a_decoding_row(eng, _request("r", p3), 4)
+  assert steps >= -(-len(p3) // 32) - 1               # the prompt took a step per piece
+  pre, toks = want[1]
+  assert got["r"].tokens == clip(toks, set(llm.tokenizer.stop_ids))
+  np.testing.assert_allclose(mech.logits["r"], pre.logits, atol=1e-5, rtol=0)
+  if method == "cacheblend":
+    assert got["r"].extra["reused_tokens"] > 0
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == []

@@ -14,7 +14,7 @@ from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig, SemShareConf
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.semshare import SemShare
 from jaxkv.engine.semshare import SemShareRunner
-from mechanism_util import clip, recording
+from mechanism_util import beside_a_decoding_row, clip, recording
 
 CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=1024)
 MAX = 10
@@ -115,7 +115,8 @@ def test_aliased_slots_held_until_the_row_leaves(llm):
   eng, mech = _engine(llm, "semshare")
   list(eng.run([_request("ref", ref)]))
   eng.submit(_request("t", target, max_tokens=40))
-  eng.step()                                         # prefilled, first token out
+  while "t" not in eng.progress():                   # prefilled, first token out
+    eng.step()
   (seq,) = mech.runner._holds
   held = mech.runner._holds[seq]
   mech.runner.forget(next(iter(mech.runner.refs)))   # the store lets the reference go
@@ -125,3 +126,27 @@ def test_aliased_slots_held_until_the_row_leaves(llm):
   assert res.finish_reason == "cancelled" and not mech.runner._holds
   eng.kv_manager.check()
   assert eng.allocator.sequences() == [] and eng.allocator.num_live_slots == 0
+
+
+@pytest.mark.parametrize("method", ["semshare", "snapkv"])
+def test_a_long_prompt_delays_decoding_rows_by_one_chunk_at_most(llm, method):
+  """A 200-token SemShareKV prompt is prefilled one 32-token piece per engine step
+  (the full prefill, the layer-0 probe and every window of the second pass): a row
+  already decoding gets its decode call in every one of those steps; the row's tokens,
+  first-token logits and kept entries equal the runner's one call per pass."""
+  ref, target = _pair(1)
+  r = SemShareRunner(llm, _config(method), cache=CACHE, attn_impl="reference")
+  r.release(r.prefill(ref).seq)
+  pre = r.prefill(target)
+  toks, _ = r.decode(pre, MAX, stop_ids=llm.tokenizer.stop_ids)
+  eng, mech = _engine(llm, method, max_batch=2)
+  list(eng.run([_request("ref", ref)]))
+  steps, got = beside_a_decoding_row(eng, _request("t", target), 4)
+  assert steps >= -(-target.size // 32) * (2 if method == "semshare" else 1)
+  assert got["t"].tokens == clip(toks.tolist(), set(llm.tokenizer.stop_ids))
+  np.testing.assert_allclose(mech.logits["t"], pre.logits, atol=1e-5, rtol=0)
+  x = got["t"].extra
+  assert (x["reused"], x["live_entries"], x["shared_entries"]) == (
+      pre.reused, pre.live_entries, pre.shared_entries)
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == [] and not mech.runner._holds

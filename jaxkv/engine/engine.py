@@ -130,6 +130,7 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     if mechanism.name in self.mechanisms:
       raise ValueError(f"a mechanism named {mechanism.name!r} is added already")
     self.mechanisms[mechanism.name] = mechanism
+    mechanism.prefill_chunk = self.cfg.prefill_chunk
     return mechanism
 
   def cache_for(self, adapter: int) -> RadixCache | None:

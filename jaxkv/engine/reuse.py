@@ -10,12 +10,14 @@ One request (`prefill`):
    (`admission.decide`), the reason recorded;
 4. admitted runs are spliced into the sequence's new slots with exact
    delta-RoPE (`kv.splice.splice_rows`, int8 dequantised on the device);
-5. the rest runs as one chunk with a per-layer recompute set
+5. the rest runs with a per-layer recompute set
    (`forward.Recompute`): fresh tokens at every layer, an approx run from its
    resume layer on (its stored boundary state injected as the token's hidden
    input), EPIC's first tokens everywhere, and for blend runs a first pass over
    layers <= blend_layer (the probe), then the most deviating tokens at every
-   later layer;
+   later layer; each layer pass in one call, or token pieces of at most
+   `chunk` tokens under the engine (`prefill_steps`: a long prompt delays the
+   rows decoding beside it by one piece at a time; the pieces are exact);
 6. the first token's logits are read (TTFT stops here);
 7. off the critical path: the prompt's fully computed runs (structural spans
    whole, gaps between them) are stored with their K/V and boundary states, and
@@ -42,6 +44,7 @@ from flax import nnx
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, ReuseConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.engine.kv_manager import KVManager
+from jaxkv.engine.prefill_work import drain
 from jaxkv.kv import plan, quant, splice
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow, Recompute
@@ -175,6 +178,13 @@ def _pad(x, n: int, value=0, axis: int = 0) -> np.ndarray:
   return np.pad(x, widths, constant_values=value)
 
 
+def _pad_axis(x: jax.Array, n: int, axis: int) -> jax.Array:
+  """A device array padded with zeros along `axis` to length n."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
 _OWNER = "reuse"     # this runner's name in the KV manager (its radix tree, its allocations)
 
 
@@ -277,10 +287,21 @@ class ReuseRunner:
                    defer_store: bool = False, store: bool = True,
                    t0: float | None = None) -> Prefill:
     """Steps 2-7 of `prefill` over a live sequence that holds the radix hit
-    ids[:hit] (adopted) and fresh slots for ids[hit:]: what the engine's `Reuse`
-    mechanism calls on its row. With `defer_store`, step 7 (radix insert, storing
-    the runs) waits for `Prefill.finish(store)`, so a server emits the first token
-    before it."""
+    ids[:hit] (adopted) and fresh slots for ids[hit:], each layer pass in one call
+    (`prefill_steps` run to its end). With `defer_store`, step 7 (radix insert,
+    storing the runs) waits for `Prefill.finish(store)`, so a server emits the first
+    token before it."""
+    return drain(self.prefill_steps(seq, ids, hit, spans, defer_store=defer_store,
+                                    store=store, t0=t0), self.driver, 0)
+
+  def prefill_steps(self, seq: int, ids: np.ndarray, hit: int,
+                    spans: Sequence[tuple[int, int]] | None = None, *,
+                    chunk: int | None = None, defer_store: bool = False, store: bool = True,
+                    t0: float | None = None):
+    """`prefill_into` as a generator (what the engine's `Reuse` mechanism runs on its
+    row): with `chunk`, at most `chunk` prompt tokens per model call and a bare
+    yield after each call but the last, so a long prompt delays the engine's
+    decoding rows by one chunk at a time; returns the `Prefill`."""
     n = ids.size
     t0 = time.perf_counter() if t0 is None else t0
     if spans is None:
@@ -335,8 +356,8 @@ class ReuseRunner:
       self._splice(ks, vs, pos, dest, newpos)
 
     # 5: the chunk, with the recompute plan
-    out, cuts_out, layer_tokens, flops_ctx = self._run(hit, chunk_ids, c_len, smap, resume,
-                                                       blend, hidden_rows, admitted)
+    out, cuts_out, layer_tokens, flops_ctx = yield from self._run(
+        hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted, chunk)
     logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
     ttft = time.perf_counter() - t0
     flops = flops_ctx + 2.0 * self.cfg.hidden_size * self.cfg.vocab_size
@@ -398,57 +419,86 @@ class ReuseRunner:
       idx[l, 0, :sets[l].size] = sets[l]
     return Recompute(jnp.asarray(idx))
 
-  def _run(self, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted):
-    """Step 5 (see the module docstring). Returns (the readout, the boundary states
-    captured [K, 1, C, D] or None, tokens computed per layer [L], FLOPs)."""
+  def _run(self, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted,
+           chunk: int | None = None):
+    """Step 5 (see the module docstring), a generator of bare yields: with `chunk`,
+    every layer pass runs at most `chunk` prompt tokens per call and yields after each
+    call, so the engine's decoding rows get their step in between (the pieces of a
+    pass are exact: a token's causal attention reads only earlier columns, which
+    earlier pieces of the same pass wrote); None: each pass in one call. Returns
+    (the readout, the boundary states captured [K, 1, C, D] or None, tokens computed
+    per layer [L], FLOPs)."""
     L, rest = self.cfg.num_layers, chunk_ids.size
-    tokens = jnp.asarray(_pad(chunk_ids, c_len)[None])
-    positions = jnp.asarray(_pad(hit + np.arange(rest, dtype=np.int32), c_len, -1)[None])
-    smap_w = jnp.asarray(plan.slot_rows([smap], plan.width(hit + rest)))
-    read = jnp.asarray([[rest - 1]], np.int32)
+    size = rest if not chunk else int(chunk)
+    pieces = [(a, min(a + size, rest)) for a in range(0, rest, size)]
     cuts = self.cuts if self.segments else ()
-    step = functools.partial(chunk_step, self.graphdef, self.weights, tokens=tokens,
-                             positions=positions, slot_map=smap_w,
-                             attn_impl=self.driver.attn_impl)
     every = np.arange(rest)
     bl = self.reuse.blend_layer
     # layer l recomputes the tokens resuming at or below it, and blend runs up to the probe
     sets = [np.union1d(every[resume <= l], every[blend]) if l <= bl else every[resume <= l]
             for l in range(L)]
-    if not resume.any() and not blend.any():         # nothing reused: the plain prefill
-      out, self.driver.kv = step(kv=self.driver.kv, read=read,
-                                 capture=Capture(hidden_cuts=cuts), return_logits=True)
-      cuts_out = out.hidden_cuts
-    else:
-      x = self._hidden_in(tokens, hidden_rows, c_len)
-      stages = [(0, bl + 1), (bl + 1, L)] if blend.any() and bl + 1 < L else [(0, L)]
-      slots_all = before = None
-      parts = []
-      for si, (a, b) in enumerate(stages):
-        if si == 0 and len(stages) == 2:              # blend: keys before the probe
-          slots_all = jnp.asarray(_pad(smap[hit:hit + rest], c_len, SENTINEL))
-          before = _keys_at(self.driver.kv, slots_all, bl)
-        if si == 1:                                    # the probe's verdict
-          after = _keys_at(self.driver.kv, slots_all, bl)
-          chosen = self._blend_choice(np.asarray(jax.device_get(_deviation(before, after)))[:rest],
-                                      hit, admitted)
-          sets = [s if l <= bl else np.union1d(s, every[chosen]) for l, s in enumerate(sets)]
-        for lo, hi in layer_passes([s.size for s in sets], a, b, self.reuse.max_passes):
-          last = hi == L
-          out, self.driver.kv = step(
-              kv=self.driver.kv, read=read if last else None,
-              window=LayerWindow(hidden_in=x, start=lo, stop=hi),
-              capture=Capture(hidden_cuts=tuple(c for c in cuts if lo < c <= hi)),
-              recompute=self._index(sets, lo, hi), return_hidden=not last,
-              return_logits=last)
-          x = out.hidden
+    plain = not resume.any() and not blend.any()     # nothing reused: the plain prefill
+    x = None if plain else self._hidden_in(jnp.asarray(_pad(chunk_ids, c_len)[None]),
+                                           hidden_rows, c_len)
+    stages = [(0, L)]
+    if blend.any() and bl + 1 < L:
+      stages = [(0, bl + 1), (bl + 1, L)]
+    slots_all = before = None
+    parts, out = [], None
+    for si, (a, b) in enumerate(stages):
+      if si == 0 and len(stages) == 2:              # blend: keys before the probe
+        slots_all = jnp.asarray(_pad(smap[hit:hit + rest], c_len, SENTINEL))
+        before = _keys_at(self.driver.kv, slots_all, bl)
+      if si == 1:                                    # the probe's verdict
+        after = _keys_at(self.driver.kv, slots_all, bl)
+        chosen = self._blend_choice(np.asarray(jax.device_get(_deviation(before, after)))[:rest],
+                                    hit, admitted)
+        sets = [s if l <= bl else np.union1d(s, every[chosen]) for l, s in enumerate(sets)]
+      passes = [(0, L)] if plain else layer_passes([s.size for s in sets], a, b,
+                                                   self.reuse.max_passes)
+      for lo, hi in passes:
+        xs, cut_parts = [], []
+        for p_lo, p_hi in pieces:
+          out = self._piece(hit, chunk_ids, c_len, smap, p_lo, p_hi, lo, hi, cuts,
+                            None if plain else sets,
+                            None if x is None else x[:, p_lo:p_hi], len(pieces) == 1)
+          if hi < L:
+            xs.append(out.hidden[:, :p_hi - p_lo])
           if out.hidden_cuts is not None:
-            parts.append(out.hidden_cuts)
-      cuts_out = jnp.concatenate(parts) if parts else None
+            cut_parts.append(out.hidden_cuts[:, :, :p_hi - p_lo])
+          if (lo, hi, p_hi) != (passes[-1][0], L, rest):
+            yield                                    # the engine's decode rows run
+        x = jnp.concatenate(xs, axis=1) if hi < L else None
+        if cut_parts:
+          parts.append(_pad_axis(jnp.concatenate(cut_parts, axis=2), c_len, 2))
+    cuts_out = jnp.concatenate(parts) if parts else None
     layer_tokens = np.asarray([s.size for s in sets], np.int64)
     pos = hit + np.arange(rest, dtype=np.float64) + 1
     flops = sum(layer_flops(self.cfg, s.size, pos[s].sum()) for s in sets)
     return out, cuts_out, layer_tokens, flops
+
+  def _piece(self, hit, chunk_ids, c_len, smap, a, b, lo, hi, cuts, sets, x, whole):
+    """One call: prompt tokens [a, b) (chunk coordinates) through layers [lo, hi),
+    recomputing `sets` (per layer, chunk indices; None: every token, no window)."""
+    L, rest = self.cfg.num_layers, chunk_ids.size
+    cl = c_len if whole else plan.chunk_len(b - a, c_len)
+    last = hi == L and b == rest
+    kw = {}
+    if sets is not None:
+      local = [s[(s >= a) & (s < b)] - a for s in sets]
+      kw["recompute"] = self._index(local, lo, hi)
+      kw["window"] = LayerWindow(hidden_in=None if x is None else _pad_axis(x, cl, 1),
+                                 start=lo, stop=hi)
+    out, self.driver.kv = chunk_step(
+        self.graphdef, self.weights, self.driver.kv,
+        jnp.asarray(_pad(chunk_ids[a:b], cl)[None]),
+        jnp.asarray(_pad(hit + np.arange(a, b, dtype=np.int32), cl, -1)[None]),
+        jnp.asarray(plan.slot_rows([smap], plan.width(hit + b))),
+        read=jnp.asarray([[rest - 1 - a]], np.int32) if last else None,
+        capture=Capture(hidden_cuts=cuts if sets is None else
+                        tuple(c for c in cuts if lo < c <= hi)),
+        return_hidden=hi < L, return_logits=last, attn_impl=self.driver.attn_impl, **kw)
+    return out
 
   def _hidden_in(self, tokens, hidden_rows, c_len):
     """The first pass's input [1, C, D]: embeddings with the stored boundary

@@ -55,6 +55,7 @@ from flax import nnx
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, SemShareConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.engine.kv_manager import KVManager
+from jaxkv.engine.prefill_work import drain
 from jaxkv.engine.reuse import layer_flops, layer_passes
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv.allocator import OutOfSlotsError
@@ -318,31 +319,40 @@ class SemShareRunner:
 
   def prefill_into(self, seq: int, ids: np.ndarray, found: tuple | None = None, *,
                    t0: float | None = None) -> SemPrefill:
-    """Steps 2-5 over a live sequence with fresh slots for every prompt token
-    (what the engine's `SemShare` mechanism calls on its row); `found`: `find`'s
-    answer (None: found now, after the slots were taken)."""
+    """Steps 2-5 over a live sequence with fresh slots for every prompt token, each
+    pass in one call (`prefill_steps` run to its end); `found`: `find`'s answer
+    (None: found now, after the slots were taken)."""
+    return drain(self.prefill_steps(seq, ids, found, t0=t0), self.driver, 0)
+
+  def prefill_steps(self, seq: int, ids: np.ndarray, found: tuple | None = None, *,
+                    chunk: int | None = None, t0: float | None = None):
+    """`prefill_into` as a generator (what the engine's `SemShare` mechanism runs on
+    its row): with `chunk`, every pass (the full prefill, the layer-0 probe, each
+    window of the second pass) runs at most `chunk` prompt tokens per model call,
+    with a bare yield between calls, so a long prompt delays the engine's decoding
+    rows by one chunk at a time. The pieces are exact: a token's causal attention
+    reads only earlier columns, which earlier pieces of the same pass wrote. Returns
+    the `SemPrefill`."""
     n, L = ids.size, self.mcfg.num_layers
     t0 = time.perf_counter() if t0 is None else t0
     codes, key, sim, idx, match_s = self.find(ids) if found is None else found
     c = plan_lib.chunk_len(n)
-    tokens = jnp.asarray(_pad(ids, c)[None])
-    positions = np.where(np.arange(c) < n, np.arange(c), -1).astype(np.int32)
     matching = codes is not None
     fresh = self.alloc.slot_map(seq)[:n]
     reuse = matching and key is not None and sim >= self.cfg.threshold and key in self.refs
-    width = plan_lib.width(n)
-    smap = jnp.asarray(plan_lib.slot_rows([fresh], width))
-    step = functools.partial(chunk_step, self.graphdef, self.weights, tokens=tokens,
-                             positions=jnp.asarray(positions[None]),
-                             attn_impl=self.driver.attn_impl)
-    read = jnp.asarray([[n - 1]], np.int32)
+    run = _Pieces(self, ids, c, chunk)
     if not reuse:
       compress = self.cfg.method in layerwise.LAYERWISE_METHODS
-      out, self.driver.kv = step(kv=self.driver.kv, slot_map=smap, read=read,
-                                 capture=Capture(q=compress), return_logits=True)
+      q_parts = []
+      for a, b in run.pieces:
+        yield from run.pause()
+        out = run.call(a, b, lambda w: plan_lib.slot_rows([fresh], w),
+                       capture=Capture(q=compress), read=b == n)
+        q_parts.append(None if out.q is None else out.q[:, :, :b - a])
       layer_map = np.broadcast_to(fresh, (L, n)).copy()
       if compress:                       # the baselines: each layer keeps its own tokens
-        keep = np.asarray(_layer_keep(self.driver.kv, out.q, jnp.asarray(positions[None]),
+        q = _pad_axis(jnp.concatenate(q_parts, axis=2), c, 2)
+        keep = np.asarray(_layer_keep(self.driver.kv, q, jnp.asarray(run.positions[None]),
                                       jnp.asarray(_pad(fresh, c)), self._budgets(n),
                                       method=self.cfg.method))[:, 0, :n]
         layer_map[~keep] = SENTINEL
@@ -368,11 +378,15 @@ class SemShareRunner:
     else:
       alias = ref.slots[idx]
     # probe: layer 0 for every token, fresh slots only
-    out0, self.driver.kv = step(kv=self.driver.kv, slot_map=smap,
-                                window=LayerWindow(stop=1), capture=Capture(q=True),
-                                return_hidden=True)
+    q0, xs = [], []
+    for a, b in run.pieces:
+      yield from run.pause()
+      out0 = run.call(a, b, lambda w: plan_lib.slot_rows([fresh], w), lo=0, hi=1,
+                      capture=Capture(q=True))
+      q0.append(out0.q[0, 0, :b - a])
+      xs.append(out0.hidden[:, :b - a])
     dev, att = _probe_signals(self.driver.kv, jnp.asarray(_pad(fresh, c)),
-                              jnp.asarray(_pad(alias, c)), out0.q[0, 0],
+                              jnp.asarray(_pad(alias, c)), _pad_axis(jnp.concatenate(q0), c, 0),
                               jnp.asarray(np.arange(c) < n))
     p = semshare.plan(np.asarray(dev)[:n], np.asarray(att)[:n], self.cfg, L)
     layer_map = np.empty((L, n), np.int32)
@@ -384,26 +398,25 @@ class SemShareRunner:
       layer_map[~p.retain] = SENTINEL
     obs_q = [None] * L                    # retention "layer": layer l's observers' q
     # the rest of the layers, as few passes as their widths allow
-    lmap = jnp.asarray(np.stack([plan_lib.slot_rows([m], width) for m in layer_map]))
-    ws = jnp.asarray(_pad(fresh, c, self.driver.kv.num_slots)[None])
-    x = out0.hidden
+    x = jnp.concatenate(xs, axis=1)
+    lmap = lambda w: np.stack([plan_lib.slot_rows([m], w) for m in layer_map])
     for lo, hi in layer_passes([s.size for s in p.recompute], 1, L, self.max_passes):
-      r = plan_lib.chunk_len(max(s.size for s in p.recompute[lo:hi]))
-      index = np.full((L, 1, r), -1, np.int32)
-      for l in range(lo, hi):
-        index[l, 0, :p.recompute[l].size] = p.recompute[l]
-      last = hi == L
-      out, self.driver.kv = step(kv=self.driver.kv, slot_map=lmap, write_slots=ws,
-                                 read=read if last else None,
-                                 window=LayerWindow(hidden_in=x, start=lo, stop=hi),
-                                 recompute=Recompute(jnp.asarray(index)),
-                                 capture=Capture(q=by_layer),
-                                 return_hidden=not last, return_logits=last)
-      x = out.hidden
+      xs, qs = [], [[] for _ in range(lo, hi)]
+      for a, b in run.pieces:
+        yield from run.pause()
+        out = run.call(a, b, lmap, lo=lo, hi=hi, x=x, sets=p.recompute, write=fresh,
+                       capture=Capture(q=by_layer), read=hi == L and b == n)
+        if hi < L:
+          xs.append(out.hidden[:, :b - a])
+        if by_layer:                      # per layer its recomputed rows, in index order
+          for l in range(lo, hi):
+            s = p.recompute[l]
+            qs[l - lo].append(out.q[l - lo, 0, :int(((s >= a) & (s < b)).sum())])
+      x = jnp.concatenate(xs, axis=1) if hi < L else None
       if by_layer:                        # the last rows: the recent tokens, recomputed
         for l in range(lo, hi):
           m = p.recompute[l].size
-          obs_q[l] = out.q[l - lo, 0, m - min(self.cfg.recent, n):m]
+          obs_q[l] = jnp.concatenate(qs[l - lo])[m - min(self.cfg.recent, n):m]
     if by_layer:                          # evict for decode, by each layer's own attention
       p.retain = self._layer_retention(p, layer_map, obs_q, np.asarray(att)[:n], c)
       layer_map[~p.retain] = SENTINEL
@@ -477,3 +490,58 @@ class SemShareRunner:
                             stop_ids=stop_ids, write_map=wmap)
     self.alloc.truncate(pre.seq, n)
     return toks, lp
+
+
+class _Pieces:
+  """A prompt's model calls in token pieces of at most `chunk` tokens (None: the
+  whole prompt in one call, padded to `c`) over the runner's pool."""
+
+  def __init__(self, runner, ids: np.ndarray, c: int, chunk: int | None):
+    self.r, self.ids, self.c, n = runner, ids, c, ids.size
+    size = n if not chunk else int(chunk)
+    self.pieces = [(a, min(a + size, n)) for a in range(0, n, size)]
+    self.positions = np.where(np.arange(c) < n, np.arange(c), -1).astype(np.int32)
+    self.calls = 0
+
+  def pause(self):
+    """A bare yield before every call but the first (the engine's decode rows run)."""
+    if self.calls:
+      yield
+    self.calls += 1
+
+  def call(self, a: int, b: int, slot_map, *, lo: int | None = None, hi: int | None = None,
+           x=None, sets=None, write=None, capture: Capture = Capture(), read: bool = False):
+    """One `chunk_step` over prompt tokens [a, b): slot_map(width) its slot map; with
+    lo / hi a layer window (x [1, n, D]: the window's input, None: embeddings), sets
+    the per-layer recompute sets (prompt indices), write the tokens' own slots [n]."""
+    r, n = self.r, self.ids.size
+    cl = self.c if (a, b) == (0, n) else plan_lib.chunk_len(b - a, self.c)
+    kw = {}
+    if lo is not None:
+      kw["window"] = LayerWindow(hidden_in=None if x is None else _pad_axis(x[:, a:b], cl, 1),
+                                 start=lo, stop=hi)
+    if sets is not None:
+      local = [s[(s >= a) & (s < b)] - a for s in sets]
+      width = plan_lib.chunk_len(max(1, max(s.size for s in local[lo:hi])))
+      index = np.full((len(sets), 1, width), -1, np.int32)
+      for l in range(lo, hi):
+        index[l, 0, :local[l].size] = local[l]
+      kw["recompute"] = Recompute(jnp.asarray(index))
+    if write is not None:
+      kw["write_slots"] = jnp.asarray(_pad(write[a:b], cl, r.driver.kv.num_slots)[None])
+    out, r.driver.kv = chunk_step(
+        r.graphdef, r.weights, r.driver.kv, jnp.asarray(_pad(self.ids[a:b], cl)[None]),
+        jnp.asarray(np.where(np.arange(cl) < b - a, np.arange(cl) + a, -1)
+                    .astype(np.int32)[None]),
+        jnp.asarray(slot_map(plan_lib.width(b))),
+        read=jnp.asarray([[n - 1 - a]], np.int32) if read else None, capture=capture,
+        return_hidden=hi is not None and hi < r.mcfg.num_layers, return_logits=read,
+        attn_impl=r.driver.attn_impl, **kw)
+    return out
+
+
+def _pad_axis(x: jax.Array, n: int, axis: int) -> jax.Array:
+  """A device array padded with zeros along `axis` to length n."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, n - x.shape[axis])
+  return jnp.pad(x, widths)

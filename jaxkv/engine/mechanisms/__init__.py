@@ -65,6 +65,9 @@ class Mechanism:
   adapters = False       # True: its requests run on a role adapter (`Request.adapter`)
   # the `/metrics` counters it keeps in `self.stats`: (metric name, stats key, help)
   metrics: tuple[tuple[str, str, str], ...] = ()
+  # prompt tokens per model call of a generator prefill that calls the model itself
+  # (segment reuse, SemShareKV): the engine's `prefill_chunk`, set by `add_mechanism`
+  prefill_chunk: int | None = None
 
   def match(self, req) -> Match:
     """The KV to adopt for `req` (default: none). Locks what it returns."""
@@ -75,13 +78,15 @@ class Mechanism:
     """Undoes `match` (the request waits for pages and will match again)."""
     del match
 
-  def prefill(self, row) -> np.ndarray:
+  def prefill(self, row):
     """Computes the row's prompt (positions [row.cached, row.n) have fresh slots in
     `row.seq`, or none with `Match.defer`) and returns the logits [V] float32 at its
-    last token. Runs as one call in one engine step, like one row's prefill chunk. It
-    may be a generator: each `yield` ends its work for this engine step (the rows
-    decoding get their decode call in between), and its return value is the logits;
-    a prefill longer than a chunk should yield once per chunk. A ValueError or
+    last token. A plain call runs in one engine step, like one row's prefill chunk; a
+    generator's each `yield` ends its work for this engine step (the rows decoding
+    get their decode call in between), and its return value is the logits: a prefill
+    longer than a chunk yields `prefill_work.Work` (run by the engine, one chunk per
+    step) or calls the model on at most `prefill_chunk` tokens between bare yields
+    (segment reuse, SemShareKV). A ValueError or
     OutOfSlotsError fails this request only (its message is the error result)."""
     raise NotImplementedError(f"{type(self).__name__} does not plan its own prefill")
 

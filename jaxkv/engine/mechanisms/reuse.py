@@ -11,10 +11,12 @@ positions, so the decode view is the row's own slot map). After the first token
 (`after_prefill`) the exact prefix goes into the radix tree and the prompt's fully
 computed runs into the segment store, as the runner does off the critical path.
 
-The plan spans layers (a token may be computed from layer r on only), so the
-prefill is not cut into token chunks: it runs as one call in one engine step
-(what the step's packed chunk call is to a plain row; a long prompt mostly found in
-the store or the radix tree computes only its rest). The `ReuseRunner` holds the
+The plan spans layers (a token may be computed from layer r on only): each layer
+pass runs the prompt's rest in pieces of the engine's `prefill_chunk` tokens, one
+piece per engine step (the rows decoding beside it wait one piece at a time, as
+beside a plain row's chunked prefill; the pieces are exact, so the result equals
+the runner's one call per pass). A long prompt mostly found in the store or the
+radix tree computes only its rest. The `ReuseRunner` holds the
 store, the index and the fingerprint; this file holds no state of its own but the
 counters.
 
@@ -68,11 +70,12 @@ class Reuse(Mechanism):
     if match.state.lock is not None:
       self.runner.radix.release_lock(match.state.lock)
 
-  def prefill(self, row) -> np.ndarray:
+  def prefill(self, row):
     spans = (row.req.context or {}).get("spans")
-    pre = self.runner.prefill_into(row.seq, np.asarray(row.req.prompt, np.int32), row.cached,
-                                   None if spans is None else [tuple(s) for s in spans],
-                                   defer_store=True)
+    pre = yield from self.runner.prefill_steps(
+        row.seq, np.asarray(row.req.prompt, np.int32), row.cached,
+        None if spans is None else [tuple(s) for s in spans], chunk=self.prefill_chunk,
+        defer_store=True)
     row.state.pre = pre
     return pre.logits
 

@@ -10,8 +10,10 @@ The engine samples the first token and decodes the row with the batch, through t
 row's decode view (`decode_view`): the prompt's per-layer slot map (aliased and
 evicted entries) followed by the row's own slots for the tokens it generates.
 
-The prefill runs as one call in one engine step (its passes span layers, not token
-chunks: what the step's packed chunk call is to a plain row). The aliased reference
+Each of the prefill's passes (the full prefill, the layer-0 probe, the windows of
+the second pass) runs the prompt in pieces of the engine's `prefill_chunk` tokens,
+one piece per engine step, so the rows decoding beside it wait one piece at a time
+(the pieces are exact: the result equals the runner's one call per pass). The aliased reference
 slots are held while the row lives and released when it leaves (`finish`); the store
 and its references are the runner's, on the engine's KV manager (its evictor forgets
 references when the pool needs pages).
@@ -53,8 +55,9 @@ class SemShare(Mechanism):
     del req
     return Match(0, np.zeros(0, np.int32), _Turn())
 
-  def prefill(self, row) -> np.ndarray:
-    pre = self.runner.prefill_into(row.seq, np.asarray(row.req.prompt, np.int32))
+  def prefill(self, row):
+    pre = yield from self.runner.prefill_steps(row.seq, np.asarray(row.req.prompt, np.int32),
+                                               chunk=self.prefill_chunk)
     row.state.pre = pre
     return pre.logits
 
