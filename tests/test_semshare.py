@@ -10,6 +10,7 @@ logits to 1e-5 (fp32 re-association only).
 
 import collections
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +150,99 @@ def test_plan_follows_the_paper_schedules():
   blend = semshare.plan(dev, att, dataclasses.replace(cfg, method="blend"), L)
   assert all(np.array_equal(s, blend.recompute[1]) for s in blend.recompute[1:])
   assert blend.recompute[1].size <= int(np.ceil(0.15 * t)) + 8
+
+
+def test_zero_deviation_tokens_are_not_picked_for_recompute():
+  """An identical pair (every layer-0 deviation exactly 0) recomputes only the recent
+  tokens at layers >= 1, for semshare and blend, instead of the lowest indices that
+  ties among zeros would pick; a pair with some zeros picks only moved tokens."""
+  rng = np.random.default_rng()
+  t, L = 300, 6
+  att = rng.pareto(1.5, size=t)
+  recent = np.arange(t - 8, t)
+  for method in ("semshare", "blend"):
+    cfg = SemShareConfig(method=method, recent=8, retention="layer0")
+    p = semshare.plan(np.zeros(t), att, cfg, L)
+    assert all(np.array_equal(s, recent) for s in p.recompute[1:]), method
+    dev = rng.uniform(0.5, 2.0, t)
+    dev[:200] = 0.0                                       # an unchanged prefix
+    p = semshare.plan(dev, att, cfg, L)
+    for s in p.recompute[1:]:
+      assert np.setdiff1d(s, recent).min(initial=t) >= 200, method
+
+
+# ------------------------------------------------------------------- alignment
+def test_aligned_positions_take_shifts_back():
+  rng = np.random.default_rng()
+  x = rng.integers(100, 40000, 300)
+  np.testing.assert_array_equal(semshare.aligned_positions(x, x), np.arange(300))
+  # the reference lacks target[100:140]: the target's later tokens map 40 back
+  ref = np.concatenate([x[:100], x[140:]])
+  pos = semshare.aligned_positions(x, ref)
+  np.testing.assert_array_equal(pos[:100], np.arange(100))
+  np.testing.assert_array_equal(pos[144:], np.arange(104, 260))
+  np.testing.assert_array_equal(ref[pos[144:]], x[144:])
+  # the reference has 25 extra tokens up front (an inserted sentence)
+  ref = np.concatenate([rng.integers(100, 40000, 25), x])
+  np.testing.assert_array_equal(semshare.aligned_positions(x, ref), np.arange(25, 325))
+  # a replaced run keeps the offset of the anchor before it; the rest aligns again
+  ref = x.copy()
+  ref[50:80] = rng.integers(100, 40000, 30)
+  np.testing.assert_array_equal(semshare.aligned_positions(x, ref), np.arange(300))
+  # no shared 4-gram: the tokens' own positions; a 4-gram twice in the reference is
+  # no anchor
+  np.testing.assert_array_equal(
+      semshare.aligned_positions(x, rng.integers(40001, 50000, 200)), np.arange(300))
+  rep = np.array([7, 8, 9, 10] * 3 + [1, 2, 3])
+  np.testing.assert_array_equal(semshare.aligned_positions(np.array([7, 8, 9, 10]), rep),
+                                np.arange(4))
+  # an anchor far back in the reference: positions never go below 0
+  assert semshare.aligned_positions(np.r_[x[:10], x[200:260]], x[200:260]).min() >= 0
+
+
+def _docs_paragraphs():
+  """Real English prose shipped with the repository (its docs), as paragraphs."""
+  import glob
+  import re
+  out = []
+  for f in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "**",
+                                         "*.md"), recursive=True)):
+    with open(f) as fh:
+      text = fh.read()
+    for para in text.split("\n\n"):
+      if para[:1].isalpha() and "|" not in para and len(para) > 200:
+        out.append(re.sub(r"\s+", " ", para))
+  return out
+
+
+def test_natural_edits_pass_the_gate_once_aligned():
+  """Real weights (SmolLM2) on real prose of >= 1k tokens: 20-40% of its sentences
+  deleted or replaced scores at or above the gate (0.8) with alignment, an unrelated
+  text of the same length well below it; without alignment the edits score no higher
+  than unrelated text (the shift moves every later token's codes)."""
+  import jaxkv
+  from jaxkv.data import semshare_pairs as SP
+  llm = jaxkv.load("smollm2-135m")
+  tok = llm.tokenizer
+  count = lambda s: len(tok.encode(s, add_bos=False))
+  paras = _docs_paragraphs()
+  pool = [x for p in paras[::5] for x in SP.sentences(p)]
+  rng = np.random.default_rng(0)
+  aligned = SemShareRunner(llm, SemShareConfig(), attn_impl="reference", cache=CACHE)
+  plain = SemShareRunner(llm, SemShareConfig(align=False, max_dist=80.0),
+                         attn_impl="reference", cache=CACHE)
+  enc = lambda p: np.asarray(tok.encode(SP.join(p), add_bos=False), np.int32)
+  for kind, frac in (("eliminate", 0.2), ("eliminate", 0.4), ("replace", 0.3)):
+    text = SP.excerpt(paras, count, 1400, rng)
+    ref = SP.eliminate(text, frac, rng) if kind == "eliminate" else SP.replace(text, frac,
+                                                                              pool, rng)
+    t, r = enc(text), enc(ref)
+    assert t.size >= 1000
+    other = enc(SP.excerpt(paras[len(paras) // 2:] + paras[:len(paras) // 2], count, 1400,
+                           rng))
+    assert aligned.similarity(r, t) >= 0.8, (kind, frac)
+    assert aligned.similarity(other, t) < 0.65
+    assert plain.similarity(r, t) < 0.8
 
 
 def test_observer_attention_equals_dense_numpy():

@@ -247,43 +247,56 @@ class SemShareRunner:
       self.alloc.release(held)
 
   # -------------------------------------------------------------------- prefill
-  def codes(self, ids, offset: int = 0) -> np.ndarray:
+  def codes(self, ids, offset: int = 0, positions: np.ndarray | None = None) -> np.ndarray:
     """[n, nbits // 32] uint32 E-cache LSH codes of a prompt whose first token sits
-    at position `offset` (no pool touched)."""
+    at position `offset`, or whose tokens sit at `positions` [n] (no pool touched)."""
     ids = np.asarray(ids, np.int32)
     c = plan_lib.chunk_len(ids.size)
-    pos = np.where(np.arange(c) < ids.size, np.arange(c) + offset, 0).astype(np.int32)
+    if positions is None:
+      positions = np.arange(ids.size) + offset
+    pos = _pad(np.asarray(positions, np.int32), c)
     return np.asarray(_codes(self.graphdef, self.weights, jnp.asarray(_pad(ids, c)),
                              jnp.asarray(pos), self.planes, self.cfg.e_rope_theta))[:ids.size]
 
+  def _nearest(self, ids: np.ndarray, codes: np.ndarray | None, ref_ids: np.ndarray,
+               ref_codes: np.ndarray, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(index [n], distance [n]) of each target token's nearest reference token:
+    with `SemShareConfig.align` the target's codes are taken at its positions in the
+    reference's frame (`semshare.aligned_positions`), else at its own positions plus
+    `offset` (`codes`: those, precomputed, or None)."""
+    n = ids.size
+    if self.cfg.align:
+      pos = semshare.aligned_positions(ids, ref_ids)
+      codes = self.codes(ids, positions=pos)
+    else:
+      pos = np.arange(offset, offset + n, dtype=np.int32)
+      codes = self.codes(ids, offset) if codes is None else codes[:n]
+    c, m = plan_lib.chunk_len(n), ref_codes.shape[0]
+    w = plan_lib.chunk_len(m)
+    idx, dist = semshare.nearest(jnp.asarray(_pad(codes, c)), jnp.asarray(_pad(pos, c)),
+                                 jnp.asarray(_pad(ref_codes, w)),
+                                 jnp.asarray(np.arange(w, dtype=np.int32)),
+                                 jnp.asarray(np.arange(w) < m))
+    return np.asarray(idx)[:n], np.asarray(dist)[:n]
+
   def match(self, reference, target, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(index [T] into the reference, Hamming distance [T]): every target token's
-    nearest reference token, the target placed `offset` positions later than
-    usual (0: what `prefill` matches)."""
-    t, r = self.codes(target, offset), self.codes(reference)
-    w = plan_lib.chunk_len(r.shape[0])
-    idx, dist = semshare.nearest(
-        jnp.asarray(t), jnp.arange(offset, offset + t.shape[0], dtype=jnp.int32),
-        jnp.asarray(_pad(r, w)), jnp.arange(w, dtype=jnp.int32),
-        jnp.asarray(np.arange(w) < r.shape[0]))
-    return np.asarray(idx), np.asarray(dist)
+    nearest reference token, as `prefill` matches it; without `SemShareConfig.align`
+    the target may be placed `offset` positions later than usual (the alignment
+    takes any such shift back)."""
+    reference, target = np.asarray(reference, np.int32), np.asarray(target, np.int32)
+    return self._nearest(target, None, reference, self.codes(reference), offset)
 
   def similarity(self, reference, target) -> float:
     """A.3 similarity of target to reference (what `prefill` would compare to the
     threshold), without serving either: bins pairs the same way for every method."""
     return semshare.similarity(self.match(reference, target)[1], self.cfg.max_dist)
 
-  def _best(self, codes: np.ndarray, n: int):
+  def _best(self, ids: np.ndarray, codes: np.ndarray):
     """(key, similarity, index [n], distance [n]) of the most similar reference."""
     best = (None, 0.0, None, None)
-    t_pos = jnp.asarray(_pad(np.arange(n, dtype=np.int32), codes.shape[0]))
     for key, ref in reversed(self.refs.items()):
-      m = ref.codes.shape[0]
-      w = plan_lib.chunk_len(m)
-      idx, dist = semshare.nearest(jnp.asarray(codes), t_pos, jnp.asarray(_pad(ref.codes, w)),
-                                   jnp.asarray(np.arange(w, dtype=np.int32)),
-                                   jnp.asarray(np.arange(w) < m))
-      idx, dist = np.asarray(idx)[:n], np.asarray(dist)[:n]
+      idx, dist = self._nearest(ids, codes, ref.ids, ref.codes)
       sim = semshare.similarity(dist, self.cfg.max_dist)
       if best[0] is None or sim > best[1]:
         best = (key, sim, idx, dist)
@@ -308,11 +321,10 @@ class SemShareRunner:
     index [n] of each token's match, seconds), the reference moved to the end of
     the LRU order when it will be reused (the last a full pool would forget)."""
     t0 = time.perf_counter()
-    n = ids.size
     key, sim, idx, codes = None, 0.0, None, None
     if self.cfg.method in semshare.REUSE_METHODS:   # the others never reuse: no matching
-      codes = _pad(self.codes(ids), plan_lib.chunk_len(n))   # a bucketed shape for _best
-      key, sim, idx, _ = self._best(codes, n)
+      codes = self.codes(ids)
+      key, sim, idx, _ = self._best(ids, codes)
       if key is not None and sim >= self.cfg.threshold:
         self.refs.move_to_end(key)
     return codes, key, sim, idx, time.perf_counter() - t0

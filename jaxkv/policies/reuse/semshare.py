@@ -16,7 +16,20 @@ Matching. Every target token is matched to the reference token nearest in
 Hamming distance; ties go to the reference token nearest in position (so a
 prompt matched against itself maps every token to itself). The prompt-level
 LSH distance is the mean of those nearest distances, and the similarity
-clip(1 - distance / max_dist, 0, 1) with max_dist 30 (A.3).
+clip(1 - distance / max_dist, 0, 1) (A.3).
+
+Alignment (`aligned_positions`, `SemShareConfig.align`; not in the paper). A
+natural edit (a sentence deleted or replaced) shifts every later token, and the
+E cache's RoPE then moves the unchanged tokens' codes as far apart as unrelated
+ones: on SmolLM2 with 20-40% of the sentences of a 1-2k token text deleted or
+replaced, the mean nearest distance was 55-86 bits at the tokens' own positions,
+against 80-82 for unrelated texts, so no such pair could pass the gate. So the
+target's codes are taken at its tokens' positions in the reference's frame: each
+target token is shifted by the offset of the nearest exact 4-gram it shares with
+the reference (an anchor: a run occurring once there, nearest preceding; the first
+anchor's before it). Unchanged runs then meet their own tokens at distance 0, and
+the distance measures the edits: 12-32 bits for those pairs, 76-80 for unrelated
+ones (48 pairs, `SemShareConfig.max_dist`).
 
 Recompute and retention (4.3.3, 4.3.4, A.5, A.6), from two signals measured
 at layer 0, which is recomputed for every token: the KV deviation (A.4:
@@ -94,6 +107,39 @@ def e_codes(emb: jax.Array, positions: jax.Array, planes: jax.Array, theta: floa
   """LSH codes [T, nbits // 32] uint32 of the E cache: embeddings [T, D] at positions [T]."""
   x = rope_interleaved(emb.astype(jnp.float32), positions, theta)
   return pack_bits((x @ planes.T) > 0)
+
+
+def aligned_positions(target, reference, k: int = 4) -> np.ndarray:
+  """[T] int32: each target token's position in the reference's frame (module
+  docstring): its own position plus the offset (reference index - target index) of
+  the nearest preceding k-gram anchor, a run of k tokens that occurs exactly once in
+  the reference and also in the target; the tokens before the first anchor take its
+  offset; no anchor: the tokens' own positions. Clipped at 0."""
+  t, r = np.asarray(target, np.int64), np.asarray(reference, np.int64)
+  own = np.arange(t.size, dtype=np.int64)
+
+  def grams(x):
+    n = x.size - k + 1
+    h = np.zeros(max(0, n), np.int64)
+    for j in range(k if n > 0 else 0):
+      h = h * 1_000_003 + x[j:j + n]
+    return h
+
+  gt, gr = grams(t), grams(r)
+  if not gt.size or not gr.size:
+    return own.astype(np.int32)
+  uniq, first, count = np.unique(gr, return_index=True, return_counts=True)
+  uniq, first = uniq[count == 1], first[count == 1]
+  at = np.searchsorted(uniq, gt)
+  hit = (at < uniq.size) & (uniq[np.minimum(at, max(0, uniq.size - 1))] == gt)
+  if not hit.any():
+    return own.astype(np.int32)
+  starts = np.flatnonzero(hit)
+  offsets = first[at[starts]] - starts
+  # the anchor covering each token: the last anchor start at or before it
+  which = np.searchsorted(starts, own, side="right") - 1
+  off = offsets[np.maximum(which, 0)]
+  return np.maximum(own + off, 0).astype(np.int32)
 
 
 def hamming(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -223,18 +269,24 @@ def plan(deviation, attention, cfg: SemShareConfig, num_layers: int) -> Plan:
   hot = np.zeros(t, bool)
   hot[_top(every, att, n_hot)] = True
   sets = [every]
+  # a token whose layer-0 K/V equal its match's exactly (deviation 0: the same token at
+  # the same position) has nothing to correct, so the deviation-ranked picks skip it:
+  # on an identical pair only the recent tokens are recomputed, not the lowest
+  # indices that ties among zeros would pick
+  moved = dev > 0
   if cfg.method == "blend":
-    s = np.union1d(recent, _top(every, dev, int(np.ceil(cfg.blend_ratio * t))))
+    s = np.union1d(recent, _top(every[moved], dev, int(np.ceil(cfg.blend_ratio * t))))
     sets += [s] * (L - 1)
   else:
-    s1 = np.union1d(_top(every[hot], dev, int(round(cfg.w_hot * hot.sum()))),
-                    _top(every[~hot], dev, int(round(cfg.w_cold * (~hot).sum()))))
+    s1 = np.union1d(_top(every[hot & moved], dev, int(round(cfg.w_hot * hot.sum()))),
+                    _top(every[~hot & moved], dev, int(round(cfg.w_cold * (~hot).sum()))))
     sets.append(np.union1d(recent, s1))
     for l in range(2, L):
       frac = (l - 2) / max(1, L - 3)
       alpha = cfg.recomp_alpha_first + frac * (cfg.recomp_alpha_last - cfg.recomp_alpha_first)
       prev = sets[-1]
-      sets.append(np.union1d(recent, _top(prev, dev, int(np.ceil(alpha * prev.size)))))
+      sets.append(np.union1d(recent, _top(prev[moved[prev]], dev,
+                                          int(np.ceil(alpha * prev.size)))))
   retain = np.ones((L, t), bool)
   out = Plan(recompute=sets, retain=retain, hot=hot, r_dynamic=float(n_hot / max(1, t)))
   if cfg.method not in RETAIN_METHODS:
