@@ -1,29 +1,35 @@
-r"""SemShareKV (seed 001) side by side with full recompute, its Table 2 ablations
-and CacheBlend's rule on the same fuzzy match, over a prompt-pairs file.
+r"""SemShareKV (seed 001) side by side with full recompute, its Table 2 ablations,
+CacheBlend's rule on the same fuzzy match and the compression baselines, over a
+prompt-pairs file.
 
     python bench/semshare.py --pairs=data_local/semshare_pairs.jsonl \
-        [--methods=full,semshare,fuzzy_full,zero,random,blend] [--model=smollm2-135m] \
-        [--gen=32] [--max_pairs=0] [--out=bench/results_semshare.json] \
-        [--plot=docs/plots/semshare.png] [--threshold=0] [--retention=layer0]
+        [--methods=full,semshare,fuzzy_full,zero,random,blend,snapkv,h2o,evict_random] \
+        [--model=smollm2-135m] [--gen=32] [--max_pairs=0] [--out=bench/results_semshare.json] \
+        [--plot=docs/plots/semshare.png] [--threshold=0.8] [--noadmitted] [--notimed] \
+        [--nomatch_budgets] [--retention=layer0]
     python bench/semshare.py --pairs=... --shift_probe=0,1,2,5,10,30,100,300
 
-Per pair and method, on one runner: the reference prompt is prefilled in full
-and stored, then the target is served (reused when the LSH similarity reaches
-the threshold). Each pair runs twice and the second run is timed (the first
-compiles every shape it needs), so TTFT excludes compiles. Quality against
-`full` on the same target: ROUGE-L (rouge-score) of the greedy output vs full
-recompute's output and vs the target text, greedy agreement (position-wise over
---gen tokens, Wilson 95% interval), and, where the pair has an answer, its
-teacher-forced NLL (delta vs full, nats per token). Memory: the pool bytes the
-target owns (`kv_bytes`), the layer x token entries it keeps
-(`kv_bytes_live`) and of those the ones aliased to the reference
-(`kv_bytes_shared`). Rows per (method, prompt length bucket) and per (method,
-similarity bin); a rerun skips the methods already in --out.
+Pairs: only those the similarity gate admits (`--admitted`, default: the pairs
+SemShareKV would really reuse; the count left out is printed). Per pair and method,
+on one runner: the reference prompt is prefilled in full and stored, then the target
+is served. With `--timed` each pair runs twice and the second run is timed (the first
+compiles every shape it needs), so TTFT excludes compiles. Generation is greedy up to
+EOS (at most --gen tokens). Quality, per pair (`semshare_tables`): ROUGE-L
+(rouge-score) against the gold answer where the pair has one (Python-docs questions),
+against full recompute's output and against the target text; agreement with full's
+tokens up to its EOS and the common prefix length; the teacher-forced NLL of the gold
+answer and of full's own continuation (deltas vs full, nats per token). Every
+interval is a bootstrap over pairs. The compression baselines (snapkv, pyramidkv, h2o,
+evict_random) keep SemShareKV's own per-layer entry counts on the same pair
+(`--match_budgets`), so retention is compared at identical per-layer budgets. Memory:
+the pool bytes the target owns (`kv_bytes`), the layer x token entries it keeps
+(`kv_bytes_live`) and of those the ones aliased to the reference (`kv_bytes_shared`).
+Per-pair records go to <out>_records.json (a rerun skips the methods already there);
+rows per method over all pairs, per prompt-length bucket, similarity bin and edit kind.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -35,13 +41,13 @@ from absl import app, flags
 import common
 import jaxkv
 from jaxkv.config import SEMSHARE_METHODS, CacheConfig, SemShareConfig
-from jaxkv.data import calls
 from jaxkv.data import semshare_pairs as SP
 from jaxkv.engine.semshare import SemShareRunner
+from jaxkv.policies.pruning import layerwise
 from jaxkv.policies.reuse import semshare as semshare_lib
+from semshare_tables import plot, rows_of, tables
 
 FLAGS = flags.FLAGS
-SIM_BINS = (0.0, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
 
 
 def define_flags():
@@ -49,7 +55,13 @@ def define_flags():
   flags.DEFINE_string("methods", ",".join(SEMSHARE_METHODS), "comma list of "
                       f"{','.join(SEMSHARE_METHODS)}")
   flags.DEFINE_string("model", "smollm2-135m", "preset or weights path")
-  flags.DEFINE_integer("gen", 32, "greedy tokens generated per target")
+  flags.DEFINE_integer("gen", 32, "greedy tokens generated per target (at most: ends at EOS)")
+  flags.DEFINE_bool("admitted", True, "keep only the pairs the similarity gate admits "
+                    "(the pairs SemShareKV would really reuse)")
+  flags.DEFINE_bool("match_budgets", True, "the compression baselines (snapkv, pyramidkv, "
+                    "h2o, evict_random) keep SemShareKV's own per-layer counts, pair by pair")
+  flags.DEFINE_bool("timed", True, "serve each pair twice and time the second (TTFT without "
+                    "compiles); --notimed serves once (quality only, half the time)")
   flags.DEFINE_float("threshold", None, "override the similarity threshold (0: always reuse, "
                      "for the similarity-vs-quality curve)")
   flags.DEFINE_integer("max_pairs", 0, "use the first N pairs (0: all)")
@@ -78,24 +90,43 @@ def rouge_l(a: str, b: str) -> float:
   return float(rouge_scorer.RougeScorer(["rougeL"]).score(b, a)["rougeL"].fmeasure)
 
 
-def serve_pair(runner: SemShareRunner, tok, ref_ids, tgt_ids, answer_ids) -> dict:
-  """Reference (stored), then the target; returns the target's outcome."""
+def serve_pair(runner: SemShareRunner, tok, p: dict, full: dict | None) -> dict:
+  """Reference (stored), then the target; returns the target's outcome: greedy
+  tokens up to EOS (at most --gen), the gold answer's teacher-forced NLL where the
+  pair has one, and (with `full`: full recompute's outcome on the pair) the
+  teacher-forced NLL of full's own continuation."""
   runner.reset()
-  runner.release(runner.prefill(ref_ids).seq)
-  pre = runner.prefill(tgt_ids)
-  toks, _ = runner.decode(pre, FLAGS.gen)
+  runner.release(runner.prefill(p["ref"]).seq)
+  pre = runner.prefill(p["tgt"])
+  toks, _ = runner.decode(pre, FLAGS.gen, stop_ids=tok.stop_ids)
   out = dict(pre=pre, tokens=toks, text=tok.decode(toks.tolist()))
-  if answer_ids is not None:
-    _, lp = runner.decode(pre, answer_ids.size, forced=answer_ids)
+  if p["answer"] is not None:
+    _, lp = runner.decode(pre, p["answer"].size, forced=p["answer"])
     out["nll"] = float(-np.mean(lp))
+  cont = out["tokens"] if full is None else np.asarray(full["tokens"], np.int32)
+  _, lp = runner.decode(pre, cont.size, forced=cont)
+  out["cont_nll"] = float(-np.mean(lp))
   runner.release(pre.seq)
   return out
 
 
-def run_method(llm, name: str, pairs, ref) -> tuple[list[dict], list[dict]]:
-  """Every pair with one method: (rows, per-pair records)."""
+def _agreement(tokens, full_tokens) -> tuple[float, int]:
+  """(share of full's tokens matched position by position, common prefix length)."""
+  a, b = np.asarray(tokens), np.asarray(full_tokens)
+  n = min(a.size, b.size)
+  same = a[:n] == b[:n]
+  first = int(np.argmin(same)) if not same.all() else n
+  return float(same.sum() / max(1, b.size)), first
+
+
+def run_method(llm, name: str, pairs, full_recs, budgets=None, recs=None,
+               save=lambda: None) -> list[dict]:
+  """Every pair with one method: per-pair records (`full_recs`: full recompute's, the
+  quality reference; `budgets`: per pair id the per-layer counts the compression
+  baselines keep). `recs`: the records so far (pairs already there are skipped; each
+  new one is appended and `save`d at once, so a stopped run resumes pair by pair)."""
   tok = llm.tokenizer
-  need = max(max(p["ref"].size, p["tgt"].size) for p in pairs) + FLAGS.gen + 64
+  need = max(max(p["ref"].size, p["tgt"].size) for p in pairs) + 2 * FLAGS.gen + 64
   pages = 2 * (2 * need // 16 + 4) + 64
   cfg = SemShareConfig(method=name)
   if FLAGS.threshold is not None:
@@ -107,122 +138,52 @@ def run_method(llm, name: str, pairs, ref) -> tuple[list[dict], list[dict]]:
                                             max_seq_len=need + 16))
   slot_bytes = runner.slot_bytes
   entry_bytes = slot_bytes // llm.config.num_layers
-  recs = []
+  recs = [] if recs is None else recs
+  done = {r["id"] for r in recs}
   for i, p in enumerate(pairs):
-    serve_pair(runner, tok, p["ref"], p["tgt"], p["answer"])            # compiles
-    out = serve_pair(runner, tok, p["ref"], p["tgt"], p["answer"])      # timed
+    if p["id"] in done:
+      continue
+    if i and i % 8 == 0:
+      # every pair compiles shapes of its own (layer windows, recompute widths): drop
+      # them now and then, or the executables exhaust the process's memory maps
+      jax.clear_caches()
+    full = None if full_recs is None else full_recs[p["id"]]
+    if budgets is not None:
+      runner.layer_budgets = budgets.get(p["id"])
+    if FLAGS.timed:
+      serve_pair(runner, tok, p, full)                      # compiles every shape
+    out = serve_pair(runner, tok, p, full)                  # timed
     pre = out["pre"]
-    base = out if ref is None else ref[i]
+    base = out if full is None else full
+    agree, first = _agreement(out["tokens"], base["tokens"])
     rec = dict(id=p["id"], prompt_tokens=int(pre.ids.size), similarity=p["similarity"],
                reused=pre.reused, ttft_s=pre.ttft_s, match_s=pre.match_s,
                kv_bytes=pre.kv_slots * slot_bytes, kv_bytes_live=pre.live_entries * entry_bytes,
                kv_bytes_shared=pre.shared_entries * entry_bytes,
+               layer_kept=pre.layer_kept.tolist(),
                recomputed_share=pre.recomputed_share, flops=pre.flops,
                matched_similarity=pre.similarity,
                rouge_l_vs_full=rouge_l(out["text"], base["text"]),
                rouge_l_vs_text=rouge_l(out["text"], p["target"]),
-               agree=int(np.sum(out["tokens"] == np.asarray(base["tokens"]))),
+               rouge_l_vs_gold=(None if p["answer_text"] is None
+                                else rouge_l(out["text"], p["answer_text"])),
+               agreement=agree, first_diff=first,
                dnll=(out["nll"] - base["nll"]) if "nll" in out else None,
+               cont_dnll=None if full is None else out["cont_nll"] - full["cont_nll"],
                text=out["text"], tokens=out["tokens"].tolist(), nll=out.get("nll"),
-               meta=p["meta"])
+               cont_nll=out["cont_nll"], meta=p["meta"])
     recs.append(rec)
+    save()
     print(f"  {name} {i + 1}/{len(pairs)} {rec['prompt_tokens']} tok sim={rec['similarity']:.2f} "
           f"{'reused' if rec['reused'] else 'full'} ttft={rec['ttft_s']:.2f}s "
           f"rougeL/full={rec['rouge_l_vs_full']:.2f}", flush=True)
   jax.clear_caches()
-  return rows_of(_label(name), recs), recs
+  return recs
 
 
 def _label(name: str) -> str:
   """The method's row name: with --retention, e.g. semshare/layer0."""
   return name if FLAGS.retention is None or name == "full" else f"{name}/{FLAGS.retention}"
-
-
-def _bucket(n: int) -> int:
-  return int(round(n / 500.0) * 500) or 500
-
-
-def rows_of(name: str, recs: list[dict]) -> list[dict]:
-  groups = collections.defaultdict(list)
-  for r in recs:
-    groups[("length", _bucket(r["prompt_tokens"]))].append(r)
-    k = int(np.searchsorted(SIM_BINS, r["similarity"], side="right")) - 1
-    groups[("similarity", SIM_BINS[k])].append(r)
-    kind = (r.get("meta") or {}).get("kind")
-    if kind:
-      groups[("kind", kind)].append(r)
-  rows = []
-  for (group, key), rs in sorted(groups.items()):
-    k, n = sum(r["agree"] for r in rs), FLAGS.gen * len(rs)
-    dn = [r["dnll"] for r in rs if r["dnll"] is not None]
-    mean = lambda f: float(np.mean([r[f] for r in rs]))
-    rows.append(dict(
-        method=name, group=group, key=key, prompt_tokens=mean("prompt_tokens"),
-        similarity=mean("similarity"), reused_share=mean("reused"), ttft_s=mean("ttft_s"),
-        match_s=mean("match_s"), kv_bytes=mean("kv_bytes"), kv_bytes_live=mean("kv_bytes_live"),
-        kv_bytes_shared=mean("kv_bytes_shared"), rouge_l_vs_full=mean("rouge_l_vs_full"),
-        rouge_l_vs_text=mean("rouge_l_vs_text"), delta_nll=float(np.mean(dn)) if dn else None,
-        n_answers=len(dn), greedy_agreement=k / n, greedy_ci=list(calls.wilson(k, n)),
-        recomputed_share=mean("recomputed_share"), flops=mean("flops"), n_pairs=len(rs)))
-  return rows
-
-
-def tables(rows: list[dict]) -> list[common.Table]:
-  out = []
-  for group, title in (("length", "by prompt length (tokens, bucket of 500)"),
-                       ("similarity", "by LSH similarity of the pair (bin lower edge)"),
-                       ("kind", "by how the reference was made from the target")):
-    rs = [r for r in rows if r["group"] == group]
-    if not rs:
-      continue
-    full = {r["key"]: r for r in rs if r["method"] == "full"}
-    lines = []
-    for r in sorted(rs, key=lambda r: (r["key"], r["method"])):
-      f = full.get(r["key"])
-      lines.append((
-          f"{r['key']:g}" if group != "kind" else r["key"], r["method"], str(r["n_pairs"]),
-          f"{r['prompt_tokens']:.0f}",
-          f"{r['similarity']:.2f}", f"{r['reused_share']:.2f}", f"{1000 * r['ttft_s']:.0f}",
-          "-" if not f else f"{f['ttft_s'] / r['ttft_s']:.2f}x",
-          f"{r['kv_bytes'] / 2 ** 20:.1f}", f"{r['kv_bytes_live'] / 2 ** 20:.1f}",
-          f"{r['kv_bytes_shared'] / 2 ** 20:.1f}", f"{r['recomputed_share']:.3f}",
-          f"{100 * r['rouge_l_vs_full']:.1f}", f"{100 * r['rouge_l_vs_text']:.1f}",
-          "-" if r["delta_nll"] is None else f"{r['delta_nll']:+.3f}",
-          f"{r['greedy_agreement']:.2f} [{r['greedy_ci'][0]:.2f}, {r['greedy_ci'][1]:.2f}]"))
-    out.append(common.Table(
-        f"SemShareKV {title}; TTFT compiled; vs full = how many times faster; KV MiB owned / "
-        "kept (layer entries) / shared with the reference; ROUGE-L x 100",
-        ("bin", "method", "pairs", "prompt tok", "similarity", "reused", "TTFT ms", "vs full",
-         "KV owned", "KV kept", "KV shared", "recomputed", "ROUGE-L vs full",
-         "ROUGE-L vs text", "dNLL answer", "greedy agree [95% CI]"), lines))
-  return out
-
-
-def plot(rows: list[dict], path: str) -> str:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-  for m in dict.fromkeys(r["method"] for r in rows):
-    ln = sorted((r for r in rows if r["method"] == m and r["group"] == "length"),
-                key=lambda r: r["key"])
-    ax[0].plot([r["prompt_tokens"] for r in ln], [r["ttft_s"] for r in ln], "o-", label=m)
-    sm = sorted((r for r in rows if r["method"] == m and r["group"] == "similarity"),
-                key=lambda r: r["key"])
-    if m != "full":
-      ax[1].plot([r["similarity"] for r in sm], [100 * r["rouge_l_vs_full"] for r in sm],
-                 "o-", label=m)
-  ax[0].set(xlabel="prompt tokens", ylabel="TTFT (s)", title="TTFT by prompt length")
-  ax[1].set(xlabel="LSH similarity of the pair", ylabel="ROUGE-L vs full recompute",
-            title="quality vs similarity")
-  ax[1].axvline(0.8, color="k", lw=0.8, ls="--")
-  for a in ax:
-    a.legend(fontsize=8)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
 
 
 def shift_probe(llm, ids: np.ndarray, shifts) -> common.Table:
@@ -278,35 +239,69 @@ def main(argv):
     if max(ref.size, tgt.size) > FLAGS.max_prompt:
       continue
     ans = None if p.answer is None else np.asarray(tok.encode(p.answer, add_bos=False), np.int32)
-    rendered.append(dict(id=p.id, ref=ref, tgt=tgt, answer=ans, target=p.target, meta=p.meta))
+    rendered.append(dict(id=p.id, ref=ref, tgt=tgt, answer=ans, answer_text=p.answer,
+                         target=p.target, meta=p.meta))
   if not rendered:
     raise app.UsageError(f"no pair of {FLAGS.pairs} fits --max_prompt={FLAGS.max_prompt}")
   if FLAGS.shift_probe:
     common.print_tables([shift_probe(llm, rendered[0]["tgt"], FLAGS.shift_probe)])
     return
   # every method's rows are binned by the pair's A.3 similarity (full never matches)
-  probe = SemShareRunner(llm, SemShareConfig(), cache=CacheConfig(num_pages=8, page_size=16,
-                                                                  max_seq_len=64))
+  gate = SemShareConfig()
+  if FLAGS.threshold is not None:
+    gate = dataclasses.replace(gate, threshold=FLAGS.threshold)
+  probe = SemShareRunner(llm, gate, cache=CacheConfig(num_pages=8, page_size=16,
+                                                      max_seq_len=64))
   for p in rendered:
     p["similarity"] = probe.similarity(p["ref"], p["tgt"])
   del probe
+  if FLAGS.admitted:
+    n0 = len(rendered)
+    rendered = [p for p in rendered if p["similarity"] >= gate.threshold]
+    print(f"{len(rendered)} of {n0} pairs pass the gate ({gate.threshold:g}); the others "
+          "would be prefilled in full and are left out (--noadmitted keeps them)")
+    if not rendered:
+      raise app.UsageError("no pair passes the similarity gate")
   print(f"{len(rendered)} pairs, target {np.mean([p['tgt'].size for p in rendered]):.0f} "
         "tokens on average", flush=True)
-  rows = []
-  if FLAGS.out and os.path.exists(FLAGS.out):
-    with open(FLAGS.out) as f:
-      rows = json.load(f)
-  have = {r["method"] for r in rows}
-  ref = None
-  for name in ["full"] + [m for m in names if m != "full"]:    # full: every quality reference
-    if _label(name) in have and name != "full":
+  if FLAGS.match_budgets and "pyramidkv" in names:
+    # PyramidKV is SnapKV's scoring with a pyramid of budgets: given SemShareKV's
+    # budgets instead, its rows equal SnapKV's by construction
+    names = [m for m in names if m != "pyramidkv"]
+    print("pyramidkv left out: with --match_budgets it is snapkv (its budgets are the "
+          "only difference); --nomatch_budgets runs it with its own")
+  path = None if not FLAGS.out else FLAGS.out.replace(".json", "") + "_records.json"
+  recs = {}
+  if path and os.path.exists(path):
+    with open(path) as f:
+      recs = json.load(f)
+  # full first (every quality reference), semshare before the baselines that take its
+  # per-layer budgets
+  order = ["full"] + [m for m in ("semshare",) if m in names]
+  order += [m for m in names if m not in order]
+  def save():
+    if path:
+      with open(path, "w") as f:
+        json.dump(recs, f)
+
+  for name in order:
+    label = _label(name)
+    if len(recs.get(label, ())) == len(rendered):
       continue
-    new, recs = run_method(llm, name, rendered, ref)
-    if name == "full":
-      ref = recs
-    if _label(name) not in have and name in names:
-      rows += new
-      common.write_rows(FLAGS.out, rows)
+    budgets = None
+    if FLAGS.match_budgets and name in layerwise.LAYERWISE_METHODS:
+      sem = recs.get(_label("semshare"))
+      if sem is None:
+        raise app.UsageError("--match_budgets: run semshare with the baselines")
+      budgets = {r["id"]: np.asarray(r["layer_kept"]) for r in sem}
+    full = None if name == "full" else {r["id"]: r for r in recs["full"]}
+    run_method(llm, name, rendered, full, budgets, recs.setdefault(label, []), save)
+  ids = {p["id"] for p in rendered}                 # this run's pairs only
+  kept = {m: [r for r in rs if r["id"] in ids] for m, rs in recs.items()}
+  by_method = {m: {r["id"]: r for r in rs} for m, rs in kept.items()}
+  rows = [row for m, rs in kept.items() if m.split("/")[0] in names
+          for row in rows_of(m, rs, by_method, timed=FLAGS.timed)]
+  common.write_rows(FLAGS.out, rows)
   if FLAGS.plot:
     print(f"wrote {plot(rows, FLAGS.plot)}")
   common.print_tables(tables(rows))

@@ -433,7 +433,7 @@ class ReuseConfig:
 
 
 SEMSHARE_METHODS = ("full", "semshare", "fuzzy_full", "zero", "random", "blend", "snapkv",
-                    "pyramidkv", "h2o")
+                    "pyramidkv", "h2o", "evict_random")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +449,9 @@ class SemShareConfig:
     snapkv / pyramidkv / h2o (Table 1's compression baselines: a full prefill,
     then each layer keeps its own tokens, `policies.pruning.layerwise`; SnapKV
     and PyramidKV keep `compress_keep` of the prompt on average, H2O compresses
-    10% per layer).
+    10% per layer) | evict_random (their chance line: random eviction at SnapKV's
+    budget). `SemShareRunner.layer_budgets` overrides the baselines' per-layer
+    budgets (bench/semshare.py gives them SemShareKV's own, pair by pair).
   Paper values are the defaults. Where the paper gives none (the LSH width,
   the per-layer recompute ratios alpha_recomp, the retention decay) the choice
   is written beside the field.
@@ -460,7 +462,8 @@ class SemShareConfig:
                                 # zero or random (ablations: the matched KV replaced by
                                 # zeros or by random reference tokens), blend (CacheBlend's
                                 # rule on the same match), or snapkv, pyramidkv or h2o
-                                # (compression baselines after a full prefill).
+                                # (compression baselines after a full prefill), or
+                                # evict_random (their chance line).
   threshold: float = 0.8        # Similarity to its nearest reference at or above which a
                                 # prompt reuses that reference's KV (section 5.4).
   max_dist: float = 170.0       # LSH distance at which similarity reaches 0 (similarity =

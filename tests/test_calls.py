@@ -120,3 +120,17 @@ def test_wilson_interval():
   assert all(math.isnan(x) for x in calls.wilson(0, 0))
   with pytest.raises(ValueError):
     calls.wilson(3, 2)
+
+
+def test_mean_ci_bootstrap():
+  rng = np.random.default_rng()
+  x = rng.normal(0.5, 0.1, 200)
+  point, lo, hi = calls.mean_ci(x)
+  assert point == pytest.approx(x.mean()) and lo < point < hi
+  assert hi - lo == pytest.approx(2 * 1.96 * x.std() / np.sqrt(200), rel=0.25)
+  y = x - 0.2                                               # paired: every difference is 0.2
+  assert calls.mean_ci(x, y) == pytest.approx((0.2, 0.2, 0.2))
+  assert calls.mean_ci(x, seed=1) == calls.mean_ci(x, seed=1)
+  assert math.isnan(calls.mean_ci([1.0])[1])
+  with pytest.raises(ValueError, match="paired"):
+    calls.mean_ci([1.0, 2.0], [1.0])

@@ -194,6 +194,29 @@ def ratio_ci(x, y, reps: int = 2000, seed: int = 0,
   return point, float(lo), float(hi)
 
 
+def mean_ci(x, y=None, reps: int = 2000, seed: int = 0,
+            level: float = 0.95) -> tuple[float, float, float]:
+  """mean(x), or with `y` the mean paired difference mean(x - y), and its percentile
+  bootstrap interval (items resampled with replacement, `reps` times, fixed seed):
+  e.g. a method's ROUGE-L against full's on the same pairs. (nan, nan) interval with
+  fewer than two items."""
+  x = np.asarray(x, np.float64)
+  if y is not None:
+    y = np.asarray(y, np.float64)
+    if x.shape != y.shape:
+      raise ValueError(f"mean_ci: need paired score lists, got {x.shape}, {y.shape}")
+    x = x - y
+  if x.ndim != 1 or not 0 < level < 1 or reps < 1:
+    raise ValueError(f"mean_ci: need 1-d scores, 0 < level < 1 and reps >= 1, got "
+                     f"{x.shape}, {level}, {reps}")
+  point = float(x.mean()) if x.size else math.nan
+  if x.size < 2:
+    return point, math.nan, math.nan
+  idx = np.random.default_rng(seed).integers(0, x.size, (reps, x.size))
+  lo, hi = np.quantile(x[idx].mean(1), [(1 - level) / 2, (1 + level) / 2])
+  return point, float(lo), float(hi)
+
+
 def mcnemar(b: int, c: int) -> float:
   """Exact two-sided McNemar p-value of paired outcomes: b pairs only the first
   method got right, c only the second (a binomial(b + c, 1/2) test); 1.0 when

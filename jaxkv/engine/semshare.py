@@ -93,6 +93,11 @@ class SemPrefill:
   r_dynamic: float = 0.0
 
   @property
+  def layer_kept(self) -> np.ndarray:
+    """[L] prompt entries each layer keeps for decode."""
+    return (self.slot_map != SENTINEL).sum(axis=1)
+
+  @property
   def recomputed_share(self) -> float:
     """Token-layers computed / (L x T)."""
     return float(self.layer_tokens.sum()) / max(1, self.layer_tokens.size * self.ids.size)
@@ -182,6 +187,10 @@ class SemShareRunner:
       self.zero_slot = int(self.kv.extend(self._zero_seq, 1, owner=_OWNER)[0])
       self.driver.kv = _zero_slot(self.driver.kv, self.zero_slot)
     self._rng = np.random.default_rng(cfg.lsh_seed)
+    # [L] per-layer budgets of the compression baselines in place of their own
+    # (None: `compress_keep` / `h2o_keep`); a benchmark sets it to compare eviction
+    # rules at identical per-layer budgets
+    self.layer_budgets: np.ndarray | None = None
 
   @property
   def driver(self) -> Driver:
@@ -467,8 +476,11 @@ class SemShareRunner:
     return semshare.layer_retention(p, np.concatenate([att0[None], np.asarray(got)[:, :n]]))
 
   def _budgets(self, n: int) -> jax.Array:
-    """[L] tokens each layer keeps under the compression baselines."""
+    """[L] tokens each layer keeps under the compression baselines (`layer_budgets`
+    when set: e.g. SemShareKV's own per-layer counts on the same prompt)."""
     L = self.mcfg.num_layers
+    if self.layer_budgets is not None:
+      return jnp.asarray(np.clip(np.asarray(self.layer_budgets), 1, n).astype(np.int32))
     if self.cfg.method == "h2o":
       return jnp.full((L,), int(np.ceil(self.cfg.h2o_keep * n)), jnp.int32)
     mean = int(np.ceil(self.cfg.compress_keep * n))

@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxkv.policies.pruning import scores, select
 
-LAYERWISE_METHODS = ("snapkv", "pyramidkv", "h2o")
+LAYERWISE_METHODS = ("snapkv", "pyramidkv", "h2o", "evict_random")
 
 
 def pyramid_budgets(mean: int, num_layers: int, n: int, beta: float = 20.0) -> np.ndarray:
@@ -49,14 +49,16 @@ def layer_keep(q, q_pos, k, live, budgets, *, method: str, window: int = 32):
   Args:
     q, q_pos, k, live: see the module doc.
     budgets: [L] int32 tokens kept per layer (forced ones included).
-    method: snapkv | pyramidkv | h2o (pyramidkv = snapkv here: its budgets differ).
+    method: snapkv | pyramidkv | h2o (pyramidkv = snapkv here: its budgets differ) |
+      evict_random (the chance line: SnapKV's forced window, the rest of each layer's
+      budget drawn uniformly at random, a fixed key per layer).
     window: SnapKV's observation window (the last `window` queries).
   """
   if method not in LAYERWISE_METHODS:
     raise ValueError(f"layerwise method must be one of {LAYERWISE_METHODS}, got {method!r}")
   snap = scores.SnapKVConfig(window=window)
 
-  def one(ql, kl, budget):
+  def one(ql, kl, budget, key):
     if method == "h2o":
       s, forced = scores.h2o(ql[None], q_pos, kl[None], live, budget)
     else:
@@ -67,6 +69,9 @@ def layer_keep(q, q_pos, k, live, budgets, *, method: str, window: int = 32):
       win_pos = jnp.where(win_pos > last - window, win_pos, -1)
       qw = jnp.take_along_axis(ql, idx[:, :, None, None], axis=1)
       s, forced = scores.snapkv(qw[None], win_pos, kl[None], live, snap)
+      if method == "evict_random":
+        s = jax.random.uniform(key, s.shape, s.dtype)
     return select.keep_mask(s, live, forced, budget)
 
-  return jax.lax.map(lambda a: one(*a), (q, k, budgets))
+  keys = jax.random.split(jax.random.PRNGKey(0), q.shape[0])
+  return jax.lax.map(lambda a: one(*a), (q, k, budgets, keys))
