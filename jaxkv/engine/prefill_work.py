@@ -65,7 +65,8 @@ class Done:
   positions: np.ndarray         # [C] int32 logical positions of q's tokens, -1: padding
 
 
-def _pad_to(x, n: int, axis: int, value=0):
+def pad_to(x, n: int, axis: int, value=0):
+  """x (a host or device array) padded along `axis` to length n with `value`."""
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, n - x.shape[axis])
   return (jnp.pad if isinstance(x, jax.Array) else np.pad)(x, pad, constant_values=value)
@@ -80,7 +81,7 @@ def _queries(parts: list) -> tuple[jax.Array, np.ndarray]:
   q = jnp.concatenate([q[:, :, :int((p >= 0).sum())] for q, p in parts], axis=2)
   pos = np.concatenate([p[p >= 0] for _, p in parts]).astype(np.int32)
   width = 1 << max(0, n - 1).bit_length()
-  return _pad_to(q, width, 2), _pad_to(pos, width, 0, -1)
+  return pad_to(q, width, 2), pad_to(pos, width, 0, -1)
 
 
 def run_chunk(driver, works: Sequence[Work], chunk: int) -> list[Done | None]:

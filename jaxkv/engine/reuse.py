@@ -44,7 +44,7 @@ from flax import nnx
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, ReuseConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.engine.kv_manager import KVManager
-from jaxkv.engine.prefill_work import drain
+from jaxkv.engine.prefill_work import drain, pad_to
 from jaxkv.kv import plan, quant, splice
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow, Recompute
@@ -178,11 +178,17 @@ def _pad(x, n: int, value=0, axis: int = 0) -> np.ndarray:
   return np.pad(x, widths, constant_values=value)
 
 
-def _pad_axis(x: jax.Array, n: int, axis: int) -> jax.Array:
-  """A device array padded with zeros along `axis` to length n."""
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, n - x.shape[axis])
-  return jnp.pad(x, widths)
+def recompute_index(sets: Sequence[np.ndarray], lo: int, hi: int, a: int = 0,
+                    b: int | None = None) -> Recompute:
+  """[L, 1, R] recompute index of a call over layers [lo, hi) and chunk tokens [a, b):
+  per layer the set's members in [a, b), rebased to a (-1 padding); R is the largest
+  such set among those layers only."""
+  local = [s if a == 0 and b is None else s[(s >= a) & (s < b)] - a for s in sets]
+  r = plan.chunk_len(max(1, max(s.size for s in local[lo:hi])))
+  idx = np.full((len(sets), 1, r), -1, np.int32)
+  for l in range(lo, hi):
+    idx[l, 0, :local[l].size] = local[l]
+  return Recompute(jnp.asarray(idx))
 
 
 _OWNER = "reuse"     # this runner's name in the KV manager (its radix tree, its allocations)
@@ -409,16 +415,6 @@ class ReuseRunner:
     self.driver.kv = _splice_packed(self.driver.kv, k, v, cat(pos), cat(dest, value=SENTINEL),
                                     cat(newpos), self.inv_freq)
 
-  def _index(self, sets: list[np.ndarray], lo: int = 0, hi: int | None = None) -> Recompute:
-    """[L, 1, R] recompute index from per-layer chunk-index sets (-1 padding) for a
-    pass over layers [lo, hi): R is the largest set among those layers only."""
-    hi = len(sets) if hi is None else hi
-    r = plan.chunk_len(max(1, max(s.size for s in sets[lo:hi])))
-    idx = np.full((len(sets), 1, r), -1, np.int32)
-    for l in range(lo, hi):
-      idx[l, 0, :sets[l].size] = sets[l]
-    return Recompute(jnp.asarray(idx))
-
   def _run(self, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted,
            chunk: int | None = None):
     """Step 5 (see the module docstring), a generator of bare yields: with `chunk`,
@@ -470,7 +466,7 @@ class ReuseRunner:
             yield                                    # the engine's decode rows run
         x = jnp.concatenate(xs, axis=1) if hi < L else None
         if cut_parts:
-          parts.append(_pad_axis(jnp.concatenate(cut_parts, axis=2), c_len, 2))
+          parts.append(pad_to(jnp.concatenate(cut_parts, axis=2), c_len, 2))
     cuts_out = jnp.concatenate(parts) if parts else None
     layer_tokens = np.asarray([s.size for s in sets], np.int64)
     pos = hit + np.arange(rest, dtype=np.float64) + 1
@@ -485,9 +481,8 @@ class ReuseRunner:
     last = hi == L and b == rest
     kw = {}
     if sets is not None:
-      local = [s[(s >= a) & (s < b)] - a for s in sets]
-      kw["recompute"] = self._index(local, lo, hi)
-      kw["window"] = LayerWindow(hidden_in=None if x is None else _pad_axis(x, cl, 1),
+      kw["recompute"] = recompute_index(sets, lo, hi, a, b)
+      kw["window"] = LayerWindow(hidden_in=None if x is None else pad_to(x, cl, 1),
                                  start=lo, stop=hi)
     out, self.driver.kv = chunk_step(
         self.graphdef, self.weights, self.driver.kv,

@@ -55,12 +55,12 @@ from flax import nnx
 from jaxkv.config import COMPILER_OPTIONS, CacheConfig, SemShareConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.engine.kv_manager import KVManager
-from jaxkv.engine.prefill_work import drain
-from jaxkv.engine.reuse import layer_flops, layer_passes
+from jaxkv.engine.prefill_work import drain, pad_to
+from jaxkv.engine.reuse import layer_flops, layer_passes, recompute_index
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv.allocator import OutOfSlotsError
 from jaxkv.kv.state import SENTINEL
-from jaxkv.models.forward import Capture, LayerWindow, Recompute
+from jaxkv.models.forward import Capture, LayerWindow
 from jaxkv.policies.pruning import layerwise
 from jaxkv.policies.reuse import semshare
 
@@ -372,7 +372,7 @@ class SemShareRunner:
         q_parts.append(None if out.q is None else out.q[:, :, :b - a])
       layer_map = np.broadcast_to(fresh, (L, n)).copy()
       if compress:                       # the baselines: each layer keeps its own tokens
-        q = _pad_axis(jnp.concatenate(q_parts, axis=2), c, 2)
+        q = pad_to(jnp.concatenate(q_parts, axis=2), c, 2)
         keep = np.asarray(_layer_keep(self.driver.kv, q, jnp.asarray(run.positions[None]),
                                       jnp.asarray(_pad(fresh, c)), self._budgets(n),
                                       method=self.cfg.method))[:, 0, :n]
@@ -407,7 +407,7 @@ class SemShareRunner:
       q0.append(out0.q[0, 0, :b - a])
       xs.append(out0.hidden[:, :b - a])
     dev, att = _probe_signals(self.driver.kv, jnp.asarray(_pad(fresh, c)),
-                              jnp.asarray(_pad(alias, c)), _pad_axis(jnp.concatenate(q0), c, 0),
+                              jnp.asarray(_pad(alias, c)), pad_to(jnp.concatenate(q0), c, 0),
                               jnp.asarray(np.arange(c) < n))
     p = semshare.plan(np.asarray(dev)[:n], np.asarray(att)[:n], self.cfg, L)
     layer_map = np.empty((L, n), np.int32)
@@ -542,15 +542,10 @@ class _Pieces:
     cl = self.c if (a, b) == (0, n) else plan_lib.chunk_len(b - a, self.c)
     kw = {}
     if lo is not None:
-      kw["window"] = LayerWindow(hidden_in=None if x is None else _pad_axis(x[:, a:b], cl, 1),
+      kw["window"] = LayerWindow(hidden_in=None if x is None else pad_to(x[:, a:b], cl, 1),
                                  start=lo, stop=hi)
     if sets is not None:
-      local = [s[(s >= a) & (s < b)] - a for s in sets]
-      width = plan_lib.chunk_len(max(1, max(s.size for s in local[lo:hi])))
-      index = np.full((len(sets), 1, width), -1, np.int32)
-      for l in range(lo, hi):
-        index[l, 0, :local[l].size] = local[l]
-      kw["recompute"] = Recompute(jnp.asarray(index))
+      kw["recompute"] = recompute_index(sets, lo, hi, a, b)
     if write is not None:
       kw["write_slots"] = jnp.asarray(_pad(write[a:b], cl, r.driver.kv.num_slots)[None])
     out, r.driver.kv = chunk_step(
@@ -563,9 +558,3 @@ class _Pieces:
         attn_impl=r.driver.attn_impl, **kw)
     return out
 
-
-def _pad_axis(x: jax.Array, n: int, axis: int) -> jax.Array:
-  """A device array padded with zeros along `axis` to length n."""
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, n - x.shape[axis])
-  return jnp.pad(x, widths)
