@@ -112,6 +112,27 @@ def test_reuse_rows_batch_with_plain_rows(llm):
   assert eng.allocator.sequences() == [] and mech.runner.radix.locked_tokens == 0
 
 
+def test_prompts_admitted_together_reuse_what_earlier_ones_store(llm):
+  """A batch that holds a prompt and a later one built from its segments: the later
+  row's prefill waits for the earlier one's to end (`serial_prefill`), so it splices
+  what that one stored and answers as it does when run after it; a plain row beside
+  them is not held up."""
+  p1, _, p3 = _prompts(seed=4)
+  want, _ = _runner_answers(llm, "cacheblend", [p1, p3])
+  plain = np.random.default_rng(6).integers(100, 40000, 50).tolist()
+  eng, _ = _engine(llm, "cacheblend")
+  got = {r.id: r for r in eng.run([_request("seed", p1), _request("a", p3),
+                                   Request("p", plain, SamplingConfig(max_tokens=MAX))])}
+  stop = set(llm.tokenizer.stop_ids)
+  assert got["a"].extra["reused_tokens"] == sum(r.n for r in want[1][0].runs
+                                                if r.tier != "reject") > 0
+  assert got["seed"].tokens == clip(want[0][1], stop)
+  assert got["a"].tokens == clip(want[1][1], stop)
+  assert got["p"].ttft_s < got["a"].ttft_s    # the plain row did not wait for them
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == []
+
+
 def test_cancel_and_bad_context_free_everything(llm):
   p1, _, p3 = _prompts(seed=6)
   eng, mech = _engine(llm, "tiered")

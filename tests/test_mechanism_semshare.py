@@ -110,6 +110,21 @@ def test_semshare_rows_batch_with_plain_rows(llm):
   assert eng.allocator.sequences() == [] and not mech.runner._holds
 
 
+def test_prompts_admitted_together_reuse_the_earlier_reference(llm):
+  """A reference and its near copy in one batch: the copy's prefill waits for the
+  reference's to end (`serial_prefill`) and reuses it, as when run after it."""
+  ref, target = _pair(5)
+  eng, _ = _engine(llm, "semshare")
+  list(eng.run([_request("ref", ref)]))
+  alone = next(iter(eng.run([_request("t", target)])))
+  eng, mech = _engine(llm, "semshare")
+  got = {r.id: r for r in eng.run([_request("ref", ref), _request("t", target)])}
+  assert got["t"].extra["reused"] and got["t"].tokens == alone.tokens
+  assert got["t"].extra == alone.extra
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == [] and not mech.runner._holds
+
+
 def test_aliased_slots_held_until_the_row_leaves(llm):
   ref, target = _pair(5)
   eng, mech = _engine(llm, "semshare")

@@ -51,7 +51,7 @@ class MechanismRows:
     if not todo:                                                # what earlier ones wrote
       return
     t0, tokens, ran = time.perf_counter(), 0, set()
-    fresh = [r for r in todo if r.work is None]
+    fresh = [r for r in todo if r.work is None and self._may_start(r, todo)]
     while True:
       for r in fresh:
         self._advance(r)
@@ -74,6 +74,14 @@ class MechanismRows:
           fresh.append(r)
     if tokens:
       self.metrics.add_prefill(tokens, time.perf_counter() - t0)
+
+  def _may_start(self, r: Row, todo: list[Row]) -> bool:
+    """Whether the row's prefill may run this step: it has begun, or its mechanism
+    lets prefills overlap, or no row of its mechanism admitted before it is still
+    prefilling (`Mechanism.serial_prefill`)."""
+    if r.pending is not None or not self.mechanisms[r.req.mechanism].serial_prefill:
+      return True
+    return not any(q.req.mechanism == r.req.mechanism and q.order < r.order for q in todo)
 
   def _pack_prefill(self) -> bool:
     """`EngineConfig.pack_prefill`: whether mechanism work runs packed (auto: off a CPU;

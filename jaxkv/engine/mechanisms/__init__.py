@@ -68,6 +68,11 @@ class Mechanism:
   # prompt tokens per model call of a generator prefill that calls the model itself
   # (segment reuse, SemShareKV): the engine's `prefill_chunk`, set by `add_mechanism`
   prefill_chunk: int | None = None
+  # True: a row's `prefill` starts only once every row of this mechanism admitted
+  # before it has ended its own (sampled its first token, `after_prefill` run), so it
+  # sees what they stored (segment reuse's store and radix tree, SemShareKV's
+  # references), as the batch-1 runners do; the rows of other mechanisms run on
+  serial_prefill = False
 
   def match(self, req) -> Match:
     """The KV to adopt for `req` (default: none). Locks what it returns."""

@@ -45,6 +45,7 @@ class Reuse(Mechanism):
 
   name = "reuse"
   owns_prefill = True
+  serial_prefill = True   # a prompt reuses what the prompts admitted before it stored
   metrics = (
       ("jaxkv_reuse_reused_tokens_total", "reused_tokens",
        "prompt tokens spliced from stored segments"),

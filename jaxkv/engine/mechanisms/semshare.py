@@ -40,6 +40,7 @@ class SemShare(Mechanism):
 
   name = "semshare"
   owns_prefill = True
+  serial_prefill = True   # a prompt reuses what the prompts admitted before it stored
   metrics = (
       ("jaxkv_semshare_reused_requests_total", "reused_requests",
        "requests that reused a similar earlier prompt's KV"),
