@@ -25,9 +25,18 @@ shape, and the compile time left in the timed pass, measured with
 `jax.monitoring`, is reported as compile_s), the FLOPs spent and token-layers computed, and
 drift against `none` on the same prompt: KL(p_none || p_method) at the first
 generated token, the teacher-forced NLL of the session's gold first reply (its
-first 64 tokens; delta, nats per token) and greedy agreement over `--gen` tokens (position-wise,
-pooled, Wilson 95% interval). Rows are written as each method finishes; a rerun
-skips the methods already in --out.
+first 64 tokens; delta, nats per token) and greedy agreement: the share of none's greedy
+output (at most `--gen` tokens, ended at its stop token) the method reproduces position
+by position, with the common prefix length (first diff). Each is a mean over the
+requests with a bootstrap 95% interval over requests (the unit that varies), and the
+per-request values are kept in the row (`per_request`). `--notimed` skips the warm-up
+pass (quality only). Rows are written as each method finishes; a rerun skips the
+methods already in --out.
+
+Chance baselines (`CHANCE`, one paired table): epic_random and blend_random recompute
+as many tokens as EPIC / CacheBlend, drawn uniformly from each segment
+(`ReuseConfig.select="random"`), and naive_norope splices without re-rotating the
+keys to their new positions (`rerope=False`).
 """
 
 from __future__ import annotations
@@ -58,7 +67,13 @@ METHODS = {
     "approx": dict(method="tiered", tiers=("exact", "approx")),
     "tiered": dict(method="tiered"),
     "tiered_seed": dict(method="tiered", guard_schedule="seed"),   # the seed's W_exact(l)
+    # chance baselines: as many tokens recomputed, drawn at random; no re-rotation
+    "epic_random": dict(method="epic", select="random"),
+    "blend_random": dict(method="cacheblend", select="random"),
+    "naive_norope": dict(method="naive", rerope=False),
 }
+# (method, its chance baseline): the paired comparisons of the chance table
+CHANCE = (("epic", "epic_random"), ("cacheblend", "blend_random"), ("naive", "naive_norope"))
 TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
 FLAGS = flags.FLAGS
 
@@ -78,7 +93,10 @@ def define_flags():
   flags.DEFINE_string("model", "smollm2-135m", "preset or weights path")
   flags.DEFINE_string("methods", ",".join(METHODS), f"comma list of {','.join(METHODS)}")
   flags.DEFINE_enum("storage", "int8", ["int8", "float16", "float32"], "segment storage")
-  flags.DEFINE_integer("gen", 32, "greedy tokens compared with no reuse")
+  flags.DEFINE_integer("gen", 32, "greedy tokens compared with no reuse (at most: "
+                       "each output ends at its stop token)")
+  flags.DEFINE_bool("timed", True, "a warm-up pass first, so TTFT excludes compiling "
+                    "(--notimed: quality only, half the time; TTFT is not reported)")
   flags.DEFINE_integer("max_prompt", 4096, "drop longer requests")
   flags.DEFINE_string("out", None, "results JSON (rows; resumable)")
   flags.DEFINE_string("tables_from", None, "print the tables of an existing results JSON")
@@ -124,7 +142,7 @@ def serve(runner: ReuseRunner, req, gen: int, clock: CompileClock, quality: bool
     forced = np.pad(cont, (0, GOLD - cont.size), mode="edge")
     _, lp = runner.decode(pre, GOLD, forced=forced)
     runner.alloc.truncate(pre.seq, pre.ids.size)
-    out["greedy"], _ = runner.decode(pre, gen)
+    out["greedy"], _ = runner.decode(pre, gen, stop_ids=runner.tok.stop_ids)
     out["nll"] = float(-lp[:cont.size].mean())
   runner.release(pre.seq)
   return out
@@ -140,10 +158,11 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
                       max_seq_len=need + 16)
   # a warm-up pass on a throwaway runner compiles every shape the timed pass will
   # meet (the store evolves identically, so the shapes repeat)
-  warm = ReuseRunner(llm, cfg, cache=cache)
-  for req in requests:
-    serve(warm, req, FLAGS.gen, clock, quality=False)
-  del warm
+  if FLAGS.timed:
+    warm = ReuseRunner(llm, cfg, cache=cache)
+    for req in requests:
+      serve(warm, req, FLAGS.gen, clock, quality=False)
+    del warm
   runner = ReuseRunner(llm, cfg, cache=cache)
   tiers = collections.Counter()
   per, outs = [], []
@@ -157,11 +176,12 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
     for run in pre.runs:
       tiers[run.tier] += 1
     base = out if ref is None else ref[i]
+    agree, first = calls.agreement(out["greedy"], base["greedy"])
     per.append(dict(
         ttft=out["ttft"], compile_s=out["compile_s"], tokens=pre.prefill_tokens,
         flops=pre.flops, full_flops=base["pre"].flops, hit=pre.prefix_hit,
         moved=pre.bytes_spliced, kl=_kl(base["pre"].logits, pre.logits),
-        dnll=out["nll"] - base["nll"], agree=int(np.sum(out["greedy"] == base["greedy"])),
+        dnll=out["nll"] - base["nll"], agree=agree, first_diff=first,
         n=int(pre.ids.size), reused=int(sum(r.n for r in pre.runs if r.tier != "reject"))))
     print(f"  {name} {i + 1}/{len(requests)} ttft={out['ttft']:.2f}s "
           f"tok={pre.prefill_tokens:.0f}/{pre.ids.size} runs="
@@ -173,22 +193,34 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
     keys = runner.store.keys()   # a SegmentStore: no __iter__
     be = [store_lib.break_even(runner.store.peek(k), L, fl, flops_per_s=hardware[0],
                                bytes_per_s=hardware[1]).reuses for k in keys]
-  k = sum(p["agree"] for p in per)
-  n = FLAGS.gen * len(per)
-  lo, hi = calls.wilson(k, n)
   mean = lambda key: float(np.mean([p[key] for p in per]))
-  return dict(
+  return dict(**quality(per), timed=FLAGS.timed,
       method=name, workload=FLAGS.workload, tier_accept={t: tiers[t] for t in TIERS if tiers[t]},
       prefill_tokens=mean("tokens"), prompt_tokens=mean("n"), reused_tokens=mean("reused"),
       prefill_flops=mean("flops"), flops_ratio=mean("flops") / mean("full_flops"),
       ttft_s=mean("ttft"), compile_s=float(sum(p["compile_s"] for p in per)),
-      kl_first_token=mean("kl"), delta_nll=mean("dnll"), greedy_agreement=k / n,
-      greedy_ci=[lo, hi], bytes_stored=int(runner.store.nbytes), bytes_moved=int(
+      bytes_stored=int(runner.store.nbytes), bytes_moved=int(
           sum(p["moved"] for p in per)), segments=len(runner.store),
       break_even_median=float(np.median(be)) if be else None, n_requests=len(per),
       storage=FLAGS.storage, wall_s=time.perf_counter() - t0,
       none_ttft_s=mean("ttft") if ref is None else float(np.mean(
           [o["ttft"] for o, r in zip(ref, requests) if r.scored]))), outs
+
+
+def quality(per: list[dict]) -> dict:
+  """A row's drift fields from its requests': means with bootstrap 95% intervals over
+  the requests (the unit that varies; `calls.mean_ci`), and the per-request values
+  the paired comparisons read (`per_request`)."""
+  out = {}
+  for key, field in (("kl", "kl_first_token"), ("dnll", "delta_nll"),
+                     ("agree", "greedy_agreement")):
+    point, lo, hi = calls.mean_ci([p[key] for p in per])
+    out[field], out[field + "_ci"] = point, [lo, hi]
+  out["greedy_ci"] = out.pop("greedy_agreement_ci")
+  out["first_diff"] = float(np.mean([p["first_diff"] for p in per]))
+  out["per_request"] = {k: [round(float(p[k]), 6) for p in per]
+                        for k in ("kl", "dnll", "agree", "first_diff")}
+  return out
 
 
 def run_perturbed(llm, name: str, pairs, ref, clock: CompileClock) -> tuple[list[dict], list]:
@@ -206,23 +238,20 @@ def run_perturbed(llm, name: str, pairs, ref, clock: CompileClock) -> tuple[list
     runner.reset()
     outs.append(out)
     b, pre = (out if ref is None else ref[i]), out["pre"]
+    agree, first = calls.agreement(out["greedy"], b["greedy"])
     groups[(probe.meta["kind"], probe.meta["frac"])].append(dict(
         kl=_kl(b["pre"].logits, pre.logits), dnll=out["nll"] - b["nll"],
-        agree=int(np.sum(out["greedy"] == b["greedy"])), flops=pre.flops,
+        agree=agree, first_diff=first, flops=pre.flops,
         full=b["pre"].flops, tiers=[r.tier for r in pre.runs],
         reused=int(sum(r.n for r in pre.runs if r.tier != "reject"))))
     print(f"  {name} {i + 1}/{len(pairs)} {probe.meta['kind']} {probe.meta['frac']:g} "
           f"runs={','.join(r.tier for r in pre.runs) or '-'}", flush=True)
   rows = []
   for (kind, frac), ps in sorted(groups.items()):
-    k, n = sum(p["agree"] for p in ps), FLAGS.gen * len(ps)
     tiers = collections.Counter(t for p in ps for t in p["tiers"])
     rows.append(dict(
         method=name, workload="perturbed", kind=kind, frac=frac,
-        tier_accept={t: tiers[t] for t in TIERS if tiers[t]},
-        kl_first_token=float(np.mean([p["kl"] for p in ps])),
-        delta_nll=float(np.mean([p["dnll"] for p in ps])), greedy_agreement=k / n,
-        greedy_ci=list(calls.wilson(k, n)),
+        tier_accept={t: tiers[t] for t in TIERS if tiers[t]}, **quality(ps),
         flops_ratio=float(np.mean([p["flops"] for p in ps]) / np.mean([p["full"] for p in ps])),
         reused_tokens=float(np.mean([p["reused"] for p in ps])), n_requests=len(ps),
         storage=FLAGS.storage))
@@ -296,6 +325,34 @@ def add_speedups(rows: list[dict]) -> None:
       r[key] = a / b if a and b else None
 
 
+def _ci(r, field, fmt) -> str:
+  """A drift cell: the mean, with its bootstrap interval over requests when the row has
+  one (rows of the current protocol)."""
+  ci = r.get(field + "_ci")
+  cell = format(r[field], fmt)
+  return cell if ci is None else f"{cell} [{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
+
+
+def chance_table(rows: list[dict]) -> common.Table | None:
+  """Each method against its chance baseline on the same requests (`CHANCE`): the
+  paired mean differences (method - baseline) with bootstrap intervals over requests."""
+  by = {r["method"]: r for r in rows if "per_request" in r}
+  lines = []
+  for m, b in CHANCE:
+    if m in by and b in by:
+      x, y = by[m]["per_request"], by[b]["per_request"]
+      d = lambda k, x=x, y=y: "{:+.4f} [{:+.4f}, {:+.4f}]".format(*calls.mean_ci(x[k], y[k]))
+      lines.append((m, b, d("agree"), d("kl"), d("dnll"), len(x["agree"])))
+  if not lines:
+    return None
+  return common.Table(
+      f"workload {rows[0]['workload']}: each method minus its chance baseline on the same "
+      "requests (paired, bootstrap 95% over requests; agreement up to none's stop token: "
+      "higher is better; KL and dNLL: lower is better)",
+      ("method", "chance baseline", "d greedy agree", "d KL first", "d dNLL"), [
+          line[:5] for line in lines])
+
+
 def tables(rows: list[dict]) -> list[common.Table]:
   out = []
   order = list(reuse_workloads.WORKLOADS)
@@ -303,29 +360,45 @@ def tables(rows: list[dict]) -> list[common.Table]:
     if wl == "perturbed":
       out += drift_tables([r for r in rows if r["workload"] == wl])
       continue
-    rs = [r for r in rows if r["workload"] == wl]
-    add_speedups(rs)
-    lines = []
-    for r in rs:
-      ratio = lambda key: "-" if r.get(key) is None else f"{r[key]:.2f}x"
-      acc = " ".join(f"{k}:{v}" for k, v in r["tier_accept"].items()) or "-"
-      lines.append((r["method"], acc, f"{r['prefill_tokens']:.0f} / {r['prompt_tokens']:.0f}",
-                    f"{r['flops_ratio']:.3f}", f"{1000 * r['ttft_s']:.0f}",
-                    ratio("ttft_ratio_vs_none"), ratio("ttft_ratio_vs_prefix"),
-                    f"{r['kl_first_token']:.4f}", f"{r['delta_nll']:+.4f}",
-                    f"{r['greedy_agreement']:.3f} [{r['greedy_ci'][0]:.2f}, "
-                    f"{r['greedy_ci'][1]:.2f}]", f"{r['bytes_stored'] / 2 ** 20:.1f}",
-                    f"{r['bytes_moved'] / 2 ** 20:.1f}",
-                    "-" if r["break_even_median"] is None else f"{r['break_even_median']:.2g}"))
-    n = rs[0]["n_requests"]
-    out.append(common.Table(
-        f"workload {wl}, {n} requests, {rs[0]['storage']} store (TTFT: mean over the "
-        "requests of a second, compiled pass; vs = how many times faster, each TTFT divided by "
-        "the none pass of its own run first; drift vs no reuse)",
-        ("method", "runs by tier", "prefill tok / prompt", "FLOPs vs none", "TTFT ms",
-         "vs none", "vs prefix", "KL first", "dNLL nats/tok", "greedy agree [95% CI]",
-         "stored MiB", "moved MiB", "break-even reuses"), lines))
+    for storage in dict.fromkeys(r["storage"] for r in rows if r["workload"] == wl):
+      out += _workload_tables([r for r in rows if r["workload"] == wl
+                               and r["storage"] == storage])
   return out
+
+
+def _workload_tables(rs: list[dict]) -> list[common.Table]:
+  add_speedups(rs)
+  new = all("per_request" in r for r in rs)
+  lines = []
+  for r in rs:
+    timed = r.get("timed", True)
+    ratio = lambda key, r=r, timed=timed: ("-" if not timed or r.get(key) is None
+                                           else f"{r[key]:.2f}x")
+    acc = " ".join(f"{k}:{v}" for k, v in r["tier_accept"].items()) or "-"
+    lines.append((r["method"], acc, f"{r['prefill_tokens']:.0f} / {r['prompt_tokens']:.0f}",
+                  f"{r['flops_ratio']:.3f}", f"{1000 * r['ttft_s']:.0f}" if timed else "-",
+                  ratio("ttft_ratio_vs_none"), ratio("ttft_ratio_vs_prefix"),
+                  _ci(r, "kl_first_token", ".4f"), _ci(r, "delta_nll", "+.4f"),
+                  f"{r['greedy_agreement']:.3f} [{r['greedy_ci'][0]:.2f}, "
+                  f"{r['greedy_ci'][1]:.2f}]",
+                  "-" if r.get("first_diff") is None else f"{r['first_diff']:.1f}",
+                  f"{r['bytes_stored'] / 2 ** 20:.1f}", f"{r['bytes_moved'] / 2 ** 20:.1f}",
+                  "-" if r["break_even_median"] is None else f"{r['break_even_median']:.2g}"))
+  n = rs[0]["n_requests"]
+  drift = ("drift vs no reuse, bootstrap 95% intervals over requests; greedy agreement: "
+           "share of none's output, up to its stop token, reproduced position by position; "
+           "first diff: common prefix length" if new else
+           "drift vs no reuse; greedy agreement position-wise over the first tokens, no "
+           "stop, Wilson interval over pooled tokens")
+  out = [common.Table(
+      f"workload {rs[0]['workload']}, {n} requests, {rs[0]['storage']} store (TTFT: mean "
+      "over the requests of a second, compiled pass, '-' for a quality-only run; vs = how "
+      f"many times faster, each TTFT divided by the none pass of its own run first; {drift})",
+      ("method", "runs by tier", "prefill tok / prompt", "FLOPs vs none", "TTFT ms",
+       "vs none", "vs prefix", "KL first", "dNLL nats/tok", "greedy agree [95% CI]",
+       "first diff", "stored MiB", "moved MiB", "break-even reuses"), lines)]
+  chance = chance_table(rs)
+  return out if chance is None else out + [chance]
 
 
 def build_workload(tokenizer):

@@ -41,6 +41,7 @@ from absl import app, flags
 import common
 import jaxkv
 from jaxkv.config import SEMSHARE_METHODS, CacheConfig, SemShareConfig
+from jaxkv.data import calls
 from jaxkv.data import semshare_pairs as SP
 from jaxkv.engine.semshare import SemShareRunner
 from jaxkv.policies.pruning import layerwise
@@ -110,15 +111,6 @@ def serve_pair(runner: SemShareRunner, tok, p: dict, full: dict | None) -> dict:
   return out
 
 
-def _agreement(tokens, full_tokens) -> tuple[float, int]:
-  """(share of full's tokens matched position by position, common prefix length)."""
-  a, b = np.asarray(tokens), np.asarray(full_tokens)
-  n = min(a.size, b.size)
-  same = a[:n] == b[:n]
-  first = int(np.argmin(same)) if not same.all() else n
-  return float(same.sum() / max(1, b.size)), first
-
-
 def run_method(llm, name: str, pairs, full_recs, budgets=None, recs=None,
                save=lambda: None) -> list[dict]:
   """Every pair with one method: per-pair records (`full_recs`: full recompute's, the
@@ -155,7 +147,7 @@ def run_method(llm, name: str, pairs, full_recs, budgets=None, recs=None,
     out = serve_pair(runner, tok, p, full)                  # timed
     pre = out["pre"]
     base = out if full is None else full
-    agree, first = _agreement(out["tokens"], base["tokens"])
+    agree, first = calls.agreement(out["tokens"], base["tokens"])
     rec = dict(id=p["id"], prompt_tokens=int(pre.ids.size), similarity=p["similarity"],
                reused=pre.reused, ttft_s=pre.ttft_s, match_s=pre.match_s,
                kv_bytes=pre.kv_slots * slot_bytes, kv_bytes_live=pre.live_entries * entry_bytes,

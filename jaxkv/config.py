@@ -392,6 +392,15 @@ class ReuseConfig:
   max_passes: int = 4           # Most layer windows a prefill is split into, each with its
                                 # own set of recomputed tokens (the guard's sets grow with
                                 # depth).
+  select: str = "model"         # Which tokens EPIC and the blend tier recompute: model (EPIC:
+                                # each segment's first epic_tokens; blend: the keys that
+                                # moved most) or random (as many tokens, drawn uniformly
+                                # from the segment: the chance baseline of either).
+  rerope: bool = True           # Re-rotate spliced keys to their new positions (delta-RoPE);
+                                # False keeps the rotation of the positions they were
+                                # stored at (the chance baseline of the re-indexing).
+  seed: int = 0                 # Seed of select=random's draws (per segment, also mixed
+                                # with its position in the prompt).
 
   def __post_init__(self):
     if self.method not in REUSE_METHODS:
@@ -415,6 +424,8 @@ class ReuseConfig:
                        "epic_tokens >= 0")
     if self.max_passes < 1:
       raise ValueError(f"reuse.max_passes must be >= 1, got {self.max_passes}")
+    if self.select not in ("model", "random"):
+      raise ValueError(f"reuse.select must be model or random, got {self.select!r}")
     if self.guard_schedule not in ("doubling", "seed"):
       raise ValueError(f"reuse.guard_schedule must be doubling or seed, got "
                        f"{self.guard_schedule!r}")

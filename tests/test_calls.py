@@ -134,3 +134,11 @@ def test_mean_ci_bootstrap():
   assert math.isnan(calls.mean_ci([1.0])[1])
   with pytest.raises(ValueError, match="paired"):
     calls.mean_ci([1.0, 2.0], [1.0])
+
+
+def test_agreement_counts_the_reference_tokens_up_to_its_stop():
+  assert calls.agreement([5, 6, 7], [5, 6, 7]) == (1.0, 3)
+  assert calls.agreement([5, 9, 7, 8], [5, 6, 7]) == (pytest.approx(2 / 3), 1)
+  assert calls.agreement([5, 6], [5, 6, 7, 8]) == (0.5, 2)          # stopped early
+  assert calls.agreement([5, 6, 7, 8, 9], [5, 6]) == (1.0, 2)       # its extra tokens: nothing
+  assert calls.agreement([], []) == (0.0, 0)

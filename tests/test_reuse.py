@@ -272,6 +272,38 @@ def test_full_recompute_equals_no_reuse_and_naive_reuse_drifts(llm):
   assert blend.layer_tokens[2] == ref.layer_tokens[2] - n + int(np.ceil(0.15 * n))
 
 
+def test_chance_baselines_recompute_as_many_tokens_at_random(llm):
+  """select=random recomputes as many tokens as EPIC / CacheBlend (same per-layer
+  counts), drawn at random (other logits); all of a run drawn is no reuse again.
+  rerope=False changes nothing where a segment lands at its stored position (P4: P1
+  with another left context of the same length) and drifts where it moved (P3)."""
+  p1, _, p3 = _prompts(seed=11)
+  p4 = p1.copy()
+  p4[:50] = np.random.default_rng(12).integers(100, 40000, 50)
+  ref = _no_reuse(llm, p3)
+  got = {}
+  for name, method, kw in [("epic", "epic", {}), ("epic_r", "epic", dict(select="random")),
+                           ("blend", "cacheblend", {}),
+                           ("blend_r", "cacheblend", dict(select="random")),
+                           ("epic_r_all", "epic", dict(select="random", epic_tokens=1000)),
+                           ("blend_r_all", "cacheblend", dict(select="random", blend_ratio=1.0)),
+                           ("naive", "naive", {}), ("norope", "naive", dict(rerope=False))]:
+    r = _runner(llm, method, **kw)
+    _serve(r, p1)
+    got[name] = (_serve(r, p3), _serve(r, p4))
+  for a, b in (("epic", "epic_r"), ("blend", "blend_r")):
+    np.testing.assert_array_equal(got[a][0].layer_tokens, got[b][0].layer_tokens)
+    assert np.abs(got[a][0].logits - got[b][0].logits).max() > 1e-4, (a, b)
+  assert got["epic_r"][0].runs[0].reason.startswith("epic (random tokens)")
+  for name in ("epic_r_all", "blend_r_all"):
+    np.testing.assert_allclose(got[name][0].logits, ref.logits, atol=1e-5, rtol=0)
+  assert got["naive"][1].runs[0].p_lo == 50 and got["naive"][1].runs[0].tier == "naive"
+  np.testing.assert_allclose(got["norope"][1].logits, got["naive"][1].logits, atol=1e-5, rtol=0)
+  assert np.abs(got["norope"][0].logits - got["naive"][0].logits).max() > 1e-3
+  with pytest.raises(ValueError, match="select"):
+    ReuseConfig(select="best")
+
+
 def test_approx_tier_recomputes_where_the_guard_refuses(llm):
   p1, _, p3 = _prompts()
   ref = _no_reuse(llm, p3)

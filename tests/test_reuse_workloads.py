@@ -104,6 +104,24 @@ def test_bench_table_ratios_are_against_none_and_prefix():
 
 
 
+def test_bench_quality_and_the_chance_table_pair_requests():
+  """Rows of the current protocol carry per-request drift with bootstrap intervals;
+  each method is compared with its chance baseline request by request."""
+  per = lambda agree: [dict(kl=0.01 * i, dnll=0.0, agree=a, first_diff=4 * a)
+                       for i, a in enumerate(agree)]
+  q = reuse.quality(per([1.0, 0.5, 0.5, 0.0]))
+  assert q["greedy_agreement"] == 0.5 and q["greedy_ci"][0] < 0.5 < q["greedy_ci"][1]
+  assert q["first_diff"] == 2.0 and q["per_request"]["agree"] == [1.0, 0.5, 0.5, 0.0]
+  rows = [_row("none", 2.0, **reuse.quality(per([1.0] * 4))),
+          _row("epic", 1.0, **reuse.quality(per([1.0, 1.0, 0.5, 0.5]))),
+          _row("epic_random", 1.0, **reuse.quality(per([0.5, 0.5, 0.0, 0.0])))]
+  main, chance = reuse.tables(rows)
+  assert "bootstrap 95% intervals over requests" in main.title
+  assert {line[0]: line for line in main.lines}["epic"][10] == "3.0"    # first diff
+  (line,) = chance.lines
+  assert line[:2] == ("epic", "epic_random") and line[2] == "+0.5000 [+0.5000, +0.5000]"
+
+
 def test_bench_ratios_divide_by_each_runs_own_none():
   # a second invocation ran slower (its none pass: 3.0 s against the first's 2.0 s):
   # tiered's 0.6 s is 5x its own none, and 4x the prefix cache through each run's none

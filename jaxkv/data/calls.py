@@ -217,6 +217,18 @@ def mean_ci(x, y=None, reps: int = 2000, seed: int = 0,
   return point, float(lo), float(hi)
 
 
+def agreement(tokens, ref_tokens) -> tuple[float, int]:
+  """Greedy agreement of a method's output with the reference's (both ended at their
+  stop token): (share of the reference's tokens matched position by position, length
+  of the common prefix). An output longer than the reference earns nothing for its
+  extra tokens; one that stops early loses the rest."""
+  a, b = np.asarray(tokens), np.asarray(ref_tokens)
+  n = min(a.size, b.size)
+  same = a[:n] == b[:n]
+  first = int(np.argmin(same)) if not same.all() else n
+  return float(same.sum() / max(1, b.size)), first
+
+
 def mcnemar(b: int, c: int) -> float:
   """Exact two-sided McNemar p-value of paired outcomes: b pairs only the first
   method got right, c only the second (a binomial(b + c, 1/2) test); 1.0 when

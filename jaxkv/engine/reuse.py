@@ -355,9 +355,10 @@ class ReuseRunner:
           hidden_rows.setdefault(int(b), []).append((lo + at, part.hidden[int(b)], at))
         ks.append(part.k)
         vs.append(part.v)
-        pos.append(part.positions)
         dest.append(smap[m.p_lo:m.p_lo + m.n])
         newpos.append(np.arange(m.p_lo, m.p_lo + m.n, dtype=np.int32))
+        # rerope=False (a chance baseline): keys keep their stored rotation
+        pos.append(part.positions if self.reuse.rerope else newpos[-1])
         nbytes += part.k.nbytes + part.v.nbytes
       self._splice(ks, vs, pos, dest, newpos)
 
@@ -512,7 +513,8 @@ class ReuseRunner:
 
   def _blend_choice(self, dev, hit, admitted) -> np.ndarray:
     """[rest] bool: the tokens each blend run recomputes after the probe (its top
-    `blend_ratio` by key deviation; all of it when `probe_reject` turns it down)."""
+    `blend_ratio` by key deviation, or as many drawn at random with select=random;
+    all of it when `probe_reject` turns it down)."""
     chosen = np.zeros(dev.size, bool)
     for m, _, d, rec in admitted:
       if not d.blend:
@@ -525,7 +527,12 @@ class ReuseRunner:
         rec.tier, rec.reason = "reject", (f"probe: mean K deviation {rec.deviation:.3f} > "
                                           f"{self.reuse.probe_reject}")
         continue
-      chosen[lo + np.argsort(-dv)[:int(np.ceil(self.reuse.blend_ratio * m.n))]] = True
+      k = int(np.ceil(self.reuse.blend_ratio * m.n))
+      if self.reuse.select == "random":             # the chance baseline: as many tokens
+        rng = np.random.default_rng([self.reuse.seed, m.p_lo, m.s_lo, m.n])
+        chosen[lo + rng.choice(m.n, k, replace=False)] = True
+      else:
+        chosen[lo + np.argsort(-dv)[:k]] = True
     return chosen
 
   # ------------------------------------------------------------------------ store

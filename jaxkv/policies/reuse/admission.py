@@ -25,7 +25,10 @@ Tiers (`ReuseConfig.method="tiered"`, tried in this order among `tiers`):
 
 The baselines are one-tier methods: naive (splice every stored layer, no guard),
 epic (naive plus each segment's first `epic_tokens` recomputed at every layer)
-and cacheblend (the blend tier alone).
+and cacheblend (the blend tier alone). Their chance baselines: `select="random"`
+recomputes as many tokens drawn uniformly from the segment (EPIC's k, the blend's
+`blend_ratio`), and `rerope=False` splices keys without re-rotating them to their new
+positions.
 
 Every method: a run spliced at position 0 that is not exact recomputes its first
 token at every layer (`sink_first`). Position 0 is the attention sink; the stored
@@ -130,12 +133,25 @@ def sink_first(d: Decision) -> Decision:
   return dataclasses.replace(d, epic=1, reason=f"{d.reason}; position 0 recomputed")
 
 
+def random_picks(match: Match, cfg: ReuseConfig, k: int, resume: int) -> np.ndarray:
+  """[n] per-token resume of a run with `k` of its tokens, drawn uniformly
+  (`ReuseConfig.select="random"`, seeded by `cfg.seed` and the run's place), recomputed
+  at every layer (0) and the rest at `resume`: EPIC's chance baseline."""
+  r = np.full(match.n, resume, np.int64)
+  rng = np.random.default_rng([cfg.seed, match.p_lo, match.s_lo, match.n])
+  r[rng.choice(match.n, min(k, match.n), replace=False)] = 0
+  return r
+
+
 def _decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Decision:
   method = cfg.method
   if method in ("naive", "epic"):
     resume, note = full_stack_resume(seg, num_layers)
     if resume == 0:
       return Decision("reject", note)
+    if method == "epic" and cfg.select == "random":
+      return Decision(method, f"epic (random tokens): {note}", resume=resume,
+                      per_token=random_picks(match, cfg, cfg.epic_tokens, resume))
     return Decision(method, f"{method}: {note}", resume=resume,
                     epic=cfg.epic_tokens if method == "epic" else 0)
   if method == "cacheblend":
