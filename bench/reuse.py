@@ -33,8 +33,8 @@ per-request values are kept in the row (`per_request`). `--notimed` skips the wa
 pass (quality only). Rows are written as each method finishes; a rerun skips the
 methods already in --out.
 
-Chance baselines (`CHANCE`, one paired table): epic_random and blend_random recompute
-as many tokens as EPIC / CacheBlend, drawn uniformly from each segment
+Chance baselines (`CHANCE`, first in the paired table, `PAIRS`): epic_random and
+blend_random recompute as many tokens as EPIC / CacheBlend, drawn uniformly from each segment
 (`ReuseConfig.select="random"`), and naive_norope splices without re-rotating the
 keys to their new positions (`rerope=False`).
 """
@@ -72,8 +72,10 @@ METHODS = {
     "blend_random": dict(method="cacheblend", select="random"),
     "naive_norope": dict(method="naive", rerope=False),
 }
-# (method, its chance baseline): the paired comparisons of the chance table
+# (method, its chance baseline), then the methods against each other: the paired table
 CHANCE = (("epic", "epic_random"), ("cacheblend", "blend_random"), ("naive", "naive_norope"))
+PAIRS = CHANCE + (("tiered", "cacheblend"), ("tiered", "epic"), ("cacheblend", "epic"),
+                  ("epic", "naive"))
 TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
 FLAGS = flags.FLAGS
 
@@ -182,7 +184,8 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
         flops=pre.flops, full_flops=base["pre"].flops, hit=pre.prefix_hit,
         moved=pre.bytes_spliced, kl=_kl(base["pre"].logits, pre.logits),
         dnll=out["nll"] - base["nll"], agree=agree, first_diff=first,
-        n=int(pre.ids.size), reused=int(sum(r.n for r in pre.runs if r.tier != "reject"))))
+        n=int(pre.ids.size), reused=int(sum(r.n for r in pre.runs if r.tier != "reject")),
+        runs=_runs(pre)))
     print(f"  {name} {i + 1}/{len(requests)} ttft={out['ttft']:.2f}s "
           f"tok={pre.prefill_tokens:.0f}/{pre.ids.size} runs="
           f"{','.join(r.tier for r in pre.runs) or '-'}", flush=True)
@@ -210,7 +213,8 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
 def quality(per: list[dict]) -> dict:
   """A row's drift fields from its requests': means with bootstrap 95% intervals over
   the requests (the unit that varies; `calls.mean_ci`), and the per-request values
-  the paired comparisons read (`per_request`)."""
+  the paired comparisons and the gates' calibration read (`per_request`; `runs`: each
+  request's matched runs, `_runs`)."""
   out = {}
   for key, field in (("kl", "kl_first_token"), ("dnll", "delta_nll"),
                      ("agree", "greedy_agreement")):
@@ -220,7 +224,16 @@ def quality(per: list[dict]) -> dict:
   out["first_diff"] = float(np.mean([p["first_diff"] for p in per]))
   out["per_request"] = {k: [round(float(p[k]), 6) for p in per]
                         for k in ("kl", "dnll", "agree", "first_diff")}
+  if all("runs" in p for p in per):
+    out["per_request"]["runs"] = [p["runs"] for p in per]
   return out
+
+
+def _runs(pre) -> list[list]:
+  """A request's matched runs for the gates' calibration: [tier, tokens, left-context
+  Jaccard, probe deviation (blend; None otherwise)] each."""
+  return [[r.tier, int(r.n), round(float(r.ctx_jaccard), 4),
+           None if r.deviation is None else round(float(r.deviation), 5)] for r in pre.runs]
 
 
 def run_perturbed(llm, name: str, pairs, ref, clock: CompileClock) -> tuple[list[dict], list]:
@@ -333,24 +346,27 @@ def _ci(r, field, fmt) -> str:
   return cell if ci is None else f"{cell} [{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
 
 
-def chance_table(rows: list[dict]) -> common.Table | None:
-  """Each method against its chance baseline on the same requests (`CHANCE`): the
-  paired mean differences (method - baseline) with bootstrap intervals over requests."""
+def paired_table(rows: list[dict]) -> common.Table | None:
+  """Each method against its chance baseline (`CHANCE`), then against the others
+  (`PAIRS`), on the same requests: paired mean differences (a - b) with bootstrap
+  intervals over requests, beside the FLOPs each spent (unequal FLOPs: not a matched
+  comparison)."""
   by = {r["method"]: r for r in rows if "per_request" in r}
   lines = []
-  for m, b in CHANCE:
-    if m in by and b in by:
-      x, y = by[m]["per_request"], by[b]["per_request"]
+  for a, b in PAIRS:
+    if a in by and b in by:
+      x, y = by[a]["per_request"], by[b]["per_request"]
       d = lambda k, x=x, y=y: "{:+.4f} [{:+.4f}, {:+.4f}]".format(*calls.mean_ci(x[k], y[k]))
-      lines.append((m, b, d("agree"), d("kl"), d("dnll"), len(x["agree"])))
+      lines.append((a, b, f"{by[a]['flops_ratio']:.3f} / {by[b]['flops_ratio']:.3f}",
+                    d("agree"), d("kl"), d("dnll")))
   if not lines:
     return None
   return common.Table(
-      f"workload {rows[0]['workload']}: each method minus its chance baseline on the same "
-      "requests (paired, bootstrap 95% over requests; agreement up to none's stop token: "
-      "higher is better; KL and dNLL: lower is better)",
-      ("method", "chance baseline", "d greedy agree", "d KL first", "d dNLL"), [
-          line[:5] for line in lines])
+      f"workload {rows[0]['workload']}, {rows[0]['storage']} store: a minus b on the same "
+      f"{rows[0]['n_requests']} requests (paired, bootstrap 95% over requests; greedy "
+      "agreement up to none's stop token: higher is better; KL and dNLL vs none: lower is "
+      "better); the first rows are each method against its chance baseline",
+      ("a", "b", "FLOPs vs none a / b", "d greedy agree", "d KL first", "d dNLL"), lines)
 
 
 def tables(rows: list[dict]) -> list[common.Table]:
@@ -397,8 +413,8 @@ def _workload_tables(rs: list[dict]) -> list[common.Table]:
       ("method", "runs by tier", "prefill tok / prompt", "FLOPs vs none", "TTFT ms",
        "vs none", "vs prefix", "KL first", "dNLL nats/tok", "greedy agree [95% CI]",
        "first diff", "stored MiB", "moved MiB", "break-even reuses"), lines)]
-  chance = chance_table(rs)
-  return out if chance is None else out + [chance]
+  paired = paired_table(rs)
+  return out if paired is None else out + [paired]
 
 
 def build_workload(tokenizer):

@@ -119,7 +119,7 @@ def test_bench_quality_and_the_chance_table_pair_requests():
   assert "bootstrap 95% intervals over requests" in main.title
   assert {line[0]: line for line in main.lines}["epic"][10] == "3.0"    # first diff
   (line,) = chance.lines
-  assert line[:2] == ("epic", "epic_random") and line[2] == "+0.5000 [+0.5000, +0.5000]"
+  assert line[:2] == ("epic", "epic_random") and line[3] == "+0.5000 [+0.5000, +0.5000]"
 
 
 def test_bench_ratios_divide_by_each_runs_own_none():

@@ -5,20 +5,19 @@ admit queued requests into empty rows (allocating their prompt slots), run one
 prefill chunk for the rows with prompt left (ragged: each row advances through
 its own prompt by up to `prefill_chunk` tokens; a long prompt takes one chunk per
 loop, so rows already decoding wait for at most one chunk), then run up to
-`EngineConfig.decode_steps` tokens for every decoding row
-in one `lax.scan` call (fewer when no row needs that many: the step count is the
-largest remaining budget rounded up to a power of two), and retire rows that hit
-a stop token or their token limit, returning their slots to the allocator.
-Results are handed to `on_result` the moment a request finishes.
+`EngineConfig.decode_steps` tokens for every decoding row in one `lax.scan` call
+(fewer when no row needs that many: the step count is the largest remaining
+budget rounded up to a power of two), and retire rows that hit a stop token or
+their token limit, returning their slots to the allocator. Results are handed to
+`on_result` the moment a request finishes.
 
-Prefill and decode go through the one driver (`jaxkv.engine.driver`); shapes
-are bucketed by `jaxkv.kv.plan`, so a run compiles a handful of step
-variants, not one per request. The pool is allocated on the first run.
+Prefill and decode go through the one driver (`jaxkv.engine.driver`); shapes are
+bucketed by `jaxkv.kv.plan`, so a run compiles a handful of step variants, not one
+per request. The pool is allocated on the first run.
 
-Timing: `ttft_s` runs from a request's admission into a row to its first
-token; `latency_s` from admission to its last token (in batch mode every
-request has arrived at start; queueing before admission is reported
-separately in the metrics as wall time).
+Timing: `ttft_s` runs from a request's admission into a row to its first token;
+`latency_s` from admission to its last token (queueing before admission is in
+the metrics' wall time).
 """
 
 from __future__ import annotations
