@@ -97,6 +97,9 @@ def define_flags():
   flags.DEFINE_enum("storage", "int8", ["int8", "float16", "float32"], "segment storage")
   flags.DEFINE_integer("gen", 32, "greedy tokens compared with no reuse (at most: "
                        "each output ends at its stop token)")
+  flags.DEFINE_integer("num_pages", 0, "KV pool pages (of 16 tokens) of each method's runner; "
+                       "0: room for the whole workload. A small pool makes the radix cache "
+                       "evict, so the store's exact tier serves what the prefix cache would")
   flags.DEFINE_bool("timed", True, "a warm-up pass first, so TTFT excludes compiling "
                     "(--notimed: quality only, half the time; TTFT is not reported)")
   flags.DEFINE_integer("max_prompt", 4096, "drop longer requests")
@@ -156,7 +159,13 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
   outputs of `none` (None: this is none); hardware: (FLOP/s, bytes/s) for break-even."""
   cfg = ReuseConfig(storage=FLAGS.storage, **METHODS[name])
   need = max(r.ids.size for r in requests) + max(FLAGS.gen, GOLD) + 16
-  cache = CacheConfig(num_pages=max(1024, 4 * need // 16), page_size=16,
+  pages = max(1024, 4 * need // 16)
+  if FLAGS.num_pages:
+    if FLAGS.num_pages < need // 16 + 2:
+      raise app.UsageError(f"--num_pages={FLAGS.num_pages} cannot hold the longest request "
+                           f"and its decode ({need // 16 + 2} pages of 16 tokens)")
+    pages = FLAGS.num_pages
+  cache = CacheConfig(num_pages=pages, page_size=16,
                       max_seq_len=need + 16)
   # a warm-up pass on a throwaway runner compiles every shape the timed pass will
   # meet (the store evolves identically, so the shapes repeat)
@@ -197,7 +206,7 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
     be = [store_lib.break_even(runner.store.peek(k), L, fl, flops_per_s=hardware[0],
                                bytes_per_s=hardware[1]).reuses for k in keys]
   mean = lambda key: float(np.mean([p[key] for p in per]))
-  return dict(**quality(per), timed=FLAGS.timed,
+  return dict(**quality(per), timed=FLAGS.timed, num_pages=pages,
       method=name, workload=FLAGS.workload, tier_accept={t: tiers[t] for t in TIERS if tiers[t]},
       prefill_tokens=mean("tokens"), prompt_tokens=mean("n"), reused_tokens=mean("reused"),
       prefill_flops=mean("flops"), flops_ratio=mean("flops") / mean("full_flops"),
@@ -406,8 +415,9 @@ def _workload_tables(rs: list[dict]) -> list[common.Table]:
            "first diff: common prefix length" if new else
            "drift vs no reuse; greedy agreement position-wise over the first tokens, no "
            "stop, Wilson interval over pooled tokens")
+  pool = f", a pool of {rs[0]['num_pages']} pages" if rs[0].get("num_pages", 1024) < 1024 else ""
   out = [common.Table(
-      f"workload {rs[0]['workload']}, {n} requests, {rs[0]['storage']} store (TTFT: mean "
+      f"workload {rs[0]['workload']}, {n} requests, {rs[0]['storage']} store{pool} (TTFT: mean "
       "over the requests of a second, compiled pass, '-' for a quality-only run; vs = how "
       f"many times faster, each TTFT divided by the none pass of its own run first; {drift})",
       ("method", "runs by tier", "prefill tok / prompt", "FLOPs vs none", "TTFT ms",
