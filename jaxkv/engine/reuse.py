@@ -529,8 +529,7 @@ class ReuseRunner:
         continue
       k = int(np.ceil(self.reuse.blend_ratio * m.n))
       if self.reuse.select == "random":             # the chance baseline: as many tokens
-        rng = np.random.default_rng([self.reuse.seed, m.p_lo, m.s_lo, m.n])
-        chosen[lo + rng.choice(m.n, k, replace=False)] = True
+        chosen[lo + admission.random_tokens(m, self.reuse, k)] = True
       else:
         chosen[lo + np.argsort(-dv)[:k]] = True
     return chosen

@@ -133,13 +133,19 @@ def sink_first(d: Decision) -> Decision:
   return dataclasses.replace(d, epic=1, reason=f"{d.reason}; position 0 recomputed")
 
 
+def random_tokens(match: Match, cfg: ReuseConfig, k: int) -> np.ndarray:
+  """min(k, n) distinct token indices of a run of n, drawn uniformly and seeded by
+  `cfg.seed` and the run's place (`ReuseConfig.select="random"`: the chance baseline
+  of EPIC's first tokens and of the blend tier's most-deviating ones)."""
+  rng = np.random.default_rng([cfg.seed, match.p_lo, match.s_lo, match.n])
+  return rng.choice(match.n, min(k, match.n), replace=False)
+
+
 def random_picks(match: Match, cfg: ReuseConfig, k: int, resume: int) -> np.ndarray:
-  """[n] per-token resume of a run with `k` of its tokens, drawn uniformly
-  (`ReuseConfig.select="random"`, seeded by `cfg.seed` and the run's place), recomputed
+  """[n] per-token resume of a run with `k` random tokens (`random_tokens`) recomputed
   at every layer (0) and the rest at `resume`: EPIC's chance baseline."""
   r = np.full(match.n, resume, np.int64)
-  rng = np.random.default_rng([cfg.seed, match.p_lo, match.s_lo, match.n])
-  r[rng.choice(match.n, min(k, match.n), replace=False)] = 0
+  r[random_tokens(match, cfg, k)] = 0
   return r
 
 
