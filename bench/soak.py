@@ -16,7 +16,8 @@ to back until `--duration_s` has passed. Each request is drawn (seeded) from:
 
 Then the server drains, every session is deleted, and the run reports: requests by
 kind and status, 5xx responses (must be 0: no fault is injected), RSS and the
-compiled variants of the engine's jitted steps at the start (after a warm-up round),
+compiled variants of the engine's jitted steps (and how often `server.max_compiled`
+made the loop drop them all: `jaxkv.engine.executables`) at the start (after a warm-up round),
 at --marks points over the run, and the KV books: sessions left, sequences left,
 live slots (= tokens the radix trees cache + slots held by `retain`: SemShareKV's
 references, MemArt's shared chat head, when no sequence is left), and
@@ -66,10 +67,10 @@ def rss_mb() -> float:
 
 
 def compiled() -> int:
-  """Compiled variants of the jitted steps every request runs through."""
-  from jaxkv.engine import driver, mechanism_rows
-  return sum(f._cache_size() for f in (driver.chunk_step, driver.decode_scan,
-                                        mechanism_rows._sample_one))
+  """Compiled variants of the jitted steps every request runs through (the ones
+  `server.max_compiled` bounds)."""
+  from jaxkv.engine import executables
+  return executables.count()
 
 
 async def client(url: str, rng: random.Random, deadline: float, counts, statuses,
@@ -153,7 +154,7 @@ def main(argv):
   counts, statuses = collections.Counter(), collections.Counter()
   marks = {}
   app_ = create_app(llm, cfg)
-  backends = app_.state.backends
+  backends, releases = app_.state.backends, lambda: app_.state.loop.compiled.clears
   with serve_in_thread(app_) as server:
     url = server.url
 
@@ -165,7 +166,7 @@ def main(argv):
 
     print("warm-up round (compiles)...", file=sys.stderr, flush=True)
     asyncio.run(load(min(120.0, FLAGS.duration_s / 4)))
-    marks["start"] = (rss_mb(), compiled(), time.monotonic())
+    marks["start"] = (rss_mb(), compiled(), time.monotonic(), releases())
     counts.clear()
     statuses.clear()
     part = FLAGS.duration_s / FLAGS.marks
@@ -173,7 +174,7 @@ def main(argv):
       print(f"load for {part:.0f} s ({k}/{FLAGS.marks})...", file=sys.stderr, flush=True)
       asyncio.run(load(part))
       marks["end" if k == FLAGS.marks else f"{100 * k // FLAGS.marks}%"] = (
-          rss_mb(), compiled(), time.monotonic())
+          rss_mb(), compiled(), time.monotonic(), releases())
     for sid in [d["id"] for d in httpx.get(url + "/v1/sessions").json()["data"]]:
       httpx.delete(f"{url}/v1/sessions/{sid}")
     engine = llm.engine
@@ -197,13 +198,17 @@ def main(argv):
          "requests": dict(counts), "statuses": {str(k): v for k, v in sorted(statuses.items())},
          "server_errors": sum(v for k, v in statuses.items() if k >= 500),
          "rss_mb": {k: round(v[0], 1) for k, v in marks.items()},
-         "compiled_steps": {k: v[1] for k, v in marks.items()}, "books": books}
+         "compiled_steps": {k: v[1] for k, v in marks.items()},
+         "compiled_releases": {k: v[3] for k, v in marks.items()},
+         "max_compiled": cfg.server.max_compiled, "books": books}
   print(json.dumps(out, indent=1))
   common.print_tables([common.Table(
       f"soak: {out['duration_s']:.0f} s, {FLAGS.clients} clients, {sum(counts.values())} "
       "requests", ["", *marks],
       [["RSS MB", *(f"{v[0]:.0f}" for v in marks.values())],
-       ["compiled step variants", *(str(v[1]) for v in marks.values())]])])
+       ["compiled step variants", *(str(v[1]) for v in marks.values())],
+       [f"releases (max_compiled {cfg.server.max_compiled})",
+        *(str(v[3]) for v in marks.values())]])])
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(out, indent=1) + "\n")
   if out["server_errors"] or books["sessions_left"] or books["engine_busy"]:

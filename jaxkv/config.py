@@ -707,12 +707,20 @@ class ServerConfig:
   api_key: str = ""             # API keys clients must send (Authorization: Bearer <key>),
                                 # comma-separated; empty: $JAXKV_API_KEY, else no auth. With
                                 # keys a session belongs to the key that opened it.
+  max_compiled: int = 64        # Compiled variants of the engine's steps kept in memory
+                                # (each a padded shape; ~40 MB of host memory apiece for
+                                # SmolLM2 on a CPU); past it all are dropped between steps
+                                # and reload from the persistent compilation cache when
+                                # used again (jaxkv.engine.executables). 0: no bound.
   allowed_hosts: str = ""       # Host names a request's Host / Origin header may name,
                                 # comma-separated, * for any; empty: the loopback names when
                                 # the server binds a loopback address, any otherwise.
 
   def __post_init__(self):
     session_kinds(self.sessions)
+    if self.max_compiled < 0:
+      raise ValueError(f"server.max_compiled must be >= 0 (0: no bound), got "
+                       f"{self.max_compiled}")
     if self.max_body_bytes < 1024:
       raise ValueError(f"server.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
     if self.body_timeout_s <= 0 or self.header_timeout_s <= 0 or self.max_connections < 1:

@@ -436,6 +436,21 @@ def test_queue_full_gets_429_and_the_rest_complete(base):
     assert metric(server.url, "jaxkv_requests_rejected_total") == got.count(429)
 
 
+def test_compiled_programs_stay_bounded_and_answers_do_not_change(base, reference):
+  """server.max_compiled=1: every step compiles past the bound, so the loop drops
+  the compiled programs after each one; the answers still equal single runs, and
+  /metrics counts the releases and shows the bound held."""
+  llm, cfg = fresh(base, max_compiled=1)
+  with serving(llm, cfg) as server:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    for prompt in PROMPTS[:2]:
+      r = client.chat.completions.create(model=MODEL, messages=chat(prompt), max_tokens=8)
+      assert r.choices[0].message.content == reference(prompt, 8)
+    wait_idle(llm)
+    assert metric(server.url, "jaxkv_compiled_releases_total") >= 2
+    assert metric(server.url, "jaxkv_compiled_variants") <= 1
+
+
 def test_failing_step_is_isolated(base, monkeypatch):
   """Fault injection: the engine's decode raises once. That request gets a 500 with
   an error body, its slots are freed, and the next request is served."""

@@ -31,6 +31,7 @@ from flax import nnx
 
 from jaxkv import sharding
 from jaxkv.config import COMPILER_OPTIONS
+from jaxkv.engine import executables
 from jaxkv.engine.sampling import SamplingParams, sample
 from jaxkv.kv import plan
 from jaxkv.kv import state as kv_state
@@ -184,13 +185,16 @@ def decode_loop(graphdef, weights, kv: kv_state.KVPool, tokens, positions, slot_
 # above are for callers that are already inside a jit of their own (a training
 # step): JAX accepts compiler options only on the outermost jit, so wrap yours
 # with `compiler_options=jaxkv.config.COMPILER_OPTIONS`.
+# Both count toward the server's bound on compiled programs (`executables`).
 chunk_step = jax.jit(forward_chunk, compiler_options=COMPILER_OPTIONS,
                      static_argnames=("graphdef", "attn_impl", "greedy_only", "return_hidden",
                                       "return_logits"),
                      donate_argnames=("kv",))
+executables.register(chunk_step)
 decode_scan = jax.jit(decode_loop, compiler_options=COMPILER_OPTIONS,
                       static_argnames=("graphdef", "num_steps", "attn_impl", "greedy_only"),
                       donate_argnames=("kv",))
+executables.register(decode_scan)
 
 SlotMapFn = Callable[[int], np.ndarray]
 OptionsFn = Callable[[plan.Chunk], dict]

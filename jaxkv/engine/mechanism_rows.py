@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.engine import executables
 from jaxkv.engine.prefill_work import run_chunk
 from jaxkv.engine.request import Row
 from jaxkv.engine.sampling import sample
 from jaxkv.kv.allocator import OutOfSlotsError
 
-_sample_one = jax.jit(sample, static_argnames=("greedy_only",))
+_sample_one = executables.register(jax.jit(sample, static_argnames=("greedy_only",)))
 
 
 class MechanismRows:

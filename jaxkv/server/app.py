@@ -53,6 +53,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from jaxkv.config import ServeConfig
+from jaxkv.engine import executables
 from jaxkv.engine.engine import Request
 from jaxkv.engine.grammar import Grammars
 from jaxkv.server import guard, protocol
@@ -107,7 +108,7 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   created = int(time.time())
   backends = SessionBackends(llm, cfg)
   loop = EngineLoop(engine, cfg.server.max_pending, cfg.server.session_idle_s,
-                    expire=backends.expire)
+                    expire=backends.expire, max_compiled=cfg.server.max_compiled)
   sessions_on = engine.radix is not None or backends.kinds != ("prefix",)
   # served ids: the base model, and "<model>:<role>" for each role adapter
   names = {model_name: -1, **{f"{model_name}:{a}": i for i, a in enumerate(llm.adapters)}}
@@ -480,6 +481,10 @@ def prometheus(loop: EngineLoop, model: str, backends: SessionBackends | None = 
       ("jaxkv_kv_live_slots", "gauge", "KV slots in use", alloc.num_live_slots),
       ("jaxkv_kv_free_pages", "gauge", "free KV pages", alloc.num_free_pages),
       ("jaxkv_kv_peak_bytes", "gauge", "peak KV bytes in use", m.peak_kv_bytes),
+      ("jaxkv_compiled_variants", "gauge", "compiled variants of the engine's steps in "
+       "memory", executables.count()),
+      ("jaxkv_compiled_releases_total", "counter", "times every compiled program was "
+       "dropped at server.max_compiled", loop.compiled.clears),
   ]
   if engine.radix is not None:
     rows += [("jaxkv_prefix_cache_hit_tokens_total", "counter",

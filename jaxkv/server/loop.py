@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 
+from jaxkv.engine import executables
 from jaxkv.engine.engine import Engine, Request
 
 log = logging.getLogger("jaxkv.server")
@@ -67,9 +68,11 @@ class EngineLoop:
   """Owns the engine; the only thread that calls `Engine.step`."""
 
   def __init__(self, engine: Engine, max_pending: int = 256, session_idle_s: float = 600.0,
-               expire=None):
+               expire=None, max_compiled: int = 0):
     """expire(idle_s): closes sessions idle that long (default: the engine's own,
-    with its prefix cache); called on the loop thread about once a second."""
+    with its prefix cache); called on the loop thread about once a second.
+    max_compiled: the bound on compiled step variants checked after every step
+    (`jaxkv.engine.executables.Budget`; 0: none)."""
     self.engine = engine
     if expire is None and engine.radix is not None:
       expire = engine.expire_sessions
@@ -85,6 +88,7 @@ class EngineLoop:
     self._draining = False      # shutting down: new requests refused, running ones go on
     self._thread: threading.Thread | None = None
     self._expired_at = 0.0
+    self.compiled = executables.Budget(max_compiled)
 
   # ------------------------------------------------------------ server side
   def start(self) -> None:
@@ -193,6 +197,7 @@ class EngineLoop:
         if self._stopping:
           self._run_ops()
           return
+        self.compiled.check()            # session ops compile too
         self._wake.wait(0.5)
         self._wake.clear()
         continue
@@ -209,3 +214,4 @@ class EngineLoop:
       for res in results:
         self.stats.finished[res.finish_reason] += 1
         self._post(res.id, ("done", res), final=True)
+      self.compiled.check()              # after the results are out: a release is slow
