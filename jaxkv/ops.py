@@ -60,16 +60,24 @@ def resolve_impl(impl: str) -> str:
 
 
 def attention_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int,
-                   impl: str = "auto", lora: bool = False, num_slots: int | None = None):
+                   impl: str = "auto", lora: bool = False, num_slots: int | None = None,
+                   key_shift=None):
   """The kernels' per-call set-up (live-token compaction, live-block tables; the
   Mosaic kernel's page list) for one slot map and query positions, to build
   once and pass to every layer of a pass (`plan=`); None where `impl` resolves
   to the reference, which needs none. `lora`: for `flash_lora_attention` (its
   own key-block width). `num_slots`: slots per layer of the pool (the Mosaic
-  plan checks that every page lies inside it)."""
+  plan checks that every page lies inside it). `key_shift`: the pass rotates keys on
+  read (a MemArt row); only the Triton paged-attention kernel does, so the plan then
+  carries the compacted shifts, and is None for the calls that run the reference."""
   impl = resolve_impl(impl)
   if impl == "reference":
     return None
+  if key_shift is not None:
+    if lora or impl not in ("pallas", "interpret"):
+      return None
+    return _pa.make_plan(slot_map, q_positions, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, key_shift=key_shift)
   if impl == "mosaic" and not lora:
     if num_slots is None:
       raise ValueError("the mosaic plan needs num_slots (slots per layer of the pool)")
@@ -90,20 +98,26 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
   key_shift [B, T] int32 (optional): key t is read rotated by R(key_shift[b, t])
   (exact delta-RoPE on read, `shift_freq` from `jaxkv.rope.delta_frequencies`),
   so a slot written at position p can be aliased at position p + shift without a
-  copy (MemArt's decoupled positions). It runs the reference path whatever
-  `impl` says: the Pallas kernels do not rotate on read yet.
+  copy (MemArt's decoupled positions). The Triton kernel ("pallas", "interpret")
+  rotates each key block as it reads it; "mosaic" and "reference" run the
+  reference path (gather, rotate, attend).
 
   plan: `attention_plan(slot_map, q_positions, ...)` built once for the layers
   sharing this slot map (optional; the kernels build it per call otherwise).
   """
+  impl = resolve_impl(impl)
   if key_shift is not None:
     if shift_freq is None:
       raise ValueError("key_shift needs shift_freq (jaxkv.rope.delta_frequencies)")
+    if impl in ("pallas", "interpret"):
+      with jax.named_scope(f"paged_attention_shifted_{impl}"):
+        return _pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
+                                   scale=scale, plan=plan, key_shift=key_shift,
+                                   shift_freq=shift_freq, interpret=impl == "interpret")
     with jax.named_scope("paged_attention_shifted"):
       k = apply_rope(_pa.gather_kv(k_pool, slot_map, layer), key_shift, shift_freq, 1.0)
       return _pa.attend_reference(q, k, _pa.gather_kv(v_pool, slot_map, layer), slot_map,
                                   q_positions, scale)
-  impl = resolve_impl(impl)
   with jax.named_scope(f"paged_attention_{impl}"):
     if impl == "reference":
       return paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,

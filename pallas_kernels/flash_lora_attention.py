@@ -154,7 +154,7 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   if plan is None:
     block_k = block_k or DEFAULT_BLOCK_K
   b_rows = jnp.pad(lora_b, ((0, 0), (0, r_pad - rank), (0, 0), (0, 0)))   # zero rows
-  tiling, inputs = pa.prepare(q, q_positions, slot_map, hkv, plan=plan, block_r=block_r,
+  tiling, inputs, _ = pa.prepare(q, q_positions, slot_map, hkv, plan=plan, block_r=block_r,
                               block_k=block_k, k_splits=k_splits, contiguous=contiguous)
   block_r, block_k, k_splits, rows_p, t_p = tiling
   out_dtype = q.dtype if k_splits == 1 else jnp.float32

@@ -53,139 +53,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-SENTINEL = 0  # == jaxkv.kv.state.SENTINEL (tests check they agree)
+from pallas_kernels import key_shift as ks
+from pallas_kernels.paged_attention_reference import (  # noqa: F401  (re-exported)
+    REF_PER_ROW_MAX,
+    REF_QUERY_BLOCK,
+    SENTINEL,
+    attend_reference,
+    attention_mask,
+    gather_kv,
+    masked_softmax_weights,
+    paged_attention_reference,
+)
+
 NEG = -1e30   # running-max floor; masked weights are zeroed explicitly, never by NEG alone
 MIN_DOT = 16  # Triton tl.dot needs every dimension >= 16
-
-
-# ----------------------------------------------------------------------------
-# Pure-jnp reference.
-# ----------------------------------------------------------------------------
-
-REF_QUERY_BLOCK = 64   # query rows per step of the reference's block loop
-REF_PER_ROW_MAX = 64   # Hkv * Hq * Tq up to which the reference runs one matmul per row
-
-
-def attention_mask(slot_map: jax.Array, q_positions: jax.Array) -> jax.Array:
-  """Visibility [B, Tq, T] from a slot map [B, T] and query positions [B, Tq]."""
-  t = jnp.arange(slot_map.shape[-1], dtype=jnp.int32)
-  live = (slot_map != SENTINEL)[:, None, :]
-  causal = t[None, None, :] <= q_positions[:, :, None]
-  return live & causal
-
-
-def masked_softmax_weights(scores: jax.Array, mask: jax.Array) -> jax.Array:
-  """Softmax over the last axis with exact zeros where ~mask and all-dead rows = 0.
-
-  scores: [..., T] float32; mask broadcastable to scores.
-  """
-  scores = jnp.where(mask, scores, -jnp.inf)
-  m = jnp.max(scores, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(mask, jnp.exp(scores - m), 0.0)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(denom > 0, denom, 1.0)
-
-
-def gather_kv(pool: jax.Array, slot_map: jax.Array, layer) -> jax.Array:
-  """pool[S, ...] or pool[L, S, ...] (with `layer`) gathered at slot_map [B, T]."""
-  return pool[slot_map] if layer is None else pool[layer, slot_map]
-
-
-def attend_reference(q, k, v, slot_map, q_positions, scale):
-  """Masked GQA attention over already-gathered k, v [B, T, Hkv, D].
-
-  Computed per (row, KV head) with the g = Hq / Hkv query heads folded into the
-  query axis, so both products are plain batched matmuls with leading batch
-  dims ([B*Hkv, g*Tq, D] x [B*Hkv, T, D]): on XLA:CPU this layout runs ~2.8x
-  faster than the 5-D einsum it replaced (bench: Tq 512, T 4096, SmolLM2 heads).
-  Chunks longer than REF_QUERY_BLOCK rows run block by block (`lax.map`).
-  Decode-sized queries (Hkv * Hq * Tq <= REF_PER_ROW_MAX) take `_attend_per_row`.
-  """
-  b, tq, hq, d = q.shape
-  hkv = k.shape[2]
-  if hq % hkv:
-    raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
-  scale = d ** -0.5 if scale is None else scale
-  if hkv * hq * tq <= REF_PER_ROW_MAX:
-    return _attend_per_row(q, k, v, slot_map, q_positions, scale)
-  kf = einops.rearrange(k, "b t h d -> (b h) t d")
-  vf = einops.rearrange(v, "b t h d -> (b h) t d")
-  if tq > REF_QUERY_BLOCK and tq % REF_QUERY_BLOCK == 0:
-    # Long prefill chunks: one query block at a time keeps the [rows, T] score
-    # block in cache (~1.3x on XLA:CPU at Tq 512-1024, T 4096); rows are independent,
-    # so the result is the same computation row by row.
-    nb = tq // REF_QUERY_BLOCK
-    qb = jnp.moveaxis(q.reshape(b, nb, REF_QUERY_BLOCK, hq, d), 1, 0)
-    pb = jnp.moveaxis(q_positions.reshape(b, nb, REF_QUERY_BLOCK), 1, 0)
-    out = jax.lax.map(lambda a: _attend_rows(a[0], kf, vf, slot_map, a[1], scale), (qb, pb))
-    return jnp.moveaxis(out, 0, 1).reshape(b, tq, hq, -1)
-  return _attend_rows(q, kf, vf, slot_map, q_positions, scale)
-
-
-def _attend_per_row(q, k, v, slot_map, q_positions, scale):
-  """attend_reference for a few query rows: one [Tq*Hq, Hkv*D] x [Hkv*D, T]
-  matmul per sequence, on k, v exactly as gathered ([B, T, Hkv*D], no transpose).
-
-  Each query head is zero outside its KV head's D columns (block-diagonal), so
-  the score matmul does Hkv times the useful FLOPs; the value matmul computes
-  every (query head, KV head) pair and keeps the matching ones. At decode sizes
-  that is far cheaper on XLA:CPU than the per-(row, KV head) batched matmuls of
-  `_attend_rows` with their [T, D] transposes: those are 2 * B * Hkv calls of
-  ~100 kFLOP each, dominated by per-call overhead (SmolLM2, B = 8, T = 256:
-  1.66 -> 0.90 ms per layer; T = 1024: 8.1 -> 5.1 ms). A live slot holding inf
-  in one KV head would turn the other heads' scores of that token to NaN
-  (0 * inf); finite pools compute the same attention as `_attend_rows`.
-  """
-  b, tq, hq, d = q.shape
-  t, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-  g = hq // hkv
-  own = jnp.eye(hkv, dtype=q.dtype)[:, None, :, None]             # [Hkv, 1, Hkv, 1]
-  qb = (q.reshape(b, tq, hkv, g, 1, d) * own).reshape(b, tq * hq, hkv * d)
-  scores = jnp.einsum("bqk,btk->bqt", qb, k.reshape(b, t, hkv * d),
-                      preferred_element_type=jnp.float32) * scale
-  mask = jnp.repeat(attention_mask(slot_map, q_positions), hq, axis=1)  # [B, Tq*Hq, T]
-  w = masked_softmax_weights(scores, mask)
-  out = jnp.einsum("bqt,btk->bqk", w.astype(v.dtype), v.reshape(b, t, hkv * dv),
-                   preferred_element_type=jnp.float32).reshape(b, tq, hkv, g, hkv, dv)
-  out = jnp.diagonal(out, axis1=2, axis2=4)                       # [B, Tq, G, Dv, Hkv]
-  return jnp.moveaxis(out, -1, 2).reshape(b, tq, hq, dv).astype(q.dtype)
-
-
-def _attend_rows(q, kf, vf, slot_map, q_positions, scale):
-  """attend_reference on folded keys/values kf, vf [B*Hkv, T, D]."""
-  b, tq, hq, _ = q.shape
-  t, hkv = kf.shape[1], kf.shape[0] // b
-  g = hq // hkv
-  qf = einops.rearrange(q, "b t (h g) d -> (b h) (g t) d", h=hkv)
-  batched = (((2,), (2,)), ((0,), (0,)))
-  scores = jax.lax.dot_general(qf, kf, batched, preferred_element_type=jnp.float32) * scale
-  mask = attention_mask(slot_map, q_positions)                  # [B, Tq, T]
-  mask = jnp.broadcast_to(mask[:, None, None], (b, hkv, g, tq, t)).reshape(b * hkv, g * tq, t)
-  w = masked_softmax_weights(scores, mask)
-  out = jax.lax.dot_general(w.astype(vf.dtype), vf, (((2,), (1,)), ((0,), (0,))),
-                            preferred_element_type=jnp.float32)   # [B*Hkv, g*Tq, Dv]
-  return einops.rearrange(out, "(b h) (g t) d -> b t (h g) d", b=b, g=g).astype(q.dtype)
-
-
-def paged_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                              slot_map: jax.Array, q_positions: jax.Array, *,
-                              layer: jax.Array | int | None = None,
-                              scale: float | None = None) -> jax.Array:
-  """Pure-jnp paged attention (gather the slot map's slots, masked softmax).
-
-  Args:
-    q: [B, Tq, Hq, D] post-RoPE queries.
-    k_pool, v_pool: [S, Hkv, D], or [L, S, Hkv, D] together with `layer`.
-    slot_map: [B, T] int32 token-level slot map (SENTINEL = dead).
-    q_positions: [B, Tq] int32 logical positions (negative: padding query).
-    layer: layer index into a stacked pool (may be traced).
-    scale: softmax scale, default 1/sqrt(D).
-  Returns:
-    [B, Tq, Hq, D] in q.dtype.
-  """
-  return attend_reference(q, gather_kv(k_pool, slot_map, layer),
-                          gather_kv(v_pool, slot_map, layer), slot_map, q_positions, scale)
 
 
 # ----------------------------------------------------------------------------
@@ -347,8 +228,10 @@ def merge_splits(o, m, l):
 
 
 def walk_live_blocks(table_ref, bounds_ref, slots_ref, pos_ref, offset, block_k: int, visit,
-                     carry):
-  """Fold `visit(carry, rows, live, key_pos)` over this program's key blocks.
+                     carry, shift_ref=None):
+  """Fold `visit(carry, rows, live, key_pos)` over this program's key blocks
+  (`visit(carry, rows, live, key_pos, shift)` with the keys' rotations [block_k]
+  when `shift_ref` holds the compacted key shifts).
 
   Two branch-free loops over the ranges `live_block_tables` gave this program:
   contiguous blocks (`rows` = pl.ds(first slot, block_k), `live` = None: every
@@ -358,16 +241,19 @@ def walk_live_blocks(table_ref, bounds_ref, slots_ref, pos_ref, offset, block_k:
   nothing.
   """
   c_lo, c_hi, g_lo, g_hi = (bounds_ref[i] for i in range(4))
+  shifted = (lambda t0: (shift_ref[pl.ds(t0, block_k)],)) if shift_ref is not None else (
+      lambda t0: ())
 
   def contiguous(i, carry):
     t0 = pl.multiple_of(table_ref[i] * block_k, block_k)
     return visit(carry, pl.ds(slots_ref[t0] + offset, block_k), None,
-                 pos_ref[pl.ds(t0, block_k)])
+                 pos_ref[pl.ds(t0, block_k)], *shifted(t0))
 
   def gathered(i, carry):
     t0 = pl.multiple_of(table_ref[i] * block_k, block_k)
     slots = slots_ref[pl.ds(t0, block_k)]
-    return visit(carry, slots + offset, slots != SENTINEL, pos_ref[pl.ds(t0, block_k)])
+    return visit(carry, slots + offset, slots != SENTINEL, pos_ref[pl.ds(t0, block_k)],
+                 *shifted(t0))
 
   carry = lax.fori_loop(c_lo, c_hi, contiguous, carry)
   return lax.fori_loop(g_lo, g_hi, gathered, carry)
@@ -434,7 +320,7 @@ def row_specs(t_p: int, block_r: int, d: int, block_k: int) -> list:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=(
-    "slots", "positions", "row_pos", "table", "bounds"), meta_fields=("tiling",))
+    "slots", "positions", "row_pos", "table", "bounds", "shifts"), meta_fields=("tiling",))
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What a kernel call walks, computed from the slot map alone (`make_plan`).
@@ -450,11 +336,12 @@ class Plan:
   row_pos: jax.Array     # [B, rows_p] folded query-row positions (pad -1)
   table: jax.Array       # [B, t_p // block_k] live-block table
   bounds: jax.Array      # [B, row blocks, k_splits, 4] per-program ranges
+  shifts: jax.Array | None = None  # [B, t_p] compacted key shifts (`key_shift.py`), or None
 
 
 def make_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
               num_kv_heads: int, block_r=None, block_k=None, k_splits=None,
-              contiguous: bool = True) -> Plan:
+              contiguous: bool = True, key_shift: jax.Array | None = None) -> Plan:
   """Tiling, compacted slot map and live-block tables for queries of `num_heads`
   heads at q_positions [B, Tq] over slot_map [B, T] (`choose_tiling`,
   `compact_live`, `live_block_tables`). Pure jnp: call it inside the caller's jit."""
@@ -469,17 +356,24 @@ def make_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
   table, bounds = live_block_tables(cslots, cpos, row_pos, block_r=tiling.block_r,
                                     block_k=tiling.block_k, k_splits=tiling.k_splits,
                                     contiguous=contiguous)
-  return Plan(tiling, cslots, cpos, row_pos, table, bounds)
+  shifts = None if key_shift is None else ks.compact_shifts(slot_map, key_shift, tiling.t_p,
+                                                            SENTINEL)
+  return Plan(tiling, cslots, cpos, row_pos, table, bounds, shifts)
 
 
 def prepare(q, q_positions, slot_map, hkv: int, *, plan: Plan | None = None, block_r=None,
-            block_k=None, k_splits=None, contiguous=True):
-  """The wrappers' shared set-up: the plan (given, or made here) and the folded
-  query rows. Returns (Tiling, kernel inputs after the offset)."""
+            block_k=None, k_splits=None, contiguous=True, key_shift=None):
+  """The wrappers' shared set-up: the plan (given, or made here; with the compacted
+  key shifts when `key_shift` is given) and the folded query rows. Returns (Tiling,
+  kernel inputs after the offset, the compacted shifts or None)."""
   b, tq, hq, _ = q.shape
   if plan is None:
     plan = make_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv, block_r=block_r,
-                     block_k=block_k, k_splits=k_splits, contiguous=contiguous)
+                     block_k=block_k, k_splits=k_splits, contiguous=contiguous,
+                     key_shift=key_shift)
+  elif (key_shift is None) != (plan.shifts is None):
+    raise ValueError("key_shift and the plan disagree: build the plan with make_plan(..., "
+                     "key_shift=) for a shifted call, without it otherwise")
   elif (block_r, block_k, k_splits, contiguous) != (None, None, None, True):
     raise ValueError("pass tiling knobs to make_plan, not beside a plan")
   tiling = plan.tiling
@@ -490,7 +384,8 @@ def prepare(q, q_positions, slot_map, hkv: int, *, plan: Plan | None = None, blo
                      f"made for q {q.shape} with {hkv} KV heads over a slot map "
                      f"{slot_map.shape}")
   rows = fold_rows(q, hkv, tiling.rows_p)
-  return tiling, (plan.slots, plan.positions, plan.row_pos, rows, plan.table, plan.bounds)
+  return (tiling, (plan.slots, plan.positions, plan.row_pos, rows, plan.table, plan.bounds),
+          plan.shifts)
 
 
 def out_specs(block_r: int, d: int) -> list:
@@ -516,17 +411,22 @@ def compiler_params(num_warps: int, num_stages: int):
 # Kernel.
 # ----------------------------------------------------------------------------
 
-def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_ref, k_ref,
-            v_ref, o_ref, m_ref, l_ref, *, block_k: int, scale: float):
+def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_ref, *refs,
+            block_k: int, scale: float, shifted: bool):
+  shift_ref, freq_ref = refs[:2] if shifted else (None, None)
+  k_ref, v_ref, o_ref, m_ref, l_ref = refs[2:] if shifted else refs
   h = pl.program_id(1)
   ct = compute_dtype(q_ref, k_ref)
   q = q_ref[...].astype(ct)                        # [block_r, D]
   qpos = qpos_ref[...]                             # [block_r]
   prec = dot_precision(ct)
 
-  def visit(carry, rows, live, key_pos):
+  def visit(carry, rows, live, key_pos, shift=None):
     acc, ml = carry
-    k = read_rows(k_ref, rows, h, live).astype(ct)  # [block_k, D]
+    if shift is None:
+      k = read_rows(k_ref, rows, h, live).astype(ct)  # [block_k, D]
+    else:                                             # rotated on read (MemArt aliases)
+      k = ks.rotate_rows(k_ref, rows, h, live, shift, freq_ref, block_k).astype(ct)
     v = read_rows(v_ref, rows, h, live).astype(ct)
     s = jnp.dot(q, k.T, precision=prec, preferred_element_type=jnp.float32) * scale
     p, corr, ml = online_softmax_update(ml, s, key_mask(key_pos, qpos, live))
@@ -537,7 +437,7 @@ def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_r
   init = (jnp.zeros((block_r, d), jnp.float32),
           (jnp.full((block_r,), NEG, jnp.float32), jnp.zeros((block_r,), jnp.float32)))
   acc, (m, l) = walk_live_blocks(table_ref, bounds_ref, slots_ref, pos_ref, offset_ref[0],
-                                 block_k, visit, init)
+                                 block_k, visit, init, shift_ref)
   o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
   m_ref[...] = m
   l_ref[...] = l
@@ -552,8 +452,14 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                     plan: Plan | None = None, block_r: int | None = None,
                     block_k: int | None = None, k_splits: int | None = None,
                     num_warps: int = 4, num_stages: int = 2,
-                    contiguous: bool = True, interpret: bool = False) -> jax.Array:
+                    contiguous: bool = True, interpret: bool = False,
+                    key_shift: jax.Array | None = None,
+                    shift_freq: jax.Array | None = None) -> jax.Array:
   """Pallas paged attention; same arguments and result as `paged_attention_reference`.
+
+  key_shift [B, T] int32 with shift_freq [D/2]: key t read rotated by
+  R(key_shift[b, t]) (`key_shift.py`), as `jaxkv.ops.paged_attention`'s reference
+  path does; a given plan must then carry the shifts (`make_plan(..., key_shift=)`).
 
   Tiling knobs (static): `block_r` query rows per program (>= 16), `block_k`
   keys per step (>= 16), `k_splits` key splits (flash-decoding), Triton
@@ -571,20 +477,28 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
     raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
   scale = d ** -0.5 if scale is None else scale
-  tiling, inputs = prepare(q, q_positions, slot_map, hkv, plan=plan, block_r=block_r,
-                           block_k=block_k, k_splits=k_splits, contiguous=contiguous)
+  if (key_shift is None) != (shift_freq is None):
+    raise ValueError("key_shift needs shift_freq (jaxkv.rope.delta_frequencies) and back")
+  tiling, inputs, shifts = prepare(q, q_positions, slot_map, hkv, plan=plan, block_r=block_r,
+                                   block_k=block_k, k_splits=k_splits, contiguous=contiguous,
+                                   key_shift=key_shift)
   block_r, block_k, k_splits, rows_p, t_p = tiling
   out_dtype = q.dtype if k_splits == 1 else jnp.float32
+  extra, extra_specs = (), []
+  if shifts is not None:       # the compacted shifts (one row per sequence) and [D] freqs
+    extra = (shifts, ks.frequency_row(shift_freq))
+    extra_specs = [pl.BlockSpec((None, t_p), lambda b, h, r, s: (b, 0)), pl.no_block_spec]
   o, m, l = pl.pallas_call(
-      functools.partial(_kernel, block_k=block_k, scale=scale),
+      functools.partial(_kernel, block_k=block_k, scale=scale, shifted=shifts is not None),
       grid=(b, hkv, rows_p // block_r, k_splits),
-      in_specs=row_specs(t_p, block_r, d, block_k) + [pl.no_block_spec] * 2,   # K, V pools
+      in_specs=(row_specs(t_p, block_r, d, block_k) + extra_specs
+                + [pl.no_block_spec] * 2),                                    # K, V pools
       out_specs=out_specs(block_r, d),
       out_shape=out_shapes(k_splits, b, hkv, rows_p, d, out_dtype),
       compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="jaxkv_paged_attention",
-  )(offset, *inputs, k_flat, v_flat)
+  )(offset, *inputs, *extra, k_flat, v_flat)
   return unfold_rows(merge_splits(o, m, l), tq, hq).astype(q.dtype)
 
 

@@ -244,9 +244,10 @@ def test_live_block_tables_visit_exactly_the_live_visible_blocks(k_splits, page_
                   max_len=200, batch=4, shuffle_pages=shuffle)
   hkv = a["k_pool"].shape[2]
   for contiguous in (True, False):
-    tiling, (cslots, cpos, row_pos, _, table, bounds) = pa.prepare(
+    tiling, (cslots, cpos, row_pos, _, table, bounds), shifts = pa.prepare(
         a["q"], a["q_positions"], a["slot_map"], hkv, block_r=block_r, block_k=block_k,
         k_splits=k_splits, contiguous=contiguous)
+    assert shifts is None
     sm, row_pos = np.asarray(a["slot_map"]), np.asarray(row_pos)
     cslots, cpos = np.asarray(cslots), np.asarray(cpos)
     table, bounds = np.asarray(table), np.asarray(bounds)

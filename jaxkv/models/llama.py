@@ -253,9 +253,10 @@ class Transformer(nnx.Module):
     # The kernels' compaction and live-block tables depend on the slot map and
     # positions only: built once here when every layer reads the same ones.
     plan = None
-    if not per_layer_map and recompute is None and key_shift is None:
+    if not per_layer_map and recompute is None:
       plan = ops.attention_plan(slot_map, positions, num_heads=h, num_kv_heads=k,
-                                impl=attn_impl, lora=decoupled, num_slots=kv.num_slots)
+                                impl=attn_impl, lora=decoupled, num_slots=kv.num_slots,
+                                key_shift=key_shift)
     lr_ws = write_slots if lora is None or lora.lr_write_slots is None else lora.lr_write_slots
 
     def layer(carry, xs):
