@@ -37,6 +37,11 @@ Chance baselines (`CHANCE`, first in the paired table, `PAIRS`): epic_random and
 blend_random recompute as many tokens as EPIC / CacheBlend, drawn uniformly from each segment
 (`ReuseConfig.select="random"`), and naive_norope splices without re-rotating the
 keys to their new positions (`rerope=False`).
+
+A method may carry settings, `name@field=value[@field=value]` (`method_config`:
+the gates' and the sweeps' knobs, e.g. `tiered@ctx_threshold=0.6`); such a row is
+paired with its base method in the paired table. The gates are calibrated on a dev
+trace file and reported on a held-out one (`scripts/calibrate_reuse_gates.py`).
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ CHANCE = (("epic", "epic_random"), ("cacheblend", "blend_random"), ("naive", "na
 PAIRS = CHANCE + (("tiered", "cacheblend"), ("tiered", "epic"), ("cacheblend", "epic"),
                   ("epic", "naive"))
 TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
+OVERRIDABLE = ("ctx_threshold", "probe_reject", "guard_base", "blend_ratio", "epic_tokens",
+               "blend_layer", "seg_threshold")
 FLAGS = flags.FLAGS
 
 
@@ -93,7 +100,8 @@ def define_flags():
   flags.DEFINE_integer("requests", 24, "requests in the workload")
   flags.DEFINE_integer("seed", 0, "workload seed")
   flags.DEFINE_string("model", "smollm2-135m", "preset or weights path")
-  flags.DEFINE_string("methods", ",".join(METHODS), f"comma list of {','.join(METHODS)}")
+  flags.DEFINE_string("methods", ",".join(METHODS), f"comma list of {','.join(METHODS)}, "
+                      "each optionally with @field=value settings (method_config)")
   flags.DEFINE_enum("storage", "int8", ["int8", "float16", "float32"], "segment storage")
   flags.DEFINE_integer("gen", 32, "greedy tokens compared with no reuse (at most: "
                        "each output ends at its stop token)")
@@ -153,11 +161,35 @@ def serve(runner: ReuseRunner, req, gen: int, clock: CompileClock, quality: bool
   return out
 
 
+def method_config(name: str) -> ReuseConfig:
+  """The ReuseConfig of a --methods entry: a METHODS name, optionally followed by
+  `@field=value` settings of OVERRIDABLE fields (the gates' and the sweeps'
+  knobs), e.g. `tiered@ctx_threshold=0.6@probe_reject=0.25`; the entry is the row's
+  method name."""
+  base, *sets = name.split("@")
+  if base not in METHODS:
+    raise app.UsageError(f"unknown method {base!r} in {name!r}; known: {sorted(METHODS)}")
+  kw = dict(METHODS[base])
+  for item in sets:
+    field, _, value = item.partition("=")
+    if field not in OVERRIDABLE or not value:
+      raise app.UsageError(f"{name!r}: '@{item}' is not field=value of one of {OVERRIDABLE}")
+    kind = type(getattr(ReuseConfig(), field))
+    try:
+      kw[field] = kind(value)
+    except ValueError:
+      raise app.UsageError(f"{name!r}: {field} takes a {kind.__name__}, got {value!r}") from None
+  try:
+    return ReuseConfig(storage=FLAGS.storage, **kw)
+  except ValueError as e:
+    raise app.UsageError(f"{name!r}: {e}") from None
+
+
 def run_method(llm, name: str, requests, ref, clock: CompileClock,
                hardware: tuple[float, float]) -> tuple[dict, list[dict]]:
   """One method over the workload: (its row, each request's outputs). `ref`: the
   outputs of `none` (None: this is none); hardware: (FLOP/s, bytes/s) for break-even."""
-  cfg = ReuseConfig(storage=FLAGS.storage, **METHODS[name])
+  cfg = method_config(name)
   need = max(r.ids.size for r in requests) + max(FLAGS.gen, GOLD) + 16
   pages = max(1024, 4 * need // 16)
   if FLAGS.num_pages:
@@ -248,7 +280,7 @@ def _runs(pre) -> list[list]:
 def run_perturbed(llm, name: str, pairs, ref, clock: CompileClock) -> tuple[list[dict], list]:
   """One method over workload (d): per pair, the reference is served (and stored)
   then the probe is measured, and the runner forgets both. Rows per (kind, frac)."""
-  cfg = ReuseConfig(storage=FLAGS.storage, **METHODS[name])
+  cfg = method_config(name)
   need = max(p.ids.size for _, p in pairs) + max(FLAGS.gen, GOLD) + 16
   runner = ReuseRunner(llm, cfg, cache=CacheConfig(num_pages=max(1024, 4 * need // 16),
                                                    page_size=16, max_seq_len=need + 16))
@@ -357,12 +389,13 @@ def _ci(r, field, fmt) -> str:
 
 def paired_table(rows: list[dict]) -> common.Table | None:
   """Each method against its chance baseline (`CHANCE`), then against the others
-  (`PAIRS`), on the same requests: paired mean differences (a - b) with bootstrap
-  intervals over requests, beside the FLOPs each spent (unequal FLOPs: not a matched
-  comparison)."""
+  (`PAIRS`), then each method run with @settings against its base method, on the
+  same requests: paired mean differences (a - b) with bootstrap intervals over
+  requests, beside the FLOPs each spent (unequal FLOPs: not a matched comparison)."""
   by = {r["method"]: r for r in rows if "per_request" in r}
   lines = []
-  for a, b in PAIRS:
+  variants = tuple((m, m.split("@")[0]) for m in by if "@" in m)
+  for a, b in PAIRS + variants:
     if a in by and b in by:
       x, y = by[a]["per_request"], by[b]["per_request"]
       d = lambda k, x=x, y=y: "{:+.4f} [{:+.4f}, {:+.4f}]".format(*calls.mean_ci(x[k], y[k]))
@@ -470,7 +503,9 @@ def main(argv):
   if FLAGS.tables_from:
     common.print_tables_from(FLAGS.tables_from, tables)
     return
-  names = common.method_names(FLAGS.methods, METHODS)
+  names = FLAGS.methods.split(",")
+  for name in names:
+    method_config(name)                   # unknown methods or settings: a usage error now
   llm = jaxkv.load(FLAGS.model)
   requests = build_workload(llm.tokenizer)
   rows = []

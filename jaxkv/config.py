@@ -355,8 +355,9 @@ class ReuseConfig:
   ctx_threshold: float = 0.0    # Tiered: a run whose W_ctx left context has a MinHash
                                 # Jaccard similarity below this with the stored one's
                                 # (tau_ctx) is not reused approximately (exact reuse
-                                # still applies); 0 admits every context (not calibrated
-                                # yet).
+                                # still applies); 0 admits every context. Calibrated on
+                                # dev data by bench/reuse_gates.py (no signal found yet:
+                                # docs/results/segment-reuse.md).
   storage: str = "int8"         # Precision of the stored keys and values: int8 (a scale per
                                 # group of values), float16 or float32.
   group_size: int = 32          # Values sharing one int8 scale, along the head dimension
