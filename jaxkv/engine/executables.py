@@ -18,7 +18,7 @@ the clears are counted (`/metrics`) and logged with that advice.
 
 Measured (SmolLM2, XLA:CPU, `bench/soak.py`): without a bound the steps went from
 17 to 47 variants and RSS from 3.6 to 5.0 GB in 355 s; docs/guides/server.md (Soak) has
-for the bounded run.
+the bounded run.
 """
 
 from __future__ import annotations
