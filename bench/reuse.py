@@ -40,7 +40,9 @@ keys to their new positions (`rerope=False`).
 
 A method may carry settings, `name@field=value[@field=value]` (`method_config`:
 the gates' and the sweeps' knobs, e.g. `tiered@ctx_threshold=0.6`); such a row is
-paired with its base method in the paired table. The gates are calibrated on a dev
+paired with its base method in the paired table, and a gated row also with its base's
+`@reject_random=p` row (each spliced run recomputed with probability p: the gates'
+chance baseline at a matched rate). The gates are calibrated on a dev
 trace file and reported on a held-out one (`scripts/calibrate_reuse_gates.py`).
 """
 
@@ -81,9 +83,12 @@ METHODS = {
 CHANCE = (("epic", "epic_random"), ("cacheblend", "blend_random"), ("naive", "naive_norope"))
 PAIRS = CHANCE + (("tiered", "cacheblend"), ("tiered", "epic"), ("cacheblend", "epic"),
                   ("epic", "naive"))
+# at matched FLOPs (workload (a)): EPIC with more first tokens against CacheBlend, and
+# CacheBlend recomputing more against tiered
+MATCHED = (("epic@epic_tokens=40", "cacheblend"), ("cacheblend@blend_ratio=0.75", "tiered"))
 TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
-OVERRIDABLE = ("ctx_threshold", "probe_reject", "guard_base", "blend_ratio", "epic_tokens",
-               "blend_layer", "seg_threshold")
+OVERRIDABLE = ("ctx_threshold", "probe_reject", "reject_random", "guard_base", "blend_ratio",
+               "epic_tokens", "blend_layer", "seg_threshold")
 FLAGS = flags.FLAGS
 
 
@@ -389,13 +394,17 @@ def _ci(r, field, fmt) -> str:
 
 def paired_table(rows: list[dict]) -> common.Table | None:
   """Each method against its chance baseline (`CHANCE`), then against the others
-  (`PAIRS`), then each method run with @settings against its base method, on the
-  same requests: paired mean differences (a - b) with bootstrap intervals over
-  requests, beside the FLOPs each spent (unequal FLOPs: not a matched comparison)."""
+  (`PAIRS`), then each method run with @settings against its base method, and a gated
+  one against its base's `reject_random` run (the gates' control), on the same
+  requests: paired mean differences (a - b) with bootstrap intervals over requests,
+  beside the FLOPs each spent (unequal FLOPs: not a matched comparison)."""
   by = {r["method"]: r for r in rows if "per_request" in r}
   lines = []
   variants = tuple((m, m.split("@")[0]) for m in by if "@" in m)
-  for a, b in PAIRS + variants:
+  # a gated variant against its base's random reject at a matched rate (the control)
+  control = {b: m for m, b in variants if "reject_random" in m}
+  gated = tuple((m, control[b]) for m, b in variants if b in control and m != control[b])
+  for a, b in PAIRS + MATCHED + variants + gated:
     if a in by and b in by:
       x, y = by[a]["per_request"], by[b]["per_request"]
       d = lambda k, x=x, y=y: "{:+.4f} [{:+.4f}, {:+.4f}]".format(*calls.mean_ci(x[k], y[k]))

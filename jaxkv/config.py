@@ -402,6 +402,9 @@ class ReuseConfig:
                                 # stored at (the chance baseline of the re-indexing).
   seed: int = 0                 # Seed of select=random's draws (per segment, also mixed
                                 # with its position in the prompt).
+  reject_random: float = 0.0    # The gates' chance baseline: each run that would be
+                                # spliced (not exact) is recomputed in full instead with
+                                # this probability, seeded as select=random; 0: never.
 
   def __post_init__(self):
     if self.method not in REUSE_METHODS:
@@ -418,6 +421,8 @@ class ReuseConfig:
       raise ValueError("reuse needs 0 < stride <= window, min_tokens >= 1, shingle >= 1")
     if not 0.0 < self.seg_threshold <= 1.0 or not 0.0 <= self.blend_ratio <= 1.0:
       raise ValueError("reuse.seg_threshold must be in (0, 1], blend_ratio in [0, 1]")
+    if not 0.0 <= self.reject_random <= 1.0:
+      raise ValueError(f"reuse.reject_random must be in [0, 1], got {self.reject_random}")
     if not 0.0 <= self.ctx_threshold <= 1.0:
       raise ValueError(f"reuse.ctx_threshold must be in [0, 1], got {self.ctx_threshold}")
     if self.cut_every < 1 or self.guard_base < 1 or self.blend_layer < 0 or self.epic_tokens < 0:

@@ -233,6 +233,32 @@ def test_context_threshold_refuses_approximate_tiers():
     ReuseConfig(ctx_threshold=1.5)
 
 
+def test_random_reject_is_the_gates_seeded_chance_baseline():
+  """reject_random = p turns down about a share p of the runs that would be spliced,
+  the same ones for the same seed and run places, another set for another seed; p = 0
+  and p = 1 reject none and all; exact runs are never turned down."""
+  seg = dataclasses.replace(_segment(np.random.default_rng(), 40, store.Fingerprint("m", "t", "r"),
+                                     layers=6), hidden={2: None, 4: None})
+  matches = [index.Match(key=0, p_lo=70 + i, s_lo=0, n=40, ctx_match=70 + i, ctx_jaccard=0.9)
+             for i in range(400)]
+
+  def rejected(**kw):
+    cfg = ReuseConfig(**kw)
+    return [admission.decide(m, seg, cfg, 6).tier == "reject" for m in matches]
+
+  assert not any(rejected()) and all(rejected(reject_random=1.0))
+  a, b = rejected(reject_random=0.2), rejected(reject_random=0.2, seed=1)
+  assert a == rejected(reject_random=0.2) and a != b
+  assert 0.14 < np.mean(a) < 0.26 and 0.14 < np.mean(b) < 0.26
+  d = admission.decide(matches[0], seg, ReuseConfig(reject_random=1.0), 6)
+  assert "random reject" in d.reason and "approx" in d.reason
+  exact = dataclasses.replace(seg, left=np.zeros(70, np.int32), exact=True)
+  whole = index.Match(key=0, p_lo=70, s_lo=0, n=40, ctx_match=70, ctx_jaccard=1.0)
+  assert admission.decide(whole, exact, ReuseConfig(reject_random=1.0), 6).tier == "exact"
+  with pytest.raises(ValueError, match="reject_random"):
+    ReuseConfig(reject_random=1.5)
+
+
 # ----------------------------------------------------------------------------- runner
 @pytest.mark.parametrize("regime", ["A", "B"])
 def test_exact_tier_reproduces_no_reuse(llm, regime):

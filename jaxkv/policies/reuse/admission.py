@@ -122,6 +122,11 @@ def decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Dec
   whatever the method: position 0 is the attention sink, whose K/V differ most from
   those of the same token with context before it (`sink_first`)."""
   d = _decide(match, seg, cfg, num_layers)
+  if cfg.reject_random and d.tier not in ("exact", "reject"):
+    coin = np.random.default_rng([cfg.seed, match.p_lo, match.s_lo, match.n, 1]).random()
+    if coin < cfg.reject_random:
+      return Decision("reject", f"random reject (p = {cfg.reject_random}: the gates' "
+                      f"chance baseline) of {d.tier}")
   return sink_first(d) if match.p_lo == 0 else d
 
 
@@ -136,7 +141,8 @@ def sink_first(d: Decision) -> Decision:
 def random_tokens(match: Match, cfg: ReuseConfig, k: int) -> np.ndarray:
   """min(k, n) distinct token indices of a run of n, drawn uniformly and seeded by
   `cfg.seed` and the run's place (`ReuseConfig.select="random"`: the chance baseline
-  of EPIC's first tokens and of the blend tier's most-deviating ones)."""
+  of EPIC's first tokens and of the blend tier's most-deviating ones; `reject_random`
+  draws its coin from the same seed on another stream)."""
   rng = np.random.default_rng([cfg.seed, match.p_lo, match.s_lo, match.n])
   return rng.choice(match.n, min(k, match.n), replace=False)
 
