@@ -85,7 +85,8 @@ PAIRS = CHANCE + (("tiered", "cacheblend"), ("tiered", "epic"), ("cacheblend", "
                   ("epic", "naive"))
 # at matched FLOPs (workload (a)): EPIC with more first tokens against CacheBlend, and
 # CacheBlend recomputing more against tiered
-MATCHED = (("epic@epic_tokens=40", "cacheblend"), ("cacheblend@blend_ratio=0.75", "tiered"))
+MATCHED = (("epic@epic_tokens=40", "cacheblend"), ("cacheblend@blend_ratio=0.75", "tiered"),
+           ("tiered@guard_base=4", "cacheblend"), ("tiered@guard_base=4", "epic@epic_tokens=40"))
 TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
 OVERRIDABLE = ("ctx_threshold", "probe_reject", "reject_random", "guard_base", "blend_ratio",
                "epic_tokens", "blend_layer", "seg_threshold")
