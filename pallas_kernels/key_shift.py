@@ -6,9 +6,8 @@ gathers the keys and rotates them with `jaxkv.rope.apply_rope`; the kernels do i
 per key block, so a batch holding a MemArt row keeps the kernel instead of falling
 back to the reference for every row.
 
-- `compact_shifts`: each row's shifts moved to the front with its live tokens (the
-  same permutation as `paged_attention.compact_live`), so key block j's shifts sit
-  beside its compacted slots and positions;
+- the shifts are compacted with each row's live tokens (`paged_attention.compact_live`),
+  so key block j's shifts sit beside its compacted slots and positions;
 - `rotate_rows`: a key block [block_k, D] read and rotated in the kernel:
   k * cos + rotate_half(k) * sin with rotate_half = (-k[D/2:], k[:D/2]). Triton
   cannot slice a tile along its last axis, so the half-swapped block is a second
@@ -25,17 +24,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
-
-
-def compact_shifts(slots: jax.Array, key_shift: jax.Array, t_p: int, sentinel: int) -> jax.Array:
-  """key_shift [B, T] -> [B, t_p], live tokens first in position order (0 padding),
-  aligned with `compact_live(slots, t_p)`."""
-  b, t = slots.shape
-  live = slots != sentinel
-  dest = jnp.where(live, jnp.cumsum(live, axis=1, dtype=jnp.int32) - 1, t_p)
-  rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-  return jnp.zeros((b, t_p), jnp.int32).at[rows, dest].set(key_shift.astype(jnp.int32),
-                                                           mode="drop")
 
 
 def frequency_row(shift_freq: jax.Array) -> jax.Array:

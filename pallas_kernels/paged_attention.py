@@ -125,11 +125,12 @@ def choose_tiling(rows: int, t: int, *, programs: int = 1, block_r=None, block_k
 POS_PAD = 1 << 30   # position of compaction padding: after every query, never visible
 
 
-def compact_live(slots: jax.Array, t_p: int):
+def compact_live(slots: jax.Array, t_p: int, key_shift: jax.Array | None = None):
   """Live tokens of each row moved to the front, in position order.
 
   slots [B, T] -> (cslots [B, t_p] with SENTINEL padding, cpos [B, t_p] their
-  logical positions with POS_PAD padding). A scatter at cumsum(live) - 1: O(B T).
+  logical positions with POS_PAD padding, cshift [B, t_p] the live tokens' key shifts
+  with 0 padding, or None without `key_shift`). A scatter at cumsum(live) - 1: O(B T).
   Dead tokens then cost the kernels nothing, not even a masked lane.
   """
   b, t = slots.shape
@@ -140,7 +141,9 @@ def compact_live(slots: jax.Array, t_p: int):
       slots.astype(jnp.int32), mode="drop")
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   cpos = jnp.full((b, t_p), POS_PAD, jnp.int32).at[rows, dest].set(pos, mode="drop")
-  return cslots, cpos
+  cshift = None if key_shift is None else jnp.zeros((b, t_p), jnp.int32).at[rows, dest].set(
+      key_shift.astype(jnp.int32), mode="drop")
+  return cslots, cpos, cshift
 
 
 def live_block_tables(cslots: jax.Array, cpos: jax.Array, row_pos: jax.Array, *, block_r: int,
@@ -352,12 +355,10 @@ def make_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
   tiling = choose_tiling(rows, slot_map.shape[1], programs=b * num_kv_heads, block_r=block_r,
                          block_k=block_k, k_splits=k_splits)
   row_pos = fold_positions(q_positions, num_heads // num_kv_heads, tiling.rows_p)
-  cslots, cpos = compact_live(slot_map, tiling.t_p)
+  cslots, cpos, shifts = compact_live(slot_map, tiling.t_p, key_shift)
   table, bounds = live_block_tables(cslots, cpos, row_pos, block_r=tiling.block_r,
                                     block_k=tiling.block_k, k_splits=tiling.k_splits,
                                     contiguous=contiguous)
-  shifts = None if key_shift is None else ks.compact_shifts(slot_map, key_shift, tiling.t_p,
-                                                            SENTINEL)
   return Plan(tiling, cslots, cpos, row_pos, table, bounds, shifts)
 
 

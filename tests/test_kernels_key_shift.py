@@ -18,7 +18,6 @@ import pytest
 from jaxkv import ops
 from jaxkv.config import RopeConfig
 from jaxkv.rope import delta_frequencies
-from pallas_kernels import key_shift as ks
 from pallas_kernels import paged_attention as pa
 from test_kernels import INTERPRET, NUM_LAYERS, S, _case, _check, _ref, export_for_cuda
 
@@ -114,9 +113,8 @@ def test_one_shifted_plan_serves_every_layer_and_plans_must_match():
 def test_compacted_shifts_follow_the_live_tokens():
   slots = jnp.asarray([[0, 5, 6, 0, 9], [3, 0, 0, 0, 4]], jnp.int32)
   shift = jnp.asarray([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], jnp.int32)
-  got = ks.compact_shifts(slots, shift, 8, pa.SENTINEL)
+  cslots, _, got = pa.compact_live(slots, 8, shift)
   np.testing.assert_array_equal(got, [[2, 3, 5, 0, 0, 0, 0, 0], [6, 10, 0, 0, 0, 0, 0, 0]])
-  cslots, _ = pa.compact_live(slots, 8)
   np.testing.assert_array_equal(cslots[:, :3], [[5, 6, 9], [3, 4, 0]])
 
 

@@ -123,7 +123,7 @@ def decide(match: Match, seg: Segment, cfg: ReuseConfig, num_layers: int) -> Dec
   those of the same token with context before it (`sink_first`)."""
   d = _decide(match, seg, cfg, num_layers)
   if cfg.reject_random and d.tier not in ("exact", "reject"):
-    coin = np.random.default_rng([cfg.seed, match.p_lo, match.s_lo, match.n, 1]).random()
+    coin = _run_rng(match, cfg, stream=1).random()
     if coin < cfg.reject_random:
       return Decision("reject", f"random reject (p = {cfg.reject_random}: the gates' "
                       f"chance baseline) of {d.tier}")
@@ -143,8 +143,14 @@ def random_tokens(match: Match, cfg: ReuseConfig, k: int) -> np.ndarray:
   `cfg.seed` and the run's place (`ReuseConfig.select="random"`: the chance baseline
   of EPIC's first tokens and of the blend tier's most-deviating ones; `reject_random`
   draws its coin from the same seed on another stream)."""
-  rng = np.random.default_rng([cfg.seed, match.p_lo, match.s_lo, match.n])
-  return rng.choice(match.n, min(k, match.n), replace=False)
+  return _run_rng(match, cfg).choice(match.n, min(k, match.n), replace=False)
+
+
+def _run_rng(match: Match, cfg: ReuseConfig, stream: int | None = None) -> np.random.Generator:
+  """The run's own generator: `cfg.seed` and the run's place (and a stream for a
+  second, independent draw)."""
+  key = [cfg.seed, match.p_lo, match.s_lo, match.n]
+  return np.random.default_rng(key if stream is None else key + [stream])
 
 
 def random_picks(match: Match, cfg: ReuseConfig, k: int, resume: int) -> np.ndarray:
