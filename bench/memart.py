@@ -40,10 +40,16 @@ session). Per question:
   re-prefilled as text before the question (Mem0's shape).
 Equal decode KV lengths: every method but full reads about top_k x BS history
 tokens. Scores: LoCoMo's F1 and BLEU-1 of the greedy answer (--gen tokens,
-stopping at the end of turn; F1 vs full paired by question, bootstrap 95%
-interval), the gold answer's NLL (teacher-forced, nats per token), evidence
-recall (an evidence turn counts as retrieved when a retrieved block overlaps it;
-Wilson 95% interval). The retrieval ablation (no
+stopping at the end of turn; F1 vs full paired by question), the gold answer's
+NLL (teacher-forced, nats per token), evidence recall under one rule for every
+method (`answer_spans`, `credited`: an evidence turn counts as retrieved when
+every one of its answer-bearing tokens is among the retrieved history tokens:
+the gold answer's tokens where the turn states it, else the whole turn; MemArt
+and recent retrieve blocks, plaintext whole turns). Intervals are 95% bootstraps
+over conversations (the unit that varies), and each method is paired with
+plaintext on the same evidence (exact McNemar). --split=dev|test takes the first
+--dev_conversations conversations or the rest: settings are chosen on dev and
+reported on test. The retrieval ablation (no
 generation): recall@k for Table 1's four strategies x block sizes x boxes over
 raw (de-rotated) or post-RoPE keys (+pooled: one box per layer over all KV heads),
 plus plaintext at the same token budgets (first
@@ -121,6 +127,10 @@ def define_flags():
   flags.DEFINE_bool("generate", True, "answer with every method; --nogenerate runs the "
                     "retrieval ablation alone (recall@k, plaintext included)")
   flags.DEFINE_integer("max_questions", 0, "first N questions per conversation (0: all)")
+  flags.DEFINE_enum("split", "all", ["all", "dev", "test"], "which conversations: the "
+                    "first --dev_conversations of the file (dev: choose settings there), the "
+                    "rest (test: report there, settings frozen), or all")
+  flags.DEFINE_integer("dev_conversations", 4, "conversations of the dev split")
   flags.DEFINE_string("out", None, "results JSON (rows; resumable by conversation)")
   flags.DEFINE_string("plot", "docs/plots/memart_recall.png", "recall-vs-k plot")
   flags.DEFINE_string("tables_from", None, "print the tables of an existing results JSON")
@@ -195,13 +205,58 @@ class MiniLM:
     return np.concatenate(out)
 
 
-def covered(mem, rows, spans_by_session, dia_id: str) -> bool:
-  """An evidence turn is retrieved when a retrieved block overlaps it."""
+def answer_spans(tok, lay: Layout, conv: C.Conversation, qa: C.QA) -> list[tuple]:
+  """What a method must retrieve to be credited, the same for every method: per
+  evidence turn, (session, lo, hi) of its answer-bearing tokens in the session's
+  ids. Where the turn states the gold answer (a planted fact's value), those
+  tokens; otherwise the whole turn (an utterance-recall answer is the turn itself).
+  An evidence id the history lacks gives (-1, 0, 1), never credited."""
+  where = {t.dia_id: si for si, s in enumerate(conv.sessions) for t in s.turns}
+  out = []
+  for e in qa.evidence:
+    si = where.get(e, -1)
+    if si < 0 or e not in lay.sessions[si][1]:
+      out.append((-1, 0, 1))
+      continue
+    lo, hi = lay.sessions[si][1][e]
+    ids = lay.sessions[si][0][lo:hi].tolist()
+    c0 = tok.decode(ids).lower().find(qa.answer.strip().lower()) if qa.answer.strip() else -1
+    if c0 < 0:
+      out.append((si, lo, hi))
+      continue
+    c1 = c0 + len(qa.answer.strip())
+    ends = [len(tok.decode(ids[:i + 1])) for i in range(len(ids))]   # chars after token i
+    a = next(i for i, n in enumerate(ends) if n > c0)
+    b = next(i for i, n in enumerate(ends) if n >= c1) + 1
+    out.append((si, lo + a, lo + b))
+  return out
+
+
+def credited(got: dict, span: tuple) -> bool:
+  """The evidence rule: every answer-bearing token of `span` (`answer_spans`) is
+  among the retrieved history tokens `got` ({session: [(lo, hi), ...]})."""
+  si, lo, hi = span
+  need = np.zeros(hi - lo, bool)
+  for a, b in got.get(si, ()):
+    need[max(a, lo) - lo:max(min(b, hi) - lo, 0)] = True
+  return bool(need.all())
+
+
+def block_tokens(mem, rows) -> dict:
+  """The history tokens memory blocks `rows` hold, by session: {tag: [(lo, hi)]}."""
+  got = {}
   for r in rows:
-    span = spans_by_session[mem.tags[r]].get(dia_id)
-    if span is not None and mem.spans[r][0] < span[1] and span[0] < mem.spans[r][1]:
-      return True
-  return False
+    got.setdefault(int(mem.tags[r]), []).append(tuple(int(x) for x in mem.spans[r]))
+  return got
+
+
+def turn_tokens(chosen, turn_rows, spans) -> dict:
+  """The history tokens whole turns hold (plaintext's picks), by session."""
+  got = {}
+  for j in chosen:
+    si, t = turn_rows[j]
+    got.setdefault(si, []).append(spans[si][t.dia_id])
+  return got
 
 
 def plain_pick(sim: np.ndarray, turn_rows, spans, budget: int) -> list[int]:
@@ -282,7 +337,7 @@ def _score(tok, out, qa) -> dict:
   return dict(pred=text, f1=C.f1(text, qa.answer), bleu1=C.bleu1(text, qa.answer))
 
 
-def run_conversation(llm, conv, names, minilm) -> list[dict]:
+def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]:
   tok = llm.tokenizer
   lay = layout(tok, conv, FLAGS.prompt)
   qas = list(conv.qa[:FLAGS.max_questions or None])
@@ -317,14 +372,16 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
   for qi, qa in enumerate(qas if FLAGS.generate else ()):
     tail, voters = tail_ids(tok, lay, qa.question, FLAGS.voters)
     ans = np.asarray(tok.encode(" " + qa.answer, add_bos=False), np.int32)[:48]
-    base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer)
+    base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer,
+                split=split, rule="answer-tokens")
+    targets = answer_spans(tok, lay, conv, qa)
     for name in names:
       for _rep in range(2 if qi == 0 or FLAGS.warm else 1):   # compiles untimed
         extra = {}
         if name == "full":
           blocks, m, pre_tokens = full_rows, full_mem, lay.head.size + hist.size + tail.size
           out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
-          latency, recall = full_write_s + out.latency_s, 1.0
+          latency, hit = full_write_s + out.latency_s, [True] * len(targets)
           extra["ttft"] = full_write_s + out.ttft_s       # no prefix cache: the paper's count
           mem_bytes = int(np.sum(full_mem.tokens[full_mem.live])) * r.slot_bytes
         elif name in ("memart", "memart_rerank", "recent"):
@@ -340,8 +397,8 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
             blocks = out.blocks
             extra["strategy"] = strategy_label(rr, FLAGS.neighbors)
           pre_tokens, latency = out.prefill_tokens, out.latency_s
-          recall = np.mean([covered(m, blocks, spans, e) for e in qa.evidence]) \
-              if qa.evidence else np.nan
+          got = block_tokens(m, blocks)
+          hit = [credited(got, sp) for sp in targets]
           mem_bytes = mem.nbytes
         else:                                          # plaintext retrieval, re-prefilled
           t0 = time.perf_counter()
@@ -355,14 +412,14 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
           latency = time.perf_counter() - t0
           extra["ttft"] = latency - out.latency_s + out.ttft_s
           pre_tokens = ids.size + tail.size
-          got = {turn_rows[j][1].dia_id for j in chosen}
-          recall = np.mean([e in got for e in qa.evidence]) if qa.evidence else np.nan
+          hit = [credited(turn_tokens(chosen, turn_rows, spans), sp) for sp in targets]
           mem_bytes = int(emb.nbytes + sum(len(t.text.encode()) for _, t in turn_rows))
           extra["plain_mem"] = m
         forced = r.answer(m, tail, ans.size, blocks=blocks, forced=ans)
         if "plain_mem" in extra:
           r.forget(extra["plain_mem"])
-      recs.append(dict(base, method=name, recall=float(recall),
+      recall = float(np.mean(hit)) if hit else float("nan")
+      recs.append(dict(base, method=name, recall=recall, hit=hit,
                        nll=float(-np.mean(forced.logprobs)), prefill_tokens=int(pre_tokens),
                        probe_tokens=int(out.probe_tokens), decode_kv_len=int(out.decode_kv_len),
                        latency_s=float(latency), ttft_s=float(extra.get("ttft", out.ttft_s)),
@@ -400,18 +457,19 @@ def run_conversation(llm, conv, names, minilm) -> list[dict]:
           for k in ks:
             kk = max(1, k * bs0 // bs)                 # equal tokens across block sizes
             rows = pick(kk)
-            hit = [bool(covered(ma, rows, spans, e)) for e in qa.evidence]
+            got = block_tokens(ma, rows)
+            hit = [credited(got, sp) for sp in answer_spans(tok, lay, conv, qa)]
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
                             strategy=strat, top_k=kk, tokens=kk * bs, hits=sum(hit),
-                            hit=hit, n=len(qa.evidence)))
+                            hit=hit, n=len(qa.evidence), split=split))
         if first and emb is not None:                  # plaintext at the same token budgets
           for k in ks:
-            got = {turn_rows[j][1].dia_id for j in plain_pick(emb @ qvecs[qi], turn_rows,
-                                                              spans, k * bs0)}
-            hit = [e in got for e in qa.evidence]
+            got = turn_tokens(plain_pick(emb @ qvecs[qi], turn_rows, spans, k * bs0),
+                              turn_rows, spans)
+            hit = [credited(got, sp) for sp in answer_spans(tok, lay, conv, qa)]
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
                             strategy="plaintext", top_k=k, tokens=k * bs0, hits=sum(hit),
-                            hit=hit, n=len(qa.evidence)))
+                            hit=hit, n=len(qa.evidence), split=split))
       if not first:
         ra.forget(ma)
   r.forget(mem)
@@ -461,11 +519,17 @@ def main(argv):
       state = json.load(f)
   done = {r["conv"] for r in state["recs"]}
   rows = _rows(state["recs"], state["abl"])
+  if FLAGS.split != "all":
+    if not 0 < FLAGS.dev_conversations < len(convs):
+      raise app.UsageError(f"--dev_conversations={FLAGS.dev_conversations}: need 1.."
+                           f"{len(convs) - 1} ({len(convs)} conversations in the file)")
+    convs = convs[:FLAGS.dev_conversations] if FLAGS.split == "dev" \
+        else convs[FLAGS.dev_conversations:]
   for conv in convs:
     if conv.sample_id in done:
       print(f"{conv.sample_id}: already in {side}, skipped")
       continue
-    rc, ab = run_conversation(llm, conv, names, minilm)
+    rc, ab = run_conversation(llm, conv, names, minilm, FLAGS.split)
     rc += _merge(reuse, rc, conv.sample_id)
     # Each compiled XLA:CPU executable holds memory mappings; one conversation's
     # shapes took ~44k of the 65,530 a process may hold (vm.max_map_count), and the

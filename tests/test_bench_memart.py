@@ -1,5 +1,7 @@
 """bench/memart.py's record plumbing (no model): reusing an earlier run's records,
-F1 vs full paired by question, the paired recall table with several R, --rerank."""
+F1 vs full paired by question, the paired recall table with several R, --rerank,
+the one evidence rule (on SmolLM2's tokenizer), conversation-level intervals and
+the pairing with plaintext."""
 
 import pathlib
 import sys
@@ -11,6 +13,9 @@ from absl import app, flags
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import memart as bench
 import memart_tables
+from jaxkv.data import conversations as C
+from jaxkv.models import presets
+from jaxkv.tokens import Tokenizer
 
 FLAGS = flags.FLAGS
 
@@ -84,3 +89,96 @@ def test_rerank_flag_is_checked(parsed):
   FLAGS.rerank = ["-2"]
   with pytest.raises(app.UsageError, match=">= 0"):
     bench._reranks()
+
+
+def _conversation():
+  turns = (C.Turn("Jon", "D1:1", "Hey, how was the hike on Sunday? I heard it rained."),
+           C.Turn("Gina", "D1:2", "My locker code at the gym is 4172, I keep forgetting it.",
+                  True),
+           C.Turn("Jon", "D1:3", "Ha, write it down somewhere safe then."))
+  qa = (C.QA("What is Gina's gym locker code?", "4172", ("D1:2",), 4, True),
+        C.QA("What did Jon say right after Gina said the code?",
+             "Ha, write it down somewhere safe then.", ("D1:3",), 4),
+        C.QA("Where is it?", "nowhere", ("D9:9",), 4))
+  return C.Conversation("c0", "Jon", "Gina", (C.Session(1, "1:00 pm on 2 May, 2023", turns),),
+                        qa)
+
+
+def test_one_evidence_rule_needs_the_answer_tokens_for_every_method():
+  tok = Tokenizer.load(presets.smollm2_gguf())
+  conv = _conversation()
+  lay = bench.layout(tok, conv, "head")
+  ids, spans = lay.sessions[0]
+  fact, recall, missing = (bench.answer_spans(tok, lay, conv, qa)[0] for qa in conv.qa)
+  si, lo, hi = fact
+  assert si == 0 and spans["D1:2"][0] < lo < hi < spans["D1:2"][1]
+  assert tok.decode(ids[lo:hi].tolist()).strip() == "4172"       # the value's tokens only
+  t_lo, t_hi = spans["D1:3"]
+  assert recall[0] == 0 and t_lo < recall[1] < recall[2] <= t_hi   # the quoted turn text
+  assert "write it down" in tok.decode(ids[recall[1]:recall[2]].tolist())
+  assert missing == (-1, 0, 1) and not bench.credited({0: [(0, ids.size)]}, missing)
+  # a block straddling the value's first token is no longer credited (the old overlap
+  # rule credited it); blocks covering all of it are, whatever else they hold
+  assert not bench.credited({0: [(lo - 8, lo + 1)]}, fact)
+  assert bench.credited({0: [(lo - 8, lo + 1), (lo + 1, hi + 8)]}, fact)
+  assert bench.credited({0: [(lo - 3, hi)]}, fact) and not bench.credited({1: [(lo, hi)]}, fact)
+  # plaintext's whole turns go through the same rule
+  turn_rows = [(0, t) for t in conv.sessions[0].turns]
+  assert bench.credited(bench.turn_tokens([1], turn_rows, [spans]), fact)
+  assert not bench.credited(bench.turn_tokens([0, 2], turn_rows, [spans]), fact)
+
+
+def test_rows_resample_conversations_and_pair_with_plaintext(parsed):
+  recs = []
+  for c in range(6):
+    for q in range(5):
+      full = rec("full", q, 0.6, conv=f"c{c}")
+      plain = dict(rec("plaintext", q, 0.3 + 0.1 * (c % 2), conv=f"c{c}"), hit=[q < 2],
+                   recall=float(q < 2))
+      mem = dict(rec("memart", q, 0.3, conv=f"c{c}"), hit=[q < 4], recall=float(q < 4))
+      recs += [full, plain, mem]
+  rows = {r["method"]: r for r in bench._rows(recs, []) if r["kind"] == "method"}
+  m = rows["memart"]
+  assert m["n_conversations"] == 6 and m["recall_ci_unit"] == "conversations"
+  assert m["only_vs_plaintext"] == [12, 0] and m["p_vs_plaintext"] < 0.001
+  assert m["recall_vs_plaintext"] == pytest.approx(0.4)
+  assert m["recall_vs_plaintext_ci"] == pytest.approx([0.4, 0.4])   # same in every conversation
+  assert m["recall_ci"] == pytest.approx([0.8, 0.8])
+  assert "p_vs_plaintext" not in rows["plaintext"]
+  # plaintext's F1 varies between conversations only: its ratio's interval is wide
+  lo, hi = rows["plaintext"]["f1_vs_full_ci"]
+  assert lo < rows["plaintext"]["f1_vs_full"] < hi and hi - lo > 0.1
+  assert "(0 / 0" not in memart_tables._plain_cell(m) and "p " in memart_tables._plain_cell(m)
+
+
+def test_planted_value_said_pairs_with_full(parsed):
+  recs = []
+  for c in range(4):
+    for q in range(3):
+      said = lambda ok: "It is 4172, I think." if ok else "I do not know."
+      base = dict(synthetic=True, answer="4172")
+      recs += [dict(rec("full", q, 0.5, conv=f"c{c}"), **base, pred=said(True)),
+               dict(rec("memart", q, 0.5, conv=f"c{c}"), **base, pred=said(q == 0))]
+  recs.append(dict(rec("memart", 9, 0.1, conv="c0"), pred="4172"))   # not planted: not counted
+  rows = {r["method"]: r for r in bench._rows(recs, []) if r["kind"] == "method"}
+  assert rows["full"]["contains_planted"] == 1.0 and rows["full"]["n_planted"] == 12
+  m = rows["memart"]
+  assert m["contains_planted"] == pytest.approx(1 / 3) and m["n_planted"] == 12
+  assert m["contains_vs_full"] == [0, 8] and m["p_contains_vs_full"] == pytest.approx(2 / 256)
+  assert memart_tables._contains_cell(m).startswith("0.33 [0.33, 0.33] (0 / 8, p 0.00781")
+
+
+def test_table_gains_the_protocol_columns_only_where_rows_have_them(parsed):
+  old = [dict(r, kind="method") for r in ({"method": "full", "f1": 0.1},)]
+  for r in old:
+    r.update(strategy="-", n_questions=3, bleu1=0.1, f1_recall=0.1, f1_planted=0.1,
+             answer_nll=1.0, evidence_recall=1.0, recall_ci=[0.5, 1.0], prefill_tokens=9,
+             probe_tokens=0, decode_kv_len=9, ttft_s=0.1, latency_s=0.1, memory_bytes=1)
+  t2 = memart_tables.tables(old)[0]
+  assert t2.header[2] == "questions" and len(t2.header) == 10 and t2.lines[0][2] == "3"
+  recs = [dict(rec(m, q, 0.5, conv=f"c{c}"), hit=[True], synthetic=True, pred="4172",
+               answer="4172") for m in ("full", "memart", "plaintext") for c in range(2)
+          for q in range(2)]
+  t2 = memart_tables.tables(bench._rows(recs, []))[0]
+  assert t2.header[2] == "questions (conv.)" and len(t2.header) == 12
+  assert {len(line) for line in t2.lines} == {12} and t2.lines[0][2] == "4 (2)"

@@ -136,6 +136,28 @@ def test_mean_ci_bootstrap():
     calls.mean_ci([1.0, 2.0], [1.0])
 
 
+def test_cluster_bootstrap_resamples_whole_groups():
+  rng = np.random.default_rng()
+  per_group = rng.normal(0.5, 0.2, 10)
+  x = np.repeat(per_group, 20)                              # 10 groups of 20 equal items
+  groups = np.repeat([f"conv{g}" for g in range(10)], 20)
+  _, lo_i, hi_i = calls.mean_ci(x)
+  point, lo, hi = calls.mean_ci(x, groups=groups)
+  assert point == pytest.approx(x.mean()) and lo < point < hi
+  # the groups are the unit: the interval is that of 10 means, not of 200 items
+  assert hi - lo > 3 * (hi_i - lo_i)
+  assert hi - lo == pytest.approx(2 * 1.96 * per_group.std() / np.sqrt(10), rel=0.4)
+  y = rng.uniform(0.5, 1.0, 200)
+  assert calls.ratio_ci(x, y, groups=np.arange(200)) == calls.ratio_ci(x, y)  # singletons
+  assert calls.mean_ci(x, groups=np.arange(200)) == calls.mean_ci(x)
+  _, rlo, rhi = calls.ratio_ci(x, y, groups=groups)
+  _, rlo_i, rhi_i = calls.ratio_ci(x, y)
+  assert rhi - rlo > 2 * (rhi_i - rlo_i)
+  assert math.isnan(calls.mean_ci(x, groups=["one"] * 200)[1])   # one group: no interval
+  with pytest.raises(ValueError, match="group label per item"):
+    calls.mean_ci(x, groups=groups[:10])
+
+
 def test_agreement_counts_the_reference_tokens_up_to_its_stop():
   assert calls.agreement([5, 6, 7], [5, 6, 7]) == (1.0, 3)
   assert calls.agreement([5, 9, 7, 8], [5, 6, 7]) == (pytest.approx(2 / 3), 1)

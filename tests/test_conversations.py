@@ -106,6 +106,14 @@ def test_locomo_scores_on_hand_computed_cases():
   assert C.bleu1("a dog", "the cat") == 0.0                              # nltk: no unigram match
 
 
+def test_contains_finds_the_whole_value_at_word_boundaries():
+  assert C.contains("Her locker code is 4172, she keeps forgetting it.", "4172")
+  assert C.contains("She has a Mustard-Yellow bike", "mustard yellow") is False  # hyphen kept
+  assert C.contains("a mustard yellow one", "mustard yellow")
+  assert not C.contains("41725", "4172") and not C.contains("cellos", "cello")
+  assert not C.contains("anything", "") and not C.contains("", "pho")
+
+
 def test_dates_render_like_locomo():
   assert C._date("2018-05-02T19:38:15Z") == "7:38 pm on 2 May, 2018"     # pylint: disable=protected-access
   assert C._date("2018-05-02T00:05:00Z") == "12:05 am on 2 May, 2018"    # pylint: disable=protected-access

@@ -171,35 +171,56 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
   return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def ratio_ci(x, y, reps: int = 2000, seed: int = 0,
-             level: float = 0.95) -> tuple[float, float, float]:
+def _resamples(n: int, groups, reps: int, seed: int) -> list[np.ndarray] | None:
+  """`reps` bootstrap resamples of n items as index arrays: items drawn with
+  replacement, or with `groups` (one label per item) whole groups drawn with
+  replacement and every item of a drawn group kept (a cluster bootstrap: the
+  conversation or session is the unit that varies, not the question). None when
+  fewer than two items, or fewer than two groups."""
+  if groups is None:
+    if n < 2:
+      return None
+    return list(np.random.default_rng(seed).integers(0, n, (reps, n)))
+  labels = np.asarray(groups)
+  if labels.shape != (n,):
+    raise ValueError(f"bootstrap: need one group label per item, got {labels.shape} for {n}")
+  members = [np.flatnonzero(labels == g) for g in dict.fromkeys(labels.tolist())]
+  if len(members) < 2:
+    return None
+  draws = np.random.default_rng(seed).integers(0, len(members), (reps, len(members)))
+  return [np.concatenate([members[g] for g in d]) for d in draws]
+
+
+def ratio_ci(x, y, reps: int = 2000, seed: int = 0, level: float = 0.95,
+             groups=None) -> tuple[float, float, float]:
   """mean(x) / mean(y) of paired per-item scores and its percentile bootstrap
-  interval (items resampled with replacement, `reps` times, fixed seed): how a
-  method's mean F1 compares with full context's on the same questions. The
-  interval is (nan, nan) when fewer than two pairs, or a resample's mean(y) is 0."""
+  interval (items resampled with replacement, `reps` times, fixed seed; with
+  `groups`, whole groups resampled: `_resamples`): how a method's mean F1 compares
+  with full context's on the same questions. The interval is (nan, nan) when fewer
+  than two pairs (groups), or a resample's mean(y) is 0."""
   x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
   if x.shape != y.shape or x.ndim != 1:
     raise ValueError(f"ratio_ci: need two paired 1-d score lists, got {x.shape}, {y.shape}")
   if not 0 < level < 1 or reps < 1:
     raise ValueError(f"ratio_ci: need 0 < level < 1 and reps >= 1, got {level}, {reps}")
   point = float(x.mean() / y.mean()) if x.size and y.mean() else math.nan
-  if x.size < 2:
+  idx = _resamples(x.size, groups, reps, seed)
+  if idx is None:
     return point, math.nan, math.nan
-  idx = np.random.default_rng(seed).integers(0, x.size, (reps, x.size))
-  den = y[idx].mean(1)
+  den = np.array([y[i].mean() for i in idx])
   if np.any(den == 0):
     return point, math.nan, math.nan
-  r = x[idx].mean(1) / den
+  r = np.array([x[i].mean() for i in idx]) / den
   lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
   return point, float(lo), float(hi)
 
 
-def mean_ci(x, y=None, reps: int = 2000, seed: int = 0,
-            level: float = 0.95) -> tuple[float, float, float]:
+def mean_ci(x, y=None, reps: int = 2000, seed: int = 0, level: float = 0.95,
+            groups=None) -> tuple[float, float, float]:
   """mean(x), or with `y` the mean paired difference mean(x - y), and its percentile
-  bootstrap interval (items resampled with replacement, `reps` times, fixed seed):
-  e.g. a method's ROUGE-L against full's on the same pairs. (nan, nan) interval with
-  fewer than two items."""
+  bootstrap interval (items resampled with replacement, `reps` times, fixed seed;
+  with `groups`, whole groups: `_resamples`): e.g. a method's ROUGE-L against full's
+  on the same pairs. (nan, nan) interval with fewer than two items (groups)."""
   x = np.asarray(x, np.float64)
   if y is not None:
     y = np.asarray(y, np.float64)
@@ -210,10 +231,10 @@ def mean_ci(x, y=None, reps: int = 2000, seed: int = 0,
     raise ValueError(f"mean_ci: need 1-d scores, 0 < level < 1 and reps >= 1, got "
                      f"{x.shape}, {level}, {reps}")
   point = float(x.mean()) if x.size else math.nan
-  if x.size < 2:
+  idx = _resamples(x.size, groups, reps, seed)
+  if idx is None:
     return point, math.nan, math.nan
-  idx = np.random.default_rng(seed).integers(0, x.size, (reps, x.size))
-  lo, hi = np.quantile(x[idx].mean(1), [(1 - level) / 2, (1 + level) / 2])
+  lo, hi = np.quantile([x[i].mean() for i in idx], [(1 - level) / 2, (1 + level) / 2])
   return point, float(lo), float(hi)
 
 

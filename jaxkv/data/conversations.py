@@ -336,6 +336,14 @@ def f1(prediction: str, gold: str) -> float:
   return 2 * prec * rec / (prec + rec)
 
 
+def contains(prediction: str, gold: str) -> bool:
+  """Whether the answer holds the gold answer whole (both normalised as for F1, matched
+  at word boundaries): a planted fact's value said, however verbose the reply. A
+  secondary score beside F1, which a long correct reply lowers."""
+  g = normalize_answer(gold)
+  return bool(g) and f" {g} " in f" {normalize_answer(prediction)} "
+
+
 def bleu1(prediction: str, gold: str) -> float:
   """BLEU-1 as Mem0's evaluation computes it (unigram, smoothing method 1)."""
   from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
