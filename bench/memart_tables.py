@@ -46,7 +46,7 @@ def rows_of(recs: list[dict], abl: list[dict], *, block_size: int, top_k: int,
         decode_kv_len=mean("decode_kv_len"), latency_s=mean("latency_s"), ttft_s=mean("ttft_s"),
         memory_bytes=mean("memory_bytes"), n_questions=len(rs),
         n_conversations=len({r["conv"] for r in rs}), **_vs_full(rs, full_f1),
-        **(_vs_plaintext(rs, plain) if name != "plaintext" else {}),
+        **(_vs_plaintext(rs, plain) if name not in ("plaintext", "full") else {}),
         **_contains(rs, full_pred)))
   keys = sorted({(a["strategy"], a["block_size"], a["box_keys"], a["tokens"]) for a in abl})
   for strat, bs, box, tokens in keys:
@@ -174,6 +174,11 @@ def _ratio_cell(r: dict, full: dict | None) -> str:
   return "-" if not full or not full["f1"] else f"{100 * r['f1'] / full['f1']:.0f}%"
 
 
+def _pct(x: float) -> str:
+  """A score x 100; '-' where no question of the kind was asked (nan)."""
+  return "-" if np.isnan(x) else f"{100 * x:.1f}"
+
+
 def _n_cell(r: dict) -> str:
   """Questions, and conversations where the row counts them."""
   return str(r["n_questions"]) + (f" ({r['n_conversations']})" if "n_conversations" in r else "")
@@ -223,7 +228,7 @@ def tables(rows: list[dict]) -> list[common.Table]:
         "F1 planted q", "BLEU-1", "answer NLL", "evidence recall")
   t2 = [(r["method"], r["strategy"], _n_cell(r), f"{100 * r['f1']:.1f}",
          _ratio_cell(r, full),
-         f"{100 * r['f1_recall']:.1f}", f"{100 * r['f1_planted']:.1f}", f"{100 * r['bleu1']:.1f}",
+         _pct(r["f1_recall"]), _pct(r["f1_planted"]), f"{100 * r['bleu1']:.1f}",
          f"{r['answer_nll']:.3f}",
          f"{r['evidence_recall']:.2f} [{r['recall_ci'][0]:.2f}, {r['recall_ci'][1]:.2f}]",
          _plain_cell(r), _contains_cell(r)) for r in ms]

@@ -252,8 +252,8 @@ def test_a_memory_within_top_k_is_retrieved_whole_without_a_probe(llm, rerank, n
 
 def test_bench_layout_spans_hold_each_turn(llm):
   """bench/memart.py's layout: each turn's token span decodes to its rendered
-  line, sessions concatenate to the history, and a block overlapping a turn
-  counts it as retrieved."""
+  line, sessions concatenate to the history, and the blocks holding a turn are
+  credited with it (the evidence rule), a part of them is not."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
@@ -282,7 +282,13 @@ def test_bench_layout_spans_hold_each_turn(llm):
   spans = [sp for _, sp in lay.sessions]
   lo, hi = spans[1]["D2:1"]
   hit = [x for x in rows if mem.tags[x] == 1 and mem.spans[x][0] < hi and lo < mem.spans[x][1]]
-  assert bench.covered(mem, hit, spans, "D2:1") and not bench.covered(mem, hit, spans, "D1:1")
+  other = [x for x in rows if mem.tags[x] == 0]
+  qa = C.QA("What did Ann say?", "not in the turn", ("D2:1",), 4)   # credit: the whole turn
+  (span,) = bench.answer_spans(tok, lay, conv, qa)
+  assert span == (1, lo, hi)
+  assert bench.credited(bench.block_tokens(mem, hit), span)
+  assert not bench.credited(bench.block_tokens(mem, other), span)
+  assert not bench.credited(bench.block_tokens(mem, hit[1:]), span)   # first block missing
 
 
 def json_sample():
