@@ -341,6 +341,7 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
   tok = llm.tokenizer
   lay = layout(tok, conv, FLAGS.prompt)
   qas = list(conv.qa[:FLAGS.max_questions or None])
+  targets = [answer_spans(tok, lay, conv, qa) for qa in qas]   # what every method must retrieve
   spans = [sp for _, sp in lay.sessions]
   hist = lay.history()
   need = lay.head.size + hist.size + max(tail_ids(tok, lay, q.question)[0].size for q in qas) \
@@ -374,14 +375,13 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
     ans = np.asarray(tok.encode(" " + qa.answer, add_bos=False), np.int32)[:48]
     base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer,
                 split=split, rule="answer-tokens")
-    targets = answer_spans(tok, lay, conv, qa)
     for name in names:
       for _rep in range(2 if qi == 0 or FLAGS.warm else 1):   # compiles untimed
         extra = {}
         if name == "full":
           blocks, m, pre_tokens = full_rows, full_mem, lay.head.size + hist.size + tail.size
           out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
-          latency, hit = full_write_s + out.latency_s, [True] * len(targets)
+          latency, hit = full_write_s + out.latency_s, [True] * len(targets[qi])
           extra["ttft"] = full_write_s + out.ttft_s       # no prefix cache: the paper's count
           mem_bytes = int(np.sum(full_mem.tokens[full_mem.live])) * r.slot_bytes
         elif name in ("memart", "memart_rerank", "recent"):
@@ -398,7 +398,7 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
             extra["strategy"] = strategy_label(rr, FLAGS.neighbors)
           pre_tokens, latency = out.prefill_tokens, out.latency_s
           got = block_tokens(m, blocks)
-          hit = [credited(got, sp) for sp in targets]
+          hit = [credited(got, sp) for sp in targets[qi]]
           mem_bytes = mem.nbytes
         else:                                          # plaintext retrieval, re-prefilled
           t0 = time.perf_counter()
@@ -412,7 +412,8 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
           latency = time.perf_counter() - t0
           extra["ttft"] = latency - out.latency_s + out.ttft_s
           pre_tokens = ids.size + tail.size
-          hit = [credited(turn_tokens(chosen, turn_rows, spans), sp) for sp in targets]
+          got = turn_tokens(chosen, turn_rows, spans)
+          hit = [credited(got, sp) for sp in targets[qi]]
           mem_bytes = int(emb.nbytes + sum(len(t.text.encode()) for _, t in turn_rows))
           extra["plain_mem"] = m
         forced = r.answer(m, tail, ans.size, blocks=blocks, forced=ans)
@@ -458,7 +459,7 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
             kk = max(1, k * bs0 // bs)                 # equal tokens across block sizes
             rows = pick(kk)
             got = block_tokens(ma, rows)
-            hit = [credited(got, sp) for sp in answer_spans(tok, lay, conv, qa)]
+            hit = [credited(got, sp) for sp in targets[qi]]
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
                             strategy=strat, top_k=kk, tokens=kk * bs, hits=sum(hit),
                             hit=hit, n=len(qa.evidence), split=split))
@@ -466,7 +467,7 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
           for k in ks:
             got = turn_tokens(plain_pick(emb @ qvecs[qi], turn_rows, spans, k * bs0),
                               turn_rows, spans)
-            hit = [credited(got, sp) for sp in answer_spans(tok, lay, conv, qa)]
+            hit = [credited(got, sp) for sp in targets[qi]]
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
                             strategy="plaintext", top_k=k, tokens=k * bs0, hits=sum(hit),
                             hit=hit, n=len(qa.evidence), split=split))
