@@ -7,7 +7,8 @@ Same model (`--model`, default SmolLM2-135M-Instruct; both systems load the same
 GGUF dequantized to fp32, or the same HF directory),
 same chat prompts, greedy, exactly `new_tokens` tokens per row (stop tokens off
 on both sides), batch 1 and 8, in one run. jaxkv runs in each layer layout of
-`--layouts` (unrolled: one set of weights per layer, the serving default; scan:
+`--layouts` (unrolled: one set of weights per layer, projections stored [out, in],
+the serving default; unrolled_in_out: the same with [in, out] projections; scan:
 stacked weights under `lax.scan`). Each system is warmed up on the same shapes
 first (its warm-up time, compilation included, is reported); the timed runs
 alternate between the systems and the median of `--reps` is reported.
@@ -42,6 +43,8 @@ from jaxkv.engine.llm import LLM, load
 from jaxkv.models import presets
 
 FLAGS = flags.FLAGS
+# --layouts: name -> (scan_layers, projections stored [out, in]) (`jaxkv.models.llama`)
+LAYOUTS = {"unrolled": (False, True), "unrolled_in_out": (False, False), "scan": (True, False)}
 
 
 def define_flags():
@@ -55,7 +58,9 @@ def define_flags():
   flags.DEFINE_integer("threads", 0, "torch threads (0: torch default)")
   flags.DEFINE_integer("reps", 3,
                        "timed runs per system, alternating; the median is reported")
-  flags.DEFINE_list("layouts", ["unrolled", "scan"], "jaxkv layer layouts to run")
+  flags.DEFINE_list("layouts", ["unrolled", "scan"], "jaxkv layer layouts to run: unrolled "
+                    "(the serving default: projections [out, in]), unrolled_in_out (the "
+                    "same, [in, out]), scan (stacked under lax.scan, [in, out])")
   flags.DEFINE_string("hf_device", None, "torch device for HF (default: cuda when JAX's "
                       "backend is a GPU and torch sees one, else cpu)")
   flags.DEFINE_string("out", None, "write JSON rows here")
@@ -191,9 +196,9 @@ def main(argv):
   base = load(FLAGS.model)
   llms = {}
   for name in FLAGS.layouts:
-    if name not in ("unrolled", "scan"):
-      raise app.UsageError(f"--layouts takes unrolled and/or scan, got {name!r}")
-    model = base.model.relayout(scan_layers=name == "scan")
+    if name not in LAYOUTS:
+      raise app.UsageError(f"--layouts takes {', '.join(LAYOUTS)}, got {name!r}")
+    model = base.model.relayout(*LAYOUTS[name])
     llms[name] = LLM(model, base.tokenizer)
   path = presets.resolve(FLAGS.model)
   hf_device = FLAGS.hf_device or (

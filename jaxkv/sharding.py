@@ -81,6 +81,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_up": ("embed", "mlp"),
     "w_down": ("mlp", "embed"),
 }
+# Projections stored [out, in] (`jaxkv.models.llama`'s `out_in`, name + "_t").
+PARAM_AXES.update({name + "_t": PARAM_AXES[name][::-1]
+                   for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
 
 POOL_AXES: dict[str, tuple[str, ...]] = {
     "k": ("layers", "slots", "kv_heads", "head_dim"),

@@ -11,6 +11,8 @@ Writes, from files only (nothing is measured here):
 
 Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_cpu.json           bench/throughput.py      throughput table, throughput vs batch
+  bench/results_cpu_layouts.json   bench/throughput.py      the same by projection storage
+  bench/results_layouts_cpu.json   bench/layouts.py         projection storage A/B (GEMMs, steps)
   bench/results_pruning_tau2.json  bench/pruning.py         teacher-forced tables and recall /
                                                             dNLL vs budget (none in the docs
                                                             now: Tables 2 / 7 come from
@@ -82,6 +84,7 @@ import attention_kernels as kernels_bench  # noqa: E402
 import common  # noqa: E402
 import composed as composed_bench  # noqa: E402
 import config_reference  # noqa: E402  (scripts/)
+import layouts  # noqa: E402
 import lragent as lragent_bench  # noqa: E402
 import memart_tables as memart_bench  # noqa: E402
 import plot_training  # noqa: E402
@@ -138,6 +141,8 @@ SOURCES = {
     "kernels-h100-plan": "bench/results_kernels_h100_plan.json",
     "kernels-h100-splits": "bench/results_kernels_h100_splits.json",
     "throughput-h100": "bench/results_throughput_h100.json",
+    "throughput-layouts": "bench/results_cpu_layouts.json",
+    "layouts": "bench/results_layouts_cpu.json",
     "throughput-h200": "bench/results_throughput_h200.json",
     "server-load": "bench/results_server_load.json",
     "server-load-kinds": "bench/results_server_load_kinds.json",
@@ -255,6 +260,10 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["server-load-kinds"] = rows["server-load-kinds"] and _render(
       [server_load.batching_table(rows["server-load-kinds"])])
   out["composed"] = rows["composed"] and _render([composed_bench.table(rows["composed"])])
+  out["layouts"] = rows["layouts"] and _render([layouts.table(rows["layouts"])],
+                                               titles=False)
+  out["throughput-layouts"] = rows["throughput-layouts"] and _render(
+      [throughput.table(rows["throughput-layouts"])], titles=False)
   out["throughput-h200"] = rows["throughput-h200"] and _render(
       [throughput.table(rows["throughput-h200"])], titles=False)
   out["throughput-h100"] = rows["throughput-h100"] and _render([

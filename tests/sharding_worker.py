@@ -178,7 +178,7 @@ def main():
         "pool_k_spec": str(drv.kv.k.sharding.spec),
         "pool_devices": len(drv.kv.k.sharding.device_set),
         "wq_spec": str(next(x.sharding.spec for p, x in wq
-                            if sharding._leaf_name(p) == "wq")),
+                            if sharding._leaf_name(p) == "wq_t")),   # [out, in]
         "allocator_check": eng.allocator.check() is None,
         "alloc_shards": eng.shards,
         "rows_local": all(got == [own] for own, got in eng.placed if got),

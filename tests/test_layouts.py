@@ -1,7 +1,9 @@
-"""The two layer layouts of `jaxkv.models.llama` compute the same function.
+"""The layer layouts of `jaxkv.models.llama` compute the same function.
 
 Stacked weights run under `lax.scan`; unrolled weights (one set per layer, so
-no per-layer slice copies) run in a Python loop. Every forward option goes
+no per-layer slice copies) run in a Python loop; either stores its projections
+[in, out] or [out, in] (`out_in`). The stacked [in, out] model is the reference
+for the other three layouts. Every forward option goes
 through both: LoRA (full and decoupled value cache), a layer window with a
 hidden-state capture, query capture, selective recompute with a per-layer slot
 map, and the driver's decode scan. Tolerance: fp32, atol 1e-5 (the two are
@@ -25,14 +27,16 @@ ATOL = 1e-5
 L = 3
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=[(False, None), (False, False), (True, True)],
+                ids=["unrolled-out_in", "unrolled-in_out", "stacked-out_in"])
+def models(request):
+  scan, out_in = request.param
   cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=L,
                     num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, qk_norm=True,
                     rope=RopeConfig(kind="llama3", theta=500000.0, factor=8.0,
                                     original_max_position=64))
   stacked = Transformer(cfg, rngs=nnx.Rngs(int(np.random.default_rng().integers(1 << 30))))
-  return stacked, stacked.relayout(scan_layers=False)
+  return stacked, stacked.relayout(scan_layers=scan, out_in=out_in)
 
 
 def _lora(cfg, mode):
@@ -51,18 +55,30 @@ def _close(a, b):
 
 
 def test_relayout_round_trip_keeps_every_parameter(models):
-  stacked, unrolled = models
-  assert stacked.layers.is_stacked and not unrolled.layers.is_stacked
-  a, b = stacked.params(), unrolled.relayout(scan_layers=True).params()
-  assert a.keys() == b.keys()
-  for k in a:
-    np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+  stacked, other = models
+  assert stacked.layers.is_stacked and not stacked.layers.out_in
+  a = stacked.params()
+  for b in (other.params(), other.relayout(scan_layers=True, out_in=False).params()):
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
   assert stacked.relayout(scan_layers=True) is stacked
+  assert other.relayout(other.layers.is_stacked, other.layers.out_in) is other
+  w = other.layers.stacked() if other.layers.is_stacked else other.layers.layer(0)
+  cfg = stacked.cfg
+  if other.layers.out_in:      # torch's [out, in]: q's rows are its output features
+    assert "wq" not in w and w["wq_t"].shape[-2:] == (cfg.num_heads * cfg.head_dim,
+                                                      cfg.hidden_size)
+  else:
+    assert "wq_t" not in w and w["wq"].shape[-2:] == (cfg.hidden_size,
+                                                      cfg.num_heads * cfg.head_dim)
+  if other.layers.is_stacked:
+    return
   # one jit argument per layer and weight: nothing to slice out of a stack
   n_layer = len([k for k in a if k.startswith("layers.")])
-  assert len(jax.tree.leaves(nnx.state(unrolled))) == len(a) - n_layer + L * n_layer
+  assert len(jax.tree.leaves(nnx.state(other))) == len(a) - n_layer + L * n_layer
   with pytest.raises(ValueError, match="unrolled"):
-    unrolled.layers.stacked()
+    other.layers.stacked()
 
 
 @pytest.mark.parametrize("mode", ["full", "decoupled"])

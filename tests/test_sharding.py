@@ -122,7 +122,7 @@ def test_meshes_equal_one_device_tiny_model():
   assert specs[(4, 2)]["pool_k_spec"] == "P(None, 'data', 'model')"
   assert specs[(2, 4)]["pool_k_spec"] == "P(None, 'data')"   # 2 KV heads on 4
   assert specs[(8, 1)]["wq_spec"] == "P(None, None)"
-  assert specs[(1, 8)]["wq_spec"] == "P(None, 'model')"
+  assert specs[(1, 8)]["wq_spec"] == "P('model', None)"   # wq_t: [out, in]
 
 
 @pytest.mark.slow
