@@ -59,9 +59,12 @@ from absl import app, flags
 
 import common
 import jaxkv
-from jaxkv.config import CacheConfig, ReuseConfig
+from jaxkv.config import CacheConfig, EngineConfig, ReuseConfig
 from jaxkv.data import calls, reuse_workloads, texts, traces
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.mechanisms.reuse import Reuse
 from jaxkv.engine.reuse import ReuseRunner, layer_flops
+from jaxkv.evaluation import reuse as evaluation
 from jaxkv.policies.reuse import store as store_lib
 
 METHODS = {
@@ -114,6 +117,10 @@ def define_flags():
   flags.DEFINE_integer("num_pages", 0, "KV pool pages (of 16 tokens) of each method's runner; "
                        "0: room for the whole workload. A small pool makes the radix cache "
                        "evict, so the store's exact tier serves what the prefix cache would")
+  flags.DEFINE_enum("via", "runner", ["runner", "engine"], "runner: one request at a time "
+                    "on the batch-1 ReuseRunner (timed); engine: through the batch engine's "
+                    "reuse mechanism, replies decoded together (jaxkv.evaluation.reuse; "
+                    "quality only, with --notimed)")
   flags.DEFINE_bool("timed", True, "a warm-up pass first, so TTFT excludes compiling "
                     "(--notimed: quality only, half the time; TTFT is not reported)")
   flags.DEFINE_integer("max_prompt", 4096, "drop longer requests")
@@ -167,6 +174,20 @@ def serve(runner: ReuseRunner, req, gen: int, clock: CompileClock, quality: bool
   return out
 
 
+def through_engine(llm, cfg: ReuseConfig, cache: CacheConfig, requests):
+  """The workload through the batch engine (`jaxkv.evaluation.reuse`): (the runner on
+  the engine's KV manager, each request's outputs as `serve` returns them)."""
+  eng = Engine(llm.model, llm.tokenizer.stop_ids, cache, EngineConfig())
+  runner = ReuseRunner(llm, cfg, kv=eng.kv_manager)
+  eng.add_mechanism(Reuse(runner))
+  prompts = [evaluation.Prompt(r.ids, r.spans, r.continuation[:GOLD] if r.scored else None)
+             for r in requests]
+  got = evaluation.serve_all(eng, prompts, FLAGS.gen, progress=lambda d, n: print(
+      f"  {cfg.method} {d}/{n}", flush=True) if d % 8 == 0 or d == n else None)
+  return runner, [dict(pre=s.pre, ttft=s.pre.ttft_s, compile_s=0.0, greedy=s.greedy,
+                       nll=s.nll) for s in got]
+
+
 def method_config(name: str) -> ReuseConfig:
   """The ReuseConfig of a --methods entry: a METHODS name, optionally followed by
   `@field=value` settings of OVERRIDABLE fields (the gates' and the sweeps'
@@ -212,12 +233,16 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
     for req in requests:
       serve(warm, req, FLAGS.gen, clock, quality=False)
     del warm
-  runner = ReuseRunner(llm, cfg, cache=cache)
+  t0 = time.perf_counter()
+  if FLAGS.via == "engine":
+    runner, served = through_engine(llm, cfg, cache, requests)
+  else:
+    runner = ReuseRunner(llm, cfg, cache=cache)
   tiers = collections.Counter()
   per, outs = [], []
-  t0 = time.perf_counter()
   for i, req in enumerate(requests):
-    out = serve(runner, req, FLAGS.gen, clock, quality=req.scored)
+    out = (served[i] if FLAGS.via == "engine" else
+           serve(runner, req, FLAGS.gen, clock, quality=req.scored))
     outs.append(out)
     if not req.scored:                         # served in order, not measured
       continue
@@ -516,6 +541,10 @@ def main(argv):
   names = FLAGS.methods.split(",")
   for name in names:
     method_config(name)                   # unknown methods or settings: a usage error now
+  if FLAGS.via == "engine" and (FLAGS.timed or FLAGS.workload == "perturbed"):
+    raise app.UsageError("--via=engine evaluates quality on a workload of requests (with "
+                         "--notimed): timing and the perturbed pairs run through the runner, "
+                         "one request at a time")
   llm = jaxkv.load(FLAGS.model)
   requests = build_workload(llm.tokenizer)
   rows = []

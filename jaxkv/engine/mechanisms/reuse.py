@@ -22,6 +22,11 @@ counters.
 
 `Request.context`: {"spans": [(lo, hi), ...]} the prompt's structural spans (tool
 schemas, documents); missing or None: the prompt's lines (`index.line_spans`).
+Two keys serve evaluation (bench/reuse.py drives the engine with them; a server never
+sets them): "cache": False leaves the radix tree and the store as they were (no prefix
+inserted, no run stored), so a teacher-forced twin of a request plans exactly as the
+request itself; "evaluate": True puts the runner's `Prefill` record (plan, tiers,
+FLOPs, bytes spliced, first-token logits) in `Result.extra["prefill"]`.
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ class Reuse(Mechanism):
     return pre.logits
 
   def after_prefill(self, row) -> None:
-    row.state.pre.finish(True)
+    if (row.req.context or {}).get("cache", True):
+      row.state.pre.finish(True)
 
   def finish(self, row, cache: bool) -> dict | None:
     del cache                            # what it stores, after_prefill stored already
@@ -95,8 +101,11 @@ class Reuse(Mechanism):
     self.stats["requests"] += 1
     self.stats["reused_tokens"] += reused
     self.stats["prefix_tokens"] += pre.prefix_hit
-    return {"reuse": self.runner.reuse.method, "cached_tokens": pre.prefix_hit,
-            "reused_tokens": int(reused), "prefill_tokens": round(pre.prefill_tokens, 1),
-            "tiers": sorted({run.tier for run in pre.runs}), "stored": pre.stored,
-            "runs": [{"at": r.p_lo, "n": r.n, "tier": r.tier, "reason": r.reason}
-                     for r in pre.runs]}
+    out = {"reuse": self.runner.reuse.method, "cached_tokens": pre.prefix_hit,
+           "reused_tokens": int(reused), "prefill_tokens": round(pre.prefill_tokens, 1),
+           "tiers": sorted({run.tier for run in pre.runs}), "stored": pre.stored,
+           "runs": [{"at": r.p_lo, "n": r.n, "tier": r.tier, "reason": r.reason}
+                    for r in pre.runs]}
+    if (row.req.context or {}).get("evaluate"):
+      out["prefill"] = pre
+    return out
