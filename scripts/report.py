@@ -53,6 +53,7 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             the 5-6k recall conversations
   bench/results_memart_planted*.json bench/memart.py        planted facts under one evidence
                                                             rule: dev (settings chosen), test
+  bench/results_memart_qwen_planted.json bench/memart.py    the frozen setting on Qwen at 24k
   bench/results_kernels_h200*.json bench/attention_kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   bench/results_composed.json      bench/composed.py        agents / pruning alone and
@@ -134,6 +135,7 @@ SOURCES = {
     "memart-planted-dev": "bench/results_memart_planted_dev.json",
     "memart-planted-dev-nb1": "bench/results_memart_planted_dev_nb1.json",
     "memart-planted": "bench/results_memart_planted.json",
+    "memart-qwen-planted": "bench/results_memart_qwen_planted.json",
     "kernels-h200": "bench/results_kernels_h200.json",
     "kernels-h200-grid": "bench/results_kernels_h200_grid.json",
     "kernels-h200-mosaic": "bench/results_kernels_h200_mosaic.json",
@@ -251,8 +253,9 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   for name in ("memart-nb1", "memart-qwen-nb1", "memart-planted-dev-nb1"):   # answers only
     out[name] = rows[name] and _render(
         [t for t in memart_bench.tables(rows[name]) if "Table 2" in t.title])
-  out["memart-planted"] = rows["memart-planted"] and _render(     # answers and efficiency
-      [t for t in memart_bench.tables(rows["memart-planted"]) if "ablation" not in t.title])
+  for name in ("memart-planted", "memart-qwen-planted"):            # answers and efficiency
+    out[name] = rows[name] and _render(
+        [t for t in memart_bench.tables(rows[name]) if "ablation" not in t.title])
   for name in ("kernels-h100", "kernels-h100-plan", "kernels-h100-splits", "kernels-h200",
                "kernels-h200-grid", "kernels-h200-mosaic"):
     out[name] = rows[name] and _render(kernels_bench.tables(rows[name]))
