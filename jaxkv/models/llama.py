@@ -17,9 +17,10 @@ Layer weights have two layouts (`Transformer(..., scan_layers=...)`):
 Projection matrices (q, k, v, o, gate, up, down) are stored either [in, out] (`x @ w`,
 the stacked layout's default) or [out, in], torch's `nn.Linear` layout, under the
 name + "_t" (`out_in=True`, the unrolled layout's default): on XLA:CPU a decode
-step's M = 8-row GEMMs contract a weight's contiguous rows faster (33.4 vs 38.5 ms
-for SmolLM2's 30 layers in one process, 2026-11-28; equal at M = 1 and M = 384), and
-on a GPU either layout is one transposed-operand GEMM. `param_shapes` (the loaders'
+step's M = 8-row GEMMs contract a weight's contiguous rows faster (SmolLM2's 30 layers
+alone 31.4 vs 36.5 ms, a batch-1 48-token prefill 1.14x, a batch-8 decode step 1.02x;
+`bench/layouts.py`, 2026-11-29), and on a GPU either layout is one transposed-operand
+GEMM. `param_shapes` (the loaders'
 contract) stays [in, out] in both.
 The model reads and writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
 keys are written post-RoPE.
@@ -145,8 +146,12 @@ def _to_stored(value: jax.Array, name: str, out_in: bool) -> jax.Array:
 
 def _from_stored(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """Stored {name: value} -> the `param_shapes` names and [.., in, out] layout."""
-  return {(k[:-2] if k.endswith("_t") else k):
-          (jnp.swapaxes(v, -1, -2) if k.endswith("_t") else v) for k, v in values.items()}
+  out = {}
+  for k, v in values.items():
+    if k.endswith("_t") and k[:-2] in PROJECTIONS:
+      k, v = k[:-2], jnp.swapaxes(v, -1, -2)
+    out[k] = v
+  return out
 
 
 def _param_values(module: nnx.Module) -> dict[str, jax.Array]:
