@@ -13,15 +13,16 @@ from jaxkv.models import presets, weights
 pytestmark = pytest.mark.slow
 
 
-def _max_logit_error_vs_hf_gguf(llm, path, vocab, shape):
-  """Max abs logit difference against transformers' own import of the same GGUF."""
+def _logit_errors_vs_hf_gguf(llm, path, vocab, shape):
+  """Max abs logit difference per position [T] against transformers' own import of
+  the same GGUF, and the argmax agreement."""
   hf = transformers.AutoModelForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
   tokens = np.random.default_rng().integers(0, vocab, shape)
   ours = hf_util.dense_forward(llm.model, tokens)
   with torch.no_grad():
     ref = hf(torch.tensor(tokens)).logits.numpy()
-  return np.abs(ours - ref).max(), (ours.argmax(-1) == ref.argmax(-1)).mean()
+  return np.abs(ours - ref).max(axis=(0, 2)), (ours.argmax(-1) == ref.argmax(-1)).mean()
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def smollm2():
 
 
 def test_smollm2_logits_match_transformers_gguf_import(smollm2):
-  err, agree = _max_logit_error_vs_hf_gguf(smollm2, presets.smollm2_gguf(), 49152, (2, 24))
+  errs, agree = _logit_errors_vs_hf_gguf(smollm2, presets.smollm2_gguf(), 49152, (2, 24))
+  err = errs.max()
   # 30 fp32 layers, logits of magnitude ~30: summation order alone moves them by
   # 1e-4..9e-4 depending on the CPU's vector width (8.6e-4 seen on the CI machine).
   # 2e-3 still sits far below any real bug (a wrong RoPE or norm moves logits by O(1)).
@@ -55,15 +57,17 @@ def test_gguf_config_is_read_from_metadata():
 def test_qwen25_coder_logits_and_reply():
   """The Qwen2 path on real Q4_K_M weights (q/k/v bias, no Q/K un-permute)."""
   llm = jaxkv.load(presets.QWEN25_CODER)
-  err, agree = _max_logit_error_vs_hf_gguf(llm, presets.qwen25_coder_gguf(), 150000, (1, 16))
+  errs, agree = _logit_errors_vs_hf_gguf(llm, presets.qwen25_coder_gguf(), 150000, (1, 16))
   # Qwen2.5's residual stream carries massive activations (|h| ~ 1e2-1e4 at the
-  # first positions), so fp32 summation order alone moves the logits (~10-20) at
-  # the position after the attention sink: over 8 seeded random draws the error
-  # was 7e-5..4.3e-3 (4.3e-3 at position 1, 4e-4 elsewhere), 5.5e-4 was seen on the
-  # CI CPU, and one draw of the slow set gave 2.3e-2 (2026-11-27; tokens are fresh
-  # each run). 5e-2 still sits far below a real bug (a wrong bias, RoPE or mapping
-  # moves logits by O(1)); the argmax agreement is checked as well.
-  assert err <= 5e-2, err
+  # first positions), so fp32 summation order alone moves the logits (~17-23) at
+  # position 1, the one after the attention sink. Over 166 seeded draws
+  # (2026-11-29), every error above 5e-3 was at position 1: 1.3e-2, 1.7e-2 and
+  # 8.2e-2. One fresh draw of the slow set gave 0.11, and one on 2026-11-27 2.3e-2.
+  # Elsewhere the largest was 9.2e-3. So position 1 gets 0.25 and every other
+  # position 5e-2. Both sit far below a real bug: a wrong bias, RoPE or mapping
+  # moves the logits of every position by O(1). The argmax agreement is checked too.
+  assert errs[1] <= 0.25, errs
+  assert np.delete(errs, 1).max() <= 5e-2, errs
   assert agree >= 0.9  # argmax may flip on a near-tie within the tolerance
   out = llm.generate([[{"role": "user", "content": "What is the capital of France?"}]],
                      jaxkv.SamplingConfig(max_tokens=20))
