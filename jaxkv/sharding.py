@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.kv import state as kv_state
+from jaxkv.models.llama import PROJECTIONS, stored_name
 
 MESH_AXES = ("data", "model")
 
@@ -82,8 +83,8 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "w_down": ("mlp", "embed"),
 }
 # Projections stored [out, in] (`jaxkv.models.llama`'s `out_in`, name + "_t").
-PARAM_AXES.update({name + "_t": PARAM_AXES[name][::-1]
-                   for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")})
+PARAM_AXES.update({stored_name(name, out_in=True): PARAM_AXES[name][::-1]
+                   for name in PROJECTIONS})
 
 POOL_AXES: dict[str, tuple[str, ...]] = {
     "k": ("layers", "slots", "kv_heads", "head_dim"),

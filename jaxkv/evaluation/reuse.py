@@ -54,7 +54,7 @@ class Served:
   pre: object
   greedy: np.ndarray | None = None
   nll: float | None = None
-  twin_pre: object = None       # the twin's `Prefill` (the same plan; logits to the bit?)
+  twin_pre: object = None       # the twin's `Prefill`: the same plan (tests compare them)
 
 
 def _request(rid: str, p: Prompt, sampling: SamplingConfig, *, forced=None,

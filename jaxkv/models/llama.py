@@ -20,8 +20,7 @@ name + "_t" (`out_in=True`, the unrolled layout's default): on XLA:CPU a decode
 step's M = 8-row GEMMs contract a weight's contiguous rows faster (SmolLM2's 30 layers
 alone 31.4 vs 36.5 ms, a batch-1 48-token prefill 1.14x, a batch-8 decode step 1.02x;
 `bench/layouts.py`, 2026-11-29), and on a GPU either layout is one transposed-operand
-GEMM. `param_shapes` (the loaders'
-contract) stays [in, out] in both.
+GEMM. `param_shapes` (the loaders' contract) stays [in, out] in both.
 The model reads and writes the paged KV pool (jaxkv.kv.state) and calls `jaxkv.ops` for attention;
 keys are written post-RoPE.
 
