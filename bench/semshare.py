@@ -11,9 +11,12 @@ prompt-pairs file.
 
 Pairs: only those the similarity gate admits (`--admitted`, default: the pairs
 SemShareKV would really reuse; the count left out is printed). Per pair and method,
-on one runner: the reference prompt is prefilled in full and stored, then the target
-is served. With `--timed` each pair runs twice and the second run is timed (the first
-compiles every shape it needs), so TTFT excludes compiles. Generation is greedy up to
+on that method's runner: the reference prompt is prefilled in full and stored, then
+the target is served; a pair's methods run back to back (pair by pair, so a drift of
+the machine's speed lands on every method alike). With `--timed` each pair runs twice
+and the second run is timed (the first compiles every shape it needs), so TTFT
+excludes compiles. `--via=engine` serves the pairs through the batch engine instead
+(`jaxkv.evaluation.semshare`, quality only, method by method). Generation is greedy up to
 EOS (at most --gen tokens). Quality, per pair (`semshare_tables`): ROUGE-L
 (rouge-score) against the gold answer where the pair has one (Python-docs questions),
 against full recompute's output and against the target text; agreement with full's
@@ -40,10 +43,13 @@ from absl import app, flags
 
 import common
 import jaxkv
-from jaxkv.config import SEMSHARE_METHODS, CacheConfig, SemShareConfig
+from jaxkv.config import SEMSHARE_METHODS, CacheConfig, EngineConfig, SemShareConfig
 from jaxkv.data import calls
 from jaxkv.data import semshare_pairs as SP
+from jaxkv.engine.engine import Engine
+from jaxkv.engine.mechanisms.semshare import SemShare
 from jaxkv.engine.semshare import SemShareRunner
+from jaxkv.evaluation import semshare as evaluation
 from jaxkv.policies.pruning import layerwise
 from jaxkv.policies.reuse import semshare as semshare_lib
 from semshare_tables import plot, rows_of, tables
@@ -63,6 +69,10 @@ def define_flags():
                     "h2o, evict_random) keep SemShareKV's own per-layer counts, pair by pair")
   flags.DEFINE_bool("timed", True, "serve each pair twice and time the second (TTFT without "
                     "compiles); --notimed serves once (quality only, half the time)")
+  flags.DEFINE_enum("via", "runner", ["runner", "engine"], "runner: one pair at a time on "
+                    "the batch-1 SemShareRunner (timed); engine: through the batch engine's "
+                    "semshare mechanism (jaxkv.evaluation.semshare: quality only, needs "
+                    "--notimed; the pairs' decodes batched)")
   flags.DEFINE_float("threshold", None, "override the similarity threshold (0: always reuse, "
                      "for the similarity-vs-quality curve)")
   flags.DEFINE_integer("max_pairs", 0, "use the first N pairs (0: all)")
@@ -111,66 +121,128 @@ def serve_pair(runner: SemShareRunner, tok, p: dict, full: dict | None) -> dict:
   return out
 
 
-def run_method(llm, name: str, pairs, full_recs, budgets=None, recs=None,
-               save=lambda: None) -> list[dict]:
-  """Every pair with one method: per-pair records (`full_recs`: full recompute's, the
-  quality reference; `budgets`: per pair id the per-layer counts the compression
-  baselines keep). `recs`: the records so far (pairs already there are skipped; each
-  new one is appended and `save`d at once, so a stopped run resumes pair by pair)."""
-  tok = llm.tokenizer
-  need = max(max(p["ref"].size, p["tgt"].size) for p in pairs) + 2 * FLAGS.gen + 64
-  pages = 2 * (2 * need // 16 + 4) + 64
+def _config(name: str) -> SemShareConfig:
   cfg = SemShareConfig(method=name)
   if FLAGS.threshold is not None:
     cfg = dataclasses.replace(cfg, threshold=FLAGS.threshold)
   if FLAGS.retention is not None:
     cfg = dataclasses.replace(cfg, retention=FLAGS.retention)
-  runner = SemShareRunner(llm, cfg,
-                          cache=CacheConfig(num_pages=pages, page_size=16,
-                                            max_seq_len=need + 16))
-  slot_bytes = runner.slot_bytes
-  entry_bytes = slot_bytes // llm.config.num_layers
-  recs = [] if recs is None else recs
-  done = {r["id"] for r in recs}
+  return cfg
+
+
+def record(p: dict, out: dict, full: dict | None, slot_bytes: int, n_layers: int) -> dict:
+  """One pair's record: `out` the method's outcome (pre, tokens, text, nll, cont_nll),
+  `full` full recompute's record on the pair (None: this is full's)."""
+  pre, entry_bytes = out["pre"], slot_bytes // n_layers
+  base = out if full is None else full
+  agree, first = calls.agreement(out["tokens"], np.asarray(base["tokens"]))
+  return dict(id=p["id"], prompt_tokens=int(pre.ids.size), similarity=p["similarity"],
+              reused=pre.reused, ttft_s=pre.ttft_s, match_s=pre.match_s,
+              kv_bytes=pre.kv_slots * slot_bytes, kv_bytes_live=pre.live_entries * entry_bytes,
+              kv_bytes_shared=pre.shared_entries * entry_bytes,
+              layer_kept=pre.layer_kept.tolist(),
+              recomputed_share=pre.recomputed_share, flops=pre.flops,
+              matched_similarity=pre.similarity,
+              rouge_l_vs_full=rouge_l(out["text"], base["text"]),
+              rouge_l_vs_text=rouge_l(out["text"], p["target"]),
+              rouge_l_vs_gold=(None if p["answer_text"] is None
+                               else rouge_l(out["text"], p["answer_text"])),
+              agreement=agree, first_diff=first,
+              dnll=(out["nll"] - base["nll"]) if out.get("nll") is not None else None,
+              cont_dnll=None if full is None else out["cont_nll"] - full["cont_nll"],
+              text=out["text"], tokens=np.asarray(out["tokens"]).tolist(), nll=out.get("nll"),
+              cont_nll=out["cont_nll"], meta=p["meta"])
+
+
+def _cache(pairs) -> CacheConfig:
+  """A pool for one pair at a time (the runner) or the engine's rows (engine)."""
+  need = max(max(p["ref"].size, p["tgt"].size) for p in pairs) + 2 * FLAGS.gen + 64
+  rows = 2 if FLAGS.via == "runner" else EngineConfig().max_batch + 2
+  return CacheConfig(num_pages=rows * (2 * need // 16 + 4) + 64, page_size=16,
+                     max_seq_len=need + 16)
+
+
+def _report(name: str, i: int, total: int, rec: dict) -> None:
+  print(f"  {name} {i + 1}/{total} {rec['prompt_tokens']} tok sim={rec['similarity']:.2f} "
+        f"{'reused' if rec['reused'] else 'full'} ttft={rec['ttft_s']:.2f}s "
+        f"rougeL/full={rec['rouge_l_vs_full']:.2f}", flush=True)
+
+
+def run_pairs(llm, names: list[str], pairs, recs: dict, save) -> None:
+  """Every pair with every method in `names` (full first, then semshare, then the
+  baselines that take its per-layer budgets) on batch-1 runners, one per method,
+  pair by pair: a pair's methods run back to back, so a drift of the machine's speed
+  over a long run lands on every method alike. `recs`: label -> records so far
+  (pairs already there are skipped; each new one is appended and `save`d at once, so
+  a stopped run resumes pair by pair)."""
+  tok = llm.tokenizer
+  cache = _cache(pairs)
+  runners = {}
   for i, p in enumerate(pairs):
-    if p["id"] in done:
-      continue
     if i and i % 8 == 0:
       # every pair compiles shapes of its own (layer windows, recompute widths): drop
       # them now and then, or the executables exhaust the process's memory maps
       jax.clear_caches()
-    full = None if full_recs is None else full_recs[p["id"]]
-    if budgets is not None:
-      runner.layer_budgets = budgets.get(p["id"])
-    if FLAGS.timed:
-      serve_pair(runner, tok, p, full)                      # compiles every shape
-    out = serve_pair(runner, tok, p, full)                  # timed
-    pre = out["pre"]
-    base = out if full is None else full
-    agree, first = calls.agreement(out["tokens"], base["tokens"])
-    rec = dict(id=p["id"], prompt_tokens=int(pre.ids.size), similarity=p["similarity"],
-               reused=pre.reused, ttft_s=pre.ttft_s, match_s=pre.match_s,
-               kv_bytes=pre.kv_slots * slot_bytes, kv_bytes_live=pre.live_entries * entry_bytes,
-               kv_bytes_shared=pre.shared_entries * entry_bytes,
-               layer_kept=pre.layer_kept.tolist(),
-               recomputed_share=pre.recomputed_share, flops=pre.flops,
-               matched_similarity=pre.similarity,
-               rouge_l_vs_full=rouge_l(out["text"], base["text"]),
-               rouge_l_vs_text=rouge_l(out["text"], p["target"]),
-               rouge_l_vs_gold=(None if p["answer_text"] is None
-                                else rouge_l(out["text"], p["answer_text"])),
-               agreement=agree, first_diff=first,
-               dnll=(out["nll"] - base["nll"]) if "nll" in out else None,
-               cont_dnll=None if full is None else out["cont_nll"] - full["cont_nll"],
-               text=out["text"], tokens=out["tokens"].tolist(), nll=out.get("nll"),
-               cont_nll=out["cont_nll"], meta=p["meta"])
-    recs.append(rec)
-    save()
-    print(f"  {name} {i + 1}/{len(pairs)} {rec['prompt_tokens']} tok sim={rec['similarity']:.2f} "
-          f"{'reused' if rec['reused'] else 'full'} ttft={rec['ttft_s']:.2f}s "
-          f"rougeL/full={rec['rouge_l_vs_full']:.2f}", flush=True)
+    for name in names:
+      mine = recs.setdefault(_label(name), [])
+      if any(r["id"] == p["id"] for r in mine):
+        continue
+      if name not in runners:
+        runners[name] = SemShareRunner(llm, _config(name), cache=cache)
+      runner = runners[name]
+      full = None if name == "full" else _by_id(recs["full"])[p["id"]]
+      runner.layer_budgets = _budgets(name, recs, p["id"])
+      if FLAGS.timed:
+        serve_pair(runner, tok, p, full)                      # compiles every shape
+      out = serve_pair(runner, tok, p, full)                  # timed
+      mine.append(record(p, out, full, runner.slot_bytes, llm.config.num_layers))
+      save()
+      _report(name, i, len(pairs), mine[-1])
   jax.clear_caches()
-  return recs
+
+
+def _by_id(recs: list[dict]) -> dict:
+  return {r["id"]: r for r in recs}
+
+
+def _budgets(name: str, recs: dict, pid: str):
+  """The per-layer counts a compression baseline keeps on pair `pid` (SemShareKV's own
+  there, with --match_budgets), or None (its own rule)."""
+  if not FLAGS.match_budgets or name not in layerwise.LAYERWISE_METHODS:
+    return None
+  sem = _by_id(recs.get(_label("semshare"), [])).get(pid)
+  if sem is None:
+    raise app.UsageError("--match_budgets: run semshare with the baselines")
+  return np.asarray(sem["layer_kept"])
+
+
+def run_method_engine(llm, name: str, pairs, recs: dict, save) -> None:
+  """Every pair with one method through the batch engine (`jaxkv.evaluation.semshare`),
+  eight pairs at a time (records saved after each block; a rerun skips the pairs
+  already there). The methods run one after another (full first: every quality
+  reference), as the engine serves one SemShareKV method."""
+  tok = llm.tokenizer
+  cache = _cache(pairs)
+  eng = Engine(llm.model, tok.stop_ids, cache, EngineConfig())
+  runner = SemShareRunner(llm, _config(name), cache=cache, kv=eng.kv_manager)
+  eng.add_mechanism(SemShare(runner))
+  mine = recs.setdefault(_label(name), [])
+  done = {r["id"] for r in mine}
+  todo = [(i, p) for i, p in enumerate(pairs) if p["id"] not in done]
+  for b in range(0, len(todo), 8):
+    block = todo[b:b + 8]
+    fulls = [None if name == "full" else _by_id(recs["full"])[p["id"]] for _, p in block]
+    got = evaluation.serve_pairs(eng, runner, [evaluation.Pair(
+        p["ref"], p["tgt"], p["answer"],
+        None if f is None else np.asarray(f["tokens"], np.int32),
+        _budgets(name, recs, p["id"])) for (_, p), f in zip(block, fulls)], FLAGS.gen)
+    for (i, p), f, s in zip(block, fulls, got):
+      out = dict(pre=s.pre, tokens=s.tokens, text=tok.decode(s.tokens.tolist()), nll=s.nll,
+                 cont_nll=s.cont_nll)
+      mine.append(record(p, out, f, runner.slot_bytes, llm.config.num_layers))
+      _report(name, i, len(pairs), mine[-1])
+    save()
+    jax.clear_caches()          # as the runner does: each pair compiles shapes of its own
 
 
 def _label(name: str) -> str:
@@ -210,6 +282,10 @@ def main(argv):
     return
   if not FLAGS.pairs:
     raise app.UsageError("give --pairs (a JSONL of pairs; make one with scripts/make_pairs.py)")
+  if FLAGS.via == "engine" and FLAGS.timed:
+    raise app.UsageError("--via=engine evaluates quality (a row's TTFT there includes its "
+                         "wait behind the other rows): add --notimed, or time with "
+                         "--via=runner")
   names = common.method_names(FLAGS.methods, SEMSHARE_METHODS)
   try:
     pairs = SP.load_pairs(FLAGS.pairs)
@@ -276,18 +352,11 @@ def main(argv):
       with open(path, "w") as f:
         json.dump(recs, f)
 
-  for name in order:
-    label = _label(name)
-    if len(recs.get(label, ())) == len(rendered):
-      continue
-    budgets = None
-    if FLAGS.match_budgets and name in layerwise.LAYERWISE_METHODS:
-      sem = recs.get(_label("semshare"))
-      if sem is None:
-        raise app.UsageError("--match_budgets: run semshare with the baselines")
-      budgets = {r["id"]: np.asarray(r["layer_kept"]) for r in sem}
-    full = None if name == "full" else {r["id"]: r for r in recs["full"]}
-    run_method(llm, name, rendered, full, budgets, recs.setdefault(label, []), save)
+  if FLAGS.via == "runner":
+    run_pairs(llm, order, rendered, recs, save)
+  else:
+    for name in order:
+      run_method_engine(llm, name, rendered, recs, save)
   ids = {p["id"] for p in rendered}                 # this run's pairs only
   kept = {m: [r for r in rs if r["id"] in ids] for m, rs in recs.items()}
   by_method = {m: {r["id"]: r for r in rs} for m, rs in kept.items()}

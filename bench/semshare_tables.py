@@ -84,6 +84,11 @@ def rows_of(name: str, recs: list[dict], by_method: dict[str, dict] | None = Non
       row["rouge_l_vs_gold"], *row["rouge_l_vs_gold_ci"] = ci("rouge_l_vs_gold")
     if any(r.get("cont_dnll") is not None for r in rs):
       row["cont_dnll"], *row["cont_dnll_ci"] = ci("cont_dnll")
+    if timed and name != "full" and "full" in by_method:
+      both = [(by_method["full"][r["id"]]["ttft_s"], r["ttft_s"]) for r in rs
+              if r["id"] in by_method["full"]]
+      if both:                             # how many times sooner, paired over pairs
+        row["speedup"], *row["speedup_ci"] = calls.ratio_ci(*zip(*both))
     for other, fields in (("full", ("rouge_l_vs_gold",)),
                           ("semshare", ("rouge_l_vs_full", "rouge_l_vs_gold"))):
       if name in (other, "full") or other not in by_method:
@@ -102,6 +107,17 @@ def _ci_cell(r: dict, field: str, scale: float = 100.0, fmt: str = ".1f") -> str
     return "-"
   lo, hi = r.get(f"{field}_ci", (float("nan"), float("nan")))
   return f"{scale * r[field]:{fmt}} [{scale * lo:{fmt}}, {scale * hi:{fmt}}]"
+
+
+def _speedup(r: dict, f: dict | None) -> str:
+  """full's mean TTFT / the row's: paired over pairs with its bootstrap interval where
+  the row has one (rows written before it: the ratio alone)."""
+  if not f or not r.get("timed", True):
+    return "-"
+  if r.get("speedup_ci") is None or r["method"] == "full":
+    return f"{f['ttft_s'] / r['ttft_s']:.2f}x"
+  lo, hi = r["speedup_ci"]
+  return f"{r['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
 def tables(rows: list[dict]) -> list[common.Table]:
@@ -127,7 +143,7 @@ def tables(rows: list[dict]) -> list[common.Table]:
           r["method"], str(r["n_pairs"]), f"{r['prompt_tokens']:.0f}",
           f"{r['similarity']:.2f}", f"{r['reused_share']:.2f}",
           f"{1000 * r['ttft_s']:.0f}" if r.get("timed", True) else "-",
-          "-" if not f or not r.get("timed", True) else f"{f['ttft_s'] / r['ttft_s']:.2f}x",
+          _speedup(r, f),
           f"{r['kv_bytes_live'] / 2 ** 20:.1f}", f"{r['recomputed_share']:.3f}",
           f"{r.get('n_gold', 0)}", _ci_cell(r, "rouge_l_vs_gold"),
           _ci_cell(r, "d_gold_vs_full"),
@@ -137,7 +153,7 @@ def tables(rows: list[dict]) -> list[common.Table]:
           _ci_cell(r, "cont_dnll", 1.0, "+.3f")))
     out.append(common.Table(
         f"SemShareKV {title}; TTFT of a compiled run (- : not timed); vs full = how many "
-        "times faster; KV kept = "
+        "times sooner the first token comes (mean TTFTs, paired over pairs); KV kept = "
         "MiB of layer entries kept; ROUGE-L x 100 with 95% bootstrap intervals over pairs; "
         "d = paired difference",
         ("bin", "method", "pairs", "prompt tok", "similarity", "reused", "TTFT ms", "vs full",

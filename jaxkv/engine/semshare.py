@@ -46,6 +46,7 @@ import collections
 import dataclasses
 import functools
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -186,7 +187,6 @@ class SemShareRunner:
       self._zero_seq = self.alloc.new_sequence()
       self.zero_slot = int(self.kv.extend(self._zero_seq, 1, owner=_OWNER)[0])
       self.driver.kv = _zero_slot(self.driver.kv, self.zero_slot)
-    self._rng = np.random.default_rng(cfg.lsh_seed)
     # [L] per-layer budgets of the compression baselines in place of their own
     # (None: `compress_keep` / `h2o_keep`); a benchmark sets it to compare eviction
     # rules at identical per-layer budgets
@@ -346,14 +346,18 @@ class SemShareRunner:
     return drain(self.prefill_steps(seq, ids, found, t0=t0), self.driver, 0)
 
   def prefill_steps(self, seq: int, ids: np.ndarray, found: tuple | None = None, *,
-                    chunk: int | None = None, t0: float | None = None):
+                    chunk: int | None = None, t0: float | None = None, store: bool = True,
+                    budgets=None):
     """`prefill_into` as a generator (what the engine's `SemShare` mechanism runs on
     its row): with `chunk`, every pass (the full prefill, the layer-0 probe, each
     window of the second pass) runs at most `chunk` prompt tokens per model call,
     with a bare yield between calls, so a long prompt delays the engine's decoding
     rows by one chunk at a time. The pieces are exact: a token's causal attention
-    reads only earlier columns, which earlier pieces of the same pass wrote. Returns
-    the `SemPrefill`."""
+    reads only earlier columns, which earlier pieces of the same pass wrote.
+    `store`: False leaves the reference store as it was (the prompt is not stored,
+    whether or not it reused: an evaluation's teacher-forced twin of a request);
+    `budgets`: [L] per-layer counts the compression baselines keep for this prompt
+    (None: `layer_budgets`). Returns the `SemPrefill`."""
     n, L = ids.size, self.mcfg.num_layers
     t0 = time.perf_counter() if t0 is None else t0
     codes, key, sim, idx, match_s = self.find(ids) if found is None else found
@@ -374,7 +378,7 @@ class SemShareRunner:
       if compress:                       # the baselines: each layer keeps its own tokens
         q = pad_to(jnp.concatenate(q_parts, axis=2), c, 2)
         keep = np.asarray(_layer_keep(self.driver.kv, q, jnp.asarray(run.positions[None]),
-                                      jnp.asarray(_pad(fresh, c)), self._budgets(n),
+                                      jnp.asarray(_pad(fresh, c)), self._budgets(n, budgets),
                                       method=self.cfg.method))[:, 0, :n]
         layer_map[~keep] = SENTINEL
       logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
@@ -384,7 +388,7 @@ class SemShareRunner:
         gone = np.flatnonzero(~keep.any(axis=0))
         self.alloc.evict(seq, gone)
         kv_slots -= gone.size
-      if matching:
+      if matching and store:
         self._store(ids, fresh, codes[:n])
       return SemPrefill(seq=seq, ids=ids, logits=logits, similarity=sim, reused=False,
                         slot_map=layer_map, layer_tokens=np.full(L, n, np.int64),
@@ -395,7 +399,12 @@ class SemShareRunner:
     if self.cfg.method == "zero":
       alias = np.full(n, self.zero_slot, np.int32)
     elif self.cfg.method == "random":
-      alias = ref.slots[self._rng.integers(0, ref.slots.size, n)]
+      # drawn from the prompt and the reference, not from a running stream: a prompt
+      # gets the same random match however many came before it (an evaluation's
+      # teacher-forced twin the same as its request)
+      rng = np.random.default_rng([self.cfg.lsh_seed, zlib.crc32(ids.tobytes()),
+                                   zlib.crc32(ref.ids.tobytes())])
+      alias = ref.slots[rng.integers(0, ref.slots.size, n)]
     else:
       alias = ref.slots[idx]
     # probe: layer 0 for every token, fresh slots only
@@ -452,7 +461,7 @@ class SemShareRunner:
     held = np.unique(alias[used.any(axis=0)])
     self.alloc.retain(held)
     self._holds[seq] = held
-    if self.cfg.store_reused:
+    if self.cfg.store_reused and store:
       self._store(ids, fresh, codes[:n])
     return SemPrefill(seq=seq, ids=ids, logits=logits, similarity=sim, reused=True,
                       slot_map=layer_map, layer_tokens=np.asarray([s.size for s in p.recompute]),
@@ -475,12 +484,18 @@ class SemShareRunner:
                             jnp.asarray(np.arange(c) < n))
     return semshare.layer_retention(p, np.concatenate([att0[None], np.asarray(got)[:, :n]]))
 
-  def _budgets(self, n: int) -> jax.Array:
-    """[L] tokens each layer keeps under the compression baselines (`layer_budgets`
-    when set: e.g. SemShareKV's own per-layer counts on the same prompt)."""
+  def _budgets(self, n: int, budgets=None) -> jax.Array:
+    """[L] tokens each layer keeps under the compression baselines (`budgets`, else
+    `layer_budgets` when set: e.g. SemShareKV's own per-layer counts on the same
+    prompt)."""
     L = self.mcfg.num_layers
-    if self.layer_budgets is not None:
-      return jnp.asarray(np.clip(np.asarray(self.layer_budgets), 1, n).astype(np.int32))
+    budgets = self.layer_budgets if budgets is None else budgets
+    if budgets is not None:
+      budgets = np.asarray(budgets)
+      if budgets.shape != (L,):
+        raise ValueError(f"layer budgets must hold one count per layer ({L}), "
+                         f"got shape {budgets.shape}")
+      return jnp.asarray(np.clip(budgets, 1, n).astype(np.int32))
     if self.cfg.method == "h2o":
       return jnp.full((L,), int(np.ceil(self.cfg.h2o_keep * n)), jnp.int32)
     mean = int(np.ceil(self.cfg.compress_keep * n))

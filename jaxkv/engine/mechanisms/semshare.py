@@ -17,6 +17,15 @@ one piece per engine step, so the rows decoding beside it wait one piece at a ti
 slots are held while the row lives and released when it leaves (`finish`); the store
 and its references are the runner's, on the engine's KV manager (its evictor forgets
 references when the pool needs pages).
+
+`Request.context` serves evaluation (bench/semshare.py `--via=engine` drives the
+engine with it, `jaxkv.evaluation.semshare`; a server never sets it): "store": False
+leaves the reference store as it was (a teacher-forced twin of a request matches
+exactly as the request does, and does not become a reference itself);
+"layer_budgets": [L] the per-layer counts a compression baseline keeps for this
+prompt (e.g. SemShareKV's own on the same pair); "evaluate": True puts the runner's
+`SemPrefill` record (similarity, slot map, recompute sets, FLOPs, entries kept) in
+`Result.extra["prefill"]`.
 """
 
 from __future__ import annotations
@@ -57,8 +66,11 @@ class SemShare(Mechanism):
     return Match(0, np.zeros(0, np.int32), _Turn())
 
   def prefill(self, row):
+    ctx = row.req.context or {}
     pre = yield from self.runner.prefill_steps(row.seq, np.asarray(row.req.prompt, np.int32),
-                                               chunk=self.prefill_chunk)
+                                               chunk=self.prefill_chunk,
+                                               store=ctx.get("store", True),
+                                               budgets=ctx.get("layer_budgets"))
     row.state.pre = pre
     return pre.logits
 
@@ -81,6 +93,9 @@ class SemShare(Mechanism):
     if pre.reused:
       self.stats["reused_requests"] += 1
       self.stats["reused_tokens"] += int(pre.ids.size)
-    return {"semshare": self.runner.cfg.method, "similarity": round(pre.similarity, 4),
-            "reused": bool(pre.reused), "recomputed_share": round(pre.recomputed_share, 4),
-            "shared_entries": int(pre.shared_entries), "live_entries": int(pre.live_entries)}
+    out = {"semshare": self.runner.cfg.method, "similarity": round(pre.similarity, 4),
+           "reused": bool(pre.reused), "recomputed_share": round(pre.recomputed_share, 4),
+           "shared_entries": int(pre.shared_entries), "live_entries": int(pre.live_entries)}
+    if (row.req.context or {}).get("evaluate"):
+      out["prefill"] = pre
+    return out
