@@ -121,6 +121,7 @@ SOURCES = {
     "semshare-lengths45": "bench/results_semshare_lengths45.json",
     "semshare-gate500": "bench/results_semshare_gate500.json",
     "semshare-gate2000": "bench/results_semshare_gate2000.json",
+    "semshare-gate4000": "bench/results_semshare_gate4000.json",
     "memart": "bench/results_memart.json",
     "memart-exact": "bench/results_memart_exact.json",
     "memart-rerank": "bench/results_memart_rerank.json",
@@ -237,7 +238,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [t for t in semshare_bench.tables(rows["semshare-lengths45"]) if "length" in t.title])
   out["semshare-curve"] = rows["semshare-curve"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-curve"]) if "length" not in t.title])
-  for name in ("semshare-gate500", "semshare-gate2000"):   # pairs the gate admits
+  for name in ("semshare-gate500", "semshare-gate2000", "semshare-gate4000"):   # admitted
     out[name] = rows[name] and _render(
         [t for t in semshare_bench.tables(rows[name]) if "every pair" in t.title
          or "how the reference" in t.title])
