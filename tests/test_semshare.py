@@ -254,20 +254,23 @@ def test_observer_attention_equals_dense_numpy():
   """Mean causal attention from an arbitrary observer set (GQA, padding rows),
   against dense numpy; tolerance fp32 softmax (1e-5 relative). Seed 68 puts an
   observer at position 0 over a dead key (no live key to attend: it adds 0); the
-  other draws are fresh."""
+  other draws are fresh. With the default block and fewer observers than it (13: the
+  block shrinks to 16 rows, as SemShareKV's 16 recent tokens use it) the same holds."""
   for seed in (68, None):
     _observer_attention_case(np.random.default_rng(seed))
+  _observer_attention_case(np.random.default_rng(), r=13, block=None)
 
 
-def _observer_attention_case(rng):
-  t, r, hq, hkv, d = 300, 70, 6, 2, 16
+def _observer_attention_case(rng, r: int = 70, block: int | None = 32):
+  t, hq, hkv, d = 300, 6, 2, 16
   k = rng.standard_normal((t, hkv, d)).astype(np.float32)
   q = rng.standard_normal((r, hq, d)).astype(np.float32)
   pos = np.sort(rng.choice(t, r, replace=False)).astype(np.int32)
   pos[-5:] = -1                                            # padding observers
   live = rng.uniform(size=t) > 0.1
   got = np.asarray(semshare.observer_attention(jnp.asarray(q), jnp.asarray(pos),
-                                               jnp.asarray(k), jnp.asarray(live), block=32))
+                                               jnp.asarray(k), jnp.asarray(live),
+                                               **({} if block is None else {"block": block})))
   kk = np.repeat(k, hq // hkv, axis=1)
   want = np.zeros(t)
   for i in np.flatnonzero(pos >= 0):
