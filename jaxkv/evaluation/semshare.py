@@ -86,7 +86,7 @@ class _Schedule:
     self.got: dict[str, object] = {}
     self.sent: set[str] = set()
     self.open = -1               # the pair whose reference is (to be) stored
-    self.complete = 0
+    self.complete = 0            # pairs with every result in
 
   def _submit(self, req: Request) -> None:
     self.engine.submit(req)
@@ -130,14 +130,15 @@ class _Schedule:
       self.open = i + 1
 
   def take(self, res) -> bool:
-    """Records a result; True when it completes its pair."""
+    """Records a result; True when it completes its pair (counted in `complete`)."""
     if res.finish_reason in ("error", "cancelled"):
       raise RuntimeError(f"semshare request {res.id} failed: {res.error or res.finish_reason}")
     self.got[res.id] = res
     if res.id.endswith(":ref"):
       return False
-    i = int(res.id.split(":")[0])
-    return all(r in self.got for r in self._group(i))
+    done = all(r in self.got for r in self._group(int(res.id.split(":")[0])))
+    self.complete += done
+    return done
 
   def finished(self) -> bool:
     return self.open == len(self.pairs) - 1 and all(
@@ -154,18 +155,16 @@ def serve_pairs(engine, runner, pairs: Sequence[Pair], gen: int,
   while pairs and not s.finished():
     s.submit_ready()
     for res in engine.step():
-      if s.take(res):
-        s.complete += 1
-        if progress is not None:
-          progress(s.complete, len(pairs))
+      if s.take(res) and progress is not None:
+        progress(s.complete, len(pairs))
   if s.reusing:
     runner.reset()
-  return [_served(s.got, i, p) for i, p in enumerate(pairs)]
+  return [_served(s.got, i) for i in range(len(pairs))]
 
 
-def _served(got: dict, i: int, p: Pair) -> Served:
+def _served(got: dict, i: int) -> Served:
   res, cont = got[f"{i}"], got[f"{i}:cont"]
-  answer = got.get(f"{i}:answer") if p.answer is not None else None
+  answer = got.get(f"{i}:answer")                   # None: the pair has no answer
   return Served(res.extra["prefill"], np.asarray(res.tokens, np.int32),
                 None if answer is None else float(-np.mean(answer.logprob)),
                 float(-np.mean(cont.logprob)),
