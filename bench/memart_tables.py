@@ -34,7 +34,7 @@ def rows_of(recs: list[dict], abl: list[dict], *, block_size: int, top_k: int,
   full_pred = {(r["conv"], r["q"]): r for r in recs if r["method"] == "full" and "pred" in r}
   for name in dict.fromkeys(r["method"] for r in recs):
     rs = [r for r in recs if r["method"] == name]
-    mean = lambda f, sel=rs: float(np.mean([r[f] for r in sel])) if sel else float("nan")
+    mean = lambda f, sel=rs: _mean([r[f] for r in sel])
     rows.append(dict(
         kind="method", method=name, strategy=rs[0].get("strategy") or {
             "memart": strategy_label(), "memart_rerank": strategy_label(rerank)}.get(name, "-"),
@@ -59,6 +59,12 @@ def rows_of(recs: list[dict], abl: list[dict], *, block_size: int, top_k: int,
                      tokens=tokens, evidence_recall=hits / max(n, 1),
                      recall_ci=list(calls.wilson(hits, n)), n_questions=len(sel)))
   return rows + paired(abl, block_size)
+
+
+def _mean(xs: list) -> float:
+  """Mean of the values present (None: not measured, e.g. an engine run's timings)."""
+  xs = [x for x in xs if x is not None]
+  return float(np.mean(xs)) if xs else float("nan")
 
 
 def _groups(rs: list[dict]):
@@ -158,7 +164,9 @@ def paired(abl: list[dict], block_size: int) -> list[dict]:
 
 
 def _secs(x: float) -> str:
-  """Seconds: milliseconds kept below 1 s (a GPU's TTFTs)."""
+  """Seconds: milliseconds kept below 1 s (a GPU's TTFTs); "-" when not measured."""
+  if np.isnan(x):
+    return "-"
   return f"{x:.3f}" if x < 1 else f"{x:.2f}"
 
 

@@ -12,6 +12,7 @@ from absl import app, flags
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import memart as bench
+import memart_layout
 import memart_tables
 from jaxkv.data import conversations as C
 from jaxkv.models import presets
@@ -107,25 +108,26 @@ def _conversation():
 def test_one_evidence_rule_needs_the_answer_tokens_for_every_method():
   tok = Tokenizer.load(presets.smollm2_gguf())
   conv = _conversation()
-  lay = bench.layout(tok, conv, "head")
+  lay = memart_layout.layout(tok, conv, "head")
   ids, spans = lay.sessions[0]
-  fact, recall, missing = (bench.answer_spans(tok, lay, conv, qa)[0] for qa in conv.qa)
+  fact, recall, missing = (memart_layout.answer_spans(tok, lay, conv, qa)[0] for qa in conv.qa)
   si, lo, hi = fact
   assert si == 0 and spans["D1:2"][0] < lo < hi < spans["D1:2"][1]
   assert tok.decode(ids[lo:hi].tolist()).strip() == "4172"       # the value's tokens only
   t_lo, t_hi = spans["D1:3"]
   assert recall[0] == 0 and t_lo < recall[1] < recall[2] <= t_hi   # the quoted turn text
   assert "write it down" in tok.decode(ids[recall[1]:recall[2]].tolist())
-  assert missing == (-1, 0, 1) and not bench.credited({0: [(0, ids.size)]}, missing)
+  assert missing == (-1, 0, 1) and not memart_layout.credited({0: [(0, ids.size)]}, missing)
   # a block straddling the value's first token is no longer credited (the old overlap
   # rule credited it); blocks covering all of it are, whatever else they hold
-  assert not bench.credited({0: [(lo - 8, lo + 1)]}, fact)
-  assert bench.credited({0: [(lo - 8, lo + 1), (lo + 1, hi + 8)]}, fact)
-  assert bench.credited({0: [(lo - 3, hi)]}, fact) and not bench.credited({1: [(lo, hi)]}, fact)
+  assert not memart_layout.credited({0: [(lo - 8, lo + 1)]}, fact)
+  assert memart_layout.credited({0: [(lo - 8, lo + 1), (lo + 1, hi + 8)]}, fact)
+  assert memart_layout.credited({0: [(lo - 3, hi)]}, fact)
+  assert not memart_layout.credited({1: [(lo, hi)]}, fact)
   # plaintext's whole turns go through the same rule
   turn_rows = [(0, t) for t in conv.sessions[0].turns]
-  assert bench.credited(bench.turn_tokens([1], turn_rows, [spans]), fact)
-  assert not bench.credited(bench.turn_tokens([0, 2], turn_rows, [spans]), fact)
+  assert memart_layout.credited(memart_layout.turn_tokens([1], turn_rows, [spans]), fact)
+  assert not memart_layout.credited(memart_layout.turn_tokens([0, 2], turn_rows, [spans]), fact)
 
 
 def test_rows_resample_conversations_and_pair_with_plaintext(parsed):

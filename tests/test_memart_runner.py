@@ -257,7 +257,7 @@ def test_bench_layout_spans_hold_each_turn(llm):
   import pathlib  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-  import memart as bench  # pylint: disable=import-outside-toplevel
+  import memart_layout as bench  # pylint: disable=import-outside-toplevel
   from jaxkv.data import conversations as C  # pylint: disable=import-outside-toplevel
   conv = C.parse_locomo(json_sample())[0]
   tok = llm.tokenizer

@@ -20,6 +20,16 @@ probe and the question's prefill (short) follow the history's last chunk in the 
 step. The engine reserves the chat prompt + max_tokens
 pages for the row, which bounds the question and the answer; memory blocks are
 session state on the same pool (`owner` "memart"), kept until the session closes.
+
+Evaluation (bench/memart.py `--via=engine`, `jaxkv.evaluation.memart`; a server
+never sends it) answers over a memory the caller wrote with the runner
+(`MemArtRunner.write` on the engine's KV manager) instead of a session's: the
+request's prompt is the tail to answer (question and template), and its context
+{"memory": the runner's `Memory`, "blocks": rows to splice (None: retrieve),
+"voters": [n] bool (the tail tokens whose queries score blocks), "rerank",
+"neighbors": the runner's overrides, "evaluate": True (the row's `TailPrefill` in
+`Result.extra["prefill"]`)}. A mechanism built on a runner alone (`MemArt(runner=)`,
+whose held head is the evaluation's own) serves only such requests.
 """
 
 from __future__ import annotations
@@ -34,14 +44,15 @@ from jaxkv.engine.mechanisms import Match, Mechanism
 
 @dataclasses.dataclass
 class _Turn:
-  session: str = ""
+  session: str | None = None    # None: an evaluation request (its memory in the context)
   pre: object = None            # the runner's `TailPrefill`
   info: dict | None = None      # memory blocks, blocks written, memory bytes
 
 
 class MemArt(Mechanism):
   """MemArt chat sessions in the engine (module docstring). `sessions`: a
-  `MemArtSessions` on the engine's KV manager (`kv=engine.kv_manager`)."""
+  `MemArtSessions` on the engine's KV manager (`kv=engine.kv_manager`); or `runner`
+  alone, a `MemArtRunner` there: evaluation requests only."""
 
   name = "memart"
   owns_prefill = True
@@ -53,8 +64,11 @@ class MemArt(Mechanism):
       ("jaxkv_memart_chat_tokens_total", "chat_tokens",
        "tokens the same chats hold as plain prompts"))
 
-  def __init__(self, sessions):
-    self.sessions, self.runner = sessions, sessions.runner
+  def __init__(self, sessions=None, *, runner=None):
+    if (sessions is None) == (runner is None):
+      raise ValueError("MemArt takes a MemArtSessions or (evaluation only) a MemArtRunner")
+    self.sessions = sessions
+    self.runner = sessions.runner if sessions is not None else runner
     self._writing: set[str] = set()      # sessions whose history a row is writing
     self._inflight: collections.Counter = collections.Counter()   # session -> rows
     self._closing: set[str] = set()      # closed while a turn was in flight
@@ -65,20 +79,29 @@ class MemArt(Mechanism):
   def context(self, session: str, messages: list[dict]) -> dict:
     """`Request.context` of a turn; raises ValueError for messages the session cannot
     take (checked again when the row runs: the session may move on in between)."""
-    self.sessions.check(session, messages)
+    self._sessions().check(session, messages)
     return {"session": session, "messages": messages}
+
+  def _sessions(self):
+    if self.sessions is None:
+      raise ValueError("this memart mechanism serves evaluation requests only (built on a "
+                       "runner, without sessions)")
+    return self.sessions
 
   def match(self, req) -> Match:
     ctx = req.context or {}
+    if "memory" in ctx:                                # evaluation: the prompt is the tail
+      return Match(0, np.zeros(0, np.int32), _Turn(), defer=True, reserve=len(req.prompt))
     if "session" not in ctx or "messages" not in ctx:
       raise ValueError("a memart request's context names its session and messages")
-    tail, _ = self.sessions.tail(ctx["messages"])     # what the row will prefill
+    tail, _ = self._sessions().tail(ctx["messages"])  # what the row will prefill
     self._inflight[ctx["session"]] += 1
     return Match(0, np.zeros(0, np.int32), _Turn(ctx["session"]), defer=True,
                  reserve=int(tail.size))
 
   def unmatch(self, match: Match) -> None:
-    self._leave(match.state.session)
+    if match.state.session is not None:
+      self._leave(match.state.session)
 
   def _leave(self, session: str) -> None:
     """A turn of `session` is done (or waits again); a session closed while turns were
@@ -93,6 +116,8 @@ class MemArt(Mechanism):
 
   def prefill(self, row):
     ctx = row.req.context
+    if "memory" in ctx:
+      return (yield from self._evaluate(row, ctx))
     while ctx["session"] in self._writing:     # another turn of the session is writing
       yield
     self._writing.add(ctx["session"])
@@ -111,6 +136,22 @@ class MemArt(Mechanism):
     row.served = max(0, len(row.req.prompt) - info["written_tokens"] - (pre.n - pre.start))
     return pre.logits
 
+  def _evaluate(self, row, ctx):
+    """An evaluation request's prefill (module docstring): the tail over the given
+    memory, its blocks spliced or retrieved."""
+    mem = ctx["memory"]
+    blocks, voters = ctx.get("blocks"), ctx.get("voters")
+    pre = yield from self.runner.prefill_into_steps(
+        row.seq, mem, np.asarray(row.req.prompt, np.int32), row.req.sampling.max_tokens,
+        blocks=None if blocks is None else np.asarray(blocks, np.int32),
+        voters=None if voters is None else np.asarray(voters, bool),
+        rerank=ctx.get("rerank"), neighbors=ctx.get("neighbors"), owner="engine")
+    row.state.pre = pre
+    row.state.info = dict(memory_blocks=mem.num_blocks, blocks_written=0, written_tokens=0,
+                          memory_bytes=mem.nbytes)
+    row.n, row.cached, row.served = pre.n, pre.start, 0
+    return pre.logits
+
   def decode_view(self, row, width: int):
     shift = row.state.pre.shift
     if shift is None:
@@ -123,7 +164,8 @@ class MemArt(Mechanism):
   def finish(self, row, cache: bool) -> dict | None:
     del cache
     t = row.state
-    self._leave(t.session)
+    if t.session is not None:
+      self._leave(t.session)
     if t.pre is None:
       return None
     pre, info = t.pre, t.info
@@ -134,8 +176,11 @@ class MemArt(Mechanism):
     s["prefill_tokens"] += pre.n - pre.start
     s["chat_tokens"] += len(row.req.prompt)
     kv_len = self.runner.kv_len(row.seq, pre.n) + len(row.generated)
-    return {"prefill_tokens": pre.n - pre.start, "probe_tokens": pre.probe_tokens,
-            "retrieved_blocks": int(pre.blocks.size), "decode_kv_len": kv_len, **info}
+    out = {"prefill_tokens": pre.n - pre.start, "probe_tokens": pre.probe_tokens,
+           "retrieved_blocks": int(pre.blocks.size), "decode_kv_len": kv_len, **info}
+    if (row.req.context or {}).get("evaluate"):
+      out["prefill"] = pre
+    return out
 
   def close(self, session: str) -> bool:
     """Frees a session's memory (with its last turn in flight, when that one ends);
@@ -144,7 +189,7 @@ class MemArt(Mechanism):
       self._closing.add(session)
       return True
     self._inflight.pop(session, None)
-    if session not in self.sessions.sessions:
+    if self.sessions is None or session not in self.sessions.sessions:
       return False
     self.sessions.close(session)
     return True
