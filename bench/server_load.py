@@ -181,7 +181,9 @@ def table(rows: list[dict]) -> common.Table:
 
 def batching_table(rows: list[dict], c: int = 8) -> common.Table:
   """One line per session kind (prefix cache off): tok/s at each concurrency, the
-  ratio at `c` against one client, and TTFT p50 / p99 at `c`."""
+  ratio at `c` against one client, TTFT p50 / p99 at `c`, and the streamed tokens'
+  spacing (ITL p50) at 1 and `c`: how much slower one decode step of `c` rows is than
+  one of a single row, which bounds what batching gains once prefill is done."""
   rows = [r for r in rows if not r.get("prefix_cache", False)]
   kinds = list(dict.fromkeys(r.get("kind", "") for r in rows))
   levels = sorted({r["concurrency"] for r in rows})
@@ -192,13 +194,15 @@ def batching_table(rows: list[dict], c: int = 8) -> common.Table:
     lines.append([kind or "- (plain)", *(f"{by_c[x]['tok_per_s']:.1f}" if x in by_c else "-"
                                         for x in levels),
                   f"{top['tok_per_s'] / one['tok_per_s']:.2f}x" if one and top else "-",
-                  f"{top['ttft_p50_s']:.2f} / {top['ttft_p99_s']:.2f}" if top else "-"])
+                  f"{top['ttft_p50_s']:.2f} / {top['ttft_p99_s']:.2f}" if top else "-",
+                  f"{1e3 * one['itl_p50_s']:.0f} / {1e3 * top['itl_p50_s']:.0f}"
+                  if one and top else "-"])
   dev = rows[0].get("device", "") if rows else ""
   mt = rows[0]["max_tokens"] if rows else "-"
   return common.Table(
       f"continuous batching per session kind ({dev}; {mt} tokens per request)",
       ["session kind", *(f"tok/s c={x}" for x in levels), f"c={c} vs c=1",
-       f"TTFT p50 / p99 s, c={c}"], lines)
+       f"TTFT p50 / p99 s, c={c}", f"ITL p50 ms, c=1 / c={c}"], lines)
 
 
 def tables(rows: list[dict]) -> list[common.Table]:

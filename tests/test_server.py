@@ -584,6 +584,10 @@ def test_load_bench_level_against_the_server(served):
   assert row["prompt_tokens"] > 6 * 60 and row["cached_tokens"] == 0   # no prefix cache
   assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] < 300
   assert server_load.table([row]).lines[0][:4] == ["-", "off", "4", "6"]
+  one = dict(row, concurrency=1, tok_per_s=10.0, itl_p50_s=0.02, kind="memart")
+  top = dict(row, concurrency=8, tok_per_s=25.0, itl_p50_s=0.05, kind="memart")
+  (line,) = server_load.batching_table([one, top]).lines
+  assert line[0] == "memart" and line[3] == "2.50x" and line[-1] == "20 / 50"
 
 
 def test_sessions_are_capped(base):
