@@ -125,6 +125,41 @@ def test_prompts_admitted_together_reuse_the_earlier_reference(llm):
   assert eng.allocator.sequences() == [] and not mech.runner._holds
 
 
+def test_unrelated_prompts_prefill_side_by_side(llm):
+  """Prompts admitted together at the real gate (0.8): one whose similarity to the
+  earlier is below the gate starts its prefill beside it (`may_overlap`); a near copy
+  waits for the earlier's prefill to end and reuses it. Every row's tokens, reuse and
+  entries equal its run one after another."""
+  ref, target = _pair(6)
+  other = np.random.default_rng(7).integers(100, 40000, 180)
+  eng, mech = _engine(llm, "semshare", threshold=0.8)
+  assert mech.runner.similarity(ref, other) < 0.8 <= mech.runner.similarity(ref, target)
+  serial = {rid: next(iter(eng.run([_request(rid, p)])))
+            for rid, p in (("ref", ref), ("other", other), ("t", target))}
+  eng, mech = _engine(llm, "semshare", threshold=0.8)
+  step, started, prefill = [0], {}, mech.prefill
+
+  def spy(row):
+    started.setdefault(row.req.id, step[0])
+    return prefill(row)
+
+  mech.prefill = spy
+  for rid, p in (("ref", ref), ("other", other), ("t", target)):
+    eng.submit(_request(rid, p))
+  got = {}
+  while eng.busy:
+    step[0] += 1
+    got.update((r.id, r) for r in eng.step())
+  assert started["ref"] == started["other"] == 1 < started["t"]
+  assert got["t"].extra["reused"] and not got["other"].extra["reused"]
+  for rid, want in serial.items():
+    assert got[rid].tokens == want.tokens, rid
+    for k in ("reused", "live_entries", "shared_entries"):
+      assert got[rid].extra[k] == want.extra[k], (rid, k)
+  eng.kv_manager.check()
+  assert eng.allocator.sequences() == [] and not mech.runner._holds
+
+
 def test_aliased_slots_held_until_the_row_leaves(llm):
   ref, target = _pair(5)
   eng, mech = _engine(llm, "semshare")

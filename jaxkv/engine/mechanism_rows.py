@@ -79,10 +79,13 @@ class MechanismRows:
   def _may_start(self, r: Row, todo: list[Row]) -> bool:
     """Whether the row's prefill may run this step: it has begun, or its mechanism
     lets prefills overlap, or no row of its mechanism admitted before it is still
-    prefilling (`Mechanism.serial_prefill`)."""
-    if r.pending is not None or not self.mechanisms[r.req.mechanism].serial_prefill:
+    prefilling (`Mechanism.serial_prefill`) but those whose stores cannot change its
+    plan (`Mechanism.may_overlap`)."""
+    mech = self.mechanisms[r.req.mechanism]
+    if r.pending is not None or not mech.serial_prefill:
       return True
-    return not any(q.req.mechanism == r.req.mechanism and q.order < r.order for q in todo)
+    return not any(q.req.mechanism == r.req.mechanism and q.order < r.order
+                   and not mech.may_overlap(r, q) for q in todo)
 
   def _pack_prefill(self) -> bool:
     """`EngineConfig.pack_prefill`: whether mechanism work runs packed (auto: off a CPU;

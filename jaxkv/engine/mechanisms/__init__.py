@@ -74,6 +74,13 @@ class Mechanism:
   # references), as the batch-1 runners do; the rows of other mechanisms run on
   serial_prefill = False
 
+  def may_overlap(self, row, earlier) -> bool:
+    """With `serial_prefill`: whether `row`'s prefill may start while `earlier` (a row
+    of this mechanism admitted before it) is still prefilling, i.e. whether nothing
+    `earlier` stores can change `row`'s plan (default: never)."""
+    del row, earlier
+    return False
+
   def match(self, req) -> Match:
     """The KV to adopt for `req` (default: none). Locks what it returns."""
     del req

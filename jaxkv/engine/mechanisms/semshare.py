@@ -26,6 +26,15 @@ exactly as the request does, and does not become a reference itself);
 prompt (e.g. SemShareKV's own on the same pair); "evaluate": True puts the runner's
 `SemPrefill` record (similarity, slot map, recompute sets, FLOPs, entries kept) in
 `Result.extra["prefill"]`.
+
+Prompts admitted together prefill one after another (`serial_prefill`: a prompt may
+reuse the one before it), except where the earlier one cannot change the later's
+plan (`may_overlap`): it stores nothing (context `store: False`, or a method that
+never matches), or the later prompt's similarity to it is below the gate, so as a
+stored reference it could not be the one reused. Unrelated prompts then prefill side
+by side. The outcome is the serial one unless storing the earlier prompt would have
+pushed out of the store (byte budget, pool pressure) the reference the later one
+reuses.
 """
 
 from __future__ import annotations
@@ -36,11 +45,13 @@ import numpy as np
 
 from jaxkv.engine.mechanisms import Match, Mechanism
 from jaxkv.kv.state import SENTINEL
+from jaxkv.policies.reuse import semshare as semshare_lib
 
 
 @dataclasses.dataclass
 class _Turn:
   pre: object = None            # the runner's `SemPrefill`
+  overlap: dict = dataclasses.field(default_factory=dict)   # earlier row id -> may overlap
 
 
 class SemShare(Mechanism):
@@ -64,6 +75,20 @@ class SemShare(Mechanism):
   def match(self, req) -> Match:
     del req
     return Match(0, np.zeros(0, np.int32), _Turn())
+
+  def may_overlap(self, row, earlier) -> bool:
+    """True when `earlier` cannot change `row`'s plan (module docstring); the
+    similarity is computed once per pair of rows."""
+    cfg = self.runner.cfg
+    if not (earlier.req.context or {}).get("store", True) or (
+        cfg.method not in semshare_lib.REUSE_METHODS):
+      return True
+    seen = row.state.overlap
+    if earlier.req.id not in seen:
+      sim = self.runner.similarity(np.asarray(earlier.req.prompt, np.int32),
+                                   np.asarray(row.req.prompt, np.int32))
+      seen[earlier.req.id] = sim < cfg.threshold
+    return seen[earlier.req.id]
 
   def prefill(self, row):
     ctx = row.req.context or {}
