@@ -381,6 +381,9 @@ def main(argv):
   if not FLAGS.conversations:
     raise app.UsageError("give --conversations (LoCoMo-format JSON; "
                          "scripts/make_conversations.py builds one)")
+  if FLAGS.via == "engine" and FLAGS.warm:
+    raise app.UsageError("--warm prepares timed runs: --via=engine records no timings "
+                         "(time with --via=runner)")
   names = common.method_names(FLAGS.methods, METHODS)
   try:
     convs = C.load_locomo(FLAGS.conversations)

@@ -92,6 +92,14 @@ def test_rerank_flag_is_checked(parsed):
     bench._reranks()
 
 
+def test_engine_runs_refuse_warm(parsed):
+  """--via=engine records no timings, so --warm (untimed first runs) is a usage error,
+  raised before any data or weights load."""
+  FLAGS.conversations, FLAGS.via, FLAGS.warm = "no_such_file.json", "engine", True
+  with pytest.raises(app.UsageError, match="--warm"):
+    bench.main([])
+
+
 def _conversation():
   turns = (C.Turn("Jon", "D1:1", "Hey, how was the hike on Sunday? I heard it rained."),
            C.Turn("Gina", "D1:2", "My locker code at the gym is 4172, I keep forgetting it.",
