@@ -81,10 +81,11 @@ from memart_layout import (
   MiniLM,
   answer_ids,
   blocks_hit,
+  full_bytes,
   plain_pick,
   prepare,
   recent,
-  score,
+  record,
   tail_ids,
   turns_hit,
 )
@@ -267,7 +268,7 @@ def _answers_runner(llm, c, r, mem, names, minilm) -> list[dict]:
           out = r.answer(m, tail, FLAGS.gen, blocks=blocks, stop_ids=tok.stop_ids)
           latency, hit = full_write_s + out.latency_s, [True] * len(c.targets[qi])
           extra["ttft"] = full_write_s + out.ttft_s       # no prefix cache: the paper's count
-          mem_bytes = int(np.sum(full_mem.tokens[full_mem.live])) * r.slot_bytes
+          mem_bytes = full_bytes(full_mem, r.slot_bytes)
         elif name in ("memart", "memart_rerank", "recent"):
           m = mem
           if name == "recent":
@@ -297,13 +298,11 @@ def _answers_runner(llm, c, r, mem, names, minilm) -> list[dict]:
         forced = r.answer(m, tail, ans.size, blocks=blocks, forced=ans)
         if "plain_mem" in extra:
           r.forget(extra["plain_mem"])
-      recall = float(np.mean(hit)) if hit else float("nan")
-      recs.append(dict(c.base(qi), method=name, recall=recall, hit=hit,
-                       nll=float(-np.mean(forced.logprobs)), prefill_tokens=int(pre_tokens),
-                       probe_tokens=int(out.probe_tokens), decode_kv_len=int(out.decode_kv_len),
-                       latency_s=float(latency), ttft_s=float(extra.get("ttft", out.ttft_s)),
-                       memory_bytes=int(mem_bytes), **score(tok, out.tokens, qa),
-                       **({"strategy": extra["strategy"]} if "strategy" in extra else {})))
+      recs.append(record(c, qi, name, tok, hit=hit, nll=-np.mean(forced.logprobs),
+                         prefill_tokens=pre_tokens, probe_tokens=out.probe_tokens,
+                         decode_kv_len=out.decode_kv_len, latency_s=latency,
+                         ttft_s=extra.get("ttft", out.ttft_s), memory_bytes=mem_bytes,
+                         tokens=out.tokens, strategy=extra.get("strategy")))
     print(f"  {c.conv.sample_id} q{qi + 1}/{len(c.qas)} " + " ".join(
         f"{x['method']}:f1={x['f1']:.2f},rec={x['recall']:.2f}" for x in recs[-len(names):]),
           flush=True)

@@ -23,7 +23,7 @@ from jaxkv.engine.engine import Engine
 from jaxkv.engine.mechanisms.memart import MemArt
 from jaxkv.engine.memart import MemArtRunner
 from jaxkv.evaluation import memart as evaluation
-from memart_layout import answer_ids, blocks_hit, recent, score, tail_ids, turns_hit
+from memart_layout import answer_ids, blocks_hit, full_bytes, recent, record, tail_ids, turns_hit
 from memart_tables import strategy_label
 
 
@@ -66,7 +66,7 @@ def answers(llm, eng, r, mem, c, names, minilm, *, gen: int, top_k: int, block_s
       if name == "full":
         q = evaluation.Question(full_mem, tail, ans, blocks=full_rows)
         side.append(dict(pre_tokens=lay.head.size + hist.size + tail.size,
-                         memory_bytes=int(np.sum(full_mem.tokens[full_mem.live])) * r.slot_bytes))
+                         memory_bytes=full_bytes(full_mem, r.slot_bytes)))
       elif name == "recent":
         q = evaluation.Question(mem, tail, ans, blocks=recent(mem, top_k))
         side.append(dict(memory_bytes=mem.nbytes))
@@ -104,10 +104,8 @@ def _record(c, qi: int, name: str, q, s, side: dict, tok) -> dict:
     hit = turns_hit(c, side["chosen"], c.targets[qi])
   else:
     hit = blocks_hit(q.memory, s.pre.blocks, c.targets[qi])
-  return dict(c.base(qi), method=name, recall=float(np.mean(hit)) if hit else float("nan"),
-              hit=hit, nll=s.nll, prefill_tokens=int(side.get("pre_tokens",
-                                                              s.usage["prefill_tokens"])),
-              probe_tokens=int(s.usage["probe_tokens"]),
-              decode_kv_len=int(s.usage["decode_kv_len"]), latency_s=None, ttft_s=None,
-              memory_bytes=int(side["memory_bytes"]), **score(tok, s.tokens, c.qas[qi]),
-              **({"strategy": side["strategy"]} if "strategy" in side else {}), via="engine")
+  return record(c, qi, name, tok, hit=hit, nll=s.nll,
+                prefill_tokens=side.get("pre_tokens", s.usage["prefill_tokens"]),
+                probe_tokens=s.usage["probe_tokens"], decode_kv_len=s.usage["decode_kv_len"],
+                latency_s=None, ttft_s=None, memory_bytes=side["memory_bytes"],
+                tokens=s.tokens, strategy=side.get("strategy"), via="engine")

@@ -237,6 +237,27 @@ def turns_hit(p: Prepared, chosen, spans) -> list[bool]:
   return [credited(got, sp) for sp in spans]
 
 
+def record(p: Prepared, qi: int, name: str, tok, *, hit: list, nll, prefill_tokens: int,
+           probe_tokens: int, decode_kv_len: int, latency_s, ttft_s, memory_bytes: int,
+           tokens, strategy: str | None = None, **extra) -> dict:
+  """A method's record of question `qi`, the one shape both paths (runner, engine)
+  write: its evidence hits and recall, answer NLL, token counts, timings (None: not
+  timed), memory bytes and the greedy answer's scores."""
+  return dict(p.base(qi), method=name, recall=float(np.mean(hit)) if hit else float("nan"),
+              hit=hit, nll=None if nll is None else float(nll),
+              prefill_tokens=int(prefill_tokens), probe_tokens=int(probe_tokens),
+              decode_kv_len=int(decode_kv_len),
+              latency_s=None if latency_s is None else float(latency_s),
+              ttft_s=None if ttft_s is None else float(ttft_s), memory_bytes=int(memory_bytes),
+              **score(tok, tokens, p.qas[qi]), **({"strategy": strategy} if strategy else {}),
+              **extra)
+
+
+def full_bytes(mem, slot_bytes: int) -> int:
+  """Full context's KV: every written token of its one-span memory."""
+  return int(np.sum(mem.tokens[mem.live])) * slot_bytes
+
+
 def recent(mem, k: int) -> np.ndarray:
   """The recency baseline: the k most recently written live blocks, chronological."""
   live = np.flatnonzero(mem.live)
