@@ -66,17 +66,14 @@ from tqdm import tqdm
 import common
 import jaxkv
 from jaxkv import artifacts
-from jaxkv.config import CacheConfig, EngineConfig, PruningConfig, SamplingConfig
+from jaxkv.config import PruningConfig
 from jaxkv.data import agents, traces
 from jaxkv.data import calls as calls_lib
-from jaxkv.engine.engine import Engine, Request
-from jaxkv.engine.mechanisms.agents import Agents
 from jaxkv.engine.mechanisms.composed import Composed
 from jaxkv.engine.mechanisms.pruned import Pruned
-from jaxkv.kv.state import SENTINEL
+from jaxkv.evaluation import agents as ev
 
 METHODS = ("non_shared", "pruned", "agents", "agents+pruned", "agents+random")
-PAGE = 16
 
 
 def define_flags():
@@ -106,17 +103,10 @@ def contexts(session, traj, tok) -> list[dict]:
 
 
 def make_engine(llm, lora, method: str, budget: int, max_tokens: int, batch: int):
-  """The method's engine and the mechanism name its requests carry."""
-  shared = method.startswith("agents")
-  scheme = "base_lr_shared" if shared else "non_shared"
-  regions = 1 if shared else lora.num_adapters
-  pages = batch * (regions + 1) * (-(-max_tokens // PAGE) + 1) + 8
-  eng = Engine(llm.model, llm.tokenizer.stop_ids,
-               CacheConfig(num_pages=pages, page_size=PAGE, max_seq_len=max_tokens + PAGE),
-               EngineConfig(max_batch=batch, prefill_chunk=256, decode_steps=16),
-               lora=lora, lr_rank=lora.rank if shared else 0)
-  ag = eng.add_mechanism(Agents(eng, scheme, names=agents.ROLES, max_tokens=max_tokens + PAGE,
-                                max_sessions=batch))
+  """The method's engine, its agents mechanism and the mechanism name its requests carry."""
+  scheme = "base_lr_shared" if method.startswith("agents") else "non_shared"
+  eng, ag = ev.engine(llm, lora, scheme, max_tokens=max_tokens, max_batch=batch,
+                      names=agents.ROLES)
   prune = {"pruned": "intentkv", "agents+pruned": "intentkv", "agents+random": "random"}
   if method not in prune:
     return eng, ag, ag.name
@@ -127,56 +117,24 @@ def make_engine(llm, lora, method: str, budget: int, max_tokens: int, batch: int
 
 def run_method(llm, lora, method: str, trajs, ctxs, args) -> list[dict]:
   eng, ag, mech = make_engine(llm, lora, method, args.budget, args.max_tokens, args.max_batch)
-  todo = collections.deque(range(len(trajs)))
-  nxt: dict[str, int] = {}          # session -> index of its next call
   rows: list[dict] = []
-
-  def submit(t: int) -> None:
-    traj, k = trajs[t], nxt[trajs[t].session]
-    c = traj.calls[k]
-    eng.submit(Request(f"{t}:{k}", traj.ids[:c.start].tolist(), SamplingConfig(max_tokens=1),
-                       adapter=c.role, mechanism=mech,
-                       context={"session": traj.session, **ctxs[t][k]},
-                       forced=traj.ids[c.start:c.end].tolist()))
-
-  def start_next() -> None:
-    if todo:
-      t = todo.popleft()
-      ag.open(trajs[t].session)
-      nxt[trajs[t].session] = 0
-      submit(t)
-
-  for _ in range(args.max_batch):
-    start_next()
   bar = tqdm(total=sum(len(t.calls) for t in trajs), desc=method, unit="call", file=sys.stderr)
-  while eng.busy:
-    for res in eng.step():
-      t, k = (int(x) for x in res.id.split(":"))
-      traj = trajs[t]
-      if res.finish_reason != "length":
-        raise RuntimeError(f"{method}: call {res.id} failed: {res.error}")
-      c = traj.calls[k]
+  for done in ev.serve_trajectories(eng, ag, trajs, mechanism=mech, contexts=ctxs,
+                                    max_batch=args.max_batch, progress=bar.update):
+    traj = trajs[done.index]
+    for k, (c, res) in enumerate(zip(traj.calls, done.calls)):
       x = res.extra or {}
+      gold = traj.ids[c.start:c.end]
       rows.append(dict(method=method, trace=traj.session, call=k, role=agents.ROLES[c.role],
                        tokens=c.end - c.start, prompt_tokens=c.start,
                        prefilled=x.get("computed_tokens"), ttft_s=res.ttft_s,
-                       exact=res.argmax == traj.ids[c.start:c.end].tolist(),
-                       agree=int(np.sum(np.asarray(res.argmax) == traj.ids[c.start:c.end])),
+                       exact=res.argmax == gold.tolist(),
+                       agree=int(np.sum(np.asarray(res.argmax) == gold)),
                        logprob=float(np.sum(res.logprob)),
                        kv_live_before=x.get("kv_live_before"),
                        kv_live_after=x.get("kv_live_after")))
-      bar.update(1)
-      nxt[traj.session] = k + 1
-      if k + 1 < len(traj.calls):
-        submit(t)
-        continue
-      s = ag.sessions[traj.session]
-      live = sum(int((eng.allocator.slot_map(r.seq) != SENTINEL).sum())
-                 for r in s.regions.values())
-      rows.append(dict(method=method, trace=traj.session, trajectory=True,
-                       tokens=len(traj), kv_bytes=live * eng.kv_manager.bytes_per_slot))
-      ag.close(traj.session)
-      start_next()
+    rows.append(dict(method=method, trace=traj.session, trajectory=True,
+                     tokens=len(traj), kv_bytes=done.live_slots * eng.kv_manager.bytes_per_slot))
   bar.close()
   eng.kv_manager.check()
   return rows

@@ -44,7 +44,16 @@ from jaxkv import artifacts
 from jaxkv.data import agents, traces
 from jaxkv.data import calls as calls_lib
 from jaxkv.data.traces import Session
-from jaxkv.engine.agents import AgentRunner, call_accuracy, fidelity, profile_window
+from jaxkv.engine.agents import (
+  AgentRunner,
+  CallResult,
+  RunResult,
+  call_accuracy,
+  fidelity,
+  profile_window,
+)
+from jaxkv.engine.mechanisms.agents import SERVED
+from jaxkv.evaluation import agents as ev
 from jaxkv.kv import plan
 from jaxkv.policies.sharing import lragent
 
@@ -106,6 +115,52 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True
   bar.close()
 
 
+def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch):
+  """`run_all` through the batch engine (`jaxkv.evaluation.agents`): per group of
+  `max_batch` trajectories not yet in `rows`, each scheme (one the engine serves) runs
+  them as sessions of one engine, their calls batched; rows are written after each
+  group (a rerun resumes). Timing fields are null (TTFT inside a batch waits behind
+  other rows), the fidelity and accuracy fields are the runner's."""
+  targets = ",".join(w.targets)
+  done = {(r["kind"], r["targets"], r["trace"]) for r in rows}
+  todo = [tr for tr in trajs if (label, targets, tr.session) not in done]
+  if not todo:
+    return
+  max_tokens = plan.bucket(max(len(tr) for tr in trajs) + 16, 1024, 1024)
+  m = llm.config
+  bar = tqdm(total=sum(len(tr.calls) for tr in todo) * len(schemes), desc=label, unit="call")
+  for g in range(0, len(todo), max_batch):
+    group = todo[g:g + max_batch]
+    res = {}
+    for s in schemes:
+      bar.set_postfix(scheme=s, trajectories=f"{g + 1}-{g + len(group)}")
+      eng, ag = ev.engine(llm, w, s, max_tokens=max_tokens, max_batch=max_batch,
+                          prefill_chunk=chunk, names=agents.ROLES)
+      for served in ev.serve_trajectories(eng, ag, group, max_batch=max_batch,
+                                          progress=bar.update):
+        tr = group[served.index]
+        calls = [CallResult(c.role, c.start, c.end, r.extra["computed_tokens"], 0, r.ttft_s, 0.0,
+                            np.asarray(r.logprob, np.float32), np.asarray(r.argmax, np.int32))
+                 for c, r in zip(tr.calls, served.calls)]
+        kvb = lragent.kv_bytes(s, len(tr), num_layers=m.num_layers, d_kv=m.d_kv,
+                               hidden=m.hidden_size, rank=w.rank, num_agents=w.num_adapters,
+                               bytes_per_elem=np.dtype(llm.dtype).itemsize)
+        res[s, tr.session] = RunResult(s, len(tr), calls, kvb, None)
+      eng.kv_manager.check()
+      del eng, ag
+    for tr in group:
+      ref = res["non_shared", tr.session]
+      for s in schemes:
+        r = res[s, tr.session]
+        rows.append(dict(scheme=s, trace=tr.session, context_tokens=len(tr), kv_bytes=r.kv_bytes,
+                         ttft_s=None, tokens_per_s=None, **fidelity(r, ref),
+                         **call_accuracy(r, tr), computed_tokens=sum(c.computed for c in r.calls),
+                         recomputed_tokens=0, targets=targets, window=None, kind=label,
+                         via="engine"))
+    common.write_rows(out, rows)
+  bar.close()
+
+
 FLAGS = flags.FLAGS
 
 
@@ -131,6 +186,11 @@ def define_flags():
                     "null: half the CPU time)")
   flags.DEFINE_integer("n_critical", 0, "DroidSpeak layers (0: L / 4)")
   flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
+  flags.DEFINE_enum("via", "runner", ["runner", "engine"], "runner: one trajectory at a time "
+                    "(`AgentRunner`, every scheme, timed); engine: the trajectories as sessions "
+                    f"of the batch engine, its schemes only ({', '.join(SERVED)}), quality "
+                    "only (needs --notiming)")
+  flags.DEFINE_integer("max_batch", 4, "--via=engine: trajectories in flight")
   flags.DEFINE_string("xla_cache", "data_local/xla_cache",
                       "persistent compilation cache: reruns skip the warm-up compiles")
 
@@ -149,6 +209,15 @@ def main(argv):
   schemes = args.schemes.split(",")
   for s in schemes:
     lragent.check_scheme(s)
+  if args.via == "engine":
+    if args.timing:
+      raise app.UsageError("--via=engine evaluates quality only (TTFT inside a batch waits "
+                           "behind other rows): pass --notiming")
+    if not FLAGS["schemes"].present:
+      schemes = list(SERVED)
+    elif set(schemes) - set(SERVED):
+      raise app.UsageError(f"--via=engine runs the schemes {', '.join(SERVED)}; "
+                           f"{sorted(set(schemes) - set(SERVED))} need the runner (--via=runner)")
   if "non_shared" not in schemes:
     schemes.insert(0, "non_shared")              # the fidelity reference
   if args.xla_cache:
@@ -172,6 +241,11 @@ def main(argv):
     if not path:
       continue
     _, w = artifacts.load_role_adapters(llm.config, path, model_name=args.model)
+    if args.via == "engine":
+      for kind, trajs in sets[name].items():
+        run_engine(llm, w, trajs, schemes, args.chunk, f"{kind}-{name}", rows, args.out,
+                   args.max_batch)
+      continue
     n_crit = args.n_critical or max(1, llm.config.num_layers // 4)
     probe = (real or list(emu.values()))[0]     # --max_sessions=0: an emulated one
     window, dev = profile_window(llm, w, probe.ids[:512], n_crit)

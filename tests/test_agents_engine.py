@@ -163,28 +163,3 @@ def test_cancel_keeps_the_trajectory_and_refusals(llm):
     mech.open(f"o{i}")
   with pytest.raises(ValueError, match="agent_sessions"):
     mech.open("one too many")
-
-
-@pytest.mark.parametrize("scheme", SERVED)
-def test_forced_calls_reproduce_the_runners_teacher_forced_scores(llm, scheme):
-  """Evaluation through the engine: each agent call of a trajectory as a forced
-  request (prompt = the trajectory before the call, forced = the call's gold tokens)
-  in one agents session gives `AgentRunner.run`'s per-token log-probabilities (within
-  1e-5) and greedy tokens, and reads the same shared prefix (the runner's computed
-  tokens); so `call_accuracy` can be read off the engine."""
-  from test_lora_train import _session
-  traj = agents.build(_session(), llm.tokenizer)
-  w = _lora(llm)
-  ref = AgentRunner(llm, w, scheme, max_tokens=len(traj) + 8, chunk=64).run(traj)
-  eng, mech = _engine(llm, w, scheme)
-  mech.open("t")
-  for c, want in zip(traj.calls, ref.calls):
-    req = Request(f"c{c.start}", traj.ids[:c.start].tolist(), adapter=c.role,
-                  mechanism="agents", context={"session": "t"},
-                  forced=traj.ids[c.start:c.end].tolist())
-    got = next(eng.run([req]))
-    assert got.finish_reason == "length", got.error
-    np.testing.assert_allclose(got.logprob, want.logprob, atol=1e-5, rtol=0)
-    assert got.argmax == want.argmax.tolist(), c
-    assert got.extra["computed_tokens"] == want.computed, c
-  eng.kv_manager.check()
