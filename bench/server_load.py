@@ -172,8 +172,11 @@ def table(rows: list[dict]) -> common.Table:
         f"{1e3 * r['itl_p50_s']:.0f}", f"{1e3 * r['itl_p99_s']:.0f}"])
   dev = rows[0].get("device", "") if rows else ""
   return common.Table(
-      f"server under load ({dev}; {rows[0]['max_tokens'] if rows else '-'} tokens per request)",
-      ["session kind", "prefix cache", "concurrency", "requests", "prompt cached", "req/s",
+      f"server under load ({dev}; {rows[0]['max_tokens'] if rows else '-'} tokens per request; "
+      "prompt not prefilled: usage cached_tokens, read from the engine's prefix cache or, "
+      "with it off too, from a session kind's own reuse: a pruned session's earlier turns, "
+      "segment reuse's radix tree)",
+      ["session kind", "prefix cache", "concurrency", "requests", "prompt not prefilled", "req/s",
        "tok/s",
        "tok/s vs c=1", "TTFT p50 s", "TTFT p99 s", "TTFT gain vs off", "ITL p50 ms",
        "ITL p99 ms"], lines)
