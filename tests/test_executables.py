@@ -44,3 +44,33 @@ def test_no_bound_and_bad_limits():
     executables.Budget(-1)
   with pytest.raises(ValueError, match="max_compiled"):
     ServerConfig(max_compiled=-1)
+
+
+def test_an_evaluation_loop_under_the_bound_gives_the_same_tokens(monkeypatch):
+  """`executables.step` (what `jaxkv.evaluation` loops run) releases past its limit
+  between engine steps, and the engine's requests finish with the tokens of an
+  unbounded run (programs reload or recompile on their next call)."""
+  import hf_util
+  from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig
+  from jaxkv.engine.engine import Engine, Request
+
+  llm = hf_util.random_llm_with_real_tokenizer(num_layers=2)
+  rng = np.random.default_rng()
+
+  def engine():
+    return Engine(llm.model, llm.tokenizer.stop_ids,
+                  CacheConfig(num_pages=64, page_size=16, max_seq_len=256),
+                  EngineConfig(max_batch=2, prefill_chunk=32, decode_steps=4))
+
+  reqs = [Request(str(i), rng.integers(100, 30000, n).tolist(), SamplingConfig(max_tokens=6))
+          for i, n in enumerate((9, 40, 70))]
+  want = {r.id: r.tokens for r in engine().run(reqs)}
+  budget = executables.Budget(1)
+  monkeypatch.setattr(executables, "_EVALUATION", budget)
+  eng, got = engine(), {}
+  for r in reqs:
+    eng.submit(r)
+  while eng.busy:
+    got.update({r.id: r.tokens for r in executables.step(eng)})
+  assert got == want
+  assert budget.clears >= 1

@@ -16,6 +16,13 @@ compilation cache on disk (`jaxkv.runtime.compilation_cache`), a load rather tha
 a compile. A limit below the traffic's working set makes every few steps reload:
 the clears are counted (`/metrics`) and logged with that advice.
 
+Evaluations through the engine (`jaxkv.evaluation`) call `step(engine)` in place of
+`engine.step()`: the same bound (`EVALUATION_LIMIT`) for a process that replays a
+whole workload. Without it, `bench/reuse.py --via=engine` (24 prompts, segment reuse's
+per-layer passes reach many shapes) died with "LLVM compilation error: Cannot allocate
+memory" once the process passed the kernel's limit of 65,530 memory maps
+(`vm.max_map_count`; each compiled program maps its code).
+
 Measured (SmolLM2, XLA:CPU, `bench/soak.py`): without a bound the steps went from
 17 to 47 variants and RSS from 3.6 to 5.0 GB in 355 s; docs/guides/server.md (Soak) has
 the bounded run.
@@ -88,3 +95,15 @@ class Budget:
     log.info("released %d compiled variants (limit %d); they reload from the "
              "persistent compilation cache when used again", n, self.limit)
     return True
+
+
+EVALUATION_LIMIT = 64
+_EVALUATION = Budget(EVALUATION_LIMIT)
+
+
+def step(engine) -> list:
+  """`engine.step()` for an evaluation loop: then releases the compiled programs past
+  `EVALUATION_LIMIT` variants (module docstring); returns the step's finished results."""
+  out = engine.step()
+  _EVALUATION.check()
+  return out

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from jaxkv.config import PAGE_SIZE, CacheConfig, EngineConfig, SamplingConfig
+from jaxkv.engine import executables
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.mechanisms.agents import SERVED, Agents
 from jaxkv.engine.request import Request, Result
@@ -104,7 +105,7 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
   for _ in range(max_batch):
     start_next()
   while eng.busy:
-    for res in eng.step():
+    for res in executables.step(eng):
       t, k = (int(x) for x in res.id.split(":"))
       if res.finish_reason != "length":
         raise RuntimeError(f"{mechanism}: call {k} of trajectory {trajs[t].session} failed: "

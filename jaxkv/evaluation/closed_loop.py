@@ -37,7 +37,7 @@ import numpy as np
 from jaxkv.config import SamplingConfig
 from jaxkv.data import calls
 from jaxkv.data.envs import Environment
-from jaxkv.engine import agent_loop
+from jaxkv.engine import agent_loop, executables
 from jaxkv.engine import grammar as G
 from jaxkv.engine.request import Request
 
@@ -250,7 +250,7 @@ def run_episodes(engine, pruned, envs: Sequence[Environment], tasks: Sequence[st
     while todo and free:
       ep = loop.start(free.pop(), todo.pop(0))
       (end if ep.outcome else live.append)(ep)
-    for res in engine.step():
+    for res in executables.step(engine):
       ep = loop.done(res)
       if ep.outcome is not None:
         live.remove(ep)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.config import SamplingConfig
+from jaxkv.engine import executables
 from jaxkv.engine.request import Request
 
 
@@ -90,7 +91,7 @@ def serve_questions(engine, questions: Sequence[Question], gen: int,
       engine.submit(_twin(i, q, q.blocks))
   done = 0
   while engine.busy:
-    for res in engine.step():
+    for res in executables.step(engine):
       if res.finish_reason in ("error", "cancelled"):
         raise RuntimeError(f"memart request {res.id} failed: {res.error or res.finish_reason}")
       got[res.id] = res

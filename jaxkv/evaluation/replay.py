@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from jaxkv.config import CacheConfig, EngineConfig, PruningConfig, SamplingConfig
 from jaxkv.data import labels
+from jaxkv.engine import executables
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.mechanisms.pruned import Pruned
 from jaxkv.engine.request import Request, Result
@@ -238,7 +239,7 @@ def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: 
       for k in leaders:
         submit(k)
       while inflight:
-        for res in engine.step():
+        for res in executables.step(engine):
           if res.id not in inflight:
             continue
           k, t, prep = inflight.pop(res.id)

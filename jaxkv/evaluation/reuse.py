@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.config import SamplingConfig
+from jaxkv.engine import executables
 from jaxkv.engine.request import Request
 
 
@@ -91,7 +92,7 @@ def serve_all(engine, prompts: Sequence[Prompt], gen: int, progress=None) -> lis
         if not req.id.endswith(":twin"):
           last = req.id
           break
-    for res in engine.step():
+    for res in executables.step(engine):
       if res.finish_reason in ("error", "cancelled"):
         raise RuntimeError(f"reuse request {res.id} failed: {res.error or res.finish_reason}")
       got[res.id] = res

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.config import SamplingConfig
+from jaxkv.engine import executables
 from jaxkv.engine.request import Request
 from jaxkv.policies.reuse import semshare as semshare_lib
 
@@ -154,7 +155,7 @@ def serve_pairs(engine, runner, pairs: Sequence[Pair], gen: int,
   s = _Schedule(engine, runner, pairs, gen)
   while pairs and not s.finished():
     s.submit_ready()
-    for res in engine.step():
+    for res in executables.step(engine):
       if s.take(res) and progress is not None:
         progress(s.complete, len(pairs))
   if s.reusing:
