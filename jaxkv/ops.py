@@ -68,21 +68,23 @@ def attention_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int,
   to the reference, which needs none. `lora`: for `flash_lora_attention` (its
   own key-block width). `num_slots`: slots per layer of the pool (the Mosaic
   plan checks that every page lies inside it). `key_shift`: the pass rotates keys on
-  read (a MemArt row); only the Triton paged-attention kernel does, so the plan then
-  carries the compacted shifts, and is None for the calls that run the reference."""
+  read (a MemArt row); the Triton and Mosaic paged-attention kernels do, so their plan
+  then carries the shifts, and it is None for the calls that run the reference
+  (Flash-LoRA with a key shift)."""
   impl = resolve_impl(impl)
   if impl == "reference":
     return None
-  if key_shift is not None:
-    if lora or impl not in ("pallas", "interpret"):
-      return None
-    return _pa.make_plan(slot_map, q_positions, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, key_shift=key_shift)
+  if key_shift is not None and lora:
+    return None
   if impl == "mosaic" and not lora:
     if num_slots is None:
       raise ValueError("the mosaic plan needs num_slots (slots per layer of the pool)")
     return _pam.make_page_plan(slot_map, q_positions, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, num_slots=num_slots)
+                               num_kv_heads=num_kv_heads, num_slots=num_slots,
+                               key_shift=key_shift)
+  if key_shift is not None:
+    return _pa.make_plan(slot_map, q_positions, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, key_shift=key_shift)
   make = _fla.make_plan if lora else _pa.make_plan
   return make(slot_map, q_positions, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
@@ -99,8 +101,8 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
   (exact delta-RoPE on read, `shift_freq` from `jaxkv.rope.delta_frequencies`),
   so a slot written at position p can be aliased at position p + shift without a
   copy (MemArt's decoupled positions). The Triton kernel ("pallas", "interpret")
-  rotates each key block as it reads it; "mosaic" and "reference" run the
-  reference path (gather, rotate, attend).
+  and the Mosaic kernel ("mosaic") rotate each key block as they read it;
+  "reference" runs the reference path (gather, rotate, attend).
 
   plan: `attention_plan(slot_map, q_positions, ...)` built once for the layers
   sharing this slot map (optional; the kernels build it per call otherwise).
@@ -114,6 +116,11 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
         return _pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
                                    scale=scale, plan=plan, key_shift=key_shift,
                                    shift_freq=shift_freq, interpret=impl == "interpret")
+    if impl == "mosaic":
+      with jax.named_scope("paged_attention_shifted_mosaic"):
+        return _pam.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
+                                    scale=scale, plan=plan, key_shift=key_shift,
+                                    shift_freq=shift_freq)
     with jax.named_scope("paged_attention_shifted"):
       k = apply_rope(_pa.gather_kv(k_pool, slot_map, layer), key_shift, shift_freq, 1.0)
       return _pa.attend_reference(q, k, _pa.gather_kv(v_pool, slot_map, layer), slot_map,

@@ -32,6 +32,16 @@ def frequency_row(shift_freq: jax.Array) -> jax.Array:
   return jnp.concatenate([f, f])
 
 
+def rotate_reference(k: jax.Array, shift: jax.Array, shift_freq: jax.Array) -> jax.Array:
+  """Gathered keys k [B, T, H, D] rotated by R(shift [B, T]) in jnp, as
+  `jaxkv.rope.apply_rope` does (cos and sin in k's dtype): the kernels' fallback."""
+  angle = frequency_row(shift_freq) * shift.astype(jnp.float32)[..., None]    # [B, T, D]
+  cos = jnp.cos(angle)[:, :, None, :].astype(k.dtype)
+  sin = jnp.sin(angle)[:, :, None, :].astype(k.dtype)
+  half = k.shape[-1] // 2
+  return k * cos + jnp.concatenate([-k[..., half:], k[..., :half]], axis=-1) * sin
+
+
 def rotate_rows(pool_ref, rows, h, live, shift, freq_ref, block_k: int) -> jax.Array:
   """Pool rows [rows, h, :] rotated by R(shift[j]) -> [block_k, D] float32.
 

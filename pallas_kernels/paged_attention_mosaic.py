@@ -39,9 +39,20 @@ masked online softmax (float32) and O += P V on the oldest; a consumed slot is
 refilled with the step `stages` ahead. Splits write normalised partial outputs
 with their max and denominator, merged by `paged_attention.merge_splits`.
 
+Key shift (MemArt's aliased blocks, read at new positions: key t rotated by
+R(key_shift[b, t]), exact delta-RoPE). The shifts are listed beside the keys'
+positions and fetched with them. Per step, each 64-key sub-block of K is rotated
+in registers before S = Q K^T: k' = k cos(a) + rotate_half(k) sin(a), a = shift
+x frequency (range-reduced to [-pi, pi] before the approximate sin/cos). A
+swizzled tile cannot be cut along its last axis, so rotate_half(k) is one more
+WGMMA, K @ P with P the signed half-swap matrix (entries 0 and +-1: exact), and
+the rotated keys go back to shared memory for the WGMMA that reads them. A call
+without a shift compiles none of this.
+
 Limits (each routed to the fallback, statically): 16-bit pools and queries of
 the same dtype (WGMMA operands), head_dim a multiple of 64, a pool of whole
-pages (slots a multiple of 16), no key shift.
+pages (slots a multiple of 16), a tiling whose buffers fit in shared memory
+(`smem_bytes`: e.g. head_dim 128 at 8 pages per step and 3 stages does not).
 Read note: a dead slot inside a page that holds a live token is read; its
 weight is exactly zero, but a non-finite value there would poison the row
 (0 * inf), as in every page-granular kernel. jaxkv's pools are zero-initialised
@@ -59,6 +70,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import key_shift as ks
 from pallas_kernels import paged_attention as pa
 
 PAGE = 16          # tokens per page (== jaxkv.kv.allocator's page size; tests check it)
@@ -66,6 +78,9 @@ BLOCK_R = 64       # query rows per program: one WGMMA tile height
 POS_PAD = pa.POS_PAD
 NEG = pa.NEG
 DTYPES = (jnp.bfloat16, jnp.float16)
+_INV_2PI = 0.15915494309189535
+_2PI_HI = 6.28125                  # 201 / 32: turns x _2PI_HI is exact below 2^16 turns
+_2PI_LO = 2 * 3.141592653589793 - 6.28125
 
 
 def _plgpu():
@@ -107,7 +122,7 @@ def choose_page_tiling(rows: int, t: int, *, programs: int = 1, pages_per_step=N
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=(
-    "starts", "positions", "row_pos", "bounds", "paged"), meta_fields=("tiling",))
+    "starts", "positions", "row_pos", "bounds", "paged", "shifts"), meta_fields=("tiling",))
 @dataclasses.dataclass(frozen=True)
 class PagePlan:
   """What the Mosaic kernel walks, from the slot map alone (`make_page_plan`);
@@ -119,6 +134,8 @@ class PagePlan:
   bounds: jax.Array      # [B, row blocks, k_splits, 3] step range [lo, hi) per program
                          # and the row block's count of visible listed pages
   paged: jax.Array       # [] bool: every page is paged (else the fallback runs)
+  shifts: jax.Array | None = None   # [B, n_pages * PAGE] its keys' shifts (0 where dead),
+                                    # or None: a call without a key shift
 
 
 def page_table(slot_map: jax.Array, num_slots: int):
@@ -144,10 +161,11 @@ def page_table(slot_map: jax.Array, num_slots: int):
 
 def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
                    num_kv_heads: int, num_slots: int, pages_per_step=None, k_splits=None,
-                   stages=None) -> PagePlan:
+                   stages=None, key_shift: jax.Array | None = None) -> PagePlan:
   """The page list, key positions and per-program step ranges for queries of
   `num_heads` heads at q_positions [B, Tq] over slot_map [B, T], on a pool of
-  `num_slots` slots per layer. Pure jnp: call it inside the caller's jit. (The
+  `num_slots` slots per layer; with key_shift [B, T], the listed keys' shifts.
+  Pure jnp: call it inside the caller's jit. (The
   Triton fallback builds its own plan inside its `lax.cond` branch, so the common,
   paged call never compacts the slot map for it.)"""
   if num_heads % num_kv_heads:
@@ -170,6 +188,14 @@ def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: in
   tok = listed[..., None] * PAGE + jnp.arange(PAGE, dtype=jnp.int32)     # [B, n_pages, PAGE]
   tok_live = jnp.take_along_axis(live, listed[..., None], axis=1) & real[..., None]
   positions = jnp.where(tok_live, tok, POS_PAD).reshape(b, n_pages * PAGE)
+  shifts = None
+  if key_shift is not None:
+    if key_shift.shape != slot_map.shape:
+      raise ValueError(f"key_shift {key_shift.shape} does not match the slot map "
+                       f"{slot_map.shape}")
+    per = jnp.pad(key_shift.astype(jnp.int32), ((0, 0), (0, p * PAGE - slot_map.shape[1])))
+    per = jnp.take_along_axis(per.reshape(b, p, PAGE), listed[..., None], axis=1)
+    shifts = jnp.where(tok_live, per, 0).reshape(b, n_pages * PAGE)
   row_pos = pa.fold_positions(q_positions, g, rows_p)
   last = row_pos.reshape(b, -1, BLOCK_R).max(-1)                         # [B, RB]
   first_pos = positions.reshape(b, n_pages, PAGE).min(-1)                # [B, n_pages]
@@ -178,13 +204,31 @@ def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: in
   edges = jnp.arange(k_splits + 1)[None, None, :] * steps[..., None] // k_splits
   visible = jnp.broadcast_to(n_vis[..., None], edges[..., 1:].shape)
   bounds = jnp.stack([edges[..., :-1], edges[..., 1:], visible], axis=-1).astype(jnp.int32)
-  return PagePlan(tiling, starts.astype(jnp.int32), positions, row_pos, bounds, paged)
+  return PagePlan(tiling, starts.astype(jnp.int32), positions, row_pos, bounds, paged, shifts)
 
 
-def supported(q, k_pool, v_pool, key_shift=None) -> str | None:
+SMEM_BYTES = 232_448   # shared memory one Hopper block may take (227 KB)
+
+
+def smem_bytes(tiling: PageTiling, d: int, dtype, out_dtype, shifted: bool) -> int:
+  """The kernel's shared memory: its scratch buffers, each rounded up to 1 KB (the
+  swizzled ones are 1 KB aligned), plus 2 KB for barriers: K, V and positions per
+  stage, the q and o tiles; with a key shift the shifts per stage, the rotated K
+  tile, P and the frequency row. (Mosaic's own count for head_dim 128 at 8 pages
+  per step, jax 0.10: 235,576 bytes, 304,184 with a shift; this gives 235,520 and
+  304,128.)"""
+  it, ot = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  block_k, stages = tiling.block_k, tiling.stages
+  kb = lambda n: -(-n // 1024) * 1024
+  sizes = [BLOCK_R * d * it, BLOCK_R * 4, stages * block_k * d * it,
+           stages * block_k * d * it, stages * block_k * 4, BLOCK_R * d * ot, 2 * BLOCK_R * 4]
+  if shifted:
+    sizes += [stages * block_k * 4, block_k * d * it, d * d * it, d * 4]
+  return sum(kb(n) for n in sizes) + 2048
+
+
+def supported(q, k_pool, v_pool) -> str | None:
   """Why the Mosaic kernel cannot take this call (None: it can). Static."""
-  if key_shift is not None:
-    return "a key shift (rotation on read) is not in the kernel yet"
   if k_pool.shape[-3] % PAGE:
     return f"the pool's {k_pool.shape[-3]} slots are not whole pages of {PAGE}"
   if q.dtype not in DTYPES or k_pool.dtype != q.dtype or v_pool.dtype != q.dtype:
@@ -217,10 +261,29 @@ def _smem_transforms(plgpu, dtype, cols: int):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat, *,
-                 tiling: PageTiling, scale: float, out_dtype, interpret: bool):
+def half_swap_matrix(d: int, dtype) -> jax.Array:
+  """P [D, D] with x @ P = rotate_half(x) = concat(-x[D/2:], x[:D/2])."""
+  h = d // 2
+  cols = jnp.arange(d)
+  src = jnp.where(cols < h, cols + h, cols - h)
+  sign = jnp.where(cols < h, -1.0, 1.0)
+  return (jnp.zeros((d, d), jnp.float32).at[src, cols].set(sign)).astype(dtype)
+
+
+def _reduce_angle(a):
+  """a - 2 pi round(a / 2 pi) in float32, two-constant (Cody-Waite) so the result
+  is as exact as a: the approximate sin/cos are accurate on [-pi, pi] only."""
+  turns = lax.round(a * _INV_2PI)
+  return (a - turns * _2PI_HI) - turns * _2PI_LO
+
+
+def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat,
+                 shifted=None, *, tiling: PageTiling, scale: float, out_dtype,
+                 interpret: bool):
   """The kernel over folded rows q_rows [B, Hkv, rows_p, D]; returns per-split
-  (o [K, B, Hkv, rows_p, D], m, l [K, B, Hkv, rows_p])."""
+  (o [K, B, Hkv, rows_p, D], m, l [K, B, Hkv, rows_p]). `shifted`: (the plan's
+  shifts [B, n_pages * PAGE], frequency row [D] float32, `half_swap_matrix`) for
+  keys rotated on read, or None."""
   plgpu = _plgpu()
   b, hkv, rows_p, d = q_rows.shape
   pps, k_splits, stages, _, n_pages = tiling
@@ -253,9 +316,15 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       return acc_ref[...]
     return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
 
-  def body(q_ref, rowpos_ref, starts_ref, pos_ref, bounds_ref, offset_ref, k_ref, v_ref,
-           o_ref, m_ref, l_ref, q_smem, qpos_smem, k_smem, v_smem, kpos_smem, o_smem,
-           ml_smem, q_bar, k_bar, v_bar):
+  def body(*refs):
+    (q_ref, rowpos_ref, starts_ref, pos_ref, bounds_ref, offset_ref, k_ref, v_ref), refs = (
+        refs[:8], refs[8:])
+    shift_ref = freq_ref = perm_ref = None
+    if shifted is not None:
+      (shift_ref, freq_ref, perm_ref), refs = refs[:3], refs[3:]
+    (o_ref, m_ref, l_ref, q_smem, qpos_smem, k_smem, v_smem, kpos_smem, o_smem, ml_smem,
+     q_bar, k_bar, v_bar), refs = refs[:13], refs[13:]
+    kshift_smem, kr_smem, perm_smem, freq_smem = refs if shifted is not None else (None,) * 4
     bh, rb, split = lax.axis_index("bh"), lax.axis_index("rb"), lax.axis_index("split")
     row, h = bh // hkv, bh % hkv
     lo = bounds_ref[row, rb, split, 0]
@@ -277,21 +346,44 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
                                 v_bar.at[slot])
       plgpu.copy_gmem_to_smem(pos_ref.at[row, pl.ds(step * block_k, block_k)],
                               kpos_smem.at[slot], k_bar.at[slot])
+      if shift_ref is not None:
+        plgpu.copy_gmem_to_smem(shift_ref.at[row, pl.ds(step * block_k, block_k)],
+                                kshift_smem.at[slot], k_bar.at[slot])
 
     for t in range(stages):
       pl.when(t < n)(functools.partial(issue, lo + t, t))
     plgpu.copy_gmem_to_smem(q_ref.at[row, h, rows], q_smem, q_bar.at[0])
     plgpu.copy_gmem_to_smem(rowpos_ref.at[row, rows], qpos_smem, q_bar.at[0])
+    if shifted is not None:
+      plgpu.copy_gmem_to_smem(perm_ref, perm_smem, q_bar.at[0])
+      plgpu.copy_gmem_to_smem(freq_ref, freq_smem, q_bar.at[0])
     plgpu.barrier_wait(q_bar.at[0])
     qpos = load_vec(qpos_smem, plgpu.Layout.WGMMA.reduce(1))
     qpos = lax.broadcast_in_dim(qpos, (BLOCK_R, block_k), [0])
+
+    def rotated(slot):
+      """K of `slot` rotated by its keys' shifts, in kr_smem, 64 keys at a time (the
+      frequency row is reloaded per sub-block rather than held across the loop: a
+      [64, D] float32 broadcast kept live would take 64 registers a thread at D 128)."""
+      for j in range(block_k // BLOCK_R):
+        part = pl.ds(j * BLOCK_R, BLOCK_R)
+        k = load_vec(k_smem.at[slot, part], plgpu.Layout.WGMMA).astype(jnp.float32)
+        k_half = mma(k_smem.at[slot, part], perm_smem)          # rotate_half(k), exact
+        sh = load_vec(kshift_smem.at[slot, part], plgpu.Layout.WGMMA.reduce(1))
+        freq = load_vec(freq_smem, plgpu.Layout.WGMMA.reduce(0))
+        a = _reduce_angle(lax.broadcast_in_dim(sh.astype(jnp.float32), (BLOCK_R, d), [0])
+                          * lax.broadcast_in_dim(freq, (BLOCK_R, d), [1]))
+        kr_smem[part] = (k * jnp.cos(a) + k_half * jnp.sin(a)).astype(dtype)
+      plgpu.commit_smem()                 # the registers' stores, before WGMMA reads them
+      return kr_smem
 
     def step(i, carry):
       acc, m, l = carry
       slot = lax.rem(i, stages)
       plgpu.barrier_wait(k_bar.at[slot])
 
-      s = mma(q_smem, k_smem.at[slot], transpose=True) * scale
+      keys = k_smem.at[slot] if shifted is None else rotated(slot)
+      s = mma(q_smem, keys, transpose=True) * scale
       kpos = load_vec(kpos_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
       mask = lax.broadcast_in_dim(kpos, (BLOCK_R, block_k), [1]) <= qpos
       s = jnp.where(mask, s, NEG)
@@ -328,10 +420,19 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       plgpu.SMEM((stages, block_k), jnp.int32),                          # key positions
       plgpu.SMEM((BLOCK_R, d), out_dtype, transforms=otx),               # o tile
       plgpu.SMEM((2, BLOCK_R), jnp.float32),                             # m, l
-      plgpu.Barrier(num_arrivals=2, num_barriers=1),                     # q + positions
-      plgpu.Barrier(num_arrivals=pps + 1, num_barriers=stages),          # K pages + positions
+      plgpu.Barrier(num_arrivals=2 if shifted is None else 4,            # q + positions
+                    num_barriers=1),                                     # (+ P, frequencies)
+      plgpu.Barrier(num_arrivals=pps + (1 if shifted is None else 2),    # K pages + positions
+                    num_barriers=stages),                                # (+ shifts)
       plgpu.Barrier(num_arrivals=pps, num_barriers=stages),              # V pages
   ]
+  if shifted is not None:
+    scratch += [
+        plgpu.SMEM((stages, block_k), jnp.int32),                        # key shifts
+        plgpu.SMEM((block_k, d), dtype, transforms=tx),                  # rotated K
+        plgpu.SMEM((d, d), dtype, transforms=tx),                        # P
+        plgpu.SMEM((d,), jnp.float32),                                   # frequency row
+    ]
   out_type = [jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p, d), out_dtype),
               jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32),
               jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32)]
@@ -340,7 +441,8 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
                       compiler_params=plgpu.CompilerParams(
                           approx_math=True, lowering_semantics=_semantics(plgpu)),
                       interpret=_interpret_params() if interpret else None)
-  return call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat)
+  return call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat,
+              *(shifted or ()))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -350,9 +452,15 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
                     scale: float | None = None, plan: PagePlan | None = None,
                     pages_per_step: int | None = None, k_splits: int | None = None,
                     stages: int | None = None, fallback: str = "triton",
-                    interpret: bool = False) -> jax.Array:
+                    interpret: bool = False, key_shift: jax.Array | None = None,
+                    shift_freq: jax.Array | None = None) -> jax.Array:
   """Mosaic GPU paged attention; same arguments and result as
   `paged_attention.paged_attention_reference`.
+
+  key_shift [B, T] int32 with shift_freq [D/2]: key t read rotated by
+  R(key_shift[b, t]), as the Triton kernel (`key_shift.py`) and `jaxkv.ops`'s
+  reference path do; a given plan must then carry the shifts
+  (`make_page_plan(..., key_shift=)`).
 
   plan: `make_page_plan(...)` for this slot map and these query positions (the
   tiling knobs then go there), shared by the layers of one pass. fallback:
@@ -371,22 +479,32 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
   if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
     raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
   num_slots = k_pool.shape[-3]
+  if (key_shift is None) != (shift_freq is None):
+    raise ValueError("key_shift needs shift_freq (jaxkv.rope.delta_frequencies) and back")
 
   def other():
     if fallback == "reference":
-      return pa.paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,
-                                          layer=layer, scale=scale)
+      if key_shift is None:
+        return pa.paged_attention_reference(q, k_pool, v_pool, slot_map, q_positions,
+                                            layer=layer, scale=scale)
+      k = ks.rotate_reference(pa.gather_kv(k_pool, slot_map, layer), key_shift, shift_freq)
+      return pa.attend_reference(q, k, pa.gather_kv(v_pool, slot_map, layer), slot_map,
+                                 q_positions, d ** -0.5 if scale is None else scale)
     return pa.paged_attention(q, k_pool, v_pool, slot_map, q_positions, layer=layer,
-                              scale=scale, interpret=interpret)
+                              scale=scale, interpret=interpret, key_shift=key_shift,
+                              shift_freq=shift_freq)
 
   if supported(q, k_pool, v_pool) is not None:
     return other()
   if plan is None:
     plan = make_page_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv,
                           num_slots=num_slots, pages_per_step=pages_per_step,
-                          k_splits=k_splits, stages=stages)
+                          k_splits=k_splits, stages=stages, key_shift=key_shift)
   elif (pages_per_step, k_splits, stages) != (None, None, None):
     raise ValueError("pass tiling knobs to make_page_plan, not beside a plan")
+  if (key_shift is None) != (plan.shifts is None):
+    raise ValueError("key_shift and the page plan disagree: build the plan with "
+                     "make_page_plan(..., key_shift=) for a shifted call, without it otherwise")
   tiling = plan.tiling
   if (plan.row_pos.shape != (b, tiling.rows_p) or tiling.rows_p < tq * (hq // hkv)
       or tiling.n_pages * PAGE < slot_map.shape[1] or plan.starts.shape[0] != b):
@@ -395,15 +513,21 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
                      f"{slot_map.shape}")
 
   softmax_scale = d ** -0.5 if scale is None else scale
+  out_dtype = q.dtype if tiling.k_splits == 1 else jnp.float32
+  if smem_bytes(tiling, d, q.dtype, out_dtype, key_shift is not None) > SMEM_BYTES:
+    return other()                     # this tiling's buffers do not fit: the fallback
 
   def mosaic():
-    out_dtype = q.dtype if tiling.k_splits == 1 else jnp.float32
+    shifted = None if key_shift is None else (plan.shifts, ks.frequency_row(shift_freq),
+                                                  half_swap_matrix(d, q.dtype))
     o, m, l = _mosaic_call(pa.fold_rows(q, hkv, tiling.rows_p), plan.row_pos, plan.starts,
-                           plan.positions, plan.bounds, offset, k_flat, v_flat, tiling=tiling,
-                           scale=softmax_scale, out_dtype=out_dtype, interpret=interpret)
+                           plan.positions, plan.bounds, offset, k_flat, v_flat, shifted,
+                           tiling=tiling, scale=softmax_scale, out_dtype=out_dtype,
+                           interpret=interpret)
     return pa.unfold_rows(pa.merge_splits(o, m, l), tq, hq).astype(q.dtype)
 
   return lax.cond(plan.paged, mosaic, other)
 
 
-__all__ = ["PAGE", "PagePlan", "make_page_plan", "page_table", "paged_attention", "supported"]
+__all__ = ["PAGE", "SMEM_BYTES", "PagePlan", "half_swap_matrix", "make_page_plan",
+           "page_table", "paged_attention", "smem_bytes", "supported"]

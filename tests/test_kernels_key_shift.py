@@ -88,7 +88,8 @@ def test_shifted_kernel_bf16(q_len):
 def test_one_shifted_plan_serves_every_layer_and_plans_must_match():
   """`ops.attention_plan(..., key_shift=)` builds the shifted plan once (what the
   model does for a MemArt batch); a plan without shifts beside a key_shift, or the
-  reverse, is refused; Flash-LoRA and Mosaic calls get no plan (reference path)."""
+  reverse, is refused; a Mosaic plan carries the shifts too; Flash-LoRA calls get no
+  plan (reference path)."""
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.3, q_len=3, max_len=64)
   a = _shifted(seed, a)
   hq, hkv = a["q"].shape[2], a["k_pool"].shape[2]
@@ -105,9 +106,11 @@ def test_one_shifted_plan_serves_every_layer_and_plans_must_match():
   unshifted = {k: v for k, v in a.items() if k not in ("key_shift", "shift_freq")}
   with pytest.raises(ValueError, match="disagree"):
     pa.paged_attention(**unshifted, layer=0, plan=plan, interpret=True)
-  for impl, lora in (("mosaic", False), (IMPL, True)):
-    assert ops.attention_plan(a["slot_map"], a["q_positions"], impl=impl, lora=lora,
-                              key_shift=a["key_shift"], num_slots=1024, **kw) is None
+  mosaic = ops.attention_plan(a["slot_map"], a["q_positions"], impl="mosaic",
+                              key_shift=a["key_shift"], num_slots=1024, **kw)
+  assert mosaic.shifts is not None          # the Mosaic kernel rotates in its tile too
+  assert ops.attention_plan(a["slot_map"], a["q_positions"], impl=IMPL, lora=True,
+                            key_shift=a["key_shift"], num_slots=1024, **kw) is None
 
 
 def test_compacted_shifts_follow_the_live_tokens():

@@ -16,6 +16,7 @@ slot after the last query, is NaN: a kernel that read one would return NaN.
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,9 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
+from jaxkv.config import RopeConfig
 from jaxkv.kv.allocator import PagedAllocator
+from jaxkv.rope import delta_frequencies
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_attention_mosaic as pm
 from test_kernels import _case, _check, _check_bf16, _ref, export_for_cuda
@@ -179,10 +182,73 @@ def test_unsupported_calls_go_to_the_fallback():
   assert "head_dim" in pm.supported(jnp.zeros((1, 1, 2, 80), jnp.bfloat16),
                                     *(jnp.zeros((2, 64, 2, 80), jnp.bfloat16),) * 2)
   assert "whole pages" in pm.supported(q, pool[:, :40], pool[:, :40])
-  assert "key shift" in pm.supported(q, pool, pool, key_shift=jnp.zeros((1, 1), jnp.int32))
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=2)      # float32
   got = _ref(pm.paged_attention, **a, layer=0, fallback="reference")   # no TF32 on a GPU
   _check(seed, got, _ref(pa.paged_attention_reference, **a, layer=0))
+
+
+def _shifted_reference(**kw):
+  return ops.paged_attention(**kw, impl="reference")
+
+
+def _with_shifts(seed, a, spread, rope=None):
+  """Seeded shifts in [-spread, spread] per key, and their frequencies."""
+  rng = np.random.default_rng(seed + 1)
+  shift = rng.integers(-spread, spread + 1, a["slot_map"].shape).astype(np.int32)
+  return dict(a, key_shift=jnp.asarray(shift),
+              shift_freq=delta_frequencies(rope or RopeConfig(theta=10000.0),
+                                           a["q"].shape[-1]))
+
+
+@pytest.mark.parametrize("head_dim,groups,dead,q_len", [(64, 3, 0.0, 1), (64, 7, 0.5, 12),
+                                                        (128, 1, 0.3, 1), (128, 3, 0.0, 4)])
+def test_mosaic_key_shift_matches_reference(head_dim, groups, dead, q_len):
+  """Keys rotated on read in the tile (`key_shift`: MemArt's aliased blocks) against
+  the reference path of jaxkv.ops (gather, rotate, attend), on poisoned pools, with
+  shifts up to +-20,000 positions (angles range-reduced before the approximate
+  sin/cos) and, at head_dim 64, 8 pages per step (two 64-key sub-blocks rotated per
+  step; at 128 that tiling does not fit in shared memory, see the next tests)."""
+  seed, a = _case(page_size=16, head_dim=head_dim, groups=groups, dead=dead, q_len=q_len,
+                  dtype=jnp.bfloat16, max_len=200)
+  a = _with_shifts(seed, _poison_pages(seed, a), spread=20000)
+  for pps in (4, 8) if head_dim == 64 else (4,):     # 8 at 128 passes shared memory
+    plan = pm.make_page_plan(a["slot_map"], a["q_positions"], num_heads=groups * 2,
+                             num_kv_heads=2, num_slots=a["k_pool"].shape[1],
+                             pages_per_step=pps, key_shift=a["key_shift"])
+    assert bool(plan.paged) and plan.shifts is not None, f"seed={seed}"
+    got = _run(a, jnp.int32(1), plan=plan)
+    _check_bf16(seed, got, _shifted_reference, a, layer=1)
+  # a shift of 0 everywhere is the unshifted call
+  zero = dict(a, key_shift=jnp.zeros_like(a["key_shift"]))
+  np.testing.assert_allclose(np.asarray(_run(zero, 1), np.float32),
+                             np.asarray(_run(dict(zero, key_shift=None, shift_freq=None), 1),
+                                        np.float32), atol=2e-2, rtol=0)
+
+
+def test_mosaic_key_shift_plans_and_fallbacks():
+  """The plan lists each key's shift beside its position (0 where dead); a plan made
+  without shifts is refused for a shifted call; a token-level map runs the fallback
+  with the shift (Triton or the reference)."""
+  seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.4, q_len=2, dtype=jnp.bfloat16,
+                  max_len=120)
+  a = _with_shifts(seed, a, spread=300)
+  kw = dict(num_heads=6, num_kv_heads=2, num_slots=a["k_pool"].shape[1])
+  plan = pm.make_page_plan(a["slot_map"], a["q_positions"], key_shift=a["key_shift"], **kw)
+  pos, sh = np.asarray(plan.positions), np.asarray(plan.shifts)
+  want = np.asarray(a["key_shift"])
+  for b in range(pos.shape[0]):
+    live = pos[b] != pm.POS_PAD
+    np.testing.assert_array_equal(sh[b, live], want[b, pos[b, live]], err_msg=f"seed={seed}")
+    assert not sh[b, ~live].any(), f"seed={seed}"
+  bare = pm.make_page_plan(a["slot_map"], a["q_positions"], **kw)
+  with pytest.raises(ValueError, match="disagree"):
+    _run(a, 1, plan=bare)
+  with pytest.raises(ValueError, match="shift_freq"):
+    _run(dict(a, shift_freq=None), 1)
+  seed, t = _case(page_size=1, head_dim=64, groups=3, dead=0.3, q_len=3, dtype=jnp.bfloat16)
+  t = _with_shifts(seed, t, spread=300)
+  for fallback in ("triton", "reference"):
+    _check_bf16(seed, _run(t, 1, fallback=fallback), _shifted_reference, t, layer=1)
 
 
 def test_page_size_is_the_allocators():
@@ -222,10 +288,62 @@ def test_mosaic_lowers_for_cuda(q_len, head_dim, groups):
   assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
 
 
+def _mosaic_operands(text: str) -> list[int]:
+  """The operand count of each Mosaic GPU custom call in exported StableHLO text."""
+  calls = re.findall(r"stablehlo\.custom_call @mosaic_gpu_v2\(([^)]*)\)", text)
+  return [len([x for x in c.split(",") if x.strip()]) for c in calls]
+
+
+@pytest.mark.parametrize("head_dim,q_len,pps", [(64, 1, 4), (128, 1, 4), (64, 1, 8),
+                                                (64, 256, 4)])
+def test_mosaic_key_shift_lowers_for_cuda(head_dim, q_len, pps):
+  """The shifted kernel (rotation in registers, K @ P on the tensor cores, the rotated
+  tile back in shared memory) goes through the whole Mosaic GPU lowering: decode, two
+  64-key sub-blocks per step (8 pages), and a prefill chunk (a bf16 output tile). It
+  takes three more operands than the unshifted kernel (shifts, frequencies, P)."""
+  b, hkv, groups, layers, slots, t = 2, 2, 3, 4, 8192, 4096
+  args = (S((b, q_len, hkv * groups, head_dim), jnp.bfloat16),
+          S((layers, slots, hkv, head_dim), jnp.bfloat16),
+          S((layers, slots, hkv, head_dim), jnp.bfloat16), S((b, t), jnp.int32),
+          S((b, q_len), jnp.int32), S((), jnp.int32), S((b, t), jnp.int32),
+          S((head_dim // 2,), jnp.float32))
+  targets = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
+  text = export_for_cuda(
+      lambda *x: pm.paged_attention(*x[:5], layer=x[5], key_shift=x[6], shift_freq=x[7],
+                                    pages_per_step=pps), *args, targets=targets)
+  bare = export_for_cuda(lambda *x: pm.paged_attention(*x[:5], layer=x[5], pages_per_step=pps),
+                         *args[:6], targets=targets)
+  assert len(_mosaic_operands(text)) == 1
+  assert _mosaic_operands(text)[0] == _mosaic_operands(bare)[0] + 3
+
+
+def test_tilings_past_shared_memory_run_the_fallback():
+  """A tiling whose buffers do not fit in a Hopper block's shared memory
+  (`smem_bytes`: head_dim 128 at 8 pages per step, with or without a shift) is routed
+  to the fallback statically instead of failing to compile; the default tiling fits."""
+  b, hkv, groups, layers, slots, t, d = 2, 2, 3, 4, 8192, 4096, 128
+  args = (S((b, 1, hkv * groups, d), jnp.bfloat16), S((layers, slots, hkv, d), jnp.bfloat16),
+          S((layers, slots, hkv, d), jnp.bfloat16), S((b, t), jnp.int32), S((b, 1), jnp.int32),
+          S((), jnp.int32), S((b, t), jnp.int32), S((d // 2,), jnp.float32))
+  for pps, fits in ((8, False), (4, True)):
+    tiling = pm.choose_page_tiling(groups, t, programs=b * hkv, pages_per_step=pps)
+    for shifted in (False, True):
+      out = jnp.float32 if tiling.k_splits > 1 else jnp.bfloat16
+      assert (pm.smem_bytes(tiling, d, jnp.bfloat16, out, shifted) <= pm.SMEM_BYTES) == fits
+      n = 8 if shifted else 6
+      text = export_for_cuda(
+          lambda *x, pps=pps, n=n: pm.paged_attention(
+              *x[:5], layer=x[5], pages_per_step=pps,
+              **(dict(key_shift=x[6], shift_freq=x[7]) if n == 8 else {})),
+          *args[:n], targets=("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
+      assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == int(fits), (pps, shifted)
+
+
 def test_model_forward_with_mosaic_lowers_for_cuda():
   """A bf16 model over a bf16 pool, attn_impl="mosaic": the forward's layer scan
-  holds the Mosaic GPU kernel (its plan built once for the pass), lowered for CUDA.
-  Over a float32 pool (CacheConfig.dtype's default) the same call runs Triton."""
+  holds the Mosaic GPU kernel (its plan built once for the pass), lowered for CUDA,
+  also with a key shift (the plan carries the shifts). Over a float32 pool
+  (CacheConfig.dtype's default) the same call runs Triton."""
   from flax import nnx
 
   from jaxkv.config import ModelConfig
@@ -241,13 +359,21 @@ def test_model_forward_with_mosaic_lowers_for_cuda():
   pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
   smap = pm.PAGE + jnp.arange(b * 32, dtype=jnp.int32).reshape(b, 32)
 
-  def forward(weights, pool):
-    out = nnx.merge(graphdef, weights)(tokens, pos, pool, slot_map=smap, attn_impl="mosaic")
+  def forward(weights, pool, shift=None):
+    out = nnx.merge(graphdef, weights)(tokens, pos, pool, slot_map=smap, attn_impl="mosaic",
+                                       key_shift=shift)
     return out.hidden, out.kv
 
-  for dtype, want in ((jnp.bfloat16, 1), (jnp.float32, 0)):
+  shift = S(smap.shape, jnp.int32)          # a MemArt row: keys rotated in the kernel
+  operands = {}
+  for dtype, shifted, want in ((jnp.bfloat16, False, 1), (jnp.float32, False, 0),
+                               (jnp.bfloat16, True, 1)):
     pool = kv_state.init_slots(cfg, pm.PAGE * 8, dtype)
     text = export_for_cuda(forward, jax.eval_shape(lambda: weights),
                            jax.eval_shape(lambda pool=pool: pool),
+                           *([shift] if shifted else []),
                            targets=("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
-    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == want, dtype
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == want, (dtype, shifted)
+    operands[dtype, shifted] = _mosaic_operands(text)
+  bf16 = jnp.bfloat16                         # the shifted kernel takes its three inputs
+  assert operands[bf16, True][0] == operands[bf16, False][0] + 3
