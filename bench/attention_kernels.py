@@ -25,7 +25,8 @@ are laid end to end (what a fresh sequence gets). Rows, one run, same inputs:
 - prefill, batch 1, a 512-token chunk at the end of the context: Pallas | Mosaic |
   reference.
 - Flash-LoRA decode, batch 8, a different adapter per row, r = 8: Flash-LoRA |
-  materialise V_base + V_lr B_i then the paged kernel | the XLA reference.
+  the same planned | Flash-LoRA on Mosaic GPU (`--mosaic`) | materialise
+  V_base + V_lr B_i then the paged kernel | the XLA reference.
 
 Timing: each call runs `--iters` times inside one jitted `fori_loop`, each time
 on another layer of a stacked pool (the kernels read layer l in place), with
@@ -61,6 +62,7 @@ from jax import lax
 
 import common
 from pallas_kernels import flash_lora_attention as fla
+from pallas_kernels import flash_lora_mosaic as flm
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_attention_mosaic as pm
 
@@ -480,6 +482,9 @@ def main(argv):
                   planned(a, make=fla.make_plan, **lplan_kw)),
                  ("materialise_then_attend", lambda a, l: materialize_then_attend(
                       *(a[k] for k in LORA_KEYS), layer=l, **knobs), a)] + methods
+      if mosaic_knobs is not None:     # Flash-LoRA on Mosaic GPU, on the same page plan
+        methods[2:2] = [("jaxkv_flash_lora_mosaic", lambda a, l: flm.flash_lora_attention(
+            *(a[k] for k in LORA_KEYS), layer=l, **mosaic_knobs), a)]
     for name, fn, x in methods:
       t = timed(fn, x, layers)
       if t:

@@ -48,12 +48,13 @@ for stage in $stages; do
         tee "$out/tests_fresh.log" | tail -4 ;;
     mosaic)
       JAXKV_TEST_SEED=0 timeout "${MOSAIC_S:-240}" $py -m pytest -x -q -p no:cacheprovider \
-        tests/test_kernels_mosaic.py 2>&1 | tee "$out/mosaic.log" | \
+        tests/test_kernels_mosaic.py tests/test_kernels_mosaic_lora.py 2>&1 | \
+        tee "$out/mosaic.log" | \
         grep -E "passed|failed|FAILED|Error" | tail -25
       [ "${MOSAIC_FRESH:-1}" = 0 ] || JAXKV_TEST_SEED=random timeout "${MOSAIC_S:-240}" \
         $py -m pytest -q -p no:cacheprovider \
-        tests/test_kernels_mosaic.py -k "matches_reference or splits" 2>&1 | \
-        tee "$out/mosaic_fresh.log" | tail -4 ;;
+        tests/test_kernels_mosaic.py tests/test_kernels_mosaic_lora.py \
+        -k "matches or splits" 2>&1 | tee "$out/mosaic_fresh.log" | tail -4 ;;
     kernels)
       timeout "${KERNELS_S:-420}" $py bench/attention_kernels.py ${KERNELS_ARGS:---tune} \
         --out="$out/kernels_gpu.json" > "$out/kernels.log" 2>&1

@@ -10,9 +10,10 @@ backed by a pure-jnp reference (always available) and a Pallas kernel from
 - "pallas" (= "triton"): the Pallas Triton kernel, compiled for the GPU;
 - "mosaic": paged attention on Mosaic GPU (Hopper; `pallas_kernels/
   paged_attention_mosaic.py`), which runs the Triton kernel for a call whose
-  slot map is not page by page; Flash-LoRA has no Mosaic kernel yet and runs
-  the Triton one. JAX deprecated Pallas's Triton backend; "auto" moves to
-  Mosaic once it measures at least as fast (docs/kernels.md);
+  slot map is not page by page, and Flash-LoRA on Mosaic GPU
+  (`pallas_kernels/flash_lora_mosaic.py`, the same page plan). JAX deprecated
+  Pallas's Triton backend; "auto" moves to Mosaic once it measures at least as
+  fast (docs/kernels.md);
 - "interpret": the Pallas kernel run by the Pallas interpreter (any backend;
   slow, for tests and debugging).
 
@@ -39,6 +40,7 @@ from jaxkv.config import ATTENTION_IMPLS
 from jaxkv.kv.state import SENTINEL
 from jaxkv.rope import apply_rope
 from pallas_kernels import flash_lora_attention as _fla
+from pallas_kernels import flash_lora_mosaic as _flm
 from pallas_kernels import paged_attention as _pa
 from pallas_kernels import paged_attention_mosaic as _pam
 from pallas_kernels.flash_lora_attention import flash_lora_attention_reference
@@ -76,7 +78,7 @@ def attention_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int,
     return None
   if key_shift is not None and lora:
     return None
-  if impl == "mosaic" and not lora:
+  if impl == "mosaic":
     if num_slots is None:
       raise ValueError("the mosaic plan needs num_slots (slots per layer of the pool)")
     return _pam.make_page_plan(slot_map, q_positions, num_heads=num_heads,
@@ -155,11 +157,13 @@ def flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positi
       v = _fla.materialise_v(v_pool, vlr_pool, lora_b, slot_map, layer)
       return _pa.attend_reference(q, k, v, slot_map, q_positions, scale)
   impl = resolve_impl(impl)
-  impl = "pallas" if impl == "mosaic" else impl      # no Mosaic Flash-LoRA yet
   with jax.named_scope(f"flash_lora_attention_{impl}"):
     if impl == "reference":
       return flash_lora_attention_reference(q, k_pool, v_pool, vlr_pool, lora_b, slot_map,
                                             q_positions, layer=layer, scale=scale)
+    if impl == "mosaic":
+      return _flm.flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map,
+                                       q_positions, layer=layer, scale=scale, plan=plan)
     return _fla.flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map,
                                      q_positions, layer=layer, scale=scale, plan=plan,
                                      interpret=impl == "interpret")

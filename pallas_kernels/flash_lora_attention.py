@@ -111,6 +111,20 @@ def _kernel(offset_ref, slots_ref, pos_ref, qpos_ref, q_ref, table_ref, bounds_r
   l_ref[...] = l
 
 
+def check_shapes(q, k_pool, vlr_pool, lora_b, k_flat, vlr_flat) -> tuple[int, int]:
+  """(KV heads, rank) of a Flash-LoRA call; ValueError for shapes that do not agree
+  (k_flat, vlr_flat: the pools as `pa.flat_pool` returns them)."""
+  b, _, hq, d = q.shape
+  hkv, rank = k_flat.shape[1], vlr_flat.shape[-1]
+  if hq % hkv:
+    raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+  if vlr_flat.shape[0] != k_flat.shape[0]:
+    raise ValueError(f"LR pool {vlr_pool.shape} does not match KV pool {k_pool.shape}")
+  if lora_b.shape != (b, rank, hkv, d):
+    raise ValueError(f"lora_b {lora_b.shape} != (batch, rank, Hkv, D) = {(b, rank, hkv, d)}")
+  return hkv, rank
+
+
 def make_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int, block_k=None,
               **kw) -> pa.Plan:
   """`pa.make_plan` with this kernel's default block_k (its tiles hold a third
@@ -139,14 +153,7 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   k_flat, offset = pa.flat_pool(k_pool, layer)
   v_flat, _ = pa.flat_pool(v_pool, layer)
   vlr_flat, _ = pa.flat_pool(vlr_pool, layer)
-  hkv = k_flat.shape[1]
-  rank = vlr_flat.shape[-1]
-  if hq % hkv:
-    raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
-  if vlr_flat.shape[0] != k_flat.shape[0]:
-    raise ValueError(f"LR pool {vlr_pool.shape} does not match KV pool {k_pool.shape}")
-  if lora_b.shape != (b, rank, hkv, d):
-    raise ValueError(f"lora_b {lora_b.shape} != (batch, rank, Hkv, D) = {(b, rank, hkv, d)}")
+  hkv, rank = check_shapes(q, k_pool, vlr_pool, lora_b, k_flat, vlr_flat)
   if rank & (rank - 1):
     raise ValueError(f"LoRA rank {rank} must be a power of two (Triton tile shapes)")
   scale = d ** -0.5 if scale is None else scale

@@ -210,11 +210,13 @@ def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: in
 SMEM_BYTES = 232_448   # shared memory one Hopper block may take (227 KB)
 
 
-def smem_bytes(tiling: PageTiling, d: int, dtype, out_dtype, shifted: bool) -> int:
+def smem_bytes(tiling: PageTiling, d: int, dtype, out_dtype, shifted: bool,
+               rank: int = 0) -> int:
   """The kernel's shared memory: its scratch buffers, each rounded up to 1 KB (the
   swizzled ones are 1 KB aligned), plus 2 KB for barriers: K, V and positions per
   stage, the q and o tiles; with a key shift the shifts per stage, the rotated K
-  tile, P and the frequency row. (Mosaic's own count for head_dim 128 at 8 pages
+  tile, P and the frequency row; with a LoRA `rank`, V_lr per stage, B_i and the
+  effective V tile. (Mosaic's own count for head_dim 128 at 8 pages
   per step, jax 0.10: 235,576 bytes, 304,184 with a shift; this gives 235,520 and
   304,128.)"""
   it, ot = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
@@ -224,6 +226,8 @@ def smem_bytes(tiling: PageTiling, d: int, dtype, out_dtype, shifted: bool) -> i
            stages * block_k * d * it, stages * block_k * 4, BLOCK_R * d * ot, 2 * BLOCK_R * 4]
   if shifted:
     sizes += [stages * block_k * 4, block_k * d * it, d * d * it, d * 4]
+  if rank:                     # Flash-LoRA: V_lr per stage, B_i, the effective V tile
+    sizes += [stages * rank * block_k * 4, rank * d * 4, block_k * d * it]
   return sum(kb(n) for n in sizes) + 2048
 
 
@@ -278,12 +282,14 @@ def _reduce_angle(a):
 
 
 def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat,
-                 shifted=None, *, tiling: PageTiling, scale: float, out_dtype,
+                 shifted=None, lora=None, *, tiling: PageTiling, scale: float, out_dtype,
                  interpret: bool):
   """The kernel over folded rows q_rows [B, Hkv, rows_p, D]; returns per-split
   (o [K, B, Hkv, rows_p, D], m, l [K, B, Hkv, rows_p]). `shifted`: (the plan's
   shifts [B, n_pages * PAGE], frequency row [D] float32, `half_swap_matrix`) for
-  keys rotated on read, or None."""
+  keys rotated on read, or None. `lora`: (the listed keys' low-rank values
+  [B, r, n_pages * PAGE] float32, each row's B_i [B, Hkv, r, D] float32) for
+  Flash-LoRA (`flash_lora_mosaic.py`: V = V_base + V_lr B_i per tile), or None."""
   plgpu = _plgpu()
   b, hkv, rows_p, d = q_rows.shape
   pps, k_splits, stages, _, n_pages = tiling
@@ -319,12 +325,18 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
   def body(*refs):
     (q_ref, rowpos_ref, starts_ref, pos_ref, bounds_ref, offset_ref, k_ref, v_ref), refs = (
         refs[:8], refs[8:])
-    shift_ref = freq_ref = perm_ref = None
+    shift_ref = freq_ref = perm_ref = vlr_ref = b_ref = None
     if shifted is not None:
       (shift_ref, freq_ref, perm_ref), refs = refs[:3], refs[3:]
+    if lora is not None:
+      (vlr_ref, b_ref), refs = refs[:2], refs[2:]
     (o_ref, m_ref, l_ref, q_smem, qpos_smem, k_smem, v_smem, kpos_smem, o_smem, ml_smem,
      q_bar, k_bar, v_bar), refs = refs[:13], refs[13:]
-    kshift_smem, kr_smem, perm_smem, freq_smem = refs if shifted is not None else (None,) * 4
+    kshift_smem = kr_smem = perm_smem = freq_smem = vlr_smem = b_smem = veff_smem = None
+    if shifted is not None:
+      (kshift_smem, kr_smem, perm_smem, freq_smem), refs = refs[:4], refs[4:]
+    if lora is not None:
+      vlr_smem, b_smem, veff_smem = refs
     bh, rb, split = lax.axis_index("bh"), lax.axis_index("rb"), lax.axis_index("split")
     row, h = bh // hkv, bh % hkv
     lo = bounds_ref[row, rb, split, 0]
@@ -349,6 +361,9 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       if shift_ref is not None:
         plgpu.copy_gmem_to_smem(shift_ref.at[row, pl.ds(step * block_k, block_k)],
                                 kshift_smem.at[slot], k_bar.at[slot])
+      if vlr_ref is not None:
+        plgpu.copy_gmem_to_smem(vlr_ref.at[row, :, pl.ds(step * block_k, block_k)],
+                                vlr_smem.at[slot], v_bar.at[slot])
 
     for t in range(stages):
       pl.when(t < n)(functools.partial(issue, lo + t, t))
@@ -357,6 +372,8 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
     if shifted is not None:
       plgpu.copy_gmem_to_smem(perm_ref, perm_smem, q_bar.at[0])
       plgpu.copy_gmem_to_smem(freq_ref, freq_smem, q_bar.at[0])
+    if lora is not None:
+      plgpu.copy_gmem_to_smem(b_ref.at[row, h], b_smem, q_bar.at[0])
     plgpu.barrier_wait(q_bar.at[0])
     qpos = load_vec(qpos_smem, plgpu.Layout.WGMMA.reduce(1))
     qpos = lax.broadcast_in_dim(qpos, (BLOCK_R, block_k), [0])
@@ -377,6 +394,23 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       plgpu.commit_smem()                 # the registers' stores, before WGMMA reads them
       return kr_smem
 
+    def effective(slot):
+      """V_base + V_lr B_i of `slot` (Flash-LoRA) in veff_smem, 64 keys at a time: r
+      rank-1 updates in registers (r < 16 is below a WGMMA's K), rounded to the
+      pool's dtype as the materialising reference rounds V."""
+      rank = b_smem.shape[0]
+      for j in range(block_k // BLOCK_R):
+        part = pl.ds(j * BLOCK_R, BLOCK_R)
+        v = load_vec(v_smem.at[slot, part], plgpu.Layout.WGMMA).astype(jnp.float32)
+        for i in range(rank):
+          lr = load_vec(vlr_smem.at[slot, i, part], plgpu.Layout.WGMMA.reduce(1))
+          bi = load_vec(b_smem.at[i], plgpu.Layout.WGMMA.reduce(0))
+          v = v + (lax.broadcast_in_dim(lr, (BLOCK_R, d), [0])
+                   * lax.broadcast_in_dim(bi, (BLOCK_R, d), [1]))
+        veff_smem[part] = v.astype(dtype)
+      plgpu.commit_smem()
+      return veff_smem
+
     def step(i, carry):
       acc, m, l = carry
       slot = lax.rem(i, stages)
@@ -393,8 +427,8 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       l = corr * l + p.sum(axis=1)
       plgpu.barrier_wait(v_bar.at[slot])
 
-      acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0]) + mma(p.astype(dtype),
-                                                                   v_smem.at[slot])
+      values = v_smem.at[slot] if lora is None else effective(slot)
+      acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0]) + mma(p.astype(dtype), values)
       pl.when(i + stages < n)(functools.partial(issue, lo + i + stages, slot))
       return acc, m_new, l
 
@@ -420,11 +454,12 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       plgpu.SMEM((stages, block_k), jnp.int32),                          # key positions
       plgpu.SMEM((BLOCK_R, d), out_dtype, transforms=otx),               # o tile
       plgpu.SMEM((2, BLOCK_R), jnp.float32),                             # m, l
-      plgpu.Barrier(num_arrivals=2 if shifted is None else 4,            # q + positions
-                    num_barriers=1),                                     # (+ P, frequencies)
+      plgpu.Barrier(num_arrivals=2 + 2 * (shifted is not None)           # q + positions
+                    + (lora is not None), num_barriers=1),               # (+ P, freqs; B_i)
       plgpu.Barrier(num_arrivals=pps + (1 if shifted is None else 2),    # K pages + positions
                     num_barriers=stages),                                # (+ shifts)
-      plgpu.Barrier(num_arrivals=pps, num_barriers=stages),              # V pages
+      plgpu.Barrier(num_arrivals=pps + (lora is not None),               # V pages (+ V_lr)
+                    num_barriers=stages),
   ]
   if shifted is not None:
     scratch += [
@@ -432,6 +467,13 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
         plgpu.SMEM((block_k, d), dtype, transforms=tx),                  # rotated K
         plgpu.SMEM((d, d), dtype, transforms=tx),                        # P
         plgpu.SMEM((d,), jnp.float32),                                   # frequency row
+    ]
+  if lora is not None:
+    rank = lora[1].shape[2]
+    scratch += [
+        plgpu.SMEM((stages, rank, block_k), jnp.float32),                # V_lr, key-minor
+        plgpu.SMEM((rank, d), jnp.float32),                              # B_i[:, h]
+        plgpu.SMEM((block_k, d), dtype, transforms=tx),                  # V_base + V_lr B_i
     ]
   out_type = [jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p, d), out_dtype),
               jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32),
@@ -442,7 +484,7 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
                           approx_math=True, lowering_semantics=_semantics(plgpu)),
                       interpret=_interpret_params() if interpret else None)
   return call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_flat,
-              *(shifted or ()))
+              *(shifted or ()), *(lora or ()))
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -46,7 +46,9 @@ def _poison_pages(seed, a, *, garbage=100.0):
   pages = np.unique(live // pm.PAGE)
   read = (pages[:, None] * pm.PAGE + np.arange(pm.PAGE)).ravel()
   out = {}
-  for name in ("k_pool", "v_pool"):
+  for name in ("k_pool", "v_pool", "vlr_pool"):
+    if name not in a:
+      continue
     x = np.array(a[name], np.float32)
     dead_in_page = np.setdiff1d(read, live)
     x[:, dead_in_page] = garbage * rng.standard_normal(x[:, dead_in_page].shape)
