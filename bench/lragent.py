@@ -127,7 +127,6 @@ def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch):
   if not todo:
     return
   max_tokens = plan.bucket(max(len(tr) for tr in trajs) + 16, 1024, 1024)
-  m = llm.config
   bar = tqdm(total=sum(len(tr.calls) for tr in todo) * len(schemes), desc=label, unit="call")
   for g in range(0, len(todo), max_batch):
     group = todo[g:g + max_batch]
@@ -142,9 +141,7 @@ def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch):
         calls = [CallResult(c.role, c.start, c.end, r.extra["computed_tokens"], 0, r.ttft_s, 0.0,
                             np.asarray(r.logprob, np.float32), np.asarray(r.argmax, np.int32))
                  for c, r in zip(tr.calls, served.calls)]
-        kvb = lragent.kv_bytes(s, len(tr), num_layers=m.num_layers, d_kv=m.d_kv,
-                               hidden=m.hidden_size, rank=w.rank, num_agents=w.num_adapters,
-                               bytes_per_elem=np.dtype(llm.dtype).itemsize)
+        kvb = lragent.model_kv_bytes(s, len(tr), llm.config, w, np.dtype(llm.dtype).itemsize)
         res[s, tr.session] = RunResult(s, len(tr), calls, kvb, None)
       eng.kv_manager.check()
       del eng, ag

@@ -29,21 +29,10 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_attention_mosaic as pm
-
-
-def listed_low_rank(vlr_flat: jax.Array, plan: pm.PagePlan, offset) -> jax.Array:
-  """The low-rank values [B, r, n_pages * PAGE] float32 of the plan's listed keys, in
-  the order of `plan.positions` (a listed page's 16 slots: its dead ones too, which
-  get zero weight)."""
-  b, n = plan.starts.shape
-  slots = (plan.starts[..., None] + jnp.arange(pm.PAGE, dtype=jnp.int32)).reshape(b, n * pm.PAGE)
-  return jnp.swapaxes(vlr_flat[slots + offset].astype(jnp.float32), 1, 2)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -60,11 +49,8 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
   `fallback` and `interpret` as `paged_attention_mosaic.paged_attention`."""
   if fallback not in ("triton", "reference"):
     raise ValueError(f"fallback must be 'triton' or 'reference', got {fallback!r}")
-  b, tq, hq, d = q.shape
-  k_flat, offset = pa.flat_pool(k_pool, layer)
-  v_flat, _ = pa.flat_pool(v_pool, layer)
-  vlr_flat, _ = pa.flat_pool(vlr_pool, layer)
-  hkv, rank = fla.check_shapes(q, k_pool, vlr_pool, lora_b, k_flat, vlr_flat)
+  fla.check_shapes(q, k_pool, vlr_pool, lora_b, pa.flat_pool(k_pool, layer)[0],
+                   pa.flat_pool(vlr_pool, layer)[0])
 
   def other():
     if fallback == "reference":
@@ -73,31 +59,9 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return fla.flash_lora_attention(q, k_pool, v_pool, vlr_pool, lora_b, slot_map, q_positions,
                                     layer=layer, scale=scale, interpret=interpret)
 
-  if pm.supported(q, k_pool, v_pool) is not None:
-    return other()
-  if plan is None:
-    plan = pm.make_page_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv,
-                             num_slots=k_pool.shape[-3], pages_per_step=pages_per_step,
-                             k_splits=k_splits, stages=stages)
-  elif (pages_per_step, k_splits, stages) != (None, None, None):
-    raise ValueError("pass tiling knobs to make_page_plan, not beside a plan")
-  if plan.shifts is not None:
-    raise ValueError("Flash-LoRA takes no key shift: build the plan without one")
-  tiling = plan.tiling
-  out_dtype = q.dtype if tiling.k_splits == 1 else jnp.float32
-  if pm.smem_bytes(tiling, d, q.dtype, out_dtype, False, rank) > pm.SMEM_BYTES:
-    return other()
-
-  def mosaic():
-    lora = (listed_low_rank(vlr_flat, plan, offset),
-            jnp.swapaxes(lora_b, 1, 2).astype(jnp.float32))          # [B, Hkv, r, D]
-    o, m, l = pm._mosaic_call(  # pylint: disable=protected-access
-        pa.fold_rows(q, hkv, tiling.rows_p), plan.row_pos, plan.starts, plan.positions,
-        plan.bounds, offset, k_flat, v_flat, None, lora, tiling=tiling,
-        scale=d ** -0.5 if scale is None else scale, out_dtype=out_dtype, interpret=interpret)
-    return pa.unfold_rows(pa.merge_splits(o, m, l), tq, hq).astype(q.dtype)
-
-  return lax.cond(plan.paged, mosaic, other)
+  return pm.dispatch(q, k_pool, v_pool, slot_map, q_positions, other, layer=layer, plan=plan,
+                     pages_per_step=pages_per_step, k_splits=k_splits, stages=stages,
+                     scale=scale, interpret=interpret, lora=(vlr_pool, lora_b))
 
 
-__all__ = ["flash_lora_attention", "listed_low_rank"]
+__all__ = ["flash_lora_attention"]

@@ -512,15 +512,14 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
   """
   if fallback not in ("triton", "reference"):
     raise ValueError(f"fallback must be 'triton' or 'reference', got {fallback!r}")
-  b, tq, hq, d = q.shape
-  k_flat, offset = pa.flat_pool(k_pool, layer)
+  hq, d = q.shape[2:]
+  k_flat, _ = pa.flat_pool(k_pool, layer)
   v_flat, _ = pa.flat_pool(v_pool, layer)
   hkv = k_flat.shape[1]
   if hq % hkv:
     raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
   if k_flat.shape[2] != d or v_flat.shape != k_flat.shape:
     raise ValueError(f"pool shapes {k_pool.shape}/{v_pool.shape} do not match q {q.shape}")
-  num_slots = k_pool.shape[-3]
   if (key_shift is None) != (shift_freq is None):
     raise ValueError("key_shift needs shift_freq (jaxkv.rope.delta_frequencies) and back")
 
@@ -536,11 +535,38 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
                               scale=scale, interpret=interpret, key_shift=key_shift,
                               shift_freq=shift_freq)
 
+  return dispatch(q, k_pool, v_pool, slot_map, q_positions, other, layer=layer, plan=plan,
+                  pages_per_step=pages_per_step, k_splits=k_splits, stages=stages,
+                  scale=scale, interpret=interpret, key_shift=key_shift,
+                  shift_freq=shift_freq)
+
+
+def listed_low_rank(vlr_flat: jax.Array, plan: PagePlan, offset) -> jax.Array:
+  """Flash-LoRA's low-rank values [B, r, n_pages * PAGE] float32 of the plan's listed
+  keys, in the order of `plan.positions` (a listed page's 16 slots: its dead ones too,
+  which get zero weight)."""
+  b, n = plan.starts.shape
+  slots = (plan.starts[..., None] + jnp.arange(PAGE, dtype=jnp.int32)).reshape(b, n * PAGE)
+  return jnp.swapaxes(vlr_flat[slots + offset].astype(jnp.float32), 1, 2)
+
+
+def dispatch(q, k_pool, v_pool, slot_map, q_positions, other, *, layer, plan, pages_per_step,
+             k_splits, stages, scale, interpret, key_shift=None, shift_freq=None,
+             lora=None) -> jax.Array:
+  """One call of the Mosaic kernel, or `other()` (the caller's fallback, the same
+  result) where it cannot run: a call that is not `supported` or whose tiling passes
+  shared memory (statically), a slot map with a page that is not paged (`lax.cond`).
+  Makes the plan (`plan` None, with the tiling knobs) or checks the given one against
+  the call. `lora`: (vlr_pool, lora_b) for Flash-LoRA (`flash_lora_mosaic.py`)."""
+  b, tq, hq, d = q.shape
+  k_flat, offset = pa.flat_pool(k_pool, layer)
+  v_flat, _ = pa.flat_pool(v_pool, layer)
+  hkv = k_flat.shape[1]
   if supported(q, k_pool, v_pool) is not None:
     return other()
   if plan is None:
     plan = make_page_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv,
-                          num_slots=num_slots, pages_per_step=pages_per_step,
+                          num_slots=k_pool.shape[-3], pages_per_step=pages_per_step,
                           k_splits=k_splits, stages=stages, key_shift=key_shift)
   elif (pages_per_step, k_splits, stages) != (None, None, None):
     raise ValueError("pass tiling knobs to make_page_plan, not beside a plan")
@@ -553,23 +579,27 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
     raise ValueError(f"page plan (rows {plan.row_pos.shape}, pages {plan.starts.shape}) was "
                      f"not made for q {q.shape} with {hkv} KV heads over a slot map "
                      f"{slot_map.shape}")
-
-  softmax_scale = d ** -0.5 if scale is None else scale
   out_dtype = q.dtype if tiling.k_splits == 1 else jnp.float32
-  if smem_bytes(tiling, d, q.dtype, out_dtype, key_shift is not None) > SMEM_BYTES:
+  rank = 0 if lora is None else lora[0].shape[-1]
+  if smem_bytes(tiling, d, q.dtype, out_dtype, key_shift is not None, rank) > SMEM_BYTES:
     return other()                     # this tiling's buffers do not fit: the fallback
 
   def mosaic():
     shifted = None if key_shift is None else (plan.shifts, ks.frequency_row(shift_freq),
                                                   half_swap_matrix(d, q.dtype))
+    low_rank = None
+    if lora is not None:
+      vlr_flat, _ = pa.flat_pool(lora[0], layer)
+      low_rank = (listed_low_rank(vlr_flat, plan, offset),
+                  jnp.swapaxes(lora[1], 1, 2).astype(jnp.float32))     # [B, Hkv, r, D]
     o, m, l = _mosaic_call(pa.fold_rows(q, hkv, tiling.rows_p), plan.row_pos, plan.starts,
                            plan.positions, plan.bounds, offset, k_flat, v_flat, shifted,
-                           tiling=tiling, scale=softmax_scale, out_dtype=out_dtype,
-                           interpret=interpret)
+                           low_rank, tiling=tiling, scale=d ** -0.5 if scale is None else scale,
+                           out_dtype=out_dtype, interpret=interpret)
     return pa.unfold_rows(pa.merge_splits(o, m, l), tq, hq).astype(q.dtype)
 
   return lax.cond(plan.paged, mosaic, other)
 
 
-__all__ = ["PAGE", "SMEM_BYTES", "PagePlan", "half_swap_matrix", "make_page_plan",
-           "page_table", "paged_attention", "smem_bytes", "supported"]
+__all__ = ["PAGE", "SMEM_BYTES", "PagePlan", "dispatch", "half_swap_matrix", "listed_low_rank",
+           "make_page_plan", "page_table", "paged_attention", "smem_bytes", "supported"]

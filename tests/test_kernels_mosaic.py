@@ -24,12 +24,11 @@ import numpy as np
 import pytest
 
 from jaxkv import ops
-from jaxkv.config import RopeConfig
 from jaxkv.kv.allocator import PagedAllocator
-from jaxkv.rope import delta_frequencies
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_attention_mosaic as pm
 from test_kernels import _case, _check, _check_bf16, _ref, export_for_cuda
+from test_kernels_key_shift import _shifted
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -193,15 +192,6 @@ def _shifted_reference(**kw):
   return ops.paged_attention(**kw, impl="reference")
 
 
-def _with_shifts(seed, a, spread, rope=None):
-  """Seeded shifts in [-spread, spread] per key, and their frequencies."""
-  rng = np.random.default_rng(seed + 1)
-  shift = rng.integers(-spread, spread + 1, a["slot_map"].shape).astype(np.int32)
-  return dict(a, key_shift=jnp.asarray(shift),
-              shift_freq=delta_frequencies(rope or RopeConfig(theta=10000.0),
-                                           a["q"].shape[-1]))
-
-
 @pytest.mark.parametrize("head_dim,groups,dead,q_len", [(64, 3, 0.0, 1), (64, 7, 0.5, 12),
                                                         (128, 1, 0.3, 1), (128, 3, 0.0, 4)])
 def test_mosaic_key_shift_matches_reference(head_dim, groups, dead, q_len):
@@ -212,7 +202,7 @@ def test_mosaic_key_shift_matches_reference(head_dim, groups, dead, q_len):
   step; at 128 that tiling does not fit in shared memory, see the next tests)."""
   seed, a = _case(page_size=16, head_dim=head_dim, groups=groups, dead=dead, q_len=q_len,
                   dtype=jnp.bfloat16, max_len=200)
-  a = _with_shifts(seed, _poison_pages(seed, a), spread=20000)
+  a = _shifted(seed, _poison_pages(seed, a), spread=20000)
   for pps in (4, 8) if head_dim == 64 else (4,):     # 8 at 128 passes shared memory
     plan = pm.make_page_plan(a["slot_map"], a["q_positions"], num_heads=groups * 2,
                              num_kv_heads=2, num_slots=a["k_pool"].shape[1],
@@ -233,7 +223,7 @@ def test_mosaic_key_shift_plans_and_fallbacks():
   with the shift (Triton or the reference)."""
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.4, q_len=2, dtype=jnp.bfloat16,
                   max_len=120)
-  a = _with_shifts(seed, a, spread=300)
+  a = _shifted(seed, a, spread=300)
   kw = dict(num_heads=6, num_kv_heads=2, num_slots=a["k_pool"].shape[1])
   plan = pm.make_page_plan(a["slot_map"], a["q_positions"], key_shift=a["key_shift"], **kw)
   pos, sh = np.asarray(plan.positions), np.asarray(plan.shifts)
@@ -248,7 +238,7 @@ def test_mosaic_key_shift_plans_and_fallbacks():
   with pytest.raises(ValueError, match="shift_freq"):
     _run(dict(a, shift_freq=None), 1)
   seed, t = _case(page_size=1, head_dim=64, groups=3, dead=0.3, q_len=3, dtype=jnp.bfloat16)
-  t = _with_shifts(seed, t, spread=300)
+  t = _shifted(seed, t, spread=300)
   for fallback in ("triton", "reference"):
     _check_bf16(seed, _run(t, 1, fallback=fallback), _shifted_reference, t, layer=1)
 

@@ -289,11 +289,9 @@ class AgentRunner:
     calls = [self._call(traj.ids, c) for c in traj.calls]
     jax.block_until_ready(self.driver.kv)
     rec = sum(c.recomputed for c in calls)
-    kvb = lragent.kv_bytes(self.scheme, len(traj), num_layers=self.cfg.num_layers,
-                           d_kv=self.cfg.d_kv, hidden=self.cfg.hidden_size,
-                           rank=self.lora.rank, num_agents=self.n_agents,
-                           recomputed_tokens=rec, window=self.window or (0, 0),
-                           bytes_per_elem=jnp.dtype(self.dtype).itemsize)
+    kvb = lragent.model_kv_bytes(self.scheme, len(traj), self.cfg, self.lora,
+                                 jnp.dtype(self.dtype).itemsize, recomputed_tokens=rec,
+                                 window=self.window or (0, 0))
     return RunResult(self.scheme, len(traj), calls, kvb, self.window)
 
   def release(self) -> None:

@@ -221,12 +221,8 @@ class Agents(Mechanism):
     self.stats["requests"] += 1
     self.stats["shared_tokens"] += c.hit
     self.stats["computed_tokens"] += computed
-    m = self.model_cfg
-    kv = {sc: lragent.kv_bytes(sc, int(tokens.size), num_layers=m.num_layers, d_kv=m.d_kv,
-                               hidden=m.hidden_size, rank=self.lora.rank,
-                               num_agents=self.lora.num_adapters,
-                               bytes_per_elem=self.dtype.itemsize)
-          for sc in (self.scheme, "non_shared")}
+    kv = {sc: lragent.model_kv_bytes(sc, int(tokens.size), self.model_cfg, self.lora,
+                                     self.dtype.itemsize) for sc in (self.scheme, "non_shared")}
     return {"scheme": self.scheme, "role": self.names[c.role], "computed_tokens": computed,
             "shared_tokens": c.hit, "trajectory_tokens": int(tokens.size),
             "kv_bytes": kv[self.scheme], "kv_bytes_non_shared": kv["non_shared"]}

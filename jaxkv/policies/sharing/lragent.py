@@ -92,6 +92,15 @@ def critical_window(deviation: np.ndarray, n_critical: int) -> tuple[int, int]:
   return l0, l0 + n
 
 
+def model_kv_bytes(scheme: str, tokens: int, model_cfg, lora, bytes_per_elem: int,
+                   **kw) -> int:
+  """`kv_bytes` for a model config (num_layers, d_kv, hidden_size) and its shared-A
+  adapters (rank, num_adapters); `kw`: DroidSpeak's recomputed_tokens and window."""
+  return kv_bytes(scheme, tokens, num_layers=model_cfg.num_layers, d_kv=model_cfg.d_kv,
+                  hidden=model_cfg.hidden_size, rank=lora.rank, num_agents=lora.num_adapters,
+                  bytes_per_elem=bytes_per_elem, **kw)
+
+
 def kv_bytes(scheme: str, tokens: int, *, num_layers: int, d_kv: int, hidden: int, rank: int,
              num_agents: int, recomputed_tokens: int = 0, window: tuple[int, int] = (0, 0),
              bytes_per_elem: int = 4) -> int:
