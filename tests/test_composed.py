@@ -133,11 +133,11 @@ def test_what_does_not_combine_is_refused_with_the_reason(llm):
 
   for parts, why in (([ag], "two or more"), ([ag, ag], "two or more"),
                      ([ag, Planner()], "plans its own prefill"),
-                     ([pr, Planner()], "no queries for a scorer")):
+                     ([pr, Planner()], "in a sequence of its own")):
     with pytest.raises(ValueError, match=why):
       composed.Composed(parts)
   other = Agents.__new__(Agents)
   other.name, other.adapters = "agents2", True
   with pytest.raises(ValueError, match="each lay out"):
     composed.check([ag, other])
-  assert composed.check([pr, ag]) is ag                 # agents lays out, pruning joins
+  assert composed.check([pr, ag]) == (ag, None)         # agents lays out, pruning joins

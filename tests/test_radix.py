@@ -279,6 +279,43 @@ def test_holes_inside_an_adopted_prefix_persist_and_free_their_slots():
   a.check()
 
 
+def test_a_private_suffix_is_adopted_only_by_its_own_session():
+  """Positions from `private_from` on are cached under private keys: a request that
+  does not name them stops there (and caches its own KV beside them, no alias), the
+  session that does adopts its path whole, holes inside the suffix included, and its
+  next insert supersedes the old private path."""
+  a = PagedAllocator(16, 4)
+  s, x = _seq(a, 8)
+  c = RadixCache(a, cache_dead=True)
+  toks = [1, 2, 3, 4, 5, 6, 7, 8]
+  assert c.insert(toks, x, private_from=3) == 8
+  assert c.match_prefix(toks).n_matched == 3                # shared keys end at 3
+  assert c.match_prefix(toks, private_from=3).slots.tolist() == x.tolist()
+  assert c.match_prefix(toks, private_from=5).n_matched == 3   # another suffix: no match
+  o, z = _seq(a, 5)                                         # another request, same tokens
+  assert c.insert(toks, [*x[:3], *z]) == 5                  # its exact KV beside them
+  assert c.match_prefix(toks).slots.tolist() == [*x[:3], *z]
+  c.check()
+  t = a.new_sequence()                                      # the session's next turn
+  assert c.adopt_prefix(t, toks, private_from=3) == 8
+  a.free_sequence(s)
+  y = a.extend(t, 2)
+  a.evict(t, [6])                                           # prunes inside its suffix
+  m2 = a.slot_map(t)
+  c.insert(toks + [9, 10], m2, private_from=3, replaces=(toks, None, 3))
+  c.check()
+  a.check()
+  holes = m2 == SENTINEL
+  assert c.match_prefix(toks + [9, 10], holes=holes, private_from=3).slots.tolist() == \
+      m2.tolist()
+  assert a.holds(int(x[6])) == 0 and a.refcount(int(x[6])) == 0   # superseded: freed
+  a.free_sequence(t)
+  assert all(a.holds(int(v)) == 1 for v in [*x[:6], x[7], *y])
+  assert c.match_prefix(toks).slots.tolist() == [*x[:3], *z]   # the shared path stays
+  c.check()
+  a.check()
+
+
 def test_a_shared_live_path_is_not_punched():
   """Another request extended the live path past the session's old end: the branch
   does not evict it, and that request keeps matching its live slots."""

@@ -73,6 +73,10 @@ class Row:
   state: object = None             # the row's mechanism state (`Match.state`)
   extra: dict | None = None        # what its mechanism did (Result.extra)
   error: str | None = None         # why it failed (finish "error")
+  # the first position whose KV differs from a plain prefill's, holes aside (a
+  # composition's approximate reuse, or the private suffix its session adopted): the
+  # layout caches the row's path from here under private keys (`kv.radix`)
+  private_from: int | None = None
   pending: object = None           # a mechanism's prefill generator, part way through
   work: object = None              # the `prefill_work.Work` that generator waits on
   reply: object = None             # its `Done`, sent to the generator when it resumes

@@ -80,6 +80,13 @@ class Prefill:
   flops: float                     # prefill FLOPs spent (layers + attention + head)
   ttft_s: float
   bytes_spliced: int               # stored bytes moved to the device
+  # the first position whose K/V is not what a plain prefill computes (the first
+  # approximately reused token: every later token attended to it); ids.size if none
+  exact_to: int = 0
+  approx_from: int = 0             # the first approximately reused position (ids.size: none)
+  # with `prefill_steps(tail_from=)`: the tail's queries, (first position, q [L, C, Hq, D]
+  # with rows [0, count) valid, count) per model call
+  queries: list = dataclasses.field(default_factory=list, repr=False)
   stored: int = 0                  # segments stored after the request
   store_s: float = 0.0
   # step 7 when deferred (`prefill_into(defer_store=True)`): finish(store) runs it
@@ -145,6 +152,14 @@ def _splice_packed(pool, k: quant.Packed, v: quant.Packed, positions, dest, new_
 def _inject(x, where, h: quant.Packed):
   """x [1, C, D] with rows `where` [N] (C = padding: dropped) set to dequantised h."""
   return x.at[0, where].set(quant.dequantize(h, x.dtype), mode="drop")
+
+
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+def _join_rows(head, tail, at):
+  """[K, 1, C, D]: head's rows before `at`, then tail's rows from 0 (both padded to C)."""
+  r = jnp.arange(head.shape[2])
+  take = jnp.where(r < at, r, head.shape[2] + r - at)
+  return jnp.take(jnp.concatenate([head, tail], axis=2), take, axis=2, mode="clip")
 
 
 @functools.partial(jax.jit, static_argnames=("layer",), compiler_options=COMPILER_OPTIONS)
@@ -303,27 +318,40 @@ class ReuseRunner:
   def prefill_steps(self, seq: int, ids: np.ndarray, hit: int,
                     spans: Sequence[tuple[int, int]] | None = None, *,
                     chunk: int | None = None, defer_store: bool = False, store: bool = True,
-                    t0: float | None = None):
+                    t0: float | None = None, radix: bool = True,
+                    tail_from: int | None = None, exact_before: int | None = None):
     """`prefill_into` as a generator (what the engine's `Reuse` mechanism runs on its
     row): with `chunk`, at most `chunk` prompt tokens per model call and a bare
     yield after each call but the last, so a long prompt delays the engine's
-    decoding rows by one chunk at a time; returns the `Prefill`."""
+    decoding rows by one chunk at a time; returns the `Prefill`.
+
+    For a composition whose layout caches the row (`mechanisms.composed`):
+    `radix=False` inserts nothing into this runner's radix tree; `tail_from`: the
+    prompt's tail [tail_from, n) is not planned but computed after the plan through
+    every layer (exact: causal attention reads only the planned tokens' final K/V),
+    its post-RoPE queries captured (`Prefill.queries`, what a scorer reads);
+    `exact_before`: positions from here on attended to KV that is not a plain
+    prefill's (the session's holes, its private suffix): runs stored from there are
+    not exact, and `Prefill.exact_to` is at most it."""
     n = ids.size
     t0 = time.perf_counter() if t0 is None else t0
     if spans is None:
       spans = line_spans(ids, self.tok, self.reuse.min_tokens) if self.segments else []
     L = self.cfg.num_layers
     rest = n - hit
+    # the planned part [hit, stop); the tail after it
+    stop = n if tail_from is None else min(max(int(tail_from), hit), n - 1)
     smap = self.alloc.slot_map(seq)
     c_len = plan.chunk_len(rest, plan.chunk_len(n))
     chunk_ids = ids[hit:]
 
     # 2-3: matches and admission
     runs, admitted = [], []
-    if self.segments and len(self.store):
+    if self.segments and len(self.store) and stop > hit:
       matches = self.index.find(ids, spans, self.store.peek, lo=hit)
-      # the last prompt token is always computed: its logits are the readout
-      matches = [m if m.p_lo + m.n < n else dataclasses.replace(m, n=n - 1 - m.p_lo)
+      # the planned part's last token is always computed (the readout, or the token
+      # before the tail)
+      matches = [m if m.p_lo + m.n < stop else dataclasses.replace(m, n=stop - 1 - m.p_lo)
                  for m in matches]
       matches = [m for m in matches if m.n >= self.reuse.min_tokens]
       for m in matches:
@@ -363,35 +391,33 @@ class ReuseRunner:
       self._splice(ks, vs, pos, dest, newpos)
 
     # 5: the chunk, with the recompute plan
+    queries = []
     out, cuts_out, layer_tokens, flops_ctx = yield from self._run(
-        hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted, chunk)
+        hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted, chunk,
+        tail=n - stop, queries=queries)
     logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
     ttft = time.perf_counter() - t0
     flops = flops_ctx + 2.0 * self.cfg.hidden_size * self.cfg.vocab_size
+    # exact K/V end at the first spliced token unless it came from the exact tier
+    approx_from = min([m.p_lo for m, _, d, _ in admitted if d.tier != "exact"], default=n)
+    exact_to = approx_from if exact_before is None else min(approx_from, int(exact_before))
     res = Prefill(seq=seq, ids=ids, logits=logits, prefix_hit=hit, runs=runs,
-                  layer_tokens=layer_tokens, flops=flops, ttft_s=ttft, bytes_spliced=nbytes)
+                  layer_tokens=layer_tokens, flops=flops, ttft_s=ttft, bytes_spliced=nbytes,
+                  exact_to=exact_to, approx_from=approx_from, queries=queries)
     # 7: after the first token
     res.finish = functools.partial(self._after_first_token, res, hit, smap, spliced, spans,
-                                   admitted, cuts_out)
+                                   cuts_out, radix)
     if not defer_store:
       res.finish(store)
     return res
 
-  def _after_first_token(self, res: Prefill, hit, smap, spliced, spans, admitted, cuts_out,
-                         store: bool = True) -> None:
-    """Step 7: the exact prefix into the radix cache, the fully computed runs into
-    the store (with `store`); sets `res.stored` and `res.store_s`."""
+  def _after_first_token(self, res: Prefill, hit, smap, spliced, spans, cuts_out,
+                         radix: bool = True, store: bool = True) -> None:
+    """Step 7: the exact prefix into the radix cache (with `radix`), the fully
+    computed runs into the store (with `store`); sets `res.stored` and `res.store_s`."""
     t1 = time.perf_counter()
-    ids = res.ids
-    rest = ids.size - hit
-    # exact K/V end at the first spliced token unless it came from the exact tier
-    inexact = np.zeros(rest, bool)
-    for m, _, d, _ in admitted:
-      if d.tier != "exact":
-        inexact[m.p_lo - hit:] = True
-        break
-    exact_to = hit + (int(np.argmax(inexact)) if inexact.any() else rest)
-    if self.radix is not None:
+    ids, exact_to = res.ids, res.exact_to
+    if radix and self.radix is not None:
       self.radix.insert(ids[:exact_to], smap[:exact_to])
     if store and self.segments:
       res.stored = self._store_runs(ids, hit, smap, ~spliced, spans, exact_to, cuts_out)
@@ -417,18 +443,22 @@ class ReuseRunner:
                                     cat(newpos), self.inv_freq)
 
   def _run(self, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted,
-           chunk: int | None = None):
+           chunk: int | None = None, tail: int = 0, queries: list | None = None):
     """Step 5 (see the module docstring), a generator of bare yields: with `chunk`,
     every layer pass runs at most `chunk` prompt tokens per call and yields after each
     call, so the engine's decoding rows get their step in between (the pieces of a
     pass are exact: a token's causal attention reads only earlier columns, which
-    earlier pieces of the same pass wrote); None: each pass in one call. Returns
-    (the readout, the boundary states captured [K, 1, C, D] or None, tokens computed
-    per layer [L], FLOPs)."""
-    L, rest = self.cfg.num_layers, chunk_ids.size
-    size = rest if not chunk else int(chunk)
+    earlier pieces of the same pass wrote); None: each pass in one call. The last
+    `tail` tokens are not planned: they run after every pass, through every layer,
+    their queries appended to `queries` (`Prefill.queries`). Returns (the readout,
+    the boundary states captured [K, 1, C, D] or None, tokens computed per layer [L],
+    FLOPs)."""
+    L, total = self.cfg.num_layers, chunk_ids.size
+    rest = total - tail                               # the planned tokens
+    size = total if not chunk else int(chunk)
     pieces = [(a, min(a + size, rest)) for a in range(0, rest, size)]
     cuts = self.cuts if self.segments else ()
+    resume, blend = resume[:rest], blend[:rest]
     every = np.arange(rest)
     bl = self.reuse.blend_layer
     # layer l recomputes the tokens resuming at or below it, and blend runs up to the probe
@@ -463,18 +493,34 @@ class ReuseRunner:
             xs.append(out.hidden[:, :p_hi - p_lo])
           if out.hidden_cuts is not None:
             cut_parts.append(out.hidden_cuts[:, :, :p_hi - p_lo])
-          if (lo, hi, p_hi) != (passes[-1][0], L, rest):
+          if tail or (lo, hi, p_hi) != (passes[-1][0], L, rest):
             yield                                    # the engine's decode rows run
         x = jnp.concatenate(xs, axis=1) if hi < L else None
         if cut_parts:
           parts.append(pad_to(jnp.concatenate(cut_parts, axis=2), c_len, 2))
     cuts_out = jnp.concatenate(parts) if parts else None
-    layer_tokens = np.asarray([s.size for s in sets], np.int64)
-    pos = hit + np.arange(rest, dtype=np.float64) + 1
-    flops = sum(layer_flops(self.cfg, s.size, pos[s].sum()) for s in sets)
+    if tail:                                         # the tail: plain, queries captured
+      tail_cuts = []
+      for p_lo in range(rest, total, size):
+        p_hi = min(p_lo + size, total)
+        out = self._piece(hit, chunk_ids, c_len, smap, p_lo, p_hi, 0, L, cuts, None, None,
+                          False, capture_q=True)
+        queries.append((hit + p_lo, out.q[:, 0], p_hi - p_lo))
+        if out.hidden_cuts is not None:
+          tail_cuts.append(out.hidden_cuts[:, :, :p_hi - p_lo])
+        if p_hi < total:
+          yield
+      if tail_cuts:
+        t = pad_to(jnp.concatenate(tail_cuts, axis=2), c_len, 2)
+        cuts_out = t if cuts_out is None else _join_rows(cuts_out, t, jnp.int32(rest))
+    layer_tokens = np.asarray([s.size + tail for s in sets], np.int64)
+    pos = hit + np.arange(total, dtype=np.float64) + 1
+    flops = sum(layer_flops(self.cfg, s.size + tail, pos[s].sum() + pos[rest:].sum())
+                for s in sets)
     return out, cuts_out, layer_tokens, flops
 
-  def _piece(self, hit, chunk_ids, c_len, smap, a, b, lo, hi, cuts, sets, x, whole):
+  def _piece(self, hit, chunk_ids, c_len, smap, a, b, lo, hi, cuts, sets, x, whole,
+             capture_q: bool = False):
     """One call: prompt tokens [a, b) (chunk coordinates) through layers [lo, hi),
     recomputing `sets` (per layer, chunk indices; None: every token, no window)."""
     L, rest = self.cfg.num_layers, chunk_ids.size
@@ -491,7 +537,7 @@ class ReuseRunner:
         jnp.asarray(_pad(hit + np.arange(a, b, dtype=np.int32), cl, -1)[None]),
         jnp.asarray(plan.slot_rows([smap], plan.width(hit + b))),
         read=jnp.asarray([[rest - 1 - a]], np.int32) if last else None,
-        capture=Capture(hidden_cuts=cuts if sets is None else
+        capture=Capture(q=capture_q, hidden_cuts=cuts if sets is None else
                         tuple(c for c in cuts if lo < c <= hi)),
         return_hidden=hi < L, return_logits=last, attn_impl=self.driver.attn_impl, **kw)
     return out

@@ -41,6 +41,13 @@ by another request): the pruned slots lose the cache's hold and are freed as
 soon as no sequence maps them either. Eviction only ever costs hits, never
 exactness.
 
+Private suffixes (`private_from`). A session whose KV from some position on is not
+what a plain prefill computes, though it is what the session itself keeps (segment
+reuse spliced approximate K/V there), caches that suffix under private keys,
+token + `PRIVATE`: like a hole, only a request naming the same `private_from`
+matches through it, so no other request adopts approximate KV as exact, while the
+session's next turn adopts its own KV whole.
+
 Writes into shared slots. Matching is token-granular (no page alignment): the
 kernels address tokens through slot maps, so a hit may end inside a page. This
 is safe under the allocator's semantics: `extend` only hands out refcount-0
@@ -102,10 +109,18 @@ def _as_1d_int(values, what: str) -> np.ndarray:
   return arr.astype(np.int64)
 
 
-def dead_keys(tokens, holes) -> np.ndarray:
+# added to the keys of a path's private suffix (`dead_keys(private_from=)`): above any
+# token id, so a private key never equals a shared one
+PRIVATE = 1 << 40
+
+
+def dead_keys(tokens, holes, private_from: int | None = None) -> np.ndarray:
   """Tree keys of a token stream: token ids, with -1 - token at the `holes` (bool mask,
-  at most as long as tokens; missing entries are live)."""
+  at most as long as tokens; missing entries are live). From `private_from` on the
+  keys are token + PRIVATE (then -1 - that at holes): the path's private suffix."""
   keys = _as_1d_int(tokens, "tokens").copy()
+  if private_from is not None:
+    keys[max(0, int(private_from)):] += PRIVATE
   h = np.zeros(len(keys), bool)
   hm = np.asarray(holes, bool).reshape(-1)[:len(keys)]
   h[:len(hm)] = hm
@@ -273,7 +288,8 @@ class RadixCache:
     self._stats = RadixStats()
 
   # ---------------------------------------------------------------- queries
-  def match_prefix(self, tokens, *, lock: bool = False, holes=None) -> PrefixMatch:
+  def match_prefix(self, tokens, *, lock: bool = False, holes=None,
+                   private_from: int | None = None) -> PrefixMatch:
     """Longest cached prefix of `tokens`; refreshes the LRU time of its path.
 
     Counts one query in `stats`. Does not change the tree's shape: a match that
@@ -286,11 +302,14 @@ class RadixCache:
       holes: optional bool mask of the positions this request has pruned (its
         session's holes); the match goes through those positions' dead keys
         and returns SENTINEL there.
+      private_from: the start of this request's private suffix (its session's,
+        module docstring); None: none.
     Returns:
       PrefixMatch(n_matched, slots [n_matched] int32, handle); unpacks as
       `n_matched, slots`.
     """
-    toks = _as_1d_int(tokens, "tokens") if holes is None else dead_keys(tokens, holes)
+    toks = (_as_1d_int(tokens, "tokens") if holes is None and private_from is None else
+            dead_keys(tokens, () if holes is None else holes, private_from))
     node, n, parts = self._walk(toks)
     self._clock += 1
     self._touch(node)
@@ -320,7 +339,7 @@ class RadixCache:
     return out
 
   # -------------------------------------------------------------- mutations
-  def insert(self, tokens, slots, *, replaces=None) -> int:
+  def insert(self, tokens, slots, *, replaces=None, private_from: int | None = None) -> int:
     """Caches `(tokens[i], slots[i])` up to the first SENTINEL slot (all of it, holes
     as dead keys, with `cache_dead`).
 
@@ -338,9 +357,12 @@ class RadixCache:
     Args:
       tokens: [n] int token ids.
       slots: [n] int slots (SENTINEL: a hole, or the end of the cached prefix).
-      replaces: optional (tokens, holes) of the path this insert supersedes (the
-        session's previous insert): its nodes below the point where the two
-        paths part are evicted if unlocked and not extended by other requests.
+      replaces: optional (tokens, holes) or (tokens, holes, private_from) of the
+        path this insert supersedes (the session's previous insert): its nodes below
+        the point where the two paths part are evicted if unlocked and not extended
+        by other requests.
+      private_from: positions from here on are cached under private keys (module
+        docstring); None: none.
     Returns:
       Number of newly cached tokens.
     Raises:
@@ -353,7 +375,7 @@ class RadixCache:
       raise ValueError(f"insert: {len(toks)} tokens but {len(sl)} slots")
     dead = sl == SENTINEL
     end = int(np.argmax(dead)) if dead.any() and not self._cache_dead else len(sl)
-    toks, sl = dead_keys(toks[:end], dead[:end]), sl[:end]
+    toks, sl = dead_keys(toks[:end], dead[:end], private_from), sl[:end]
     node, n, _ = self._walk(toks)
     self._clock += 1
     new = sl[n:]
@@ -411,7 +433,8 @@ class RadixCache:
     self._stats = dataclasses.replace(s, evicted_tokens=s.evicted_tokens + evicted)
     return evicted
 
-  def adopt_prefix(self, seq: int, tokens, *, holes=None) -> int:
+  def adopt_prefix(self, seq: int, tokens, *, holes=None, private_from: int | None = None
+                   ) -> int:
     """Matches `tokens` and adopts the hit into the empty sequence `seq`.
 
     `allocator.adopt` appends the matched slots to seq's slot map and adds one
@@ -426,6 +449,7 @@ class RadixCache:
       seq: a live, empty sequence id of the cache's allocator.
       tokens: [n] int token ids of the request.
       holes: the request's own holes (`match_prefix`); they are adopted as SENTINEL.
+      private_from: the start of the request's private suffix (`match_prefix`).
     Returns:
       n_matched, the number of positions adopted.
     Raises:
@@ -434,7 +458,7 @@ class RadixCache:
     if self._alloc.length(seq) != 0:
       raise ValueError(f"adopt_prefix: sequence {seq} has {self._alloc.length(seq)} "
                        f"positions; a prefix can only be adopted by an empty sequence")
-    n, slots = self.match_prefix(tokens, holes=holes)
+    n, slots = self.match_prefix(tokens, holes=holes, private_from=private_from)
     if n:
       self._alloc.adopt(seq, slots)
     return n

@@ -248,11 +248,12 @@ class SessionBackends:
       raise ValueError(f"'{kind}' sessions need a role model name (<model>:<role>)"
                        if "agents" in parts else "role adapters run in the batch engine or "
                        "in 'agents' sessions: use one of those or no session")
-    if len(parts) > 1:                   # a composition (only agents + pruned combine)
-      if p.chat is None:
+    if len(parts) > 1:                   # a composition: pruning's turns (agents + pruned,
+      if p.chat is None:                 # pruned + reuse)
         raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
       prompt, ctx = self.pruned.context(session, *p.chat)
-      self.agents.check(len(prompt), p.sampling.max_tokens)
+      if "agents" in parts:
+        self.agents.check(len(prompt), p.sampling.max_tokens)
       self.open(session, kind)
       self.stats.requests[kind] += 1
       return Request(id=rid, prompt=prompt, sampling=p.sampling, grammar=p.grammar,

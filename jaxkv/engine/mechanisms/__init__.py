@@ -29,6 +29,16 @@ hooks where its KV management differs from a plain request:
                           (`composed.Composed`) whose KV another mechanism lays out: it
                           adopts and caches nothing of its own, and keeps only its
                           per-session state (pruning: QueryMemory); default: refused
+    queries_from(row)     with capture_q: the first prompt position whose queries it
+                          reads (a composition's planner computes the prompt from
+                          there on through every layer)
+    private_from(row)     a layout's: where the KV the row adopted stops being a plain
+                          prefill's, holes aside (its session's private suffix), or None
+    plan_prefill(row, tail_from)
+                          a planner's prefill inside a composition (segment reuse): it
+                          plans [cached, tail_from), computes the tail plainly with its
+                          queries, caches nothing itself and lowers `row.private_from`
+                          to its first approximately reused position
 
 The shape follows vLLM v1's KV-connector hooks (match before allocation, act after
 it, save at the end), which is how CacheBlend runs inside vLLM, and SGLang's one
@@ -135,3 +145,24 @@ class Mechanism:
     """`finish` for a row this mechanism `join`ed."""
     del row, cache
     return None
+
+  def queries_from(self, row) -> int:
+    """With `capture_q`: the first prompt position whose queries `on_chunk` must see
+    (default: every computed one)."""
+    return row.cached
+
+  def private_from(self, row) -> int | None:
+    """A layout's: the first adopted position (< row.cached) whose KV is not what a
+    plain prefill computes, holes aside (a private suffix), or None."""
+    del row
+    return None
+
+  def plan_prefill(self, row, tail_from: int | None):
+    """A planner's prefill in a composition (`composed`), a generator like `prefill`:
+    plans the prompt's positions [row.cached, tail_from) (all of it: None), computes
+    [tail_from, n) through every layer after them, caches nothing itself (the
+    layout caches the row) and sets `row.private_from` to the first position whose
+    KV is approximate if that is earlier. Returns (logits [V] at the last prompt
+    token, the tail's queries [(first position, q [L, C, Hq, D], count)])."""
+    raise ValueError(f"{self.name!r} plans its own prefill on the base model (spliced, "
+                     "retrieved or aliased rows) and cannot plan it inside a composition")

@@ -1,29 +1,42 @@
-"""Mechanisms composed on one row: e.g. role agents sharing one trajectory whose KV
-IntentKV prunes (`["agents", "pruned"]`).
+"""Mechanisms composed on one row: role agents sharing one trajectory whose KV
+IntentKV prunes (`["agents", "pruned"]`), or a pruned session whose prompts reuse
+stored segments (`["pruned", "reuse"]`).
 
-A composition is an ordered list of mechanisms the engine has. Exactly one of them
-lays out and caches the row's KV (the *layout*: it `match`es and `finish`es, e.g.
-the agents trajectory region); every other one `join`s the row and acts on it
-through the hooks it shares (`capture_q` / `on_chunk` during the engine's chunked
-prefill, `after_prefill`: prune), then `leave`s it keeping only its per-session state
-(QueryMemory). The order of application is the order of the hooks, not of the list:
+A composition is an ordered list of mechanisms the engine has. Each takes one of
+three roles:
 
-    1. match     the layout adopts its cached prefix (agents: the region's slots,
-                 holes of earlier prunings included)
-    2. prefill   the engine's chunks, with the row's role adapter; queries captured
-                 for whoever scores them
-    3. after     in list order (pruning evicts into dead slots here)
+  * the *layout* (exactly one) lays out and caches the row's KV: it `match`es and
+    `finish`es (the agents trajectory region; a pruned session's radix path, holes
+    included). A mechanism that cannot `join` is the layout; when every one can, the
+    first that is not a planner is.
+  * a *planner* (at most one: segment reuse) computes the prompt's rest in its own
+    plan (spliced segments, per-layer recompute sets: `plan_prefill`) instead of the
+    engine's chunks. The part whose queries a scorer reads (`queries_from`: IntentKV's
+    query span, SnapKV's window, H2O's new tokens) is not planned: it runs after the
+    plan through every layer, exactly, and its queries go to the scorers.
+  * the others *join* the row and act through the hooks they share (`capture_q` /
+    `on_chunk`, `after_prefill`: prune), then `leave` it keeping only their
+    per-session state (QueryMemory).
+
+The order of application is the order of the hooks, not of the list:
+
+    1. match     the layout adopts its cached prefix (holes of earlier prunings and
+                 the session's private suffix included)
+    2. prefill   the engine's chunks, with the row's role adapter, queries captured
+                 for whoever scores them; or the planner's plan, then the scored tail
+    3. after     the planner first (it stores the runs it computed, before anything
+                 is evicted), then the rest in list order (pruning evicts here)
     4. decode    the engine's, over the row's own slot map (holes masked)
     5. finish    the joined mechanisms leave first, then the layout caches the row
-                 (agents: the pruned trajectory becomes the region every role reads)
+                 (from `Row.private_from` on, the first approximately reused position,
+                 under private keys: only the session adopts that KV again)
 
 What does not combine, and why (`check`, the server's 400):
-  * two layouts (agents and pruned both cache KV of their own: agents is the layout,
-    pruned joins it; two mechanisms that can only lay out, e.g. memart and reuse);
-  * a mechanism that plans its own prefill (memart, reuse, semshare: spliced,
-    retrieved or aliased rows) with anything else: its prefill runs on the base model
-    through its runner, so it neither takes a role adapter nor hands a scorer the
-    queries of the tokens it computes.
+  * two layouts (two mechanisms that can only lay out, e.g. agents and memart);
+  * a mechanism that plans its own prefill but cannot plan it inside a composition
+    (memart, semshare: retrieved blocks or aliased rows in a sequence of their own);
+  * two planners;
+  * a planner with role adapters (agents): the planner's passes run the base model.
 `usage["jaxkv"]` is the union of what each mechanism reports, plus "mechanisms".
 """
 
@@ -51,25 +64,53 @@ class _RowView:
       setattr(self._row, name, value)
 
 
-def check(mechanisms: list[Mechanism]) -> Mechanism:
-  """The layout of a composition (ValueError, saying why, when the list cannot run)."""
+def _plans(m: Mechanism) -> bool:
+  return type(m).plan_prefill is not Mechanism.plan_prefill
+
+
+def _joins(m: Mechanism) -> bool:
+  return type(m).join is not Mechanism.join
+
+
+def check(mechanisms: list[Mechanism]) -> tuple[Mechanism, Mechanism | None]:
+  """(the layout, the planner or None) of a composition; ValueError, saying why,
+  when the list cannot run."""
   names = [m.name for m in mechanisms]
   if len(mechanisms) < 2 or len(set(names)) != len(names):
     raise ValueError(f"a composition names two or more distinct mechanisms, got {names}")
-  own = [m.name for m in mechanisms if m.owns_prefill]
+  own = [m.name for m in mechanisms if m.owns_prefill and not _plans(m)]
   if own:
     rest = [n for n in names if n != own[0]]
-    raise ValueError(f"{own[0]!r} plans its own prefill on the base model (spliced, retrieved "
-                     f"or aliased rows): it does not combine with {rest} (no role adapter, "
-                     "no queries for a scorer)")
-  layouts = [m for m in mechanisms if type(m).join is Mechanism.join]
+    raise ValueError(f"{own[0]!r} plans its own prefill on the base model in a sequence of "
+                     f"its own (retrieved or aliased rows): it does not combine with {rest}")
+  planners = [m for m in mechanisms if m.owns_prefill]
+  if len(planners) > 1:
+    raise ValueError(f"{[m.name for m in planners]} each plan the prompt's prefill: at most "
+                     "one may")
+  planner = planners[0] if planners else None
+  if planner is not None and any(m.adapters for m in mechanisms):
+    roles = [m.name for m in mechanisms if m.adapters]
+    raise ValueError(f"{planner.name!r} plans the prefill on the base model: it does not "
+                     f"combine with role adapters ({roles}: no role adapter in its passes)")
+  layouts = [m for m in mechanisms if not _joins(m)]
   if len(layouts) > 1:
     raise ValueError(f"{[m.name for m in layouts]} each lay out and cache the row's KV: "
                      "at most one may")
   if not layouts:
+    layouts = [m for m in mechanisms if m is not planner][:1]
+  if not layouts or not (type(layouts[0]).match is not Mechanism.match
+                         or type(layouts[0]).finish is not Mechanism.finish):
     raise ValueError(f"none of {names} lays out and caches the row's KV (they only join "
                      "one): compose them with one that does, e.g. agents")
-  return layouts[0]
+  kvs = {id(k) for k in (_kv(m) for m in mechanisms) if k is not None}
+  if len(kvs) > 1:
+    raise ValueError(f"{names} keep their KV in different KV managers: build them on one")
+  return layouts[0], planner
+
+
+def _kv(m: Mechanism):
+  """The mechanism's KV manager when it names one (its own or its runner's)."""
+  return getattr(m, "kv", None) or getattr(getattr(m, "runner", None), "kv", None)
 
 
 class Composed(Mechanism):
@@ -77,11 +118,17 @@ class Composed(Mechanism):
 
   def __init__(self, mechanisms: list[Mechanism]):
     self.parts = list(mechanisms)
-    self.layout = check(self.parts)
+    self.layout, self.planner = check(self.parts)
     self.others = [m for m in self.parts if m is not self.layout]
     self.name = "+".join(m.name for m in self.parts)
     self.adapters = any(m.adapters for m in self.parts)
+    self.owns_prefill = self.planner is not None
+    self.serial_prefill = self.owns_prefill and self.planner.serial_prefill
     self.stats = {"requests": 0}
+
+  def may_overlap(self, row, earlier) -> bool:
+    return self.planner.may_overlap(self._view(row, self.planner),
+                                    self._view(earlier, self.planner))
 
   def _view(self, row, m: Mechanism) -> _RowView:
     return _RowView(row, row.state[m.name])
@@ -109,8 +156,24 @@ class Composed(Mechanism):
       if m.capture_q(view):
         m.on_chunk(view, q, lo, n)
 
+  def prefill(self, row):
+    """The planner's plan of the prompt, then the tail the scorers read (module
+    docstring); the logits at the last prompt token."""
+    if self.planner is None:
+      raise NotImplementedError(f"{self.name} has no planner: the engine's chunks prefill")
+    scorers = [(m, self._view(row, m)) for m in self.parts
+               if m is not self.planner and m.capture_q(self._view(row, m))]
+    tail = min((m.queries_from(v) for m, v in scorers), default=None)
+    row.private_from = self.layout.private_from(self._view(row, self.layout))
+    logits, queries = yield from self.planner.plan_prefill(self._view(row, self.planner), tail)
+    for lo, q, count in queries:
+      for m, v in scorers:
+        m.on_chunk(v, q, lo, count)
+    return logits
+
   def after_prefill(self, row) -> None:
-    for m in self.parts:
+    first = [] if self.planner is None else [self.planner]
+    for m in first + [m for m in self.parts if m is not self.planner]:
       m.after_prefill(self._view(row, m))
 
   def decode_view(self, row, width: int):

@@ -80,6 +80,11 @@ def query_slice(rows: str, cfg: PruningConfig, hit: int, n: int, qs: int,
   return lo, total - lo
 
 
+def _private(path) -> int | None:
+  """The private suffix's start of a session's radix path (None: none, or no path)."""
+  return None if path is None or len(path) < 3 else path[2]
+
+
 class PruningState:
   """The policy and what it keeps per session, for serving and evaluation alike."""
 
@@ -109,8 +114,9 @@ class PruningState:
     self.memories = intentkv.QueryMemoryStore(pruning.memory_capacity)
     # tokens of each session already processed (its previous prompt + reply), LRU
     self.seen: collections.OrderedDict[str, int] = collections.OrderedDict()
-    # each session's last radix path (tokens, holes): the next turn names its holes
-    # to match through them, and its insert supersedes this path (radix "Holes")
+    # each session's last radix path (tokens, holes, private_from): the next turn names
+    # its holes and private suffix to match through them, and its insert supersedes
+    # this path (radix "Holes", "Private suffixes")
     self.paths: collections.OrderedDict[str, tuple] = collections.OrderedDict()
 
   def advance(self, session: str, qs: int, q, hit: int, n: int):
@@ -145,7 +151,7 @@ class PruningState:
 
   def commit(self, session: str, new_memory, processed: int, path=None) -> None:
     """Keeps what a turn that succeeded leaves: M_t, its processed length and (when
-    it was cached) its radix path (tokens, holes)."""
+    it was cached) its radix path (tokens, holes[, private_from])."""
     cap = self.pruning.memory_capacity
     if new_memory is not None:
       self.memories.scatter([intentkv.session_key(session_id=session)], new_memory)
@@ -168,7 +174,7 @@ class _Turn:
   qs: int                      # start of the actionable query span
   sys_len: int                 # the protected system prompt
   width: int                   # slot-map width of the pruning event (SessionRunner's)
-  prev: tuple | None           # the session's previous radix path (tokens, holes)
+  prev: tuple | None           # the session's previous radix path (tokens, holes[, private])
   lock: object = None          # the radix match's lock
   q_parts: list = dataclasses.field(default_factory=list)   # (lo, q [L, n, Hq, D])
   new_memory: object = None
@@ -225,8 +231,20 @@ class Pruned(Mechanism):
     prev = self.state.paths.get(session)
     prompt = np.asarray(req.prompt, np.int64)
     width = plan.width(len(req.prompt) + req.sampling.max_tokens)
-    m = self.tree.match_prefix(prompt[:-1], lock=True, holes=None if prev is None else prev[1])
+    m = self.tree.match_prefix(prompt[:-1], lock=True, holes=None if prev is None else prev[1],
+                               private_from=_private(prev))
     return Match(m.n_matched, m.slots, _Turn(session, qs, sys_len, width, prev, lock=m))
+
+  def private_from(self, row) -> int | None:
+    pf = _private(row.state.prev)
+    return pf if pf is not None and pf < row.cached else None
+
+  def queries_from(self, row) -> int:
+    n = len(row.req.prompt)
+    t = row.state
+    return {"window": n - self.pruning.snap_window, "span": t.qs,
+            "all": min(self.state.seen.get(t.session, 0), n - 1)
+            }.get(policy.query_rows(self.pruning), n)
 
   def unmatch(self, match: Match) -> None:
     self.tree.release_lock(match.state.lock)
@@ -290,9 +308,11 @@ class Pruned(Mechanism):
       if cache and row.prefilled == len(row.req.prompt):
         toks = np.asarray(list(row.req.prompt) + row.generated[:-1], np.int64)
         slots = self.kv.allocator.slot_map(row.seq)[:toks.size]
-        self.tree.insert(toks, slots, replaces=t.prev)
+        # a composition's approximate KV (`Row.private_from`), else the adopted suffix's
+        pf = row.private_from if row.private_from is not None else self.private_from(row)
+        self.tree.insert(toks, slots, replaces=t.prev, private_from=pf)
         self.state.commit(t.session, t.new_memory, len(row.req.prompt) + len(row.generated),
-                          (toks.copy(), slots == SENTINEL))
+                          (toks.copy(), slots == SENTINEL, pf))
     finally:
       self.tree.release_lock(t.lock)
     return self._usage(t)

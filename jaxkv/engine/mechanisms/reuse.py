@@ -22,6 +22,16 @@ counters.
 
 `Request.context`: {"spans": [(lo, hi), ...]} the prompt's structural spans (tool
 schemas, documents); missing or None: the prompt's lines (`index.line_spans`).
+Inside a composition (`composed`, e.g. a pruned session's turns: `["pruned", "reuse"]`)
+reuse is the planner: the layout (pruning's radix tree, holes and all) adopts the
+session's prefix, reuse plans the rest of the prompt up to the part whose queries a
+scorer reads (`plan_prefill`: that tail is computed through every layer after the
+plan, exactly), stores its computed runs after the first token, and inserts nothing
+in its own radix tree: the layout caches the row, from its first approximately reused
+position on under private keys (`Row.private_from`), so only the session itself
+adopts that KV again. Runs stored after one of the session's holes or inside its
+private suffix attended to KV a plain prefill would not have: stored as not exact.
+
 Two keys serve evaluation (bench/reuse.py drives the engine with them; a server never
 sets them): "cache": False leaves the radix tree and the store as they were (no prefix
 inserted, no run stored), so a teacher-forced twin of a request plans exactly as the
@@ -36,6 +46,7 @@ import dataclasses
 import numpy as np
 
 from jaxkv.engine.mechanisms import Match, Mechanism
+from jaxkv.kv.state import SENTINEL
 
 
 @dataclasses.dataclass
@@ -62,10 +73,14 @@ class Reuse(Mechanism):
     # counters for /metrics (one writer: the engine's thread)
     self.stats = {"requests": 0, "reused_tokens": 0, "prefix_tokens": 0}
 
-  def match(self, req) -> Match:
+  @staticmethod
+  def _check_spans(req) -> None:
     spans = (req.context or {}).get("spans")
     if spans is not None and any(not 0 <= lo < hi <= len(req.prompt) for lo, hi in spans):
       raise ValueError(f"spans must be (lo, hi) with 0 <= lo < hi <= {len(req.prompt)}")
+
+  def match(self, req) -> Match:
+    self._check_spans(req)
     tree = self.runner.radix
     if tree is None:                     # method "none": no prefix cache either
       return Match(0, np.zeros(0, np.int32), _Turn())
@@ -76,14 +91,33 @@ class Reuse(Mechanism):
     if match.state.lock is not None:
       self.runner.radix.release_lock(match.state.lock)
 
-  def prefill(self, row):
+  def _spans(self, row):
     spans = (row.req.context or {}).get("spans")
+    return None if spans is None else [tuple(s) for s in spans]
+
+  def prefill(self, row):
     pre = yield from self.runner.prefill_steps(
-        row.seq, np.asarray(row.req.prompt, np.int32), row.cached,
-        None if spans is None else [tuple(s) for s in spans], chunk=self.prefill_chunk,
-        defer_store=True)
+        row.seq, np.asarray(row.req.prompt, np.int32), row.cached, self._spans(row),
+        chunk=self.prefill_chunk, defer_store=True)
     row.state.pre = pre
     return pre.logits
+
+  def join(self, req) -> _Turn:
+    self._check_spans(req)
+    return _Turn()
+
+  def plan_prefill(self, row, tail_from: int | None):
+    hole = np.flatnonzero(self.runner.alloc.slot_map(row.seq)[:row.cached] == SENTINEL)
+    bounds = [b for b in (row.private_from, hole[0] if hole.size else None) if b is not None]
+    pre = yield from self.runner.prefill_steps(
+        row.seq, np.asarray(row.req.prompt, np.int32), row.cached, self._spans(row),
+        chunk=self.prefill_chunk, defer_store=True, radix=False, tail_from=tail_from,
+        exact_before=min(bounds) if bounds else None)
+    row.state.pre = pre
+    if pre.approx_from < pre.ids.size:
+      row.private_from = min(pre.approx_from, pre.ids.size if row.private_from is None
+                             else row.private_from)
+    return pre.logits, pre.queries
 
   def after_prefill(self, row) -> None:
     if (row.req.context or {}).get("cache", True):
@@ -94,7 +128,14 @@ class Reuse(Mechanism):
     t = row.state
     if t.lock is not None:
       self.runner.radix.release_lock(t.lock)
-    pre = t.pre
+    return self._usage(row)
+
+  def leave(self, row, cache: bool) -> dict | None:
+    del cache
+    return self._usage(row)
+
+  def _usage(self, row) -> dict | None:
+    pre = row.state.pre
     if pre is None:
       return None
     reused = sum(run.n for run in pre.runs if run.tier != "reject")
