@@ -93,6 +93,17 @@ def print_tables_from(path: str, tables) -> None:
     print_tables(tables(json.load(f)))
 
 
+def cluster_bootstrap(per: dict, stat, reps: int = 2000, seed: int = 0
+                      ) -> tuple[float, float, float]:
+  """stat over the units of `per` (unit -> its data: a session, a trajectory) and its
+  95% bootstrap interval, the units resampled with replacement."""
+  keys = sorted(per)
+  rng = np.random.default_rng(seed)
+  draws = [stat([per[keys[i]] for i in rng.integers(0, len(keys), len(keys))])
+           for _ in range(reps)]
+  return stat([per[k] for k in keys]), *np.percentile(draws, [2.5, 97.5])
+
+
 def write_rows(path: str | None, rows: list[dict]) -> None:
   if path:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -140,15 +140,6 @@ def run_method(llm, lora, method: str, trajs, ctxs, args) -> list[dict]:
   return rows
 
 
-def _boot(per_traj: dict, stat, reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-  """stat over trajectories and its 95% bootstrap interval (trajectories resampled)."""
-  keys = sorted(per_traj)
-  rng = np.random.default_rng(seed)
-  draws = [stat([per_traj[keys[i]] for i in rng.integers(0, len(keys), len(keys))])
-           for _ in range(reps)]
-  return stat([per_traj[k] for k in keys]), *np.percentile(draws, [2.5, 97.5])
-
-
 def table(rows: list[dict]) -> common.Table:
   calls = [r for r in rows if not r.get("trajectory")]
   methods = list(dict.fromkeys(r["method"] for r in calls))
@@ -174,11 +165,12 @@ def table(rows: list[dict]) -> common.Table:
       per[key[0]] += (r["agree"], r["tokens"], r["logprob"])
       if key in by.get(base, {}):
         ref[key[0]] += by[base][key]["logprob"]
-    agree = _boot(per, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
+    agree = common.cluster_bootstrap(per, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
     dnll = "-"
     if base in by and m != base:
       paired = {t: np.array([per[t][1], per[t][2], ref[t]]) for t in per}
-      d = _boot(paired, lambda xs: sum(x[2] - x[1] for x in xs) / sum(x[0] for x in xs))
+      d = common.cluster_bootstrap(
+          paired, lambda xs: sum(x[2] - x[1] for x in xs) / sum(x[0] for x in xs))
       dnll = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
     vs_random = "-"                      # the chance line: paired over trajectories
     rnd = "agents+random"
@@ -189,7 +181,7 @@ def table(rows: list[dict]) -> common.Table:
           o = by[rnd][key]
           pair.setdefault(key[0], np.zeros(2))
           pair[key[0]] += (r["agree"] - o["agree"], r["tokens"])
-      d = _boot(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
+      d = common.cluster_bootstrap(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
       vs_random = f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
     traj = [r for r in rows if r.get("trajectory") and r["method"] == m]
     cut = sum(1 for r in by[m].values() if r.get("kv_live_before") is not None

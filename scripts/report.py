@@ -58,6 +58,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
   bench/results_composed.json      bench/composed.py        agents / pruning alone and
                                                             composed (agent calls)
+  bench/results_compaction.json    bench/compaction.py      pruning / reuse alone and
+                                                            composed (cleared histories)
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -83,6 +85,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 import agent_eval  # noqa: E402  (bench/)
 import attention_kernels as kernels_bench  # noqa: E402
 import common  # noqa: E402
+import compaction as compaction_bench  # noqa: E402
 import composed as composed_bench  # noqa: E402
 import config_reference  # noqa: E402  (scripts/)
 import layouts  # noqa: E402
@@ -150,6 +153,7 @@ SOURCES = {
     "server-load": "bench/results_server_load.json",
     "server-load-kinds": "bench/results_server_load_kinds.json",
     "composed": "bench/results_composed.json",
+    "compaction": "bench/results_compaction.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -264,6 +268,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["server-load-kinds"] = rows["server-load-kinds"] and _render(
       [server_load.batching_table(rows["server-load-kinds"])])
   out["composed"] = rows["composed"] and _render([composed_bench.table(rows["composed"])])
+  out["compaction"] = rows["compaction"] and _render(compaction_bench.tables(rows["compaction"]))
   out["layouts"] = rows["layouts"] and _render([layouts.table(rows["layouts"])],
                                                titles=False)
   out["throughput-layouts"] = rows["throughput-layouts"] and _render(

@@ -46,8 +46,8 @@ def llm():
 class _Reuse(recording(Reuse)):
   """Keeps the first-token logits of composed rows too (`plan_prefill`)."""
 
-  def plan_prefill(self, row, tail_from):
-    logits, queries = yield from super().plan_prefill(row, tail_from)
+  def plan_prefill(self, row, tail_from, reuse_from=0):
+    logits, queries = yield from super().plan_prefill(row, tail_from, reuse_from)
     self.logits[row.req.id] = logits
     return logits, queries
 
@@ -160,6 +160,27 @@ def test_both_on_the_spliced_kv_stays_private_to_its_session(llm):
   assert eng.allocator.sequences() == [] and pr.tree.locked_tokens == 0
   slots = pr.tree.match_prefix(toks, holes=holes, private_from=private).slots
   assert (slots == SENTINEL).sum() == holes[:slots.size].sum()
+
+
+def test_the_shared_system_prompt_is_not_spliced_and_stays_shared(llm):
+  """Session b's system prompt holds text session a's stored (another system prompt
+  before it): reuse does not splice it there, so b's path stays exact and session c,
+  opening with b's system prompt, adopts all of it (spliced KV there would make b's
+  path private from that text, and c would compute its system prompt again)."""
+  eng = _engine(llm, dict(method="intentkv", budget=4096), dict(method="naive"))
+  text = MESSAGES[3]["content"]
+  chats = {"a": ("You are a travel agent. Use the tools.\n" + text, "Cancel my Boston trip."),
+           "b": ("You are an airline assistant for Hawaii. Be brief.\n" + text, "Hi there."),
+           "c": ("You are an airline assistant for Hawaii. Be brief.\n" + text, "Hello!")}
+  got = {}
+  for s, (system, user) in chats.items():
+    got[s] = _turn(eng, s, [{"role": "system", "content": system},
+                            {"role": "user", "content": user}], PAIR)
+  (b, _, bctx), (c, _, cctx) = got["b"], got["c"]
+  assert all(r["at"] >= bctx["sys_len"] for r in b.extra["runs"])
+  assert eng.mechanisms["pruned"].state.paths["b"][2] is None           # nothing private
+  assert c.cached_tokens >= cctx["sys_len"]
+  eng.kv_manager.check()
 
 
 def test_what_does_not_combine_with_a_planner_is_refused(llm):

@@ -319,7 +319,8 @@ class ReuseRunner:
                     spans: Sequence[tuple[int, int]] | None = None, *,
                     chunk: int | None = None, defer_store: bool = False, store: bool = True,
                     t0: float | None = None, radix: bool = True,
-                    tail_from: int | None = None, exact_before: int | None = None):
+                    tail_from: int | None = None, exact_before: int | None = None,
+                    reuse_from: int = 0):
     """`prefill_into` as a generator (what the engine's `Reuse` mechanism runs on its
     row): with `chunk`, at most `chunk` prompt tokens per model call and a bare
     yield after each call but the last, so a long prompt delays the engine's
@@ -332,7 +333,8 @@ class ReuseRunner:
     its post-RoPE queries captured (`Prefill.queries`, what a scorer reads);
     `exact_before`: positions from here on attended to KV that is not a plain
     prefill's (the session's holes, its private suffix): runs stored from there are
-    not exact, and `Prefill.exact_to` is at most it."""
+    not exact, and `Prefill.exact_to` is at most it; `reuse_from`: no segment is
+    spliced before this position (the prefix sessions share, computed exactly)."""
     n = ids.size
     t0 = time.perf_counter() if t0 is None else t0
     if spans is None:
@@ -348,7 +350,7 @@ class ReuseRunner:
     # 2-3: matches and admission
     runs, admitted = [], []
     if self.segments and len(self.store) and stop > hit:
-      matches = self.index.find(ids, spans, self.store.peek, lo=hit)
+      matches = self.index.find(ids, spans, self.store.peek, lo=max(hit, reuse_from))
       # the planned part's last token is always computed (the readout, or the token
       # before the tail)
       matches = [m if m.p_lo + m.n < stop else dataclasses.replace(m, n=stop - 1 - m.p_lo)

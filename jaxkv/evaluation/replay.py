@@ -52,6 +52,9 @@ class Turn:
   max_tokens: int = 128         # free turns: the reply's token cap
   forced_reply: int = 0         # free turns: the gold reply's first tokens join the prompt
   until: Callable[[list[int]], bool] | None = None   # free turns: stop once True
+  # this turn's messages when the client sent the session another history than the
+  # session's own (e.g. old tool outputs cleared); None: the session's messages
+  messages: list[dict] | None = None
 
 
 @dataclasses.dataclass
@@ -127,7 +130,7 @@ _ids = itertools.count()
 
 def _prepare(rec: Recorder, s: Session, t: Turn) -> dict:
   """The turn's prompt, gold reply, spans and evidence labels (`labels.prepare_turn`)."""
-  msgs = s.messages
+  msgs = s.messages if t.messages is None else t.messages
   if not 0 < t.i <= len(msgs) - (0 if t.generate and not t.forced_reply else 1):
     raise ValueError(f"turn {t.i} of a {len(msgs)}-message session: the prompt is "
                      "messages[:i] and a gold reply needs messages[i]")
@@ -135,7 +138,8 @@ def _prepare(rec: Recorder, s: Session, t: Turn) -> dict:
 
 
 def _request(rec: Recorder, s: Session, t: Turn, p: dict, after=None,
-             limit: int | None = None) -> tuple[Request, dict]:
+             limit: int | None = None, mechanism: str | None = None
+             ) -> tuple[Request, dict]:
   """The engine request of turn t (prepared as p) and the labels its metrics read.
 
   A teacher-forced turn also feeds the token that follows its reply in `after`, the
@@ -152,8 +156,9 @@ def _request(rec: Recorder, s: Session, t: Turn, p: dict, after=None,
     evidence = np.concatenate([evidence, np.zeros(t.forced_reply, bool)])
   ctx = {"session": s.id, "qs": p["qs"], "sys_len": p["sys_len"]}
   rid = f"{s.id}/{t.i}/{next(_ids)}"
+  mechanism = mechanism or rec.name
   if t.generate:
-    req = Request(rid, prompt, SamplingConfig(max_tokens=t.max_tokens), mechanism=rec.name,
+    req = Request(rid, prompt, SamplingConfig(max_tokens=t.max_tokens), mechanism=mechanism,
                   context=ctx, until=t.until)
   else:
     whole = prompt + gold
@@ -161,7 +166,7 @@ def _request(rec: Recorder, s: Session, t: Turn, p: dict, after=None,
              and list(after[:len(whole)]) == whole
              and (limit is None or len(whole) < limit) else [])
     req = Request(rid, prompt, SamplingConfig(max_tokens=len(gold) + len(extra)),
-                  mechanism=rec.name, context=dict(ctx, lookahead=len(extra)),
+                  mechanism=mechanism, context=dict(ctx, lookahead=len(extra)),
                   forced=gold + extra)
   return req, {"evidence": evidence, "sys_len": p["sys_len"], "reply": len(gold)}
 
@@ -188,10 +193,17 @@ def turn_metrics(s: Session, t: Turn, res: Result, kept: np.ndarray, prep: dict,
       reply_ids=list(res.tokens) if t.generate else None)
 
 
-def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: str = ""
+def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: str = "",
+           mechanism: str | None = None,
+           on_result: Callable[[int, Turn, Result, TurnMetrics], None] | None = None
            ) -> list[list[TurnMetrics]]:
   """Every listed turn of every session through `engine` (sessions side by side in its
   batch, each session's turns in order); the metrics per session, in turn order.
+
+  `mechanism`: the engine mechanism the turns name (default `rec`'s own; e.g. a
+  composition `rec` lays out, "pruned+reuse"); `on_result(session index, turn, result,
+  metrics)` sees each turn's engine `Result` beside its metrics (what `TurnMetrics` does
+  not keep: usage, TTFT, the greedy tokens of a teacher-forced reply).
 
   Of the sessions that open with the same system prompt the first starts alone, and
   the others start together once its first turn has cached that prompt: they find it
@@ -221,7 +233,7 @@ def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: 
       prepared[k] = _prepare(rec, sessions[k], turns[nxt[k] + 1])
       after = prepared[k]["ids"]
     req, prep = _request(rec, sessions[k], turns[nxt[k]], p, after,
-                         engine.cache_cfg.max_seq_len)
+                         engine.cache_cfg.max_seq_len, mechanism)
     inflight[req.id] = (k, turns[nxt[k]], prep)
     engine.submit(req)
 
@@ -248,6 +260,8 @@ def replay(engine: Engine, rec: Recorder, sessions: Sequence[Session], *, desc: 
             raise RuntimeError(f"session {sessions[k].id!r} turn {t.i}: "
                                f"{res.error or res.finish_reason}")
           out[k].append(turn_metrics(sessions[k], t, res, kept, prep, rec.tok))
+          if on_result is not None:
+            on_result(k, t, res, out[k][-1])
           bar.update()
           if nxt[k] == 0 and k in leaders:         # its system prompt is cached now
             for other in waiting[leaders[k]][1:]:

@@ -34,11 +34,15 @@ hooks where its KV management differs from a plain request:
                           there on through every layer)
     private_from(row)     a layout's: where the KV the row adopted stops being a plain
                           prefill's, holes aside (its session's private suffix), or None
-    plan_prefill(row, tail_from)
+    shared_prefix(row)    a layout's: the prompt's first positions that other sessions
+                          share (pruning: the protected system prompt); a planner splices
+                          nothing there, so their cached path stays exact and shared
+    plan_prefill(row, tail_from, reuse_from)
                           a planner's prefill inside a composition (segment reuse): it
-                          plans [cached, tail_from), computes the tail plainly with its
-                          queries, caches nothing itself and lowers `row.private_from`
-                          to its first approximately reused position
+                          plans [cached, tail_from), splicing only from reuse_from on,
+                          computes the tail plainly with its queries, caches nothing
+                          itself and lowers `row.private_from` to its first
+                          approximately reused position
 
 The shape follows vLLM v1's KV-connector hooks (match before allocation, act after
 it, save at the end), which is how CacheBlend runs inside vLLM, and SGLang's one
@@ -157,9 +161,15 @@ class Mechanism:
     del row
     return None
 
-  def plan_prefill(self, row, tail_from: int | None):
+  def shared_prefix(self, row) -> int:
+    """A layout's: how many first prompt positions other sessions share (default 0)."""
+    del row
+    return 0
+
+  def plan_prefill(self, row, tail_from: int | None, reuse_from: int = 0):
     """A planner's prefill in a composition (`composed`), a generator like `prefill`:
-    plans the prompt's positions [row.cached, tail_from) (all of it: None), computes
+    plans the prompt's positions [row.cached, tail_from) (all of it: None), splicing
+    nothing before `reuse_from` (the layout's shared prefix), computes
     [tail_from, n) through every layer after them, caches nothing itself (the
     layout caches the row) and sets `row.private_from` to the first position whose
     KV is approximate if that is earlier. Returns (logits [V] at the last prompt

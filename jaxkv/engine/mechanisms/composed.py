@@ -13,7 +13,10 @@ three roles:
     plan (spliced segments, per-layer recompute sets: `plan_prefill`) instead of the
     engine's chunks. The part whose queries a scorer reads (`queries_from`: IntentKV's
     query span, SnapKV's window, H2O's new tokens) is not planned: it runs after the
-    plan through every layer, exactly, and its queries go to the scorers.
+    plan through every layer, exactly, and its queries go to the scorers. Nor is the
+    prefix sessions share (`shared_prefix`: pruning's protected system prompt) spliced:
+    approximate KV there would make the path private, and every later session with
+    that system prompt would compute it again (measured: bench/compaction.py).
   * the others *join* the row and act through the hooks they share (`capture_q` /
     `on_chunk`, `after_prefill`: prune), then `leave` it keeping only their
     per-session state (QueryMemory).
@@ -98,8 +101,8 @@ def check(mechanisms: list[Mechanism]) -> tuple[Mechanism, Mechanism | None]:
                      "at most one may")
   if not layouts:
     layouts = [m for m in mechanisms if m is not planner][:1]
-  if not layouts or not (type(layouts[0]).match is not Mechanism.match
-                         or type(layouts[0]).finish is not Mechanism.finish):
+  if not layouts or (type(layouts[0]).match is Mechanism.match
+                     and type(layouts[0]).finish is Mechanism.finish):
     raise ValueError(f"none of {names} lays out and caches the row's KV (they only join "
                      "one): compose them with one that does, e.g. agents")
   kvs = {id(k) for k in (_kv(m) for m in mechanisms) if k is not None}
@@ -164,8 +167,10 @@ class Composed(Mechanism):
     scorers = [(m, self._view(row, m)) for m in self.parts
                if m is not self.planner and m.capture_q(self._view(row, m))]
     tail = min((m.queries_from(v) for m, v in scorers), default=None)
-    row.private_from = self.layout.private_from(self._view(row, self.layout))
-    logits, queries = yield from self.planner.plan_prefill(self._view(row, self.planner), tail)
+    lay = self._view(row, self.layout)
+    row.private_from = self.layout.private_from(lay)
+    logits, queries = yield from self.planner.plan_prefill(
+        self._view(row, self.planner), tail, self.layout.shared_prefix(lay))
     for lo, q, count in queries:
       for m, v in scorers:
         m.on_chunk(v, q, lo, count)

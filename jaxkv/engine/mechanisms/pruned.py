@@ -239,6 +239,9 @@ class Pruned(Mechanism):
     pf = _private(row.state.prev)
     return pf if pf is not None and pf < row.cached else None
 
+  def shared_prefix(self, row) -> int:
+    return row.state.sys_len
+
   def queries_from(self, row) -> int:
     n = len(row.req.prompt)
     t = row.state

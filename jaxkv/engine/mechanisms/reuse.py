@@ -29,8 +29,10 @@ scorer reads (`plan_prefill`: that tail is computed through every layer after th
 plan, exactly), stores its computed runs after the first token, and inserts nothing
 in its own radix tree: the layout caches the row, from its first approximately reused
 position on under private keys (`Row.private_from`), so only the session itself
-adopts that KV again. Runs stored after one of the session's holes or inside its
-private suffix attended to KV a plain prefill would not have: stored as not exact.
+adopts that KV again. Nothing is spliced inside the system prompt sessions share
+(`reuse_from`): its path stays exact for the next session. Runs stored after one of
+the session's holes or inside its private suffix attended to KV a plain prefill would
+not have: stored as not exact.
 
 Two keys serve evaluation (bench/reuse.py drives the engine with them; a server never
 sets them): "cache": False leaves the radix tree and the store as they were (no prefix
@@ -106,17 +108,17 @@ class Reuse(Mechanism):
     self._check_spans(req)
     return _Turn()
 
-  def plan_prefill(self, row, tail_from: int | None):
+  def plan_prefill(self, row, tail_from: int | None, reuse_from: int = 0):
     hole = np.flatnonzero(self.runner.alloc.slot_map(row.seq)[:row.cached] == SENTINEL)
     bounds = [b for b in (row.private_from, hole[0] if hole.size else None) if b is not None]
     pre = yield from self.runner.prefill_steps(
         row.seq, np.asarray(row.req.prompt, np.int32), row.cached, self._spans(row),
         chunk=self.prefill_chunk, defer_store=True, radix=False, tail_from=tail_from,
-        exact_before=min(bounds) if bounds else None)
+        exact_before=min(bounds) if bounds else None, reuse_from=reuse_from)
     row.state.pre = pre
-    if pre.approx_from < pre.ids.size:
-      row.private_from = min(pre.approx_from, pre.ids.size if row.private_from is None
-                             else row.private_from)
+    if pre.approx_from < pre.ids.size:                # approximate KV from there on
+      row.private_from = min(pre.approx_from, row.private_from if row.private_from is not None
+                             else pre.approx_from)
     return pre.logits, pre.queries
 
   def after_prefill(self, row) -> None:
