@@ -37,7 +37,9 @@ Table per method, over every turn and over the edited turns (where a tool output
 cleared, the only turns where reuse can act): mean prefilled tokens, TTFT p50, mean
 live KV after the turn; token agreement with a 95% bootstrap interval over sessions
 (the unit that varies) and Delta-NLL against full, paired by turn, intervals over
-sessions; call turns exact with a Wilson interval and exact McNemar p against full.
+sessions; for the pruned methods Delta-NLL against random+reuse (the chance line),
+paired by turn, intervals over sessions; call turns exact with a Wilson interval and
+exact McNemar p against full.
 --tables_from=FILE reprints the tables; a run keeps --out's rows of the methods it
 does not run (one process per method is fine).
 """
@@ -167,6 +169,15 @@ def table(rows: list[dict], edited: bool) -> common.Table:
     if full and m != "full":
       d = common.cluster_bootstrap(per, lambda xs: sum(x[2] for x in xs) / sum(x[1] for x in xs))
       dnll = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
+    vs_random = "-"                      # the chance line for pruning, paired by turn
+    rnd = by.get("random+reuse", {})
+    if rnd and m not in ("random+reuse", "full", "reuse"):
+      pair = collections.defaultdict(lambda: np.zeros(2))
+      for key, r in turns.items():
+        if key in rnd:
+          pair[key[0]] += (rnd[key]["logprob"] - r["logprob"], r["tokens"])
+      d = common.cluster_bootstrap(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
+      vs_random = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
     calls = {k: r for k, r in turns.items() if r["call"]}
     k_ok = sum(r["agree"] == r["tokens"] for r in calls.values())
     lo, hi = calls_lib.wilson(k_ok, len(calls))
@@ -185,7 +196,7 @@ def table(rows: list[dict], edited: bool) -> common.Table:
                   f"{np.mean([r['reused'] for r in vals]):.0f}",
                   f"{np.median([r['ttft_s'] for r in vals]):.2f}",
                   f"{np.mean([r['live_after'] for r in vals]):.0f}",
-                  f"{agree[0]:.3f} [{agree[1]:.3f}, {agree[2]:.3f}]", dnll,
+                  f"{agree[0]:.3f} [{agree[1]:.3f}, {agree[2]:.3f}]", dnll, vs_random,
                   f"{k_ok}/{len(calls)} [{lo:.2f}, {hi:.2f}]" if calls else "-", p])
   n_s = len({r["session"] for r in rows})
   return common.Table(
@@ -194,7 +205,7 @@ def table(rows: list[dict], edited: bool) -> common.Table:
       "sessions (agreement, dNLL) or Wilson (calls); McNemar p against full (wins-losses)",
       ["method", "turns", "pruned", "prefilled / turn", "cached / turn", "spliced / turn",
        "TTFT p50 s", "live KV after", "token agreement [95% CI]", "dNLL vs full [95% CI]",
-       "calls exact [95% CI]", "p vs full"], lines)
+       "dNLL vs random+reuse (paired)", "calls exact [95% CI]", "p vs full"], lines)
 
 
 def tables(rows: list[dict]) -> list[common.Table]:

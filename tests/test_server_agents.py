@@ -366,29 +366,33 @@ def test_a_composed_session_prunes_the_trajectory_its_roles_share(served):
 @pytest.mark.slow
 def test_a_pruned_session_splices_segments_of_another(served):
   """Issue 38, composition: sessions of ["reuse", "pruned"] through the openai client.
-  The second session's system prompt carries the tool schemas the first one's did, in
-  another order: it splices them (reused tokens) with the query span computed; on its
-  next turn it adopts its own path (the spliced KV included) and IntentKV prunes the
-  history past the budget (48); usage names both mechanisms; reuse with role adapters
-  is a 400 saying why."""
+  The second session's history carries the document the first one's prompt did (after
+  another system prompt): it splices it (reused tokens) with the query span computed,
+  and IntentKV prunes the history past the budget (48); on its next turn it adopts its
+  own path, the spliced KV included; usage names both mechanisms; reuse with role
+  adapters is a 400 saying why."""
   url, client = served.url, served.client
-  lines = (ROOT / "examples/reuse_requests.jsonl").read_text().splitlines()[:2]
+  doc = json.loads((ROOT / "examples/reuse_requests.jsonl").read_text().splitlines()[0])
+  doc = doc["messages"][0]["content"]                 # tool schemas, one per line
+  chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc}],
+           [{"role": "system", "content": "You answer questions about tools."},
+            {"role": "user", "content": doc}, {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Which tool cancels an order?"}]]
   got = []
-  for line in lines:
+  for chat in chats:
     sid = httpx.post(url + "/v1/sessions", json={"kind": ["reuse", "pruned"]}).json()["id"]
-    chat = json.loads(line)["messages"]
     r = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=8,
                                        extra_body={"session_id": sid})
     got.append(usage(r))
-  assert got[0]["session_kind"] == "pruned+reuse" and got[0]["mechanisms"] == ["pruned", "reuse"]
-  assert got[1]["reused_tokens"] > 32 and got[1]["prefill_tokens"] < r.usage.prompt_tokens
+  u1, u2 = got
+  assert u1["session_kind"] == "pruned+reuse" and u1["mechanisms"] == ["pruned", "reuse"]
+  assert u2["reused_tokens"] > 32 and u2["prefill_tokens"] < r.usage.prompt_tokens
+  assert u2["pruned"] and u2["kv_live_after"] < u2["kv_live_before"]
   chat += [{"role": "assistant", "content": r.choices[0].message.content},
            {"role": "user", "content": TURNS[0]}]
   r2 = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=8,
                                       extra_body={"session_id": sid})
-  u = usage(r2)
   assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
-  assert u["pruned"] and u["kv_live_after"] < u["kv_live_before"]
   bad = httpx.post(url + "/v1/sessions", json={"kind": ["agents", "reuse"]})
   assert bad.status_code == 400 and "role adapters" in bad.json()["error"]["message"], bad.text
   assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
