@@ -1,9 +1,10 @@
-"""Composed KV mechanisms on one agent workload: LRAgent sharing and IntentKV pruning,
-each alone and composed in one session, through the batch engine.
+"""Composed KV mechanisms on one agent workload: LRAgent sharing, IntentKV pruning
+and segment reuse, each alone and composed in one session, through the batch engine.
 
     python bench/composed.py --traces=data_local/tau2_heldout.json \\
         --out=bench/results_composed.json [--budget=3584] [--max_sessions=0]
-        [--max_tokens=6144] [--methods=non_shared,pruned,agents,agents+pruned,agents+random]
+        [--max_tokens=6144] [--methods=non_shared,pruned,agents,agents+pruned,agents+random,
+                                      agents+reuse,agents+pruned+reuse]
 
 Each held-out session becomes an LRAgent trajectory (`jaxkv.data.agents`: plan /
 action / reflect calls over one token stream) on SmolLM2 with the shipped role
@@ -20,8 +21,15 @@ trajectories at once (one open session each, closed when its trajectory ends).
     agents+pruned   composed: that shared trajectory pruned by IntentKV at --budget
     agents+random   composed with random pruning at --budget: the chance line for
                     IntentKV's choice of what to keep
+    agents+reuse    composed with segment reuse (tiered, int8: configs/smollm2_agents.py's):
+                    a call splices runs other trajectories' calls stored (the session's
+                    own prefix is the trajectory's), every pass on the call's role
+                    adapter; a trajectory's first call finds the system prompt another
+                    session of its domain computed
+    agents+pruned+reuse  the three in one session
 
-Per call: prompt tokens prefilled (not read from the session's cache), TTFT (admission
+Per call: prompt tokens prefilled (not read from the session's cache; with reuse the
+token-layers computed over the layer count, spliced runs not counted), TTFT (admission
 to first token, inside the engine), exact: the greedy token equals the gold one at
 every step, i.e. free greedy generation over this cache writes the call exactly
 (`jaxkv.engine.agents.call_accuracy`'s rule, the same for every method). Per
@@ -44,7 +52,8 @@ Table per method: calls whose KV pruning cut, action calls exact with n and a Wi
 p (paired by call) against non_shared and agents; over every call's tokens, greedy
 agreement with the gold token, its paired difference to agents+random (the chance
 line) and Delta-NLL against non_shared (LRAgent's fidelity), each with a 95% bootstrap
-interval over trajectories (the unit that varies); mean
+interval over trajectories (the unit that varies); for a method with reuse, its
+Delta-NLL against the same method without reuse (what splicing costs, paired); mean
 prefilled tokens per call, TTFT p50, mean KV MB per trajectory. (Without non_shared
 in the run, Delta-NLL is read against agents.)
 --tables_from=FILE reprints the tables. A run keeps --out's rows of the methods it
@@ -66,14 +75,18 @@ from tqdm import tqdm
 import common
 import jaxkv
 from jaxkv import artifacts
-from jaxkv.config import PruningConfig
+from jaxkv.config import PruningConfig, ReuseConfig
 from jaxkv.data import agents, traces
 from jaxkv.data import calls as calls_lib
 from jaxkv.engine.mechanisms.composed import Composed
 from jaxkv.engine.mechanisms.pruned import Pruned
+from jaxkv.engine.mechanisms.reuse import Reuse
+from jaxkv.engine.reuse import ReuseRunner
 from jaxkv.evaluation import agents as ev
 
-METHODS = ("non_shared", "pruned", "agents", "agents+pruned", "agents+random")
+METHODS = ("non_shared", "pruned", "agents", "agents+pruned", "agents+random", "agents+reuse",
+           "agents+pruned+reuse")
+REUSE = ReuseConfig(method="tiered", storage="int8")      # configs/smollm2_agents.py's
 
 
 def define_flags():
@@ -107,12 +120,18 @@ def make_engine(llm, lora, method: str, budget: int, max_tokens: int, batch: int
   scheme = "base_lr_shared" if method.startswith("agents") else "non_shared"
   eng, ag = ev.engine(llm, lora, scheme, max_tokens=max_tokens, max_batch=batch,
                       names=agents.ROLES)
-  prune = {"pruned": "intentkv", "agents+pruned": "intentkv", "agents+random": "random"}
-  if method not in prune:
+  parts = [ag]
+  prune = {"pruned": "intentkv", "random": "random"}
+  kinds = method.split("+")
+  for kind in kinds[1:] if kinds[0] == "agents" else kinds:
+    if kind in prune:
+      parts.append(eng.add_mechanism(Pruned(llm.tokenizer, llm.config, eng.kv_manager,
+                                            PruningConfig(method=prune[kind], budget=budget))))
+    elif kind == "reuse":
+      parts.append(eng.add_mechanism(Reuse(ReuseRunner(llm, REUSE, kv=eng.kv_manager))))
+  if len(parts) == 1:
     return eng, ag, ag.name
-  pr = eng.add_mechanism(Pruned(llm.tokenizer, llm.config, eng.kv_manager,
-                                PruningConfig(method=prune[method], budget=budget)))
-  return eng, ag, eng.add_mechanism(Composed([ag, pr])).name
+  return eng, ag, eng.add_mechanism(Composed(parts)).name
 
 
 def run_method(llm, lora, method: str, trajs, ctxs, args) -> list[dict]:
@@ -127,7 +146,8 @@ def run_method(llm, lora, method: str, trajs, ctxs, args) -> list[dict]:
       gold = traj.ids[c.start:c.end]
       rows.append(dict(method=method, trace=traj.session, call=k, role=agents.ROLES[c.role],
                        tokens=c.end - c.start, prompt_tokens=c.start,
-                       prefilled=x.get("computed_tokens"), ttft_s=res.ttft_s,
+                       prefilled=x.get("prefill_tokens", x.get("computed_tokens")),
+                       reused=x.get("reused_tokens", 0), ttft_s=res.ttft_s,
                        exact=res.argmax == gold.tolist(),
                        agree=int(np.sum(np.asarray(res.argmax) == gold)),
                        logprob=float(np.sum(res.logprob)),
@@ -142,7 +162,8 @@ def run_method(llm, lora, method: str, trajs, ctxs, args) -> list[dict]:
 
 def table(rows: list[dict]) -> common.Table:
   calls = [r for r in rows if not r.get("trajectory")]
-  methods = list(dict.fromkeys(r["method"] for r in calls))
+  present = {r["method"] for r in calls}
+  methods = [m for m in METHODS if m in present] + sorted(present - set(METHODS))
   base = "non_shared" if "non_shared" in methods else "agents"     # the dNLL reference
   by = {m: {(r["trace"], r["call"]): r for r in calls if r["method"] == m} for m in methods}
   lines = []
@@ -183,19 +204,29 @@ def table(rows: list[dict]) -> common.Table:
           pair[key[0]] += (r["agree"] - o["agree"], r["tokens"])
       d = common.cluster_bootstrap(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
       vs_random = f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
+    vs_plain = "-"                       # reuse's cost: against the method without it
+    plain = m.replace("+reuse", "")
+    if m != plain and plain in by:
+      pair = {}
+      for key, r in by[m].items():
+        if key in by[plain]:
+          pair.setdefault(key[0], np.zeros(2))
+          pair[key[0]] += (by[plain][key]["logprob"] - r["logprob"], r["tokens"])
+      d = common.cluster_bootstrap(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
+      vs_plain = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
     traj = [r for r in rows if r.get("trajectory") and r["method"] == m]
     cut = sum(1 for r in by[m].values() if r.get("kv_live_before") is not None
               and r["kv_live_after"] < r["kv_live_before"])
     lines.append([m, str(n), str(cut), f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]" if n else "-",
                   p_vs("non_shared"), p_vs("agents"),
-                  f"{agree[0]:.3f} [{agree[1]:.3f}, {agree[2]:.3f}]", vs_random, dnll,
+                  f"{agree[0]:.3f} [{agree[1]:.3f}, {agree[2]:.3f}]", vs_random, dnll, vs_plain,
                   f"{np.mean([r['prefilled'] for r in by[m].values()]):.0f}",
                   f"{np.median([r['ttft_s'] for r in by[m].values()]):.3f}",
                   f"{np.mean([r['kv_bytes'] for r in traj]) / 2 ** 20:.1f}" if traj else "-"])
   n_traj = len({r["trace"] for r in calls})
   header = ["method", "n action", "calls pruned", "action exact [95% CI]", "p vs non_shared",
             "p vs agents", "token agreement [95% CI]", "agreement - random (paired)",
-            f"dNLL vs {base} [95% CI]",
+            f"dNLL vs {base} [95% CI]", "dNLL vs without reuse",
             "prefilled / call", "TTFT p50 s", "KV MB / trajectory"]
   if "non_shared" not in by:               # no reference run: no column of dashes
     header.pop(4)

@@ -63,9 +63,10 @@ from jaxkv.config import CacheConfig, EngineConfig, ReuseConfig
 from jaxkv.data import calls, reuse_workloads, texts, traces
 from jaxkv.engine.engine import Engine
 from jaxkv.engine.mechanisms.reuse import Reuse
-from jaxkv.engine.reuse import ReuseRunner, layer_flops
+from jaxkv.engine.reuse import ReuseRunner
 from jaxkv.evaluation import reuse as evaluation
 from jaxkv.policies.reuse import store as store_lib
+from jaxkv.policies.reuse.passes import layer_flops
 
 METHODS = {
     "none": dict(method="none"),

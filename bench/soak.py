@@ -9,7 +9,8 @@ to back until `--duration_s` has passed. Each request is drawn (seeded) from:
 
     chat        a plain chat completion, half of them streamed
     session     a session of a random kind (pruned, memart, reuse, semshare, agents,
-                agents+pruned, prefix) opened, 1-3 turns, deleted
+                agents+pruned, pruned+reuse, agents+pruned+reuse, prefix) opened,
+                1-3 turns, deleted
     cancel      a stream the client drops after its first chunk
     bad         a malformed request: invalid JSON, a lone surrogate, nesting 100 deep,
                 an unknown model, a prompt over the cache, a bad session kind list
@@ -42,7 +43,8 @@ import common
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
-KINDS = ("pruned", "memart", "reuse", "semshare", "agents", ["agents", "pruned"], "prefix")
+KINDS = ("pruned", "memart", "reuse", "semshare", "agents", ["agents", "pruned"],
+         ["pruned", "reuse"], ["agents", "pruned", "reuse"], "prefix")
 FLAGS = flags.FLAGS
 
 
@@ -97,7 +99,7 @@ async def client(url: str, rng: random.Random, deadline: float, counts, statuses
                                                      "stream": rng.random() < 0.5})
       elif pick < 0.65:
         kind = rng.choice(KINDS)
-        role = isinstance(kind, list) or kind == "agents"
+        role = "agents" in kind            # a kind or a list of kinds
         r = await post("session_open", "/v1/sessions", {"kind": kind})
         if r.status_code != 200:
           continue

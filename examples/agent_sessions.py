@@ -9,9 +9,10 @@ reads the KV the plan role computed), an executor session whose growing history
 (tool schemas, tool results) is pruned by IntentKV, a memory session that
 answers from MemArt blocks, and a second executor whose prompt repeats the first
 one's tool schemas in another order (segment reuse). Then a composed session
-(`{"kind": ["agents", "pruned"]}`): the plan, action and reflect roles extend one
-trajectory whose history IntentKV prunes, each role reading the pruned KV the
-others computed.
+(`{"kind": ["agents", "pruned", "reuse"]}`): the plan, action and reflect roles
+extend one trajectory whose history IntentKV prunes, each role reading the pruned
+KV the others computed, and a tool result repeated in a later turn is spliced
+from the segment an earlier role stored (computed with the roles' adapters).
 Prints what `usage["jaxkv"]` says each mechanism did, then the server's
 mechanism counters from /metrics.
 """
@@ -75,10 +76,10 @@ def main() -> None:
         "pruned" if turn == 0 else None))
     chat += [{"role": "assistant", "content": reply},
              {"role": "user", "content": "Tool result: " + json.dumps(ORDER)}]
-  crew = chat[:2]          # composed: three roles share one trajectory that IntentKV prunes
-  for turn, role in enumerate(("plan", "action", "reflect")):
-    said = ask(f"{role} role (agents+pruned)", crew, model=f"{args.model}:{role}",
-               session="crew", kind=["agents", "pruned"] if turn == 0 else None)
+  crew = chat[:2]          # composed: three roles share one trajectory that IntentKV
+  for turn, role in enumerate(("plan", "action", "reflect")):   # prunes and reuse splices
+    said = ask(f"{role} role (agents+pruned+reuse)", crew, model=f"{args.model}:{role}",
+               session="crew", kind=["agents", "pruned", "reuse"] if turn == 0 else None)
     crew += [{"role": "assistant", "content": said},
              {"role": "user", "content": "Tool result: " + json.dumps(ORDER)}]
   notes = [{"role": "user", "content": f"Plan: {plan}"}, {"role": "assistant", "content": "Ok."},

@@ -1,7 +1,7 @@
 """Helpers of the mechanism tests: a mechanism that records each request's
 first-token logits, a runner's tokens cut at the first stop as the engine's are, a
-request cancelled after its first engine step, and a long prefill stepped beside a
-decoding row."""
+request cancelled after its first engine step, a long prefill stepped beside a
+decoding row, and the step each prefill of a batch started at."""
 
 import inspect
 
@@ -42,6 +42,25 @@ def clip(tokens, stop_ids):
     if t in stop_ids:
       return tokens[:i + 1]
   return tokens
+
+
+def prefill_starts(eng, mech, reqs) -> tuple[dict, dict]:
+  """Submits `reqs` (of mechanism `mech`) together and steps the engine dry; returns
+  (the engine step at which each request's mechanism prefill started, results by id)."""
+  step, started, prefill = [0], {}, mech.prefill
+
+  def spy(row):
+    started.setdefault(row.req.id, step[0])
+    return prefill(row)
+
+  mech.prefill = spy
+  for req in reqs:
+    eng.submit(req)
+  got = {}
+  while eng.busy:
+    step[0] += 1
+    got.update((r.id, r) for r in eng.step())
+  return started, got
 
 
 def cancel_after_first_step(eng, req) -> list:

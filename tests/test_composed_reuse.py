@@ -46,8 +46,8 @@ def llm():
 class _Reuse(recording(Reuse)):
   """Keeps the first-token logits of composed rows too (`plan_prefill`)."""
 
-  def plan_prefill(self, row, tail_from, reuse_from=0):
-    logits, queries = yield from super().plan_prefill(row, tail_from, reuse_from)
+  def plan_prefill(self, row, tail_from, reuse_from=0, adapter=None):
+    logits, queries = yield from super().plan_prefill(row, tail_from, reuse_from, adapter)
     self.logits[row.req.id] = logits
     return logits, queries
 
@@ -188,8 +188,11 @@ def test_what_does_not_combine_with_a_planner_is_refused(llm):
   pr, ru = eng.mechanisms["pruned"], eng.mechanisms["reuse"]
   assert composed.check([pr, ru]) == (pr, ru)       # pruning lays out, reuse plans
 
-  class Roles(Mechanism):                           # a layout on role adapters (agents)
-    name, adapters = "agents", True
+  class Roles(Mechanism):      # a layout on role adapters that does not name the row's
+    name, adapters = "agents", True                   # adapter to a planner
+
+    def match(self, req):
+      return super().match(req)
 
   class Planner(Reuse):                             # a second planner
     name = "reuse2"

@@ -6,6 +6,8 @@ store and the radix tree it fills are the runner's; cancellation frees everythin
 A random 6-layer model with SmolLM2's real tokenizer (as tests/test_reuse.py), so
 the exact, approximate and blend tiers all have layers to work with."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from jaxkv.config import CacheConfig, EngineConfig, ReuseConfig, SamplingConfig
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.reuse import Reuse
 from jaxkv.engine.reuse import ReuseRunner
-from mechanism_util import beside_a_decoding_row, clip, recording
+from mechanism_util import beside_a_decoding_row, clip, prefill_starts, recording
 from test_reuse import _prompts
 
 CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=1024)
@@ -131,6 +133,39 @@ def test_prompts_admitted_together_reuse_what_earlier_ones_store(llm):
   assert got["p"].ttft_s < got["a"].ttft_s    # the plain row did not wait for them
   eng.kv_manager.check()
   assert eng.allocator.sequences() == []
+
+
+@pytest.mark.parametrize("budget", [512 << 20, 4096])
+def test_prompts_sharing_no_run_prefill_side_by_side(llm, budget):
+  """Admitted together: a prompt that shares no run of min_tokens with the earlier one
+  starts its prefill beside it (`may_overlap`) when the store has room for all the
+  earlier one can store, else it waits; one built from the earlier's segments waits
+  and splices them. Every row's tokens and reuse equal the runner's, one after another."""
+  p1, _, p3 = _prompts(seed=4)
+  other = np.random.default_rng(8).integers(100, 40000, 150)
+  cfg = dataclasses.replace(_config("cacheblend"), byte_budget=budget)
+  r = ReuseRunner(llm, cfg, cache=CACHE, attn_impl="reference")
+  want = {}
+  for rid, p in (("seed", p1), ("other", other), ("a", p3)):
+    pre = r.prefill(p, [])
+    toks, _ = r.decode(pre, MAX, stop_ids=llm.tokenizer.stop_ids)
+    r.release(pre.seq)
+    want[rid] = (toks.tolist(), sum(x.n for x in pre.runs if x.tier != "reject"))
+  eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
+               EngineConfig(max_batch=4, prefill_chunk=32, decode_steps=4))
+  mech = eng.add_mechanism(Reuse(ReuseRunner(llm, cfg, attn_impl="reference",
+                                             kv=eng.kv_manager)))
+  started, got = prefill_starts(eng, mech, [_request(rid, p) for rid, p in
+                                            (("seed", p1), ("other", other), ("a", p3))])
+  side_by_side = budget > 4096
+  assert (started["other"] == started["seed"]) == side_by_side, started
+  assert started["a"] > started["seed"]
+  stop = set(llm.tokenizer.stop_ids)
+  for rid, (toks, reused) in want.items():
+    assert got[rid].tokens == clip(toks, stop), rid
+    assert got[rid].extra["reused_tokens"] == reused, rid
+  assert want["a"][1] > 0 or budget == 4096
+  eng.kv_manager.check()
 
 
 def test_cancel_and_bad_context_free_everything(llm):

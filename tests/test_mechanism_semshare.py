@@ -14,7 +14,7 @@ from jaxkv.config import CacheConfig, EngineConfig, SamplingConfig, SemShareConf
 from jaxkv.engine.engine import Engine, Request
 from jaxkv.engine.mechanisms.semshare import SemShare
 from jaxkv.engine.semshare import SemShareRunner
-from mechanism_util import beside_a_decoding_row, clip, recording
+from mechanism_util import beside_a_decoding_row, clip, prefill_starts, recording
 
 CACHE = CacheConfig(num_pages=256, page_size=16, max_seq_len=1024)
 MAX = 10
@@ -137,19 +137,8 @@ def test_unrelated_prompts_prefill_side_by_side(llm):
   serial = {rid: next(iter(eng.run([_request(rid, p)])))
             for rid, p in (("ref", ref), ("other", other), ("t", target))}
   eng, mech = _engine(llm, "semshare", threshold=0.8)
-  step, started, prefill = [0], {}, mech.prefill
-
-  def spy(row):
-    started.setdefault(row.req.id, step[0])
-    return prefill(row)
-
-  mech.prefill = spy
-  for rid, p in (("ref", ref), ("other", other), ("t", target)):
-    eng.submit(_request(rid, p))
-  got = {}
-  while eng.busy:
-    step[0] += 1
-    got.update((r.id, r) for r in eng.step())
+  started, got = prefill_starts(eng, mech, [_request(rid, p) for rid, p in
+                                            (("ref", ref), ("other", other), ("t", target))])
   assert started["ref"] == started["other"] == 1 < started["t"]
   assert got["t"].extra["reused"] and not got["other"].extra["reused"]
   for rid, want in serial.items():

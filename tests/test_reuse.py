@@ -440,6 +440,27 @@ def test_corrupt_or_mismatched_segments_are_never_spliced(llm):
   np.testing.assert_allclose(got.logits, ref.logits, atol=1e-5, rtol=0)
 
 
+def test_a_span_partly_spliced_stores_its_computed_parts(llm):
+  """One structural span over the whole of P3 = b + S + q1 + r: S + q1 is spliced from
+  P1's stored run, and the span's computed part after it (r, >= min_tokens) is stored
+  as a run (not exact: it attended to approximate K/V), where before nothing of a
+  span partly spliced was; the spliced run is not stored again."""
+  p1, _, p3 = _prompts(seed=3)
+  p3 = np.concatenate([p3, np.random.default_rng(9).integers(100, 40000, 40)])
+  r = _runner(llm, "naive")
+  _serve(r, p1)
+  r.radix.clear()
+  before = set(r.store.keys())
+  got = _serve(r, p3, [(0, p3.size)])
+  (run,) = [x for x in got.runs if x.tier != "reject"]            # S (+ q1), from P1's run
+  assert run.p_lo == 30 and run.n >= 120
+  new = [r.store.peek(k) for k in r.store.keys() if k not in before]  # noqa: SIM118
+  spans = sorted((int(g.positions[0]), int(g.positions[-1]) + 1) for g in new)
+  assert spans == [(run.p_lo + run.n, p3.size)]                     # b is under min_tokens
+  assert all(not g.structural and not g.exact for g in new)
+  assert got.stored == len(new)
+
+
 def test_decode_after_exact_reuse_matches_no_reuse(llm):
   p1, p2, _ = _prompts()
   base = _runner(llm, "none")

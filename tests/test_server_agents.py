@@ -369,8 +369,7 @@ def test_a_pruned_session_splices_segments_of_another(served):
   The second session's history carries the document the first one's prompt did (after
   another system prompt): it splices it (reused tokens) with the query span computed,
   and IntentKV prunes the history past the budget (48); on its next turn it adopts its
-  own path, the spliced KV included; usage names both mechanisms; reuse with role
-  adapters is a 400 saying why."""
+  own path, the spliced KV included; usage names both mechanisms."""
   url, client = served.url, served.client
   doc = json.loads((ROOT / "examples/reuse_requests.jsonl").read_text().splitlines()[0])
   doc = doc["messages"][0]["content"]                 # tool schemas, one per line
@@ -393,7 +392,37 @@ def test_a_pruned_session_splices_segments_of_another(served):
   r2 = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=8,
                                       extra_body={"session_id": sid})
   assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
-  bad = httpx.post(url + "/v1/sessions", json={"kind": ["agents", "reuse"]})
-  assert bad.status_code == 400 and "role adapters" in bad.json()["error"]["message"], bad.text
   assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
+  served.app_backends.kv.check()
+
+
+@pytest.mark.slow
+def test_three_mechanisms_compose_in_one_session(served):
+  """Issue 38, composition: sessions of ["agents", "pruned", "reuse"] through the
+  openai client. The first, on the plan role, stores the document its prompt carries
+  (computed with the roles' adapters); the second, on the action role, splices it into
+  its history, computes IntentKV's query span and prunes past the budget (48); usage
+  names the three mechanisms' effects."""
+  url, client = served.url, served.client
+  doc = json.loads((ROOT / "examples/reuse_requests.jsonl").read_text().splitlines()[0])
+  doc = doc["messages"][0]["content"]
+  chats = [("plan", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": doc}]),
+           ("action", [{"role": "system", "content": "You answer questions about tools."},
+                       {"role": "user", "content": doc}, {"role": "assistant", "content": "Ok."},
+                       {"role": "user", "content": "Which tool cancels an order?"}])]
+  got, sids = [], []
+  for role, chat in chats:
+    opened = httpx.post(url + "/v1/sessions", json={"kind": ["reuse", "agents", "pruned"]})
+    assert opened.json()["kind"] == "agents+pruned+reuse", opened.text
+    sids.append(opened.json()["id"])
+    r = client.chat.completions.create(model=f"{MODEL}:{role}", messages=chat, max_tokens=8,
+                                       extra_body={"session_id": sids[-1]})
+    got.append(usage(r))
+  u1, u2 = got
+  assert u1["mechanisms"] == ["agents", "pruned", "reuse"] and u1["role"] == "plan"
+  assert u1["stored"] > 0 and u2["role"] == "action" and u2["scheme"] == "base_lr_shared"
+  assert u2["reused_tokens"] > 32 and u2["prefill_tokens"] < r.usage.prompt_tokens
+  assert u2["pruned"] and u2["kv_live_after"] < u2["kv_live_before"]
+  for sid in sids:
+    assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
   served.app_backends.kv.check()

@@ -20,7 +20,8 @@ One request (`prefill`):
    rows decoding beside it by one piece at a time; the pieces are exact);
 6. the first token's logits are read (TTFT stops here);
 7. off the critical path: the prompt's fully computed runs (structural spans
-   whole, gaps between them) are stored with their K/V and boundary states, and
+   whole, the computed runs around them and inside a span partly spliced) are
+   stored with their K/V and boundary states, and
    the exact prefix (up to the first approximately reused token) goes into the
    radix cache. Approximate K/V never enter the radix cache, where a later hit
    would take them for exact.
@@ -39,18 +40,30 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxkv.config import COMPILER_OPTIONS, CacheConfig, ReuseConfig
+from jaxkv.config import CacheConfig, ReuseConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.prefill_work import drain, pad_to
-from jaxkv.kv import plan, quant, splice
+from jaxkv.kv import plan, quant
 from jaxkv.kv.state import SENTINEL
-from jaxkv.models.forward import Capture, LayerWindow, Recompute
+from jaxkv.models.forward import Capture, LayerWindow, LoraInputs
 from jaxkv.policies.reuse import admission
 from jaxkv.policies.reuse.index import SegmentIndex, canonical_table, line_spans
-from jaxkv.policies.reuse.store import Segment, SegmentStore, digest, fingerprint
+from jaxkv.policies.reuse.passes import (
+  deviation,
+  embed,
+  inject,
+  join_rows,
+  keys_at,
+  layer_flops,
+  layer_passes,
+  pack_rows,
+  pad,
+  recompute_index,
+  splice_packed,
+)
+from jaxkv.policies.reuse.store import Fingerprint, Segment, SegmentStore, digest, fingerprint
 from jaxkv.rope import delta_frequencies
 
 SEGMENT_METHODS = ("naive", "epic", "cacheblend", "tiered")
@@ -96,114 +109,6 @@ class Prefill:
   def prefill_tokens(self) -> float:
     """Token-layers computed, in whole-token units (a fresh token counts 1)."""
     return float(self.layer_tokens.sum()) / max(1, self.layer_tokens.size)
-
-
-def layer_flops(cfg, n_tokens: float, ctx_sum: float) -> float:
-  """FLOPs of one layer over n tokens whose attention spans sum to ctx_sum:
-  2 x (QKV + O + MLP parameters) per token + 4 x Hq x D per attended key."""
-  d, hq, hkv, dh, ff = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.intermediate_size)
-  params = d * hq * dh + 2 * d * hkv * dh + hq * dh * d + 3 * d * ff
-  return 2.0 * params * n_tokens + 4.0 * hq * dh * ctx_sum
-
-
-def layer_passes(sizes: Sequence[int], lo: int, hi: int, max_passes: int
-                 ) -> list[tuple[int, int]]:
-  """Splits layers [lo, hi) into at most `max_passes` consecutive windows, each
-  run as one forward pass whose recompute width is its largest set (bucketed):
-  the split that computes the fewest token-layers (dynamic programming). One
-  width for every layer would make each layer run the deepest layer's set
-  (the depth guard's sets grow with depth); more passes cost a dispatch and a
-  compile each, hence the cap."""
-  w = [plan.chunk_len(max(1, n)) for n in sizes[lo:hi]]
-  n = len(w)
-  cost = lambda i, j: (j - i) * max(w[i:j])           # layers i..j-1 in one pass
-  best = {(0, 0): (0, ())}                            # (layers done, passes) -> (cost, cuts)
-  for p in range(1, max(1, max_passes) + 1):
-    for j in range(1, n + 1):
-      cands = [(best[(i, p - 1)][0] + cost(i, j), best[(i, p - 1)][1] + (j,))
-               for i in range(j) if (i, p - 1) in best]
-      if cands:
-        best[(j, p)] = min(cands)
-  _, _, ends = min((best[(n, p)][0], p, best[(n, p)][1])       # ties: fewer passes
-                   for p in range(1, max(1, max_passes) + 1) if (n, p) in best)
-  starts = (0,) + ends[:-1]
-  return [(lo + a, lo + b) for a, b in zip(starts, ends)]
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), compiler_options=COMPILER_OPTIONS)
-def _embed(graphdef, weights, tokens):
-  return nnx.merge(graphdef, weights).embed[...][tokens]
-
-
-@functools.partial(jax.jit, donate_argnames=("pool",), compiler_options=COMPILER_OPTIONS)
-def _splice_packed(pool, k: quant.Packed, v: quant.Packed, positions, dest, new_positions,
-                   inv_freq):
-  rows = splice.KVRows(k=quant.dequantize(k, pool.k.dtype), v=quant.dequantize(v, pool.v.dtype),
-                       positions=positions)
-  return splice.splice_rows(pool, rows, dest, new_positions, inv_freq)
-
-
-# Every helper below is jitted over bucketed shapes (`plan.chunk_len`): an eager
-# op or a per-length shape compiles one more XLA:CPU executable per request, and
-# each one holds memory mappings (the kernel's limit is ~65k; a long benchmark ran
-# out of them and LLVM failed with "Cannot allocate memory").
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-def _inject(x, where, h: quant.Packed):
-  """x [1, C, D] with rows `where` [N] (C = padding: dropped) set to dequantised h."""
-  return x.at[0, where].set(quant.dequantize(h, x.dtype), mode="drop")
-
-
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-def _join_rows(head, tail, at):
-  """[K, 1, C, D]: head's rows before `at`, then tail's rows from 0 (both padded to C)."""
-  r = jnp.arange(head.shape[2])
-  take = jnp.where(r < at, r, head.shape[2] + r - at)
-  return jnp.take(jnp.concatenate([head, tail], axis=2), take, axis=2, mode="clip")
-
-
-@functools.partial(jax.jit, static_argnames=("layer",), compiler_options=COMPILER_OPTIONS)
-def _keys_at(pool, slots, layer: int):
-  return pool.k[layer, slots]
-
-
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-def _deviation(before, after):
-  """Per token the relative L2 change of its keys [N, Hkv, D]."""
-  n = before.shape[0]
-  num = jnp.linalg.norm((after - before).reshape(n, -1), axis=-1)
-  return num / jnp.maximum(jnp.linalg.norm(before.reshape(n, -1), axis=-1), 1e-6)
-
-
-@functools.partial(jax.jit, static_argnames=("storage", "group", "layers"),
-                   compiler_options=COMPILER_OPTIONS)
-def _pack_rows(pool, slots, cuts, rows, storage: str, group: int, layers: int):
-  """Quantised K/V of `slots` [N] (layers < `layers`) and boundary states
-  cuts[:, 0, rows] ([K, 1, C, D] captured, rows [N] chunk indices)."""
-  hidden = None if cuts is None else quant.quantize(cuts[:, 0, rows], storage, group)
-  return (quant.quantize(pool.k[:layers, slots], storage, group),
-          quant.quantize(pool.v[:layers, slots], storage, group), hidden)
-
-
-def _pad(x, n: int, value=0, axis: int = 0) -> np.ndarray:
-  """x padded along `axis` to length n with `value`."""
-  x = np.asarray(x)
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, n - x.shape[axis])
-  return np.pad(x, widths, constant_values=value)
-
-
-def recompute_index(sets: Sequence[np.ndarray], lo: int, hi: int, a: int = 0,
-                    b: int | None = None) -> Recompute:
-  """[L, 1, R] recompute index of a call over layers [lo, hi) and chunk tokens [a, b):
-  per layer the set's members in [a, b), rebased to a (-1 padding); R is the largest
-  such set among those layers only."""
-  local = [s if a == 0 and b is None else s[(s >= a) & (s < b)] - a for s in sets]
-  r = plan.chunk_len(max(1, max(s.size for s in local[lo:hi])))
-  idx = np.full((len(sets), 1, r), -1, np.int32)
-  for l in range(lo, hi):
-    idx[l, 0, :local[l].size] = local[l]
-  return Recompute(jnp.asarray(idx))
 
 
 _OWNER = "reuse"     # this runner's name in the KV manager (its radix tree, its allocations)
@@ -257,6 +162,25 @@ class ReuseRunner:
   def driver(self) -> Driver:
     """The KV manager's driver (the pool every step runs on)."""
     return self.kv.driver
+
+  def fingerprint_of(self, form: str) -> Fingerprint:
+    """The fingerprint of segments of KV form `form` ("base": the runner's own)."""
+    if form == "base":
+      return self.fingerprint
+    return dataclasses.replace(self.fingerprint, adapter=f"{self.fingerprint.adapter}/{form}")
+
+  def max_stored_bytes(self, ids: np.ndarray, lo: int) -> int:
+    """An upper bound on the bytes storing the computed part ids[lo:] of a prompt
+    adds to the store: every token in some segment at 4 bytes per value (K, V, the
+    boundary states, low-rank values of a rank-128 adapter), each segment (at least
+    `min_tokens`) with its ids, positions and whole left context."""
+    n, total = int(ids.size) - lo, int(ids.size)
+    if n <= 0 or not self.segments:
+      return 0
+    c = self.cfg
+    per_token = 4 * (2 * self.kv_layers * c.num_kv_heads * c.head_dim
+                     + len(self.cuts) * c.hidden_size + 128 * self.kv_layers) + 8
+    return n * per_token + (n // self.reuse.min_tokens + 1) * 4 * total
 
   def _forget(self, key: int) -> None:
     if self.index is not None:
@@ -320,7 +244,8 @@ class ReuseRunner:
                     chunk: int | None = None, defer_store: bool = False, store: bool = True,
                     t0: float | None = None, radix: bool = True,
                     tail_from: int | None = None, exact_before: int | None = None,
-                    reuse_from: int = 0):
+                    reuse_from: int = 0, lora: LoraInputs | None = None,
+                    form: str = "base"):
     """`prefill_into` as a generator (what the engine's `Reuse` mechanism runs on its
     row): with `chunk`, at most `chunk` prompt tokens per model call and a bare
     yield after each call but the last, so a long prompt delays the engine's
@@ -334,7 +259,18 @@ class ReuseRunner:
     `exact_before`: positions from here on attended to KV that is not a plain
     prefill's (the session's holes, its private suffix): runs stored from there are
     not exact, and `Prefill.exact_to` is at most it; `reuse_from`: no segment is
-    spliced before this position (the prefix sessions share, computed exactly)."""
+    spliced before this position (the prefix sessions share, computed exactly).
+
+    A role adapter's row (LRAgent agents in a composition): `lora` (one row's
+    `LoraInputs`) runs every pass with its adapter, and `form` names the KV form it
+    writes (e.g. "roles:base_lr_shared"): it splices and stores only segments of that
+    form (the store is shared, the fingerprints tell the forms apart), with their
+    low-rank values x A_v s when the adapter runs decoupled."""
+    if (lora is None) != (form == "base"):
+      raise ValueError(f"a row on a role adapter names its KV form and only such a row "
+                       f"does (form {form!r}, lora {'set' if lora is not None else 'None'})")
+    fp = self.fingerprint_of(form)
+    lr = lora is not None and lora.mode == "decoupled"
     n = ids.size
     t0 = time.perf_counter() if t0 is None else t0
     if spans is None:
@@ -350,7 +286,10 @@ class ReuseRunner:
     # 2-3: matches and admission
     runs, admitted = [], []
     if self.segments and len(self.store) and stop > hit:
-      matches = self.index.find(ids, spans, self.store.peek, lo=max(hit, reuse_from))
+      def lookup(key):       # segments of this row's KV form only (another model's or
+        seg = self.store.peek(key)               # RoPE's: found, refused with the reason)
+        return seg if seg.fingerprint.adapter == fp.adapter else None
+      matches = self.index.find(ids, spans, lookup, lo=max(hit, reuse_from))
       # the planned part's last token is always computed (the readout, or the token
       # before the tail)
       matches = [m if m.p_lo + m.n < stop else dataclasses.replace(m, n=stop - 1 - m.p_lo)
@@ -358,7 +297,7 @@ class ReuseRunner:
       matches = [m for m in matches if m.n >= self.reuse.min_tokens]
       for m in matches:
         seg = self.store.get(m.key)
-        why = seg.problem(self.fingerprint)
+        why = seg.problem(fp) or (lr and seg.vlr is None and "no low-rank values")
         d = (admission.Decision("reject", why) if why else
              admission.decide(m, seg, self.reuse, L))
         runs.append(RunRecord(m.p_lo, m.n, d.tier, d.reason, m.ctx_match, m.ctx_jaccard))
@@ -372,7 +311,7 @@ class ReuseRunner:
     hidden_rows: dict[int, list] = {}             # boundary -> [(chunk idx, Packed rows)]
     nbytes = 0
     if admitted:
-      ks, vs, pos, dest, newpos = [], [], [], [], []
+      ks, vs, vlrs, pos, dest, newpos = [], [], [], [], [], []
       for m, seg, d, _ in admitted:
         lo = m.p_lo - hit
         part = seg.rows(m.s_lo, m.s_lo + m.n)
@@ -385,18 +324,19 @@ class ReuseRunner:
           hidden_rows.setdefault(int(b), []).append((lo + at, part.hidden[int(b)], at))
         ks.append(part.k)
         vs.append(part.v)
+        vlrs.append(part.vlr)
         dest.append(smap[m.p_lo:m.p_lo + m.n])
         newpos.append(np.arange(m.p_lo, m.p_lo + m.n, dtype=np.int32))
         # rerope=False (a chance baseline): keys keep their stored rotation
         pos.append(part.positions if self.reuse.rerope else newpos[-1])
-        nbytes += part.k.nbytes + part.v.nbytes
-      self._splice(ks, vs, pos, dest, newpos)
+        nbytes += part.k.nbytes + part.v.nbytes + (part.vlr.nbytes if lr else 0)
+      self._splice(ks, vs, pos, dest, newpos, vlrs if lr else None)
 
     # 5: the chunk, with the recompute plan
     queries = []
     out, cuts_out, layer_tokens, flops_ctx = yield from self._run(
         hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted, chunk,
-        tail=n - stop, queries=queries)
+        tail=n - stop, queries=queries, lora=lora)
     logits = np.asarray(jax.device_get(out.logits[0, 0]), np.float32)
     ttft = time.perf_counter() - t0
     flops = flops_ctx + 2.0 * self.cfg.hidden_size * self.cfg.vocab_size
@@ -408,13 +348,14 @@ class ReuseRunner:
                   exact_to=exact_to, approx_from=approx_from, queries=queries)
     # 7: after the first token
     res.finish = functools.partial(self._after_first_token, res, hit, smap, spliced, spans,
-                                   cuts_out, radix)
+                                   cuts_out, radix, fp, lr)
     if not defer_store:
       res.finish(store)
     return res
 
   def _after_first_token(self, res: Prefill, hit, smap, spliced, spans, cuts_out,
-                         radix: bool = True, store: bool = True) -> None:
+                         radix: bool = True, fp=None, lr: bool = False,
+                         store: bool = True) -> None:
     """Step 7: the exact prefix into the radix cache (with `radix`), the fully
     computed runs into the store (with `store`); sets `res.stored` and `res.store_s`."""
     t1 = time.perf_counter()
@@ -422,37 +363,43 @@ class ReuseRunner:
     if radix and self.radix is not None:
       self.radix.insert(ids[:exact_to], smap[:exact_to])
     if store and self.segments:
-      res.stored = self._store_runs(ids, hit, smap, ~spliced, spans, exact_to, cuts_out)
+      res.stored = self._store_runs(ids, hit, smap, ~spliced, spans, exact_to, cuts_out,
+                                    fp or self.fingerprint, lr)
     res.store_s = time.perf_counter() - t1
     res.finish = None
 
-  def _splice(self, ks, vs, pos, dest, newpos) -> None:
-    """One jitted splice of every admitted run (rows padded to a bucket)."""
+  def _splice(self, ks, vs, pos, dest, newpos, vlrs=None) -> None:
+    """One jitted splice of every admitted run (rows padded to a bucket), with their
+    low-rank values when `vlrs` is given."""
     width = plan.chunk_len(sum(x.size for x in pos))
     def cat(parts, axis=0, value=0):
-      return jnp.asarray(_pad(np.concatenate([np.asarray(p) for p in parts], axis), width,
+      return jnp.asarray(pad(np.concatenate([np.asarray(p) for p in parts], axis), width,
                               value, axis))
     def packed(parts):
       return quant.Packed(cat([p.q for p in parts], 1),
                           None if parts[0].scale is None else cat([p.scale for p in parts], 1))
     L = self.cfg.num_layers
     k, v = packed(ks), packed(vs)
+    vlr = None if vlrs is None else packed(vlrs)
     if k.q.shape[0] < L:                      # regime B: no K/V above L_reuse (recomputed)
       grow = lambda a: jnp.pad(a, [(0, L - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
-      k = quant.Packed(grow(k.q), None if k.scale is None else grow(k.scale))
-      v = quant.Packed(grow(v.q), None if v.scale is None else grow(v.scale))
-    self.driver.kv = _splice_packed(self.driver.kv, k, v, cat(pos), cat(dest, value=SENTINEL),
-                                    cat(newpos), self.inv_freq)
+      k, v, vlr = (None if p is None else
+                   quant.Packed(grow(p.q), None if p.scale is None else grow(p.scale))
+                   for p in (k, v, vlr))
+    self.driver.kv = splice_packed(self.driver.kv, k, v, cat(pos), cat(dest, value=SENTINEL),
+                                    cat(newpos), self.inv_freq, vlr)
 
   def _run(self, hit, chunk_ids, c_len, smap, resume, blend, hidden_rows, admitted,
-           chunk: int | None = None, tail: int = 0, queries: list | None = None):
+           chunk: int | None = None, tail: int = 0, queries: list | None = None,
+           lora: LoraInputs | None = None):
     """Step 5 (see the module docstring), a generator of bare yields: with `chunk`,
     every layer pass runs at most `chunk` prompt tokens per call and yields after each
     call, so the engine's decoding rows get their step in between (the pieces of a
     pass are exact: a token's causal attention reads only earlier columns, which
     earlier pieces of the same pass wrote); None: each pass in one call. The last
     `tail` tokens are not planned: they run after every pass, through every layer,
-    their queries appended to `queries` (`Prefill.queries`). Returns (the readout,
+    their queries appended to `queries` (`Prefill.queries`). Every call runs with
+    `lora` (a role adapter's row) when given. Returns (the readout,
     the boundary states captured [K, 1, C, D] or None, tokens computed per layer [L],
     FLOPs)."""
     L, total = self.cfg.num_layers, chunk_ids.size
@@ -467,7 +414,7 @@ class ReuseRunner:
     sets = [np.union1d(every[resume <= l], every[blend]) if l <= bl else every[resume <= l]
             for l in range(L)]
     plain = not resume.any() and not blend.any()     # nothing reused: the plain prefill
-    x = None if plain else self._hidden_in(jnp.asarray(_pad(chunk_ids, c_len)[None]),
+    x = None if plain else self._hidden_in(jnp.asarray(pad(chunk_ids, c_len)[None]),
                                            hidden_rows, c_len)
     stages = [(0, L)]
     if blend.any() and bl + 1 < L:
@@ -476,11 +423,11 @@ class ReuseRunner:
     parts, out = [], None
     for si, (a, b) in enumerate(stages):
       if si == 0 and len(stages) == 2:              # blend: keys before the probe
-        slots_all = jnp.asarray(_pad(smap[hit:hit + rest], c_len, SENTINEL))
-        before = _keys_at(self.driver.kv, slots_all, bl)
+        slots_all = jnp.asarray(pad(smap[hit:hit + rest], c_len, SENTINEL))
+        before = keys_at(self.driver.kv, slots_all, bl)
       if si == 1:                                    # the probe's verdict
-        after = _keys_at(self.driver.kv, slots_all, bl)
-        chosen = self._blend_choice(np.asarray(jax.device_get(_deviation(before, after)))[:rest],
+        after = keys_at(self.driver.kv, slots_all, bl)
+        chosen = self._blend_choice(np.asarray(jax.device_get(deviation(before, after)))[:rest],
                                     hit, admitted)
         sets = [s if l <= bl else np.union1d(s, every[chosen]) for l, s in enumerate(sets)]
       passes = [(0, L)] if plain else layer_passes([s.size for s in sets], a, b,
@@ -490,7 +437,8 @@ class ReuseRunner:
         for p_lo, p_hi in pieces:
           out = self._piece(hit, chunk_ids, c_len, smap, p_lo, p_hi, lo, hi, cuts,
                             None if plain else sets,
-                            None if x is None else x[:, p_lo:p_hi], len(pieces) == 1)
+                            None if x is None else x[:, p_lo:p_hi], len(pieces) == 1,
+                            lora=lora)
           if hi < L:
             xs.append(out.hidden[:, :p_hi - p_lo])
           if out.hidden_cuts is not None:
@@ -506,7 +454,7 @@ class ReuseRunner:
       for p_lo in range(rest, total, size):
         p_hi = min(p_lo + size, total)
         out = self._piece(hit, chunk_ids, c_len, smap, p_lo, p_hi, 0, L, cuts, None, None,
-                          False, capture_q=True)
+                          False, capture_q=True, lora=lora)
         queries.append((hit + p_lo, out.q[:, 0], p_hi - p_lo))
         if out.hidden_cuts is not None:
           tail_cuts.append(out.hidden_cuts[:, :, :p_hi - p_lo])
@@ -514,7 +462,7 @@ class ReuseRunner:
           yield
       if tail_cuts:
         t = pad_to(jnp.concatenate(tail_cuts, axis=2), c_len, 2)
-        cuts_out = t if cuts_out is None else _join_rows(cuts_out, t, jnp.int32(rest))
+        cuts_out = t if cuts_out is None else join_rows(cuts_out, t, jnp.int32(rest))
     layer_tokens = np.asarray([s.size + tail for s in sets], np.int64)
     pos = hit + np.arange(total, dtype=np.float64) + 1
     flops = sum(layer_flops(self.cfg, s.size + tail, pos[s].sum() + pos[rest:].sum())
@@ -522,7 +470,7 @@ class ReuseRunner:
     return out, cuts_out, layer_tokens, flops
 
   def _piece(self, hit, chunk_ids, c_len, smap, a, b, lo, hi, cuts, sets, x, whole,
-             capture_q: bool = False):
+             capture_q: bool = False, lora: LoraInputs | None = None):
     """One call: prompt tokens [a, b) (chunk coordinates) through layers [lo, hi),
     recomputing `sets` (per layer, chunk indices; None: every token, no window)."""
     L, rest = self.cfg.num_layers, chunk_ids.size
@@ -535,13 +483,14 @@ class ReuseRunner:
                                  start=lo, stop=hi)
     out, self.driver.kv = chunk_step(
         self.graphdef, self.weights, self.driver.kv,
-        jnp.asarray(_pad(chunk_ids[a:b], cl)[None]),
-        jnp.asarray(_pad(hit + np.arange(a, b, dtype=np.int32), cl, -1)[None]),
+        jnp.asarray(pad(chunk_ids[a:b], cl)[None]),
+        jnp.asarray(pad(hit + np.arange(a, b, dtype=np.int32), cl, -1)[None]),
         jnp.asarray(plan.slot_rows([smap], plan.width(hit + b))),
         read=jnp.asarray([[rest - 1 - a]], np.int32) if last else None,
         capture=Capture(q=capture_q, hidden_cuts=cuts if sets is None else
                         tuple(c for c in cuts if lo < c <= hi)),
-        return_hidden=hi < L, return_logits=last, attn_impl=self.driver.attn_impl, **kw)
+        return_hidden=hi < L, return_logits=last, attn_impl=self.driver.attn_impl, lora=lora,
+        **kw)
     return out
 
   def _hidden_in(self, tokens, hidden_rows, c_len):
@@ -552,11 +501,11 @@ class ReuseRunner:
     parts = [(where, h, rows) for b in sorted(hidden_rows) for where, h, rows in hidden_rows[b]]
     where = np.concatenate([p[0] for p in parts])
     nb = plan.chunk_len(where.size)
-    q = _pad(np.concatenate([np.asarray(h.q)[rows] for _, h, rows in parts]), nb)
+    q = pad(np.concatenate([np.asarray(h.q)[rows] for _, h, rows in parts]), nb)
     sc = (None if parts[0][1].scale is None else
-          _pad(np.concatenate([np.asarray(h.scale)[rows] for _, h, rows in parts]), nb))
-    return _inject(_embed(self.graphdef, self.weights, tokens),
-                   jnp.asarray(_pad(where, nb, c_len).astype(np.int32)),
+          pad(np.concatenate([np.asarray(h.scale)[rows] for _, h, rows in parts]), nb))
+    return inject(embed(self.graphdef, self.weights, tokens),
+                   jnp.asarray(pad(where, nb, c_len).astype(np.int32)),
                    quant.Packed(jnp.asarray(q), None if sc is None else jnp.asarray(sc)))
 
   def _blend_choice(self, dev, hit, admitted) -> np.ndarray:
@@ -583,18 +532,25 @@ class ReuseRunner:
     return chosen
 
   # ------------------------------------------------------------------------ store
-  def _store_runs(self, ids, hit, smap, fresh, spans, exact_to, cuts_out) -> int:
-    """Stores the fully computed runs of this prompt (structural spans whole,
-    gaps between them); returns how many were stored. Runs ending after
-    `exact_to` attended to approximate K/V: stored with exact=False."""
+  def _store_runs(self, ids, hit, smap, fresh, spans, exact_to, cuts_out, fp,
+                  lr: bool = False) -> int:
+    """Stores the fully computed runs of this prompt under fingerprint `fp`, with
+    their low-rank values with `lr`: structural spans computed whole as one segment
+    each, and the computed runs of at least `min_tokens` outside them, the computed
+    parts of a span partly spliced included (a tool list or policy text that one
+    run of another prompt was spliced into is otherwise never stored: measured on
+    tau2 first calls, whose system prompt is one 3k-token line). Returns how many
+    were stored. Runs ending after `exact_to` attended to approximate K/V: stored
+    with exact=False."""
     n, mt = ids.size, self.reuse.min_tokens
     comp = np.zeros(n, bool)
     comp[hit:] = fresh
     regions, covered = [], np.zeros(n, bool)
     for lo, hi in sorted(spans):
-      covered[lo:hi] = True
-      if hi - lo >= mt and comp[lo:hi].all():
-        regions.append((lo, hi, True))
+      if comp[lo:hi].all():
+        covered[lo:hi] = True
+        if hi - lo >= mt:
+          regions.append((lo, hi, True))
     gap = comp & ~covered
     edges = np.flatnonzero(np.diff(np.r_[0, gap.astype(np.int8), 0]))
     for lo, hi in zip(edges[::2], edges[1::2]):
@@ -603,19 +559,19 @@ class ReuseRunner:
     stored = 0
     for lo, hi, structural in regions:
       nb = plan.chunk_len(hi - lo)
-      slots = jnp.asarray(_pad(smap[lo:hi], nb, SENTINEL))
-      rows = jnp.asarray(_pad(np.arange(lo - hit, hi - hit, dtype=np.int32), nb))
-      k, v, h = jax.device_get(_pack_rows(self.driver.kv, slots, cuts_out, rows,
-                                          self.reuse.storage, self.reuse.group_size,
-                                          self.kv_layers))
+      slots = jnp.asarray(pad(smap[lo:hi], nb, SENTINEL))
+      rows = jnp.asarray(pad(np.arange(lo - hit, hi - hit, dtype=np.int32), nb))
+      k, v, h, vlr = jax.device_get(pack_rows(self.driver.kv, slots, cuts_out, rows,
+                                               self.reuse.storage, self.reuse.group_size,
+                                               self.kv_layers, lr))
       hidden = {} if h is None else {
           b: quant.Packed(h.q[i], None if h.scale is None else h.scale[i]).rows(0, 0, hi - lo)
           for i, b in enumerate(self.cuts)}
       k, v = k.rows(1, 0, hi - lo), v.rows(1, 0, hi - lo)
       seg = Segment(ids=ids[lo:hi].copy(), left=ids[:lo].copy(),
                     positions=np.arange(lo, hi, dtype=np.int32), k=k, v=v, hidden=hidden,
-                    fingerprint=self.fingerprint, structural=structural,
-                    exact=hi <= exact_to).seal()
+                    fingerprint=fp, structural=structural, exact=hi <= exact_to,
+                    vlr=None if vlr is None else vlr.rows(1, 0, hi - lo)).seal()
       stored += self.add_segment(seg) is not None
     return stored
 

@@ -57,13 +57,13 @@ from jaxkv.config import COMPILER_OPTIONS, CacheConfig, SemShareConfig
 from jaxkv.engine.driver import Driver, chunk_step, continue_one
 from jaxkv.engine.kv_manager import KVManager
 from jaxkv.engine.prefill_work import drain, pad_to
-from jaxkv.engine.reuse import layer_flops, layer_passes, recompute_index
 from jaxkv.kv import plan as plan_lib
 from jaxkv.kv.allocator import OutOfSlotsError
 from jaxkv.kv.state import SENTINEL
 from jaxkv.models.forward import Capture, LayerWindow
 from jaxkv.policies.pruning import layerwise
 from jaxkv.policies.reuse import semshare
+from jaxkv.policies.reuse.passes import layer_flops, layer_passes, recompute_index
 
 
 @dataclasses.dataclass

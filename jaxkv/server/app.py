@@ -34,11 +34,11 @@ lists them), so a multi-agent framework points each agent at its role's name.
 One config turns every mechanism on (`configs/smollm2_agents.py`): role adapters
 in the batch engine, and a session kind each for pruning, MemArt, reuse and LRAgent
 sharing, each an engine mechanism batched with every other request; a session may
-compose agents and pruned (`{"kind": ["agents", "pruned"]}`: the roles share one
-pruned trajectory) or pruned and reuse (`["pruned", "reuse"]`: a pruned session whose
-prompts splice stored segments). Not yet here: MemArt or SemShareKV composed with
-another kind (they lay out sequences of their own), reuse with role adapters (its
-plan runs the base model).
+compose agents, pruned and reuse (`{"kind": ["agents", "pruned"]}`: the roles share
+one pruned trajectory; `["pruned", "reuse"]`: a pruned session whose prompts splice
+stored segments; `["agents", "reuse"]`, `["agents", "pruned", "reuse"]`: reuse runs
+each role's adapter on the roles' own segments). Not yet here: MemArt or SemShareKV
+composed with another kind (they lay out sequences of their own).
 """
 
 from __future__ import annotations

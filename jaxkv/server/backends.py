@@ -248,10 +248,13 @@ class SessionBackends:
       raise ValueError(f"'{kind}' sessions need a role model name (<model>:<role>)"
                        if "agents" in parts else "role adapters run in the batch engine or "
                        "in 'agents' sessions: use one of those or no session")
-    if len(parts) > 1:                   # a composition: pruning's turns (agents + pruned,
-      if p.chat is None:                 # pruned + reuse)
+    if len(parts) > 1:                   # a composition: with pruning, pruning's turns
+      if "pruned" not in parts:          # (agents + reuse: any prompt, lines as spans)
+        prompt, ctx = p.prompt, {"session": session}
+      elif p.chat is None:
         raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
-      prompt, ctx = self.pruned.context(session, *p.chat)
+      else:
+        prompt, ctx = self.pruned.context(session, *p.chat)
       if "agents" in parts:
         self.agents.check(len(prompt), p.sampling.max_tokens)
       self.open(session, kind)

@@ -37,12 +37,15 @@ hooks where its KV management differs from a plain request:
     shared_prefix(row)    a layout's: the prompt's first positions that other sessions
                           share (pruning: the protected system prompt); a planner splices
                           nothing there, so their cached path stays exact and shared
-    plan_prefill(row, tail_from, reuse_from)
+    plan_prefill(row, tail_from, reuse_from, adapter)
                           a planner's prefill inside a composition (segment reuse): it
                           plans [cached, tail_from), splicing only from reuse_from on,
                           computes the tail plainly with its queries, caches nothing
                           itself and lowers `row.private_from` to its first
-                          approximately reused position
+                          approximately reused position; on a role adapter's row with
+                          that adapter (`plans_on_adapters`)
+    adapter_of(row)       a layout on role adapters (agents): the row's LoRA inputs and
+                          the KV form they write, for a planner's passes
 
 The shape follows vLLM v1's KV-connector hooks (match before allocation, act after
 it, save at the end), which is how CacheBlend runs inside vLLM, and SGLang's one
@@ -77,6 +80,7 @@ class Mechanism:
   name = ""
   owns_prefill = False   # True: `prefill` computes the prompt, not the engine's chunks
   adapters = False       # True: its requests run on a role adapter (`Request.adapter`)
+  plans_on_adapters = False   # a planner: True when `plan_prefill` runs role adapters
   # the `/metrics` counters it keeps in `self.stats`: (metric name, stats key, help)
   metrics: tuple[tuple[str, str, str], ...] = ()
   # prompt tokens per model call of a generator prefill that calls the model itself
@@ -166,13 +170,22 @@ class Mechanism:
     del row
     return 0
 
-  def plan_prefill(self, row, tail_from: int | None, reuse_from: int = 0):
+  def adapter_of(self, row) -> tuple[object, str] | None:
+    """A layout's whose rows run on role adapters: (the row's `LoraInputs`, one
+    adapter id; the KV form it writes, e.g. "roles:base_lr_shared": rows of one form
+    may read each other's KV). None: the base model."""
+    del row
+    return None
+
+  def plan_prefill(self, row, tail_from: int | None, reuse_from: int = 0,
+                   adapter: tuple[object, str] | None = None):
     """A planner's prefill in a composition (`composed`), a generator like `prefill`:
     plans the prompt's positions [row.cached, tail_from) (all of it: None), splicing
     nothing before `reuse_from` (the layout's shared prefix), computes
     [tail_from, n) through every layer after them, caches nothing itself (the
     layout caches the row) and sets `row.private_from` to the first position whose
-    KV is approximate if that is earlier. Returns (logits [V] at the last prompt
-    token, the tail's queries [(first position, q [L, C, Hq, D], count)])."""
+    KV is approximate if that is earlier. `adapter`: the layout's `adapter_of(row)`
+    (only with `plans_on_adapters`). Returns (logits [V] at the last prompt token,
+    the tail's queries [(first position, q [L, C, Hq, D], count)])."""
     raise ValueError(f"{self.name!r} plans its own prefill on the base model (spliced, "
                      "retrieved or aliased rows) and cannot plan it inside a composition")

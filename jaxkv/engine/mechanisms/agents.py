@@ -40,9 +40,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.engine.mechanisms import Match, Mechanism
+from jaxkv.models.forward import LoraInputs
 from jaxkv.policies.sharing import lragent
 
 SERVED = ("non_shared", "full_shared", "base_lr_shared")   # the schemes a batch row runs
@@ -110,6 +112,7 @@ class Agents(Mechanism):
                        f"{'with' if decoupled else 'without'} the low-rank value cache "
                        f"of rank {engine.lora.rank}); the engine runs them {engine.lora_mode}")
     self.kv, self.lora, self.model_cfg = engine.kv_manager, engine.lora, engine.model_cfg
+    self.lora_mode = engine.lora_mode
     self.dtype = np.dtype(engine.cache_cfg.dtype)
     self.names = tuple(names) or tuple(str(i) for i in range(self.lora.num_adapters))
     self.max_tokens, self.max_sessions = max_tokens, max_sessions
@@ -194,6 +197,16 @@ class Agents(Mechanism):
     s.running += 1
     s.used = time.monotonic()
     return Match(hit, slots, _Call(sid, req.adapter, hit))
+
+  def adapter_of(self, row) -> tuple[LoraInputs, str]:
+    """The row's role adapter as a composition's planner runs it (segment reuse), and
+    the KV form it writes: every role's under a sharing scheme (a role reads what
+    another computed), the role's own under non_shared."""
+    role = row.req.adapter
+    ids = jnp.asarray([role], jnp.int32)       # placed as the planner's other inputs
+    form = (f"role{role}:non_shared" if self.scheme == "non_shared"
+            else f"roles:{self.scheme}")
+    return LoraInputs(self.lora, ids, mode=self.lora_mode), form
 
   def unmatch(self, match: Match) -> None:
     s = self.sessions.get(match.state.session)

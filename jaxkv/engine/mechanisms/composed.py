@@ -1,6 +1,7 @@
 """Mechanisms composed on one row: role agents sharing one trajectory whose KV
-IntentKV prunes (`["agents", "pruned"]`), or a pruned session whose prompts reuse
-stored segments (`["pruned", "reuse"]`).
+IntentKV prunes (`["agents", "pruned"]`), a pruned session whose prompts reuse
+stored segments (`["pruned", "reuse"]`), role agents whose prompts reuse segments
+the roles stored (`["agents", "reuse"]`), or all three.
 
 A composition is an ordered list of mechanisms the engine has. Each takes one of
 three roles:
@@ -26,7 +27,8 @@ The order of application is the order of the hooks, not of the list:
     1. match     the layout adopts its cached prefix (holes of earlier prunings and
                  the session's private suffix included)
     2. prefill   the engine's chunks, with the row's role adapter, queries captured
-                 for whoever scores them; or the planner's plan, then the scored tail
+                 for whoever scores them; or the planner's plan, then the scored tail,
+                 every pass on the role adapter the layout names (`adapter_of`)
     3. after     the planner first (it stores the runs it computed, before anything
                  is evicted), then the rest in list order (pruning evicts here)
     4. decode    the engine's, over the row's own slot map (holes masked)
@@ -39,7 +41,8 @@ What does not combine, and why (`check`, the server's 400):
   * a mechanism that plans its own prefill but cannot plan it inside a composition
     (memart, semshare: retrieved blocks or aliased rows in a sequence of their own);
   * two planners;
-  * a planner with role adapters (agents): the planner's passes run the base model.
+  * a planner that runs the base model only (`plans_on_adapters` False) with role
+    adapters, or role adapters on a layout that does not name the row's adapter.
 `usage["jaxkv"]` is the union of what each mechanism reports, plus "mechanisms".
 """
 
@@ -91,7 +94,8 @@ def check(mechanisms: list[Mechanism]) -> tuple[Mechanism, Mechanism | None]:
     raise ValueError(f"{[m.name for m in planners]} each plan the prompt's prefill: at most "
                      "one may")
   planner = planners[0] if planners else None
-  if planner is not None and any(m.adapters for m in mechanisms):
+  if planner is not None and not planner.plans_on_adapters and any(m.adapters
+                                                                   for m in mechanisms):
     roles = [m.name for m in mechanisms if m.adapters]
     raise ValueError(f"{planner.name!r} plans the prefill on the base model: it does not "
                      f"combine with role adapters ({roles}: no role adapter in its passes)")
@@ -108,6 +112,10 @@ def check(mechanisms: list[Mechanism]) -> tuple[Mechanism, Mechanism | None]:
   kvs = {id(k) for k in (_kv(m) for m in mechanisms) if k is not None}
   if len(kvs) > 1:
     raise ValueError(f"{names} keep their KV in different KV managers: build them on one")
+  roles = [m.name for m in mechanisms if m.adapters]
+  if planner is not None and roles and type(layouts[0]).adapter_of is Mechanism.adapter_of:
+    raise ValueError(f"{planner.name!r} runs role adapters ({roles}) only on a layout that "
+                     f"names the row's adapter; {layouts[0].name!r} does not")
   return layouts[0], planner
 
 
@@ -170,7 +178,8 @@ class Composed(Mechanism):
     lay = self._view(row, self.layout)
     row.private_from = self.layout.private_from(lay)
     logits, queries = yield from self.planner.plan_prefill(
-        self._view(row, self.planner), tail, self.layout.shared_prefix(lay))
+        self._view(row, self.planner), tail, self.layout.shared_prefix(lay),
+        self.layout.adapter_of(lay))
     for lo, q, count in queries:
       for m, v in scorers:
         m.on_chunk(v, q, lo, count)

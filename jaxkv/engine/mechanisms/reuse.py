@@ -16,7 +16,12 @@ pass runs the prompt's rest in pieces of the engine's `prefill_chunk` tokens, on
 piece per engine step (the rows decoding beside it wait one piece at a time, as
 beside a plain row's chunked prefill; the pieces are exact, so the result equals
 the runner's one call per pass). A long prompt mostly found in the store or the
-radix tree computes only its rest. The `ReuseRunner` holds the
+radix tree computes only its rest. Rows admitted together prefill one after another
+(`serial_prefill`: each sees what the rows before it stored, as the runner does one
+request at a time) unless the later row's part to plan shares no run of `min_tokens`
+tokens with the earlier row's computed part and the store has room for all the
+earlier row could store (`may_overlap`): then nothing the earlier one stores can
+change the later one's plan, and they prefill side by side. The `ReuseRunner` holds the
 store, the index and the fingerprint; this file holds no state of its own but the
 counters.
 
@@ -30,9 +35,11 @@ plan, exactly), stores its computed runs after the first token, and inserts noth
 in its own radix tree: the layout caches the row, from its first approximately reused
 position on under private keys (`Row.private_from`), so only the session itself
 adopts that KV again. Nothing is spliced inside the system prompt sessions share
-(`reuse_from`): its path stays exact for the next session. Runs stored after one of
-the session's holes or inside its private suffix attended to KV a plain prefill would
-not have: stored as not exact.
+(`reuse_from`): its path stays exact for the next session. On role agents' rows
+(`["agents", "reuse"]`) every pass runs the row's role adapter, and only segments of
+the KV form the roles write are spliced and stored (the layout's `adapter_of`). Runs
+stored after one of the session's holes or inside its private suffix attended to KV a
+plain prefill would not have: stored as not exact.
 
 Two keys serve evaluation (bench/reuse.py drives the engine with them; a server never
 sets them): "cache": False leaves the radix tree and the store as they were (no prefix
@@ -55,6 +62,17 @@ from jaxkv.kv.state import SENTINEL
 class _Turn:
   lock: object = None           # the reuse radix tree's lock on the adopted prefix
   pre: object = None            # the runner's `Prefill`
+  grams: set | None = None      # the min_tokens-grams of the part the row plans
+  overlap: dict = dataclasses.field(default_factory=dict)   # earlier row id -> may overlap
+
+
+def _grams(ids: np.ndarray, lo: int, k: int) -> set[bytes]:
+  """The k-token windows of ids[lo:] (as bytes)."""
+  ids = np.ascontiguousarray(ids[lo:], np.int32)
+  if ids.size < k:
+    return set()
+  win = np.lib.stride_tricks.sliding_window_view(ids, k)
+  return {w.tobytes() for w in win}
 
 
 class Reuse(Mechanism):
@@ -63,7 +81,10 @@ class Reuse(Mechanism):
 
   name = "reuse"
   owns_prefill = True
-  serial_prefill = True   # a prompt reuses what the prompts admitted before it stored
+  plans_on_adapters = True   # in a composition with agents: the row's role adapter
+  # a prompt reuses what the prompts admitted before it stored; one that shares no
+  # spliceable run with them prefills beside them (`may_overlap`)
+  serial_prefill = True
   metrics = (
       ("jaxkv_reuse_reused_tokens_total", "reused_tokens",
        "prompt tokens spliced from stored segments"),
@@ -74,6 +95,28 @@ class Reuse(Mechanism):
     self.runner = runner
     # counters for /metrics (one writer: the engine's thread)
     self.stats = {"requests": 0, "reused_tokens": 0, "prefix_tokens": 0}
+
+  def may_overlap(self, row, earlier) -> bool:
+    """True when nothing `earlier` stores can change `row`'s plan: it stores nothing
+    (context "cache": False, or a method without segments), or no run of `min_tokens`
+    identical tokens of the part `row` plans occurs in the part `earlier` computes (a
+    splice copies such a run, and runs are stored only from a prompt's computed
+    part), and the store has room for all `earlier` could store (nothing `row` might
+    match is evicted meanwhile). Decided once per pair of rows."""
+    seen = row.state.overlap
+    if earlier.req.id not in seen:
+      runner, k = self.runner, self.runner.reuse.min_tokens
+      if not runner.segments or not (earlier.req.context or {}).get("cache", True):
+        seen[earlier.req.id] = True
+      else:
+        ids = np.asarray(earlier.req.prompt, np.int32)
+        room = (runner.store.nbytes + runner.max_stored_bytes(ids, earlier.cached)
+                <= runner.store.budget)
+        if row.state.grams is None:
+          row.state.grams = _grams(np.asarray(row.req.prompt, np.int32), row.cached, k)
+        seen[earlier.req.id] = room and row.state.grams.isdisjoint(
+            _grams(ids, earlier.cached, k))
+    return seen[earlier.req.id]
 
   @staticmethod
   def _check_spans(req) -> None:
@@ -108,13 +151,16 @@ class Reuse(Mechanism):
     self._check_spans(req)
     return _Turn()
 
-  def plan_prefill(self, row, tail_from: int | None, reuse_from: int = 0):
+  def plan_prefill(self, row, tail_from: int | None, reuse_from: int = 0,
+                   adapter: tuple | None = None):
+    lora, form = adapter if adapter is not None else (None, "base")
     hole = np.flatnonzero(self.runner.alloc.slot_map(row.seq)[:row.cached] == SENTINEL)
     bounds = [b for b in (row.private_from, hole[0] if hole.size else None) if b is not None]
     pre = yield from self.runner.prefill_steps(
         row.seq, np.asarray(row.req.prompt, np.int32), row.cached, self._spans(row),
         chunk=self.prefill_chunk, defer_store=True, radix=False, tail_from=tail_from,
-        exact_before=min(bounds) if bounds else None, reuse_from=reuse_from)
+        exact_before=min(bounds) if bounds else None, reuse_from=reuse_from, lora=lora,
+        form=form)
     row.state.pre = pre
     if pre.approx_from < pre.ids.size:                # approximate KV from there on
       row.private_from = min(pre.approx_from, row.private_from if row.private_from is not None

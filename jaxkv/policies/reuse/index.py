@@ -252,7 +252,8 @@ class SegmentIndex:
       spans: structural spans (prompt index ranges) queried whole, besides the
         content-defined windows.
       lookup: key -> the stored segment (its `.ids`, and `.left`, the exemplar's
-        left context, for the context match), e.g. `SegmentStore.peek`.
+        left context, for the context match), e.g. `SegmentStore.peek`; None skips
+        the key (a segment the caller may not splice).
       lo: tokens before lo are already served (a radix prefix hit).
     """
     prompt = np.asarray(prompt, np.int32)
@@ -262,6 +263,8 @@ class SegmentIndex:
     for p0, p1 in sorted(queries):
       for key, s0, s1 in self.query(prompt[p0:p1]):
         seg = lookup(key)
+        if seg is None:                              # not this caller's to splice
+          continue
         run = align(prompt, p0, p1, seg.ids, s0, s1, self.cfg.shingle, self.cfg.min_tokens)
         if run is None:
           continue

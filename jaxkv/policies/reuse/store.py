@@ -4,7 +4,9 @@ A `Segment` is a contiguous token run of a served prompt with what reusing it
 needs: its ids, the exemplar's full left context (ids, for the exact tier and
 the depth guard), the positions its keys were rotated to, per-layer post-RoPE K
 and V (regime A: every layer; B: layers < L_reuse), the hidden state entering
-every multicut boundary layer, and the fingerprint of what produced them.
+every multicut boundary layer, and the fingerprint of what produced them. A run
+that role adapters computed decoupled (LRAgent's base + low-rank form) also keeps
+its low-rank values x A_v s per layer (`vlr`).
 
 Accounting is d_kv-correct (the critique's point): a token costs
 2 * L_kv * d_kv values of K/V plus d_model per stored boundary, at the storage
@@ -79,6 +81,8 @@ class Segment:
   structural: bool = True          # a structural span (indexed whole) or a gap region
   exact: bool = True               # False: computed after approximately reused K/V, so
                                    # not the exact function of its left context
+  vlr: Packed | None = None        # [L_kv, n, r] LoRA low-rank values x A_v s of role
+                                   # adapter rows run decoupled (LRAgent), else None
   crc: int = 0
 
   @property
@@ -92,12 +96,15 @@ class Segment:
   @property
   def nbytes(self) -> int:
     return (self.k.nbytes + self.v.nbytes + sum(h.nbytes for h in self.hidden.values())
-            + self.ids.nbytes + self.left.nbytes + self.positions.nbytes)
+            + (0 if self.vlr is None else self.vlr.nbytes) + self.ids.nbytes
+            + self.left.nbytes + self.positions.nbytes)
 
   def checksum(self) -> int:
     c = 0
     arrays = [self.ids, self.positions, self.k.q, self.v.q]
     arrays += [x for x in (self.k.scale, self.v.scale) if x is not None]
+    if self.vlr is not None:
+      arrays += [self.vlr.q] + ([self.vlr.scale] if self.vlr.scale is not None else [])
     for b in sorted(self.hidden):
       arrays += [self.hidden[b].q] + ([self.hidden[b].scale]
                                       if self.hidden[b].scale is not None else [])
@@ -119,6 +126,8 @@ class Segment:
       return "corrupt (checksum mismatch)"
     if self.k.q.shape[1] != self.n or self.v.q.shape != self.k.q.shape:
       return "corrupt (shapes disagree)"
+    if self.vlr is not None and self.vlr.q.shape[:2] != self.k.q.shape[:2]:
+      return "corrupt (low-rank values disagree)"
     return None
 
   def rows(self, lo: int, hi: int) -> Segment:
@@ -126,7 +135,8 @@ class Segment:
     return dataclasses.replace(
         self, ids=self.ids[lo:hi], left=np.concatenate([self.left, self.ids[:lo]]),
         positions=self.positions[lo:hi], k=self.k.rows(1, lo, hi), v=self.v.rows(1, lo, hi),
-        hidden={b: h.rows(0, lo, hi) for b, h in self.hidden.items()})
+        hidden={b: h.rows(0, lo, hi) for b, h in self.hidden.items()},
+        vlr=None if self.vlr is None else self.vlr.rows(1, lo, hi))
 
 
 @dataclasses.dataclass(frozen=True)
