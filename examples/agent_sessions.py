@@ -11,8 +11,10 @@ answers from MemArt blocks, and a second executor whose prompt repeats the first
 one's tool schemas in another order (segment reuse). Then a composed session
 (`{"kind": ["agents", "pruned", "reuse"]}`): the plan, action and reflect roles
 extend one trajectory whose history IntentKV prunes, each role reading the pruned
-KV the others computed, and a tool result repeated in a later turn is spliced
-from the segment an earlier role stored (computed with the roles' adapters).
+KV the others computed; a reviewer in a second such session, whose history carries
+the same tool results, splices them from the segments the first session's roles
+stored (computed with the roles' adapters; its new question, IntentKV's query span,
+is computed).
 Prints what `usage["jaxkv"]` says each mechanism did, then the server's
 mechanism counters from /metrics.
 """
@@ -82,6 +84,10 @@ def main() -> None:
                session="crew", kind=["agents", "pruned", "reuse"] if turn == 0 else None)
     crew += [{"role": "assistant", "content": said},
              {"role": "user", "content": "Tool result: " + json.dumps(ORDER)}]
+  ask("reviewer, new session (agents+pruned+reuse)",
+      crew + [{"role": "assistant", "content": "Done."},
+              {"role": "user", "content": "Review the steps taken so far."}],
+      model=f"{args.model}:reflect", session="review", kind=["agents", "pruned", "reuse"])
   notes = [{"role": "user", "content": f"Plan: {plan}"}, {"role": "assistant", "content": "Ok."},
            {"role": "user", "content": "Order #W2378156 was bought with credit_card_4421."},
            {"role": "assistant", "content": "Noted."},
