@@ -172,14 +172,14 @@ class ReuseRunner:
   def max_stored_bytes(self, ids: np.ndarray, lo: int) -> int:
     """An upper bound on the bytes storing the computed part ids[lo:] of a prompt
     adds to the store: every token in some segment at 4 bytes per value (K, V, the
-    boundary states, low-rank values of a rank-128 adapter), each segment (at least
+    boundary states, the pool's low-rank values), each segment (at least
     `min_tokens`) with its ids, positions and whole left context."""
     n, total = int(ids.size) - lo, int(ids.size)
     if n <= 0 or not self.segments:
       return 0
     c = self.cfg
     per_token = 4 * (2 * self.kv_layers * c.num_kv_heads * c.head_dim
-                     + len(self.cuts) * c.hidden_size + 128 * self.kv_layers) + 8
+                     + len(self.cuts) * c.hidden_size + self.driver.kv.lr_rank * self.kv_layers) + 8
     return n * per_token + (n // self.reuse.min_tokens + 1) * 4 * total
 
   def _forget(self, key: int) -> None:

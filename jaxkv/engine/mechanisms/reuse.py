@@ -62,7 +62,7 @@ from jaxkv.kv.state import SENTINEL
 class _Turn:
   lock: object = None           # the reuse radix tree's lock on the adopted prefix
   pre: object = None            # the runner's `Prefill`
-  grams: set | None = None      # the min_tokens-grams of the part the row plans
+  grams: set | None = None      # the min_tokens-grams of prompt[cached:] (`may_overlap`)
   overlap: dict = dataclasses.field(default_factory=dict)   # earlier row id -> may overlap
 
 
@@ -112,11 +112,16 @@ class Reuse(Mechanism):
         ids = np.asarray(earlier.req.prompt, np.int32)
         room = (runner.store.nbytes + runner.max_stored_bytes(ids, earlier.cached)
                 <= runner.store.budget)
-        if row.state.grams is None:
-          row.state.grams = _grams(np.asarray(row.req.prompt, np.int32), row.cached, k)
-        seen[earlier.req.id] = room and row.state.grams.isdisjoint(
-            _grams(ids, earlier.cached, k))
+        seen[earlier.req.id] = room and self._grams(row, k).isdisjoint(
+            self._grams(earlier, k))
     return seen[earlier.req.id]
+
+  @staticmethod
+  def _grams(row, k: int) -> set[bytes]:
+    """The row's k-token windows from `row.cached` on, computed once per row."""
+    if row.state.grams is None:
+      row.state.grams = _grams(np.asarray(row.req.prompt, np.int32), row.cached, k)
+    return row.state.grams
 
   @staticmethod
   def _check_spans(req) -> None:
