@@ -87,8 +87,14 @@ KEYS = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
 # The Mosaic GPU kernel's tiling: pages (of 16 keys) per pipeline step, steps in flight.
 # K + V of one step take 2 * 16 * pages_per_step * D * 2 bytes of shared memory
 # (32 KB at 4 pages, D 128); an H100 / H200 block has 227 KB with the q and o tiles.
-MOSAIC_TUNE = [dict(pages_per_step=4, stages=3), dict(pages_per_step=4, stages=2),
-               dict(pages_per_step=4, stages=5), dict(pages_per_step=8, stages=2)]
+# stage_starts=False: each step reads its page starts from global memory (the default
+# stages them in shared memory once per program).
+MOSAIC_TUNE = [dict(pages_per_step=4, stages=3), dict(pages_per_step=4, stages=3,
+                                                     stage_starts=False),
+               dict(pages_per_step=4, stages=2), dict(pages_per_step=4, stages=2,
+                                                     stage_starts=False),
+               dict(pages_per_step=4, stages=4), dict(pages_per_step=4, stages=6),
+               dict(pages_per_step=8, stages=2), dict(pages_per_step=8, stages=3)]
 
 
 def layers_for(nbytes: int, cap_bytes: int) -> int:
@@ -224,18 +230,30 @@ def planned(a, make=pa.make_plan, **plan_kw):
   return {**a, "plan": plan}
 
 
+def with_shift(a, seed=0):
+  """a + a key shift for every key (timed as if each were in a MemArt block read at a
+  new position: the kernels' cost does not depend on which keys are shifted) and
+  RoPE's delta frequencies (theta 10,000)."""
+  shift = jax.random.randint(jax.random.key(seed), a["slot_map"].shape, -4096, 4096, jnp.int32)
+  freq = 10000.0 ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
+  return {**a, "key_shift": shift, "shift_freq": freq}
+
+
 def mosaic_call(a, layer, **kw):
   """The Mosaic GPU kernel on layer `layer` (its plan from `a` when planned)."""
   return pm.paged_attention(*(a[k] for k in KEYS), layer=layer, plan=a.get("plan"), **kw)
 
 
-def decode_impls(kernels: bool, knobs: dict, mosaic_knobs: dict | None = None):
+def decode_impls(kernels: bool, knobs: dict, mosaic_knobs: dict | None = None,
+                 shifted: bool = False):
   """(name, prepare(a) -> x (untimed), fn(x, layer) (timed), dense only) per decode row.
 
   jaxkv_pallas builds its plan (compaction + live-block tables) in every call, as
   one layer alone would; jaxkv_planned takes it built once, as the layers of one
   forward pass share it (`ops.attention_plan`). jaxkv_mosaic(_planned): the Mosaic
-  GPU kernel (pallas_kernels/paged_attention_mosaic.py) the same two ways."""
+  GPU kernel (pallas_kernels/paged_attention_mosaic.py) the same two ways. With
+  `shifted`, *_shifted rows: the same planned kernels rotating every key on read
+  (`with_shift`), with nothing dead."""
   keys = ("q", "k_pool", "v_pool", "slot_map", "q_positions")
   same = lambda a: a
   ours = lambda **kw: lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l, **kw)
@@ -261,6 +279,19 @@ def decode_impls(kernels: bool, knobs: dict, mosaic_knobs: dict | None = None):
                       a, make=pm.make_page_plan, num_slots=a["k_pool"].shape[-3],
                       **mosaic_knobs),
                    functools.partial(mosaic_call, **interp), False)]
+  if kernels and shifted:
+    shift_kw = lambda a: dict(key_shift=a["key_shift"], shift_freq=a["shift_freq"])
+    impls.append(("jaxkv_planned_shifted", lambda a: planned(
+        with_shift(a), key_shift=with_shift(a)["key_shift"], **plan_kw),
+                  lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l,
+                                                  plan=a["plan"], **shift_kw(a), **call_kw),
+                  True))
+    if mosaic_knobs is not None:
+      interp = {"interpret": True} if knobs.get("interpret") else {}
+      impls.append(("jaxkv_mosaic_shifted", lambda a: planned(
+          with_shift(a), make=pm.make_page_plan, num_slots=a["k_pool"].shape[-3],
+          key_shift=with_shift(a)["key_shift"], **mosaic_knobs),
+                    lambda a, l: mosaic_call(a, l, **shift_kw(a), **interp), True))
   return impls
 
 
@@ -300,6 +331,8 @@ def define_flags():
   flags.DEFINE_boolean("mosaic", True, "time the Mosaic GPU paged-attention kernel too "
                        "(decode and prefill rows jaxkv_mosaic*)")
   flags.DEFINE_boolean("lora", True, "the Flash-LoRA rows")
+  flags.DEFINE_boolean("shifted", True, "decode rows with every key rotated on read "
+                       "(jaxkv_planned_shifted, jaxkv_mosaic_shifted; nothing dead)")
   flags.DEFINE_string("knobs", None, "paged-attention tiling instead of tuning, e.g. "
                       "block_k=128,num_warps=4,num_stages=2")
   flags.DEFINE_string("split_probe", None, "batch-1 decode at the largest context with "
@@ -402,7 +435,7 @@ def main(argv):
     a = make_inputs(8, 32768, 1, 7, dtype, layers=2)
     mosaic_knobs = tune("mosaic", lambda a, l, **kn: mosaic_call(a, l, **kn), a, 2, MOSAIC_TUNE)
     del a
-  impls = decode_impls(kernels_on, knobs, mosaic_knobs)
+  impls = decode_impls(kernels_on, knobs, mosaic_knobs, args.shifted)
   for ctx, batch, g in itertools.product(contexts, batches, groups):
     one = 2 * batch * ctx * HKV * D * isz
     layers = layers_for(one, cap)
@@ -483,8 +516,9 @@ def main(argv):
                  ("materialise_then_attend", lambda a, l: materialize_then_attend(
                       *(a[k] for k in LORA_KEYS), layer=l, **knobs), a)] + methods
       if mosaic_knobs is not None:     # Flash-LoRA on Mosaic GPU, on the same page plan
+        interp = {"interpret": True} if args.interpret else {}
         methods[2:2] = [("jaxkv_flash_lora_mosaic", lambda a, l: flm.flash_lora_attention(
-            *(a[k] for k in LORA_KEYS), layer=l, **mosaic_knobs), a)]
+            *(a[k] for k in LORA_KEYS), layer=l, **mosaic_knobs, **interp), a)]
     for name, fn, x in methods:
       t = timed(fn, x, layers)
       if t:

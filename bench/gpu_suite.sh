@@ -7,8 +7,10 @@
 #   tests       the kernel sweep compiled (tests/test_kernels.py + tests/test_ops.py),
 #               pinned seeds, then once more with fresh seeds; TESTS_K: a pytest -k
 #               filter for both runs (a short lease), TESTS_FRESH=0 skips the second
-#   mosaic      the Mosaic GPU kernel's sweep compiled (tests/test_kernels_mosaic.py, -x:
-#               a compile error stops it at once), pinned seeds, then fresh seeds
+#   mosaic      the Mosaic GPU kernels' sweep compiled (tests/test_kernels_mosaic.py,
+#               test_kernels_mosaic_lora.py, and the rotating Triton kernel's
+#               test_kernels_key_shift.py; -x: a compile error stops it at once), pinned
+#               seeds, then fresh seeds (MOSAIC_FRESH=0 skips them)
 #   kernels     bench/attention_kernels.py $KERNELS_ARGS (default --tune; decode 1k-32k x batch 1-64 x GQA 3/7 x dead
 #               0/0.5/0.9, prefill, Flash-LoRA 4k-64k) -> OUTDIR/kernels_gpu.json
 #   throughput  bench/throughput.py: the engine end to end vs HF transformers on the same
@@ -48,13 +50,14 @@ for stage in $stages; do
         tee "$out/tests_fresh.log" | tail -4 ;;
     mosaic)
       JAXKV_TEST_SEED=0 timeout "${MOSAIC_S:-240}" $py -m pytest -x -q -p no:cacheprovider \
-        tests/test_kernels_mosaic.py tests/test_kernels_mosaic_lora.py 2>&1 | \
-        tee "$out/mosaic.log" | \
+        tests/test_kernels_mosaic.py tests/test_kernels_mosaic_lora.py \
+        tests/test_kernels_key_shift.py 2>&1 | tee "$out/mosaic.log" | \
         grep -E "passed|failed|FAILED|Error" | tail -25
       [ "${MOSAIC_FRESH:-1}" = 0 ] || JAXKV_TEST_SEED=random timeout "${MOSAIC_S:-240}" \
         $py -m pytest -q -p no:cacheprovider \
         tests/test_kernels_mosaic.py tests/test_kernels_mosaic_lora.py \
-        -k "matches or splits" 2>&1 | tee "$out/mosaic_fresh.log" | tail -4 ;;
+        tests/test_kernels_key_shift.py -k "matches or splits" 2>&1 | \
+        tee "$out/mosaic_fresh.log" | tail -4 ;;
     kernels)
       timeout "${KERNELS_S:-420}" $py bench/attention_kernels.py ${KERNELS_ARGS:---tune} \
         --out="$out/kernels_gpu.json" > "$out/kernels.log" 2>&1

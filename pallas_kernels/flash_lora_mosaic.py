@@ -36,14 +36,15 @@ from pallas_kernels import paged_attention_mosaic as pm
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_step", "k_splits", "stages", "fallback", "interpret"))
+    "scale", "pages_per_step", "k_splits", "stages", "stage_starts", "fallback",
+    "interpret"))
 def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          vlr_pool: jax.Array, lora_b: jax.Array, slot_map: jax.Array,
                          q_positions: jax.Array, *, layer: jax.Array | int | None = None,
                          scale: float | None = None, plan: pm.PagePlan | None = None,
                          pages_per_step: int | None = None, k_splits: int | None = None,
-                         stages: int | None = None, fallback: str = "triton",
-                         interpret: bool = False) -> jax.Array:
+                         stages: int | None = None, stage_starts: bool | None = None,
+                         fallback: str = "triton", interpret: bool = False) -> jax.Array:
   """Mosaic GPU Flash-LoRA; same arguments and result as
   `flash_lora_attention.flash_lora_attention_reference`. `plan`, the tiling knobs,
   `fallback` and `interpret` as `paged_attention_mosaic.paged_attention`."""
@@ -61,7 +62,8 @@ def flash_lora_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
   return pm.dispatch(q, k_pool, v_pool, slot_map, q_positions, other, layer=layer, plan=plan,
                      pages_per_step=pages_per_step, k_splits=k_splits, stages=stages,
-                     scale=scale, interpret=interpret, lora=(vlr_pool, lora_b))
+                     stage_starts=stage_starts, scale=scale, interpret=interpret,
+                     lora=(vlr_pool, lora_b))
 
 
 __all__ = ["flash_lora_attention"]

@@ -10,27 +10,7 @@ supported one. Mosaic moves memory with TMA, which copies rectangular boxes,
 not the per-token gathers the Triton kernel reads. So this kernel walks the
 slot map the way paged kernels on Hopper do (vLLM, FlashInfer): by *pages*.
 
-Pages. The slot map is cut into logical pages of PAGE = 16 tokens (the
-allocator's page size). A page is *paged* when its live tokens sit on one
-physical page, token t in slot `start + t % 16` with `start` a multiple of 16
-(what the allocator gives a sequence, also after dead-slot eviction, which only
-punches SENTINEL holes, and after a prefix-cache hit, which shares whole
-pages). Its 16 keys and values are then one TMA box `pool[start:start + 16, h,
-:]`, fetched whole; dead tokens in it are read and get exactly zero weight from
-the mask. (Mosaic tiles the pool by 8 rows for the swizzled copy, so a box
-must start on a multiple of 8 and the pool's slot count must be one too.) A slot map with a page
-that is not paged (a per-token alias map: SemShareKV's reference rows, a token
-spliced off its page) cannot be fetched this way: `paged_attention` then runs
-the `fallback` kernel for the whole call (a `lax.cond` on `PagePlan.paged`).
-
-Per call (`make_page_plan`, jnp, once per pass like `paged_attention.Plan`):
-each row's live pages are listed in position order (dead pages cost nothing),
-with their first slot and their 16 keys' positions (POS_PAD for dead tokens,
-so one compare `key_pos <= query_pos` is the whole mask: sentinel and causal);
-pages after a row block's last query are in no program's range, and where
-they share its last step the row's first page is fetched in their place. The list is
-cut into steps of `pages_per_step` pages (block_k = 16 * pages_per_step keys),
-and each program (row, KV head, row block, split) walks its share of steps.
+Pages and the per-call plan (`make_page_plan`): `page_plan.py`.
 
 Kernel. One warpgroup per program: the query tile [64, D] (rows padded to 64,
 the WGMMA height) waits in shared memory; `stages` steps of K, V and key
@@ -38,6 +18,12 @@ positions are in flight by TMA while the tensor cores run S = Q K^T, the
 masked online softmax (float32) and O += P V on the oldest; a consumed slot is
 refilled with the step `stages` ahead. Splits write normalised partial outputs
 with their max and denominator, merged by `paged_attention.merge_splits`.
+Shared memory decides speed here: the walk's buffers and then the output tile
+are scoped one after the other, so at the default 2 steps in flight a block
+takes about 85 KB (head_dim 128) and two blocks share an SM, one issuing its
+copies while the other computes. Each program copies its share of the page
+list (`starts_window` starts) into shared memory with its query tile, so a
+step's TMA issue reads page starts there, not from global memory.
 
 Key shift (MemArt's aliased blocks, read at new positions: key t rotated by
 R(key_shift[b, t]), exact delta-RoPE). The shifts are listed beside the keys'
@@ -52,7 +38,7 @@ without a shift compiles none of this.
 Limits (each routed to the fallback, statically): 16-bit pools and queries of
 the same dtype (WGMMA operands), head_dim a multiple of 64, a pool of whole
 pages (slots a multiple of 16), a tiling whose buffers fit in shared memory
-(`smem_bytes`: e.g. head_dim 128 at 8 pages per step and 3 stages does not).
+(`smem_bytes`: e.g. head_dim 128 at 8 pages per step and 4 stages does not).
 Read note: a dead slot inside a page that holds a live token is read; its
 weight is exactly zero, but a non-finite value there would poison the row
 (0 * inf), as in every page-granular kernel. jaxkv's pools are zero-initialised
@@ -61,9 +47,7 @@ and only ever hold written K/V, so such a slot holds a finite value.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +56,18 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import key_shift as ks
 from pallas_kernels import paged_attention as pa
+from pallas_kernels.page_plan import (
+  BLOCK_R,
+  PAGE,
+  POS_PAD,
+  STARTS_WINDOW_MAX,
+  PagePlan,
+  PageTiling,
+  choose_page_tiling,
+  make_page_plan,
+  page_table,
+)
 
-PAGE = 16          # tokens per page (== jaxkv.kv.allocator's page size; tests check it)
-BLOCK_R = 64       # query rows per program: one WGMMA tile height
-POS_PAD = pa.POS_PAD
 NEG = pa.NEG
 DTYPES = (jnp.bfloat16, jnp.float16)
 _INV_2PI = 0.15915494309189535
@@ -90,145 +82,30 @@ def _plgpu():
   return mosaic_gpu
 
 
-class PageTiling(NamedTuple):
-  """Static tiling of one call (`choose_page_tiling`)."""
-  pages_per_step: int   # pages per pipeline step (block_k = PAGE * pages_per_step)
-  k_splits: int         # flash-decoding splits
-  stages: int           # steps in flight (TMA pipeline depth)
-  rows_p: int           # query rows padded to BLOCK_R
-  n_pages: int          # listed pages per row, padded to whole steps
-
-  @property
-  def block_k(self) -> int:
-    return PAGE * self.pages_per_step
-
-
-def choose_page_tiling(rows: int, t: int, *, programs: int = 1, pages_per_step=None,
-                       k_splits=None, stages=None) -> PageTiling:
-  """Defaults: 4 pages (64 keys) per step, 3 steps in flight; decode (one row
-  block) over long contexts splits as the Triton kernel does
-  (`paged_attention.choose_tiling`: shares of >= 512 tokens, enough programs
-  to fill the GPU)."""
-  pps = pages_per_step or 4
-  if pps < 4 or pps & (pps - 1):   # P V's WGMMA: K = block_k, a multiple of 64 at 16 bits
-    raise ValueError(f"pages_per_step={pps} must be a power of two >= 4 (block_k >= 64)")
-  rows_p = -(-rows // BLOCK_R) * BLOCK_R
-  if k_splits is None:
-    fill = max(16, -(-pa.FILL_PROGRAMS // max(programs, 1)))
-    k_splits = 1 if rows_p > BLOCK_R else max(1, min(pa.MAX_SPLITS, fill, t // pa.SPLIT_TOKENS))
-  pages = -(-max(t, 1) // PAGE)
-  n_pages = -(-pages // pps) * pps
-  return PageTiling(pps, k_splits, stages or 3, rows_p, n_pages)
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=(
-    "starts", "positions", "row_pos", "bounds", "paged", "shifts"), meta_fields=("tiling",))
-@dataclasses.dataclass(frozen=True)
-class PagePlan:
-  """What the Mosaic kernel walks, from the slot map alone (`make_page_plan`);
-  built once per pass and shared by its layers, like `paged_attention.Plan`."""
-  tiling: PageTiling
-  starts: jax.Array      # [B, n_pages] first slot of each listed page (padding: a real page)
-  positions: jax.Array   # [B, n_pages * PAGE] its keys' positions, POS_PAD where dead
-  row_pos: jax.Array     # [B, rows_p] folded query-row positions (pad -1)
-  bounds: jax.Array      # [B, row blocks, k_splits, 3] step range [lo, hi) per program
-                         # and the row block's count of visible listed pages
-  paged: jax.Array       # [] bool: every page is paged (else the fallback runs)
-  shifts: jax.Array | None = None   # [B, n_pages * PAGE] its keys' shifts (0 where dead),
-                                    # or None: a call without a key shift
-
-
-def page_table(slot_map: jax.Array, num_slots: int):
-  """Logical pages of slot_map [B, T] -> (start [B, P], live [B, P, PAGE], paged []).
-
-  start: slot of the page's token 0 (`slot - t % PAGE` of any live token);
-  paged: every live token of every page sits at start + t % PAGE with start a
-  multiple of PAGE (one physical page), inside the pool of `num_slots` slots."""
-  b, t = slot_map.shape
-  p = -(-max(t, 1) // PAGE)
-  slots = jnp.pad(slot_map.astype(jnp.int32), ((0, 0), (0, p * PAGE - t)),
-                  constant_values=pa.SENTINEL).reshape(b, p, PAGE)
-  live = slots != pa.SENTINEL
-  implied = slots - jnp.arange(PAGE, dtype=jnp.int32)
-  start = jnp.max(jnp.where(live, implied, -1), axis=-1)
-  any_live = live.any(-1)
-  start = jnp.where(any_live, start, 0)
-  same = jnp.where(live, implied == start[..., None], True).all()
-  inside = jnp.where(any_live, (start >= 0) & (start + PAGE <= num_slots)
-                     & (start % PAGE == 0), True).all()
-  return start, live, same & inside
-
-
-def make_page_plan(slot_map: jax.Array, q_positions: jax.Array, *, num_heads: int,
-                   num_kv_heads: int, num_slots: int, pages_per_step=None, k_splits=None,
-                   stages=None, key_shift: jax.Array | None = None) -> PagePlan:
-  """The page list, key positions and per-program step ranges for queries of
-  `num_heads` heads at q_positions [B, Tq] over slot_map [B, T], on a pool of
-  `num_slots` slots per layer; with key_shift [B, T], the listed keys' shifts.
-  Pure jnp: call it inside the caller's jit. (The
-  Triton fallback builds its own plan inside its `lax.cond` branch, so the common,
-  paged call never compacts the slot map for it.)"""
-  if num_heads % num_kv_heads:
-    raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
-  b, tq = q_positions.shape
-  g = num_heads // num_kv_heads
-  tiling = choose_page_tiling(tq * g, slot_map.shape[1], programs=b * num_kv_heads,
-                              pages_per_step=pages_per_step, k_splits=k_splits, stages=stages)
-  pps, k_splits, _, rows_p, n_pages = tiling
-  start, live, paged = page_table(slot_map, num_slots)
-  p = start.shape[1]
-  page_live = live.any(-1)                                               # [B, P]
-  idx = jnp.arange(p, dtype=jnp.int32)
-  order = jnp.argsort(jnp.where(page_live, idx, p + idx), axis=-1).astype(jnp.int32)
-  n_live = page_live.sum(-1)                                             # [B]
-  listed = jnp.pad(order, ((0, 0), (0, n_pages - p)))                    # padding -> page 0 ...
-  real = jnp.arange(n_pages)[None, :] < n_live[:, None]
-  first = jnp.take_along_axis(start, order[:, :1], axis=1)               # ... read as a real page
-  starts = jnp.where(real, jnp.take_along_axis(start, listed, axis=1), first)
-  tok = listed[..., None] * PAGE + jnp.arange(PAGE, dtype=jnp.int32)     # [B, n_pages, PAGE]
-  tok_live = jnp.take_along_axis(live, listed[..., None], axis=1) & real[..., None]
-  positions = jnp.where(tok_live, tok, POS_PAD).reshape(b, n_pages * PAGE)
-  shifts = None
-  if key_shift is not None:
-    if key_shift.shape != slot_map.shape:
-      raise ValueError(f"key_shift {key_shift.shape} does not match the slot map "
-                       f"{slot_map.shape}")
-    per = jnp.pad(key_shift.astype(jnp.int32), ((0, 0), (0, p * PAGE - slot_map.shape[1])))
-    per = jnp.take_along_axis(per.reshape(b, p, PAGE), listed[..., None], axis=1)
-    shifts = jnp.where(tok_live, per, 0).reshape(b, n_pages * PAGE)
-  row_pos = pa.fold_positions(q_positions, g, rows_p)
-  last = row_pos.reshape(b, -1, BLOCK_R).max(-1)                         # [B, RB]
-  first_pos = positions.reshape(b, n_pages, PAGE).min(-1)                # [B, n_pages]
-  n_vis = ((first_pos[:, None, :] <= last[:, :, None]) & real[:, None, :]).sum(-1)
-  steps = -(-n_vis // pps)                                               # [B, RB]
-  edges = jnp.arange(k_splits + 1)[None, None, :] * steps[..., None] // k_splits
-  visible = jnp.broadcast_to(n_vis[..., None], edges[..., 1:].shape)
-  bounds = jnp.stack([edges[..., :-1], edges[..., 1:], visible], axis=-1).astype(jnp.int32)
-  return PagePlan(tiling, starts.astype(jnp.int32), positions, row_pos, bounds, paged, shifts)
-
-
 SMEM_BYTES = 232_448   # shared memory one Hopper block may take (227 KB)
 
 
 def smem_bytes(tiling: PageTiling, d: int, dtype, out_dtype, shifted: bool,
                rank: int = 0) -> int:
-  """The kernel's shared memory: its scratch buffers, each rounded up to 1 KB (the
-  swizzled ones are 1 KB aligned), plus 2 KB for barriers: K, V and positions per
-  stage, the q and o tiles; with a key shift the shifts per stage, the rotated K
-  tile, P and the frequency row; with a LoRA `rank`, V_lr per stage, B_i and the
-  effective V tile. (Mosaic's own count for head_dim 128 at 8 pages
-  per step, jax 0.10: 235,576 bytes, 304,184 with a shift; this gives 235,520 and
-  304,128.)"""
+  """The kernel's shared memory: its buffers, each rounded up to 1 KB (the swizzled
+  ones are 1 KB aligned), plus 2 KB for barriers. The walk's buffers (K, V and
+  positions per stage, the q tile, the staged page starts; with a key shift the
+  shifts per stage, the rotated K tile, P and the frequency row; with a LoRA `rank`,
+  V_lr per stage, B_i and the effective V tile) and then the output tile (o, m, l)
+  are scoped one after the other, so the larger of the two counts."""
   it, ot = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_k, stages = tiling.block_k, tiling.stages
   kb = lambda n: -(-n // 1024) * 1024
   sizes = [BLOCK_R * d * it, BLOCK_R * 4, stages * block_k * d * it,
-           stages * block_k * d * it, stages * block_k * 4, BLOCK_R * d * ot, 2 * BLOCK_R * 4]
+           stages * block_k * d * it, stages * block_k * 4]
+  if tiling.starts_window:
+    sizes.append(tiling.starts_window * 4)
   if shifted:
     sizes += [stages * block_k * 4, block_k * d * it, d * d * it, d * 4]
   if rank:                     # Flash-LoRA: V_lr per stage, B_i, the effective V tile
     sizes += [stages * rank * block_k * 4, rank * d * 4, block_k * d * it]
-  return sum(kb(n) for n in sizes) + 2048
+  out = kb(BLOCK_R * d * ot) + kb(2 * BLOCK_R * 4)
+  return max(sum(kb(n) for n in sizes), out) + 2048
 
 
 def supported(q, k_pool, v_pool) -> str | None:
@@ -292,7 +169,8 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
   Flash-LoRA (`flash_lora_mosaic.py`: V = V_base + V_lr B_i per tile), or None."""
   plgpu = _plgpu()
   b, hkv, rows_p, d = q_rows.shape
-  pps, k_splits, stages, _, n_pages = tiling
+  pps, k_splits, stages, window = (tiling.pages_per_step, tiling.k_splits, tiling.stages,
+                                   tiling.starts_window)
   block_k = tiling.block_k
   dtype = q_rows.dtype
   rb_count = rows_p // BLOCK_R
@@ -322,7 +200,8 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       return acc_ref[...]
     return pl.run_scoped(run, plgpu.ACC((rows, cols), jnp.float32))
 
-  def body(*refs):
+  def attend(*refs):
+    """The program's walk over its steps -> (acc, m, l); its buffers are scoped to it."""
     (q_ref, rowpos_ref, starts_ref, pos_ref, bounds_ref, offset_ref, k_ref, v_ref), refs = (
         refs[:8], refs[8:])
     shift_ref = freq_ref = perm_ref = vlr_ref = b_ref = None
@@ -330,27 +209,32 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
       (shift_ref, freq_ref, perm_ref), refs = refs[:3], refs[3:]
     if lora is not None:
       (vlr_ref, b_ref), refs = refs[:2], refs[2:]
-    (o_ref, m_ref, l_ref, q_smem, qpos_smem, k_smem, v_smem, kpos_smem, o_smem, ml_smem,
-     q_bar, k_bar, v_bar), refs = refs[:13], refs[13:]
+    (q_bar, k_bar, v_bar, q_smem, qpos_smem, k_smem, v_smem, kpos_smem), refs = (
+        refs[:8], refs[8:])
     kshift_smem = kr_smem = perm_smem = freq_smem = vlr_smem = b_smem = veff_smem = None
     if shifted is not None:
       (kshift_smem, kr_smem, perm_smem, freq_smem), refs = refs[:4], refs[4:]
     if lora is not None:
-      vlr_smem, b_smem, veff_smem = refs
-    bh, rb, split = lax.axis_index("bh"), lax.axis_index("rb"), lax.axis_index("split")
-    row, h = bh // hkv, bh % hkv
+      (vlr_smem, b_smem, veff_smem), refs = refs[:3], refs[3:]
+    starts_smem = refs[0] if window else None
+    row, h, rb, split = program()
     lo = bounds_ref[row, rb, split, 0]
     n = bounds_ref[row, rb, split, 1] - lo
     n_vis = bounds_ref[row, rb, split, 2]
     base = offset_ref[0]
     rows = pl.ds(rb * BLOCK_R, BLOCK_R)
 
-    def issue(step, slot):
+    # Staged starts: the program's share of the page list, [src0, src0 + window) (it
+    # holds pages lo * pps ... (lo + n) * pps - 1: window >= a share, clamped at the end).
+    src0 = jnp.minimum(lo * pps, tiling.n_pages - window) if window else 0
+
+    def issue(step, slot, staged=True):
       for i in range(pps):
         # A listed page after this row block's last query shares the last step:
-        # the row's first page is read in its place (finite; masked by position).
+        # the program's first page is read in its place (finite; masked by position).
         e = step * pps + i
-        s0 = starts_ref[row, jnp.where(e < n_vis, e, 0)] + base
+        e = jnp.where(e < n_vis, e, lo * pps)
+        s0 = (starts_smem[e - src0] if window and staged else starts_ref[row, e]) + base
         dst = pl.ds(i * PAGE, PAGE)
         plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(s0, PAGE), h], k_smem.at[slot, dst],
                                 k_bar.at[slot])
@@ -365,9 +249,12 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
         plgpu.copy_gmem_to_smem(vlr_ref.at[row, :, pl.ds(step * block_k, block_k)],
                                 vlr_smem.at[slot], v_bar.at[slot])
 
-    for t in range(stages):
-      pl.when(t < n)(functools.partial(issue, lo + t, t))
+    for t in range(stages):      # the first steps read their starts from global memory
+      pl.when(t < n)(functools.partial(issue, lo + t, t, staged=False))
     plgpu.copy_gmem_to_smem(q_ref.at[row, h, rows], q_smem, q_bar.at[0])
+    if window:
+      plgpu.copy_gmem_to_smem(starts_ref.at[row, pl.ds(src0, window)], starts_smem,
+                              q_bar.at[0])
     plgpu.copy_gmem_to_smem(rowpos_ref.at[row, rows], qpos_smem, q_bar.at[0])
     if shifted is not None:
       plgpu.copy_gmem_to_smem(perm_ref, perm_smem, q_bar.at[0])
@@ -435,7 +322,16 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
     init = (cast(jnp.zeros((BLOCK_R, d), jnp.float32), plgpu.Layout.WGMMA),
             cast(jnp.full((BLOCK_R,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             cast(jnp.zeros((BLOCK_R,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-    acc, m, l = lax.fori_loop(0, n, step, init)
+    return lax.fori_loop(0, n, step, init)
+
+  def program():
+    bh, rb, split = lax.axis_index("bh"), lax.axis_index("rb"), lax.axis_index("split")
+    return bh // hkv, bh % hkv, rb, split
+
+  def write(acc, m, l, o_ref, m_ref, l_ref, o_smem, ml_smem):
+    """The normalised output tile with its max and denominator, out by TMA."""
+    row, h, rb, split = program()
+    rows = pl.ds(rb * BLOCK_R, BLOCK_R)
     inv = 1.0 / jnp.where(l > 0, l, 1.0)
     o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_dtype)
     ml_smem[0] = m
@@ -446,23 +342,37 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[split, row, h, rows])
     plgpu.wait_smem_to_gmem(0)
 
-  scratch = [
-      plgpu.SMEM((BLOCK_R, d), dtype, transforms=tx),                    # q tile
-      plgpu.SMEM((BLOCK_R,), jnp.int32),                                 # its positions
-      plgpu.SMEM((stages, block_k, d), dtype, transforms=tx),            # K pages
-      plgpu.SMEM((stages, block_k, d), dtype, transforms=tx),            # V pages
-      plgpu.SMEM((stages, block_k), jnp.int32),                          # key positions
-      plgpu.SMEM((BLOCK_R, d), out_dtype, transforms=otx),               # o tile
-      plgpu.SMEM((2, BLOCK_R), jnp.float32),                             # m, l
+  n_in = 8 + 3 * (shifted is not None) + 2 * (lora is not None)
+
+  def body(*refs):
+    """The walk's buffers and then the output tile are scoped one after the other, so
+    the output tile takes no shared memory of its own (a block's total decides how
+    many blocks share an SM)."""
+    ins, (o_ref, m_ref, l_ref, *bars) = refs[:n_in], refs[n_in:]
+    acc, m, l = pl.run_scoped(lambda *bufs: attend(*ins, *bars, *bufs), *buffers)
+    pl.run_scoped(lambda o_smem, ml_smem: write(acc, m, l, o_ref, m_ref, l_ref, o_smem,
+                                                ml_smem),
+                  plgpu.SMEM((BLOCK_R, d), out_dtype, transforms=otx),   # o tile
+                  plgpu.SMEM((2, BLOCK_R), jnp.float32))                 # m, l
+
+  barriers = [
       plgpu.Barrier(num_arrivals=2 + 2 * (shifted is not None)           # q + positions
-                    + (lora is not None), num_barriers=1),               # (+ P, freqs; B_i)
+                    + (lora is not None) + bool(window),                 # (+ P, freqs; B_i;
+                    num_barriers=1),                                     # page starts)
       plgpu.Barrier(num_arrivals=pps + (1 if shifted is None else 2),    # K pages + positions
                     num_barriers=stages),                                # (+ shifts)
       plgpu.Barrier(num_arrivals=pps + (lora is not None),               # V pages (+ V_lr)
                     num_barriers=stages),
   ]
+  buffers = [
+      plgpu.SMEM((BLOCK_R, d), dtype, transforms=tx),                    # q tile
+      plgpu.SMEM((BLOCK_R,), jnp.int32),                                 # its positions
+      plgpu.SMEM((stages, block_k, d), dtype, transforms=tx),            # K pages
+      plgpu.SMEM((stages, block_k, d), dtype, transforms=tx),            # V pages
+      plgpu.SMEM((stages, block_k), jnp.int32),                          # key positions
+  ]
   if shifted is not None:
-    scratch += [
+    buffers += [
         plgpu.SMEM((stages, block_k), jnp.int32),                        # key shifts
         plgpu.SMEM((block_k, d), dtype, transforms=tx),                  # rotated K
         plgpu.SMEM((d, d), dtype, transforms=tx),                        # P
@@ -470,15 +380,17 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
     ]
   if lora is not None:
     rank = lora[1].shape[2]
-    scratch += [
+    buffers += [
         plgpu.SMEM((stages, rank, block_k), jnp.float32),                # V_lr, key-minor
         plgpu.SMEM((rank, d), jnp.float32),                              # B_i[:, h]
         plgpu.SMEM((block_k, d), dtype, transforms=tx),                  # V_base + V_lr B_i
     ]
+  if window:
+    buffers.append(plgpu.SMEM((window,), jnp.int32))                     # page starts
   out_type = [jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p, d), out_dtype),
               jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32),
               jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32)]
-  call = plgpu.kernel(body, out_type=out_type, scratch_types=scratch,
+  call = plgpu.kernel(body, out_type=out_type, scratch_types=barriers,
                       grid=(b * hkv, rb_count, k_splits), grid_names=("bh", "rb", "split"),
                       compiler_params=plgpu.CompilerParams(
                           approx_math=True, lowering_semantics=_semantics(plgpu)),
@@ -488,12 +400,14 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_step", "k_splits", "stages", "fallback", "interpret"))
+    "scale", "pages_per_step", "k_splits", "stages", "stage_starts", "fallback",
+    "interpret"))
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map: jax.Array,
                     q_positions: jax.Array, *, layer: jax.Array | int | None = None,
                     scale: float | None = None, plan: PagePlan | None = None,
                     pages_per_step: int | None = None, k_splits: int | None = None,
-                    stages: int | None = None, fallback: str = "triton",
+                    stages: int | None = None, stage_starts: bool | None = None,
+                    fallback: str = "triton",
                     interpret: bool = False, key_shift: jax.Array | None = None,
                     shift_freq: jax.Array | None = None) -> jax.Array:
   """Mosaic GPU paged attention; same arguments and result as
@@ -505,7 +419,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
   (`make_page_plan(..., key_shift=)`).
 
   plan: `make_page_plan(...)` for this slot map and these query positions (the
-  tiling knobs then go there), shared by the layers of one pass. fallback:
+  tiling knobs, `choose_page_tiling`'s, then go there), shared by the layers of one
+  pass. fallback:
   "triton" (the Pallas Triton kernel) or "reference" (XLA), run for the whole
   call when a page is not paged or the call is not `supported`.
   `interpret=True` runs both kernels in their Pallas interpreters (CPU tests).
@@ -537,7 +452,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slot_map
 
   return dispatch(q, k_pool, v_pool, slot_map, q_positions, other, layer=layer, plan=plan,
                   pages_per_step=pages_per_step, k_splits=k_splits, stages=stages,
-                  scale=scale, interpret=interpret, key_shift=key_shift,
+                  stage_starts=stage_starts, scale=scale, interpret=interpret,
+                  key_shift=key_shift,
                   shift_freq=shift_freq)
 
 
@@ -551,7 +467,8 @@ def listed_low_rank(vlr_flat: jax.Array, plan: PagePlan, offset) -> jax.Array:
 
 
 def dispatch(q, k_pool, v_pool, slot_map, q_positions, other, *, layer, plan, pages_per_step,
-             k_splits, stages, scale, interpret, key_shift=None, shift_freq=None,
+             k_splits, stages, stage_starts=None, scale, interpret, key_shift=None,
+             shift_freq=None,
              lora=None) -> jax.Array:
   """One call of the Mosaic kernel, or `other()` (the caller's fallback, the same
   result) where it cannot run: a call that is not `supported` or whose tiling passes
@@ -567,8 +484,9 @@ def dispatch(q, k_pool, v_pool, slot_map, q_positions, other, *, layer, plan, pa
   if plan is None:
     plan = make_page_plan(slot_map, q_positions, num_heads=hq, num_kv_heads=hkv,
                           num_slots=k_pool.shape[-3], pages_per_step=pages_per_step,
-                          k_splits=k_splits, stages=stages, key_shift=key_shift)
-  elif (pages_per_step, k_splits, stages) != (None, None, None):
+                          k_splits=k_splits, stages=stages, stage_starts=stage_starts,
+                          key_shift=key_shift)
+  elif (pages_per_step, k_splits, stages, stage_starts) != (None, None, None, None):
     raise ValueError("pass tiling knobs to make_page_plan, not beside a plan")
   if (key_shift is None) != (plan.shifts is None):
     raise ValueError("key_shift and the page plan disagree: build the plan with "
@@ -601,5 +519,8 @@ def dispatch(q, k_pool, v_pool, slot_map, q_positions, other, *, layer, plan, pa
   return lax.cond(plan.paged, mosaic, other)
 
 
-__all__ = ["PAGE", "SMEM_BYTES", "PagePlan", "dispatch", "half_swap_matrix", "listed_low_rank",
-           "make_page_plan", "page_table", "paged_attention", "smem_bytes", "supported"]
+# The page plan's names (page_plan.py) are re-exported: callers plan and call through here.
+__all__ = ["BLOCK_R", "PAGE", "POS_PAD", "SMEM_BYTES", "STARTS_WINDOW_MAX", "PagePlan",
+           "PageTiling", "choose_page_tiling", "dispatch", "half_swap_matrix",
+           "listed_low_rank", "make_page_plan", "page_table", "paged_attention", "smem_bytes",
+           "supported"]

@@ -82,15 +82,17 @@ def test_mosaic_matches_reference(head_dim, groups, dead):
       assert not np.asarray(got, np.float32).any(), "all-dead rows must return exact zeros"
 
 
-@pytest.mark.parametrize("k_splits,pages_per_step,stages", [(None, None, None), (3, 4, 2),
-                                                            (8, 8, 4)])
-def test_mosaic_splits_and_pipeline_depths(k_splits, pages_per_step, stages):
+@pytest.mark.parametrize("k_splits,pages_per_step,stages,stage_starts", [
+    (None, None, None, None), (3, 4, 2, None), (3, 4, 2, False), (8, 8, 4, None)])
+def test_mosaic_splits_and_pipeline_depths(k_splits, pages_per_step, stages, stage_starts):
   """Flash-decoding shares merged, and pipelines deeper or shallower than a
-  program's step count (a split with fewer steps than stages in flight)."""
+  program's step count (a split with fewer steps than stages in flight); page
+  starts staged in shared memory (the default) or read from global memory."""
   seed, a = _case(page_size=16, head_dim=64, groups=3, dead=0.5, q_len=1, max_len=1200,
                   dtype=jnp.bfloat16)
   a = _poison_pages(seed, a)
-  got = _run(a, 1, k_splits=k_splits, pages_per_step=pages_per_step, stages=stages)
+  got = _run(a, 1, k_splits=k_splits, pages_per_step=pages_per_step, stages=stages,
+             stage_starts=stage_starts)
   _check_bf16(seed, got, pa.paged_attention_reference, a, layer=1)
 
 
@@ -133,7 +135,7 @@ def _brute_pages(slot_map, q_positions, g):
 @pytest.mark.parametrize("k_splits", [1, 3])
 @pytest.mark.parametrize("dead", [0.0, 0.6])
 def test_page_plan_walks_exactly_the_live_visible_pages(k_splits, dead):
-  seed, a = _case(page_size=16, head_dim=64, groups=7, dead=dead, q_len=12, max_len=200)
+  seed, a = _case(page_size=16, head_dim=64, groups=7, dead=dead, q_len=12, max_len=600)
   sm, qp = np.asarray(a["slot_map"]), np.asarray(a["q_positions"])
   plan = pm.make_page_plan(a["slot_map"], a["q_positions"], num_heads=14, num_kv_heads=2,
                            num_slots=a["k_pool"].shape[1], k_splits=k_splits,
@@ -151,6 +153,12 @@ def test_page_plan_walks_exactly_the_live_visible_pages(k_splits, dead):
                                                                      for e in real]]]
       assert got[:len(want)] == want, f"seed={seed}: row {b} block {rb}"
       assert len(walked) < len(want) + pps, f"seed={seed}: more than one step past the last"
+      window = plan.tiling.starts_window      # a program's staged starts hold its share
+      assert window % 32 == 0 and 0 < window <= starts.shape[1]
+      for st in steps:
+        if len(st):
+          src0 = min(st.start * pps, starts.shape[1] - window)
+          assert src0 <= st.start * pps and st.stop * pps <= src0 + window, f"seed={seed}"
       for e in real:                      # each walked key: its slot and position
         t = pos[b].reshape(-1, pm.PAGE)[e]
         live = t != pm.POS_PAD
@@ -311,21 +319,23 @@ def test_mosaic_key_shift_lowers_for_cuda(head_dim, q_len, pps):
 
 def test_tilings_past_shared_memory_run_the_fallback():
   """A tiling whose buffers do not fit in a Hopper block's shared memory
-  (`smem_bytes`: head_dim 128 at 8 pages per step, with or without a shift) is routed
-  to the fallback statically instead of failing to compile; the default tiling fits."""
+  (`smem_bytes`: head_dim 128 at 8 pages per step and 4 stages, with or without a
+  shift) is routed to the fallback statically instead of failing to compile; the
+  default tiling fits."""
   b, hkv, groups, layers, slots, t, d = 2, 2, 3, 4, 8192, 4096, 128
   args = (S((b, 1, hkv * groups, d), jnp.bfloat16), S((layers, slots, hkv, d), jnp.bfloat16),
           S((layers, slots, hkv, d), jnp.bfloat16), S((b, t), jnp.int32), S((b, 1), jnp.int32),
           S((), jnp.int32), S((b, t), jnp.int32), S((d // 2,), jnp.float32))
-  for pps, fits in ((8, False), (4, True)):
-    tiling = pm.choose_page_tiling(groups, t, programs=b * hkv, pages_per_step=pps)
+  for pps, stages, fits in ((8, 4, False), (4, None, True)):
+    tiling = pm.choose_page_tiling(groups, t, programs=b * hkv, pages_per_step=pps,
+                                   stages=stages)
     for shifted in (False, True):
       out = jnp.float32 if tiling.k_splits > 1 else jnp.bfloat16
       assert (pm.smem_bytes(tiling, d, jnp.bfloat16, out, shifted) <= pm.SMEM_BYTES) == fits
       n = 8 if shifted else 6
       text = export_for_cuda(
-          lambda *x, pps=pps, n=n: pm.paged_attention(
-              *x[:5], layer=x[5], pages_per_step=pps,
+          lambda *x, pps=pps, stages=stages, n=n: pm.paged_attention(
+              *x[:5], layer=x[5], pages_per_step=pps, stages=stages,
               **(dict(key_shift=x[6], shift_freq=x[7]) if n == 8 else {})),
           *args[:n], targets=("__gpu$xla.gpu.triton", "mosaic_gpu_v2"))
       assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == int(fits), (pps, shifted)

@@ -77,9 +77,10 @@ def test_mosaic_flash_lora_splits_and_fallbacks():
     _run(a, 1, plan=shifted)
 
 
-@pytest.mark.parametrize("head_dim,q_len,rank,pps,fits", [
-    (128, 1, 8, 4, True), (64, 256, 8, 4, True), (64, 1, 16, 8, True), (128, 1, 8, 8, False)])
-def test_mosaic_flash_lora_lowers_for_cuda(head_dim, q_len, rank, pps, fits):
+@pytest.mark.parametrize("head_dim,q_len,rank,pps,stages,fits", [
+    (128, 1, 8, 4, None, True), (64, 256, 8, 4, None, True), (64, 1, 16, 8, None, True),
+    (128, 1, 8, 8, None, True), (128, 1, 8, 8, 3, False)])
+def test_mosaic_flash_lora_lowers_for_cuda(head_dim, q_len, rank, pps, stages, fits):
   """The whole Mosaic GPU lowering: decode, a prefill chunk, two sub-blocks per step;
   the kernel takes two more operands than paged attention (V_lr listed, B_i), and a
   tiling past shared memory holds no Mosaic kernel (the Triton fallback only)."""
@@ -91,12 +92,14 @@ def test_mosaic_flash_lora_lowers_for_cuda(head_dim, q_len, rank, pps, fits):
           S((b, q_len), jnp.int32), S((), jnp.int32))
   targets = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
   text = export_for_cuda(lambda *x: fm.flash_lora_attention(*x[:7], layer=x[7],
-                                                            pages_per_step=pps),
+                                                            pages_per_step=pps,
+                                                            stages=stages),
                          *args, targets=targets)
   assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == int(fits)
   if fits:
     bare = export_for_cuda(lambda *x: pm.paged_attention(*x[:3], *x[5:7], layer=x[7],
-                                                         pages_per_step=pps),
+                                                         pages_per_step=pps,
+                                                         stages=stages),
                            *args, targets=targets)
     assert _mosaic_operands(text)[0] == _mosaic_operands(bare)[0] + 2
 
