@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, for a machine with a CUDA GPU and JAX on it:
+# The GPU checks in one go, for a machine with a CUDA GPU, JAX for CUDA and jaxkv's
+# dependencies importable (a CUDA image with JAX and Flax may still lack ml-collections):
 #
 #   bash bench/gpu_suite.sh OUTDIR [STAGE ...]
 #
