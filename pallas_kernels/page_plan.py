@@ -49,6 +49,8 @@ class PageTiling(NamedTuple):
   n_pages: int          # listed pages per row, padded to whole steps and to 32
   starts_window: int = 0  # page starts a program stages in shared memory (0: read
                           # each from global memory as it issues the step)
+  rows_out: int = 0     # output rows written per (row, KV head): the real rows rounded
+                        # to 8 with one row block (decode: 8 of 64), else rows_p
 
   @property
   def block_k(self) -> int:
@@ -81,7 +83,11 @@ def choose_page_tiling(rows: int, t: int, *, programs: int = 1, pages_per_step=N
   window = -(-share // 32) * 32                        # <= n_pages
   if stage_starts is False or window > STARTS_WINDOW_MAX:
     window = 0
-  return PageTiling(pps, k_splits, stages or 2, rows_p, n_pages, window)
+  # One row block (decode, short chunks): write the real rows only, not the WGMMA's 64:
+  # at GQA 7 the float32 partial outputs of 32 splits were 6% of the bytes a 32k decode
+  # reads, written and read back by the merge.
+  rows_out = -(-rows // 8) * 8 if rows_p == BLOCK_R else rows_p
+  return PageTiling(pps, k_splits, stages or 2, rows_p, n_pages, window, rows_out)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=(

@@ -162,9 +162,9 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
                  shifted=None, lora=None, *, tiling: PageTiling, scale: float, out_dtype,
                  interpret: bool):
   """The kernel over folded rows q_rows [B, Hkv, rows_p, D]; returns per-split
-  (o [K, B, Hkv, rows_p, D], m, l [K, B, Hkv, rows_p]). `shifted`: (the plan's
-  shifts [B, n_pages * PAGE], frequency row [D] float32, `half_swap_matrix`) for
-  keys rotated on read, or None. `lora`: (the listed keys' low-rank values
+  (o [K, B, Hkv, rows_out, D], m, l [K, B, Hkv, rows_p]; `PageTiling.rows_out`).
+  `shifted`: (the plan's shifts [B, n_pages * PAGE], frequency row [D] float32,
+  `half_swap_matrix`) for keys rotated on read, or None. `lora`: (the listed keys' low-rank values
   [B, r, n_pages * PAGE] float32, each row's B_i [B, Hkv, r, D] float32) for
   Flash-LoRA (`flash_lora_mosaic.py`: V = V_base + V_lr B_i per tile), or None."""
   plgpu = _plgpu()
@@ -337,7 +337,10 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
     ml_smem[0] = m
     ml_smem[1] = l
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, row, h, rows])
+    if rows_out == rows_p:
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, row, h, rows])
+    else:                                  # one row block: its real rows only
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows_out)], o_ref.at[split, row, h])
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_ref.at[split, row, h, rows])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_ref.at[split, row, h, rows])
     plgpu.wait_smem_to_gmem(0)
@@ -349,11 +352,13 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
     the output tile takes no shared memory of its own (a block's total decides how
     many blocks share an SM)."""
     ins, (o_ref, m_ref, l_ref, *bars) = refs[:n_in], refs[n_in:]
+    if interpret:       # every buffer is scratch (below): no scopes in the interpreter
+      bars, bufs, outs = bars[:3], bars[3:3 + len(buffers)], bars[3 + len(buffers):]
+      write(*attend(*ins, *bars, *bufs), o_ref, m_ref, l_ref, *outs)
+      return
     acc, m, l = pl.run_scoped(lambda *bufs: attend(*ins, *bars, *bufs), *buffers)
     pl.run_scoped(lambda o_smem, ml_smem: write(acc, m, l, o_ref, m_ref, l_ref, o_smem,
-                                                ml_smem),
-                  plgpu.SMEM((BLOCK_R, d), out_dtype, transforms=otx),   # o tile
-                  plgpu.SMEM((2, BLOCK_R), jnp.float32))                 # m, l
+                                                ml_smem), *out_tile)
 
   barriers = [
       plgpu.Barrier(num_arrivals=2 + 2 * (shifted is not None)           # q + positions
@@ -387,10 +392,16 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
     ]
   if window:
     buffers.append(plgpu.SMEM((window,), jnp.int32))                     # page starts
-  out_type = [jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p, d), out_dtype),
+  rows_out = tiling.rows_out or rows_p
+  out_type = [jax.ShapeDtypeStruct((k_splits, b, hkv, rows_out, d), out_dtype),
               jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32),
               jax.ShapeDtypeStruct((k_splits, b, hkv, rows_p), jnp.float32)]
-  call = plgpu.kernel(body, out_type=out_type, scratch_types=barriers,
+  out_tile = [plgpu.SMEM((BLOCK_R, d), out_dtype, transforms=otx),      # o tile
+              plgpu.SMEM((2, BLOCK_R), jnp.float32)]                     # m, l
+  # Mosaic GPU's interpreter takes every buffer as plain scratch: its run_scoped hung
+  # twice (no progress, ~3% CPU) on a loaded CPU; shared memory is no limit there.
+  scratch = barriers + (buffers + out_tile if interpret else [])
+  call = plgpu.kernel(body, out_type=out_type, scratch_types=scratch,
                       grid=(b * hkv, rb_count, k_splits), grid_names=("bh", "rb", "split"),
                       compiler_params=plgpu.CompilerParams(
                           approx_math=True, lowering_semantics=_semantics(plgpu)),
@@ -514,7 +525,9 @@ def dispatch(q, k_pool, v_pool, slot_map, q_positions, other, *, layer, plan, pa
                            plan.positions, plan.bounds, offset, k_flat, v_flat, shifted,
                            low_rank, tiling=tiling, scale=d ** -0.5 if scale is None else scale,
                            out_dtype=out_dtype, interpret=interpret)
-    return pa.unfold_rows(pa.merge_splits(o, m, l), tq, hq).astype(q.dtype)
+    rows = o.shape[3]                  # tiling.rows_out: m and l keep the whole tile
+    return pa.unfold_rows(pa.merge_splits(o, m[..., :rows], l[..., :rows]), tq,
+                          hq).astype(q.dtype)
 
   return lax.cond(plan.paged, mosaic, other)
 
