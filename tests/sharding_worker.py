@@ -105,11 +105,58 @@ def logits(model, prompts, mesh):
   return np.concatenate(out, axis=1), drv
 
 
+def composed_session(llm, eng) -> dict:
+  """Three turns of one ["agents", "pruned", "reuse"] session on the mixed engine's
+  mechanisms (test_sessions' tool chat, roles 0, 1, 0; IntentKV at 64 tokens, segment
+  reuse on the role adapter), then a second session's first call on the third turn's
+  chat, which splices what the first stored: id -> (tokens, extra, finish reason)."""
+  from jaxkv.config import SamplingConfig
+  from jaxkv.engine.engine import Request
+  from jaxkv.engine.mechanisms import composed
+  from test_sessions import MESSAGES
+  ms = eng.mechanisms
+  eng.add_mechanism(composed.Composed([ms["agents"], ms["pruned"], ms["reuse"]]))
+  turns = [i for i, msg in enumerate(MESSAGES) if msg["role"] == "assistant"][:3]
+  out = {}
+  for session, i, role in [("crew", t, r) for t, r in zip(turns, (0, 1, 0), strict=True)] + [
+      ("mate", turns[2], 1)]:
+    if session not in ms["agents"].sessions:
+      ms["agents"].open(session)
+    prompt, ctx = ms["pruned"].context(session, MESSAGES[:i])
+    (r,) = list(eng.run([Request(f"{session}-{i}", prompt, SamplingConfig(max_tokens=8),
+                                 adapter=role, mechanism="agents+pruned+reuse",
+                                 context={"session": session, **ctx})]))
+    out[r.id] = (r.tokens, r.extra, r.finish_reason)
+  for session in ("crew", "mate"):
+    ms["agents"].close(session)
+  return out
+
+
+def composed_diff(got: dict, want: dict) -> list:
+  """[id, what differs] per call of `composed_session` whose tokens, finish or counts
+  differ from `want`'s; floats (QueryMemory's cosine: a reduction whose order the mesh
+  changes) within 1e-5."""
+  out = []
+  for k, (tokens, extra, finish) in got.items():
+    w_tokens, w_extra, w_finish = want[k]
+    if (tokens, finish) != (w_tokens, w_finish):
+      out.append([k, "tokens"])
+      continue
+    bad = sorted(f for f in extra.keys() | w_extra.keys()
+                 if not (isinstance(extra.get(f), float) and isinstance(w_extra.get(f), float)
+                         and abs(extra[f] - w_extra[f]) <= 1e-5)
+                 and extra.get(f) != w_extra.get(f))
+    if bad:
+      out.append([k, bad])
+  return out
+
+
 def mechanisms(meshes) -> None:
   """--mode=mechanisms: a plain request and a pruned, a reuse, a SemShareKV, a MemArt and
   an agents request (a role adapter, replicated on the mesh) in one batch
   (tests/test_mechanisms_mixed.py's) on each mesh, against one device: tokens and what
-  each mechanism did."""
+  each mechanism did; then three turns of one composed agents + pruned + reuse session
+  (`composed_session`) on the same engine, likewise."""
   import hf_util
   import test_mechanisms_mixed as mixed
   llm = hf_util.random_llm_with_real_tokenizer()
@@ -119,18 +166,26 @@ def mechanisms(meshes) -> None:
     got = {r.id: r for r in eng.run(mixed._requests(llm, eng))}
     eng.kv_manager.check()
     eng.mechanisms["agents"].close("team")     # the session's trajectory: its state
+    crew = composed_session(llm, eng)
+    eng.kv_manager.check()
     return ({k: r.tokens for k, r in got.items()}, {k: r.extra for k, r in got.items()},
-            {k: r.finish_reason for k, r in got.items()}, eng)
+            {k: r.finish_reason for k, r in got.items()}, crew, eng)
 
-  want_tok, want_extra, _, _ = run(None)
+  want_tok, want_extra, _, want_crew, _ = run(None)
   for d, m in meshes:
-    tok, extra, finish, eng = run(sharding.make_mesh(d, m))
+    tok, extra, finish, crew, eng = run(sharding.make_mesh(d, m))
     if distributed.is_leader():
       print(json.dumps({"mesh": [d, m], "processes": jax.process_count(),
                         "tokens_equal": tok == want_tok, "extra_equal": extra == want_extra,
                         "finish": finish, "alloc_shards": eng.shards,
                         "pool_devices": len(eng.kv.k.sharding.device_set),
-                        "sequences_left": len(eng.allocator.sequences())}), flush=True)
+                        "sequences_left": len(eng.allocator.sequences()),
+                        "composed_diff": composed_diff(crew, want_crew),
+                        "composed_finish": [c[2] for c in crew.values()],
+                        "composed_pruned": sum(bool(c[1]["pruned"]) for c in crew.values()),
+                        "composed_reused": sum(c[1]["reused_tokens"] for c in crew.values()),
+                        "composed_shared": sum(c[1]["shared_tokens"]
+                                               for c in crew.values())}), flush=True)
 
 
 def main():

@@ -180,11 +180,17 @@ def test_mechanisms_on_meshes_equal_one_device():
   """A plain request and a pruned, a reuse, a SemShareKV, a MemArt and an agents
   request (role adapters) in one batch on the (data, model) meshes of 8 CPU devices:
   every row's tokens and what its mechanism did equal the single-device run, and
-  nothing is left allocated once the agents session closes."""
+  nothing is left allocated once the agents session closes. Then three turns of one
+  composed agents + pruned + reuse session and a second session's call equal the
+  single-device calls (tokens and counts; QueryMemory's cosine within 1e-5), sharing
+  the trajectory, pruning it and splicing segments."""
   rows = _worker("--mode=mechanisms", "--meshes=1x8,2x4,4x2,8x1", timeout=900)
   assert [r["mesh"] for r in rows] == [[1, 8], [2, 4], [4, 2], [8, 1]]
   for r in rows:
     assert r["tokens_equal"] and r["extra_equal"], r
+    assert r["composed_diff"] == [] and set(r["composed_finish"]) <= {"stop", "length"}, r
+    assert r["composed_shared"] > 0 and r["composed_pruned"] >= 1, r
+    assert r["composed_reused"] > 0, r
     assert set(r["finish"].values()) <= {"stop", "length"}, r
     assert r["pool_devices"] == 8 and r["sequences_left"] == 0, r
   assert [r["alloc_shards"] for r in rows] == [1, 2, 4, 8]
@@ -194,10 +200,12 @@ def test_mechanisms_on_meshes_equal_one_device():
 def test_mechanisms_on_two_processes_equal_one_device():
   """The same mixed batch (plain, pruned, reuse, SemShareKV, MemArt, agents on a role
   adapter) on one 2 x 4 mesh over 2 processes x 4 CPU devices (scripts/launch.py):
-  tokens and what each mechanism did equal the single-device run."""
+  tokens and what each mechanism did equal the single-device run, and so do three
+  turns of a composed agents + pruned + reuse session."""
   (r,) = _worker("--mode=mechanisms", "--meshes=2x4", timeout=600, processes=2)
   assert r["mesh"] == [2, 4] and r["processes"] == 2 and r["pool_devices"] == 8, r
   assert r["tokens_equal"] and r["extra_equal"], r
+  assert r["composed_diff"] == [] and r["composed_shared"] > 0, r
   assert set(r["finish"]) == {"plain", "pruned", "reuse", "semshare", "memart", "agents"}
   assert set(r["finish"].values()) <= {"stop", "length"} and r["sequences_left"] == 0, r
 
