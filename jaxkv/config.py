@@ -202,8 +202,7 @@ class EngineConfig:
   decode_steps: int = 16      # Decode steps run in one compiled call (a lax.scan) before
                               # the engine returns to admit and finish requests.
   attention_impl: str = "auto"  # Attention kernels: auto (the Pallas Triton kernels on a
-                                # GPU, the XLA reference elsewhere; on a Hopper GPU calls
-                                # with a key shift run Mosaic), reference, pallas (=
+                                # GPU, the XLA reference elsewhere), reference, pallas (=
                                 # triton), mosaic (paged attention on Mosaic GPU, Hopper,
                                 # for a 16-bit model over a pool of the same dtype, e.g.
                                 # cache.dtype=bfloat16; other calls and Flash-LoRA run

@@ -5,8 +5,7 @@ backed by a pure-jnp reference (always available) and a Pallas kernel from
 `pallas_kernels/`, chosen by `impl`:
 
 - "auto": the Pallas (Triton) kernel when JAX's default backend is a GPU, the
-  XLA reference otherwise (CPU, TPU); on a Hopper GPU a paged-attention call with a
-  key shift (a MemArt row) takes the Mosaic kernel (`shift_impl`);
+  XLA reference otherwise (CPU, TPU);
 - "reference": the pure-jnp reference on any backend;
 - "pallas" (= "triton"): the Pallas Triton kernel, compiled for the GPU;
 - "mosaic": paged attention on Mosaic GPU (Hopper; `pallas_kernels/
@@ -62,24 +61,6 @@ def resolve_impl(impl: str) -> str:
   return "pallas" if impl == "triton" else impl
 
 
-def on_hopper() -> bool:
-  """JAX's default backend is a Hopper GPU (compute capability 9.x: WGMMA)."""
-  if jax.default_backend() != "gpu":
-    return False
-  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
-
-
-def shift_impl(impl: str) -> str:
-  """The impl a paged-attention call with a key shift runs: `resolve_impl`'s, except
-  that "auto" on a Hopper GPU takes the Mosaic kernel. On an H200 its rotation in the
-  tile cost 1.7-2.7x its unshifted time where the Triton kernel's rotating read cost
-  27-134x (14-42x slower than Mosaic; docs/kernels.md). A call Mosaic cannot take (a
-  float32 pool) still runs the Triton kernel, through the Mosaic dispatch."""
-  if impl == "auto" and on_hopper():
-    return "mosaic"
-  return resolve_impl(impl)
-
-
 def attention_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int,
                    impl: str = "auto", lora: bool = False, num_slots: int | None = None,
                    key_shift=None):
@@ -92,7 +73,7 @@ def attention_plan(slot_map, q_positions, *, num_heads: int, num_kv_heads: int,
   read (a MemArt row); the Triton and Mosaic paged-attention kernels do, so their plan
   then carries the shifts, and it is None for the calls that run the reference
   (Flash-LoRA with a key shift)."""
-  impl = shift_impl(impl) if key_shift is not None and not lora else resolve_impl(impl)
+  impl = resolve_impl(impl)
   if impl == "reference":
     return None
   if key_shift is not None and lora:
@@ -128,7 +109,7 @@ def paged_attention(q, k_pool, v_pool, slot_map, q_positions, *, layer=None,
   plan: `attention_plan(slot_map, q_positions, ...)` built once for the layers
   sharing this slot map (optional; the kernels build it per call otherwise).
   """
-  impl = shift_impl(impl) if key_shift is not None else resolve_impl(impl)
+  impl = resolve_impl(impl)
   if key_shift is not None:
     if shift_freq is None:
       raise ValueError("key_shift needs shift_freq (jaxkv.rope.delta_frequencies)")
