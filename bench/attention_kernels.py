@@ -271,8 +271,8 @@ def decode_impls(kernels: bool, knobs: dict, mosaic_knobs: dict | None = None,
              ("jax_pallas_ops_gpu", jax_dense_paged,
               functools.partial(jax_paged_call, interpret=knobs.get("interpret", False)),
               True)] + impls
+  interp = {"interpret": True} if knobs.get("interpret") else {}
   if kernels and mosaic_knobs is not None:
-    interp = {"interpret": True} if knobs.get("interpret") else {}
     impls[2:2] = [("jaxkv_mosaic", same,
                    functools.partial(mosaic_call, **mosaic_knobs, **interp), False),
                   ("jaxkv_mosaic_planned", lambda a: planned(
@@ -281,16 +281,17 @@ def decode_impls(kernels: bool, knobs: dict, mosaic_knobs: dict | None = None,
                    functools.partial(mosaic_call, **interp), False)]
   if kernels and shifted:
     shift_kw = lambda a: dict(key_shift=a["key_shift"], shift_freq=a["shift_freq"])
-    impls.append(("jaxkv_planned_shifted", lambda a: planned(
-        with_shift(a), key_shift=with_shift(a)["key_shift"], **plan_kw),
+
+    def planned_shifted(a, **kw):
+      x = with_shift(a)
+      return planned(x, key_shift=x["key_shift"], **kw)
+    impls.append(("jaxkv_planned_shifted", lambda a: planned_shifted(a, **plan_kw),
                   lambda a, l: pa.paged_attention(*(a[k] for k in keys), layer=l,
                                                   plan=a["plan"], **shift_kw(a), **call_kw),
                   True))
     if mosaic_knobs is not None:
-      interp = {"interpret": True} if knobs.get("interpret") else {}
-      impls.append(("jaxkv_mosaic_shifted", lambda a: planned(
-          with_shift(a), make=pm.make_page_plan, num_slots=a["k_pool"].shape[-3],
-          key_shift=with_shift(a)["key_shift"], **mosaic_knobs),
+      impls.append(("jaxkv_mosaic_shifted", lambda a: planned_shifted(
+          a, make=pm.make_page_plan, num_slots=a["k_pool"].shape[-3], **mosaic_knobs),
                     lambda a, l: mosaic_call(a, l, **shift_kw(a), **interp), True))
   return impls
 
