@@ -9,9 +9,11 @@ reads the KV the plan role computed), an executor session whose growing history
 (tool schemas, tool results) is pruned by IntentKV, a memory session that
 answers from MemArt blocks, and a second executor whose prompt repeats the first
 one's tool schemas in another order (segment reuse). Then a composed session
-(`{"kind": ["agents", "pruned", "reuse"]}`): the plan, action and reflect roles
-extend one trajectory whose history IntentKV prunes, each role reading the pruned
-KV the others computed; a reviewer in a second such session, whose history carries
+(`{"kind": ["agents", "pruned", "memart", "reuse"]}`): the plan, action and reflect
+roles extend one trajectory whose history IntentKV prunes, each role reading the
+pruned KV the others computed; a new conversation in that session recalls the first
+from MemArt memory (written when it closed, its blocks for the new question copied
+into the prompt instead of prefilled); a reviewer in a second such session, whose history carries
 the same tool results, splices them from the segments the first session's roles
 stored (computed with the roles' adapters; its new question, IntentKV's query span,
 is computed).
@@ -79,11 +81,16 @@ def main() -> None:
     chat += [{"role": "assistant", "content": reply},
              {"role": "user", "content": "Tool result: " + json.dumps(ORDER)}]
   crew = chat[:2]          # composed: three roles share one trajectory that IntentKV
-  for turn, role in enumerate(("plan", "action", "reflect")):   # prunes and reuse splices
-    said = ask(f"{role} role (agents+pruned+reuse)", crew, model=f"{args.model}:{role}",
-               session="crew", kind=["agents", "pruned", "reuse"] if turn == 0 else None)
+  four = ["agents", "pruned", "memart", "reuse"]    # prunes and reuse splices; MemArt
+  for turn, role in enumerate(("plan", "action", "reflect")):   # keeps what is closed
+    said = ask(f"{role} role (4 composed)", crew, model=f"{args.model}:{role}",
+               session="crew", kind=four if turn == 0 else None)
     crew += [{"role": "assistant", "content": said},
              {"role": "user", "content": "Tool result: " + json.dumps(ORDER)}]
+  ask("plan role, new conversation (recall)",   # the last one is written to memory and
+      [{"role": "system", "content": system},   # its blocks for this question spliced
+       {"role": "user", "content": "Which card paid for order #W2378156?"}],
+      model=f"{args.model}:plan", session="crew")
   ask("reviewer, new session (agents+pruned+reuse)",
       crew + [{"role": "assistant", "content": "Done."},
               {"role": "user", "content": "Review the steps taken so far."}],
@@ -97,9 +104,9 @@ def main() -> None:
     ask(f"executor B request {i + 1} (reuse)", req["messages"], session="executor-b",
         kind="reuse" if i == 0 else None)
 
-  print(f"{'request':34} {'prompt':>6} {'cached':>6}  usage.jaxkv")
+  print(f"{'request':38} {'prompt':>6} {'cached':>6}  usage.jaxkv")
   for label, n, cached, extra in rows:
-    print(f"{label:34} {n:6d} {cached:6d}  {extra}")
+    print(f"{label:38} {n:6d} {cached:6d}  {extra}")
   metrics = urllib.request.urlopen(args.base_url.rsplit("/v1", 1)[0] + "/metrics").read()
   print("\n".join(line for line in metrics.decode().splitlines()
                   if line.startswith(("jaxkv_pruned", "jaxkv_pruning", "jaxkv_memart",

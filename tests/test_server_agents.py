@@ -352,7 +352,8 @@ def test_a_composed_session_prunes_the_trajectory_its_roles_share(served):
   assert u2["query_memory_cos"] < 1.0                            # M_t carries turn 1
   listed = {d["id"]: d for d in httpx.get(url + "/v1/sessions").json()["data"]}
   assert listed[sid]["kind"] == "agents+pruned"
-  for kinds, why in ((["memart", "agents"], "plans its own prefill"),
+  for kinds, why in ((["semshare", "agents"], "plans its own prefill"),
+                     (["memart", "reuse"], "lays out"),
                      (["prefix", "pruned"], "does not combine"),
                      (["agents", "bogus"], "not served here")):
     bad = httpx.post(url + "/v1/sessions", json={"kind": kinds})
@@ -360,6 +361,54 @@ def test_a_composed_session_prunes_the_trajectory_its_roles_share(served):
   assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
   assert sid not in served.app_backends.agents.sessions
   assert sid not in served.app_backends.pruned.state.seen       # QueryMemory forgotten
+  served.app_backends.kv.check()
+
+
+@pytest.mark.slow
+def test_four_mechanisms_compose_with_memory_of_earlier_conversations(served):
+  """Issue 38, composition: a session of ["agents", "pruned", "memart", "reuse"]
+  through the openai client. Its first conversation (plan, then action) is plain
+  agents + pruning; a second conversation opens with a recall that writes the first
+  into MemArt memory and retrieves blocks for the new question, which the row copies
+  into its prompt's region (spliced, not prefilled) on the plan role; the next call of
+  that conversation adopts the region from the trajectory; usage names all four."""
+  url, client = served.url, served.client
+  opened = httpx.post(url + "/v1/sessions", json={"kind": ["memart", "reuse", "agents",
+                                                             "pruned"]}).json()
+  sid, kind = opened["id"], "agents+pruned+memart+reuse"
+  assert opened["kind"] == kind
+
+  def call(role, chat):
+    r = client.chat.completions.create(model=f"{MODEL}:{role}", messages=chat, max_tokens=8,
+                                       extra_body={"session_id": sid})
+    return r, usage(r)
+
+  chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DETAILS}]
+  r, u0 = call("plan", chat)
+  assert u0["mechanisms"] == ["agents", "pruned", "memart", "reuse"]
+  assert u0["memory_region_tokens"] == 0 and "memory_written_tokens" not in u0
+  chat += [{"role": "assistant", "content": r.choices[0].message.content},
+           {"role": "user", "content": TURNS[0]}]
+  call("action", chat)
+  new = [{"role": "system", "content": SYSTEM},
+         {"role": "user", "content": "Which seat and flight did I book before?"}]
+  r, u1 = call("plan", new)
+  assert u1["memory_written_tokens"] > 32 and u1["memory_blocks"] >= u1[
+      "memory_blocks_retrieved"] > 0
+  assert u1["memory_spliced_tokens"] == u1["memory_region_tokens"] > 0
+  # usage counts the client's prompt; the trajectory holds the region beside it
+  assert u1["trajectory_tokens"] >= r.usage.prompt_tokens + u1["memory_region_tokens"]
+  assert u1["memory_cached_tokens"] == u1["memory_region_tokens"]
+  assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+  new += [{"role": "assistant", "content": r.choices[0].message.content},
+          {"role": "user", "content": TURNS[1]}]
+  r, u2 = call("action", new)
+  assert "memory_written_tokens" not in u2 and u2["memory_spliced_tokens"] == 0
+  assert u2["memory_region_tokens"] == u1["memory_region_tokens"]
+  assert u2["shared_tokens"] >= u1["memory_region_tokens"]      # the plan role's region
+  assert 0 < r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+  assert httpx.delete(f"{url}/v1/sessions/{sid}").json()["deleted"]
+  assert sid not in served.app_backends.memart.conversations
   served.app_backends.kv.check()
 
 

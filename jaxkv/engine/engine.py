@@ -88,10 +88,7 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
                        f"rank {lora.rank}, targets {lora.targets})")
     self.lora = lora
     self.lora_mode = "decoupled" if lora is not None and lr_rank else "full"
-    self.model_cfg = model.cfg
-    self.cache_cfg = cache
-    self.cfg = engine
-    self.mesh = mesh
+    self.model_cfg, self.cache_cfg, self.cfg, self.mesh = model.cfg, cache, engine, mesh
     self.graphdef, self.weights = nnx.split(model)
     if mesh is not None:
       self.weights = sharding.shard_weights(self.weights, mesh, model.cfg)
@@ -144,7 +141,7 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     return self.kv_manager.trees(_TREE)
 
   @property
-  def kv(self) -> kv_state.KVPool | None:
+  def kv(self) -> kv_state.KVPool | None:   # the pool (None before the first run)
     return None if self.driver is None else self.driver.kv
 
   # ------------------------------------------------------------------ helpers
@@ -254,8 +251,11 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     if found is None or not found.defer:
       self.allocator.extend(seq, n - hit)
     self.metrics.cached_tokens += hit
-    return Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
-               state=None if found is None else found.state, n=n, order=self._admitted)
+    row = Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
+              state=None if found is None else found.state, n=n, order=self._admitted)
+    if found is not None and not found.defer:      # KV the mechanism writes itself
+      row.cached = row.prefilled = hit + mech.fill(row)
+    return row
 
   def _too_long(self, n: int, max_tokens: int) -> str | None:
     """Why a row of n prompt positions + max_tokens can never run here (None: it can)."""

@@ -56,6 +56,7 @@ class Memory:
   slots: np.ndarray       # [cap, BS] int32 held pool slots (SENTINEL: unused entry)
   positions: np.ndarray   # [cap, BS] int32 positions the keys were written at
   tokens: np.ndarray      # [cap] int32 written tokens per block
+  ids: np.ndarray         # [cap, BS] int32 the token ids written (0 past `tokens`)
   live: np.ndarray        # [cap] bool
   time: np.ndarray        # [cap] int32 chronological order
   hits: np.ndarray        # [cap] int32 times retrieved (eviction: fewest first)
@@ -178,7 +179,8 @@ class MemArtRunner:
     m, bs = self.mcfg, self.cfg.block_size
     shape = (m.num_layers, capacity, self.box_heads, m.head_dim)
     return Memory(np.zeros((capacity, bs), np.int32), np.zeros((capacity, bs), np.int32),
-                  np.zeros(capacity, np.int32), np.zeros(capacity, bool),
+                  np.zeros(capacity, np.int32), np.zeros((capacity, bs), np.int32),
+                  np.zeros(capacity, bool),
                   np.zeros(capacity, np.int32), np.zeros(capacity, np.int32),
                   np.zeros(capacity, np.int32), [None] * capacity, [None] * capacity,
                   jnp.full(shape, jnp.inf, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
@@ -188,10 +190,11 @@ class MemArtRunner:
     if need <= cap:
       return
     new = self.new_memory(max(need, 2 * cap))
-    for f in ("slots", "positions", "tokens", "live", "time", "hits", "segment"):
+    for f in ("slots", "positions", "tokens", "ids", "live", "time", "hits", "segment"):
       getattr(new, f)[:cap] = getattr(mem, f)
     new.spans[:cap], new.tags[:cap] = mem.spans, mem.tags
     mem.slots, mem.positions, mem.tokens, mem.live = new.slots, new.positions, new.tokens, new.live
+    mem.ids = new.ids
     mem.time, mem.hits, mem.spans, mem.tags = new.time, new.hits, new.spans, new.tags
     mem.segment = new.segment
     mem.lo = new.lo.at[:, :cap].set(mem.lo)
@@ -250,6 +253,7 @@ class MemArtRunner:
     rows = free[:nb]
     mem.slots[rows], mem.positions[rows] = slots_b, pos_b
     mem.tokens[rows] = np.minimum(bs, ids.size - np.arange(nb) * bs)
+    mem.ids[rows] = np.r_[ids, np.zeros(pad, np.int32)].reshape(nb, bs)
     mem.live[rows], mem.hits[rows] = True, 0
     mem.time[rows] = mem.clock + np.arange(nb)
     mem.segment[rows] = mem.writes

@@ -59,7 +59,7 @@ from jaxkv.engine import executables
 from jaxkv.engine.engine import Request
 from jaxkv.engine.grammar import Grammars
 from jaxkv.server import guard, protocol
-from jaxkv.server.backends import SessionBackends
+from jaxkv.server.backends import Recall, SessionBackends
 from jaxkv.server.loop import EngineLoop, QueueFull
 from jaxkv.server.protocol import APIError
 
@@ -175,6 +175,14 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
           loop.cancel(rid)
           raise _ClientGone() from None
 
+  async def recall(req: Request, request: HTTPRequest) -> dict | APIError:
+    """Runs a composed session's recall request (`backends.Recall`) to its end: its
+    `Result.extra["recall"]`, or the error to answer with."""
+    queue = loop.submit(req)
+    while (event := await next_event(queue, request, req.id))[0] != "done":
+      pass
+    return failed(event) or event[1].extra["recall"]
+
   def failed(event) -> APIError | None:
     """The error a "done" event answers with: the engine failed the request
     (`engine_error`), or cancelled it because the server is shutting down
@@ -212,11 +220,21 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
              if sessions_on and p.session is not None else None)
     try:
       if skind not in (None, "prefix"):     # a mechanism's request: built on the loop
-        try:
-          req = await asyncio.wrap_future(
-              loop.call(lambda: backends.engine_request(skind, p.session, p, rid)))
-        except ValueError as e:
-          return _error(APIError(400, str(e), param="session_id"))
+        recalled = None
+        while True:
+          try:
+            req = await asyncio.wrap_future(loop.call(
+                lambda: backends.engine_request(skind, p.session, p, rid, recalled)))
+          except ValueError as e:
+            return _error(APIError(400, str(e), param="session_id"))
+          if not isinstance(req, Recall):
+            break
+          try:                         # a new conversation's memory recall (memart)
+            recalled = await recall(req.request, request)
+          except _ClientGone:
+            return JSONResponse({}, status_code=499)
+          if isinstance(recalled, APIError):
+            return _error(recalled)
         queue = loop.submit(req)
       else:
         if skind == "prefix" and p.session not in backends.engine.sessions:
@@ -264,10 +282,12 @@ def create_app(llm, cfg: ServeConfig) -> FastAPI:
   def usage(p, event, tokens, cached, skind) -> dict:
     """OpenAI usage, plus what the KV mechanisms did as "jaxkv" (the session kind,
     `Result.extra` of a session runner, the role adapter) when any took part."""
-    out = protocol.usage(len(p.prompt), len(tokens), cached)
     extra = {} if skind is None else {"session_kind": skind}
     if event[0] == "done":
       extra.update(event[1].extra or {})
+    # a memory region (memart in a composition) is the mechanism's, not the client's
+    out = protocol.usage(len(p.prompt), len(tokens),
+                         cached - extra.get("memory_cached_tokens", 0))
     if p.adapter >= 0:
       extra["adapter"] = llm.adapters[p.adapter]
     if extra:

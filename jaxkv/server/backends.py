@@ -45,12 +45,19 @@ import collections
 import dataclasses
 import time
 
-from jaxkv.config import ServeConfig, session_kinds
+from jaxkv.config import SamplingConfig, ServeConfig, session_kinds
 from jaxkv.engine.engine import Request
 from jaxkv.policies.sharing import lragent
 
 # the order a composed session's kinds are named in: the one that lays out the KV first
 COMPOSE_ORDER = ("agents", "pruned", "memart", "reuse", "semshare")
+
+
+@dataclasses.dataclass
+class Recall:
+  """A memart composition's recall (`SessionBackends.engine_request`): run `request`,
+  then build the request again with its `Result.extra["recall"]`."""
+  request: Request
 
 
 @dataclasses.dataclass
@@ -236,10 +243,22 @@ class SessionBackends:
     return out
 
   # ------------------------------------------------------------------ requests
-  def engine_request(self, kind: str, session: str, p, rid: str):
+  def _memory_region(self, session: str, p, prompt, ctx: dict, recalled, rid: str):
+    """A composed request's prompt and context with its conversation's memory region
+    (`MemArt.turn`), or the `Recall` to run first."""
+    got = self.memart.turn(session, *p.chat, prompt, ctx, recalled)
+    if isinstance(got, dict):
+      return Recall(Request(id=f"{rid}-recall", prompt=list(prompt[-1:]),
+                            sampling=SamplingConfig(max_tokens=1, temperature=0.0),
+                            mechanism="memart", context=got))
+    return got
+
+  def engine_request(self, kind: str, session: str, p, rid: str, recalled: dict | None = None):
     """The engine `Request` of a request on a session kind the engine serves; raises
     ValueError for one this kind cannot take (the server's 400). Call on the loop
-    thread (it opens the session)."""
+    thread (it opens the session). A composition with memart that opens a new
+    conversation gets a `Recall` first: run its request, then call again with its
+    result (`Result.extra["recall"]`) as `recalled`."""
     if kind == "prefix":
       return Request(id=rid, prompt=p.prompt, sampling=p.sampling, grammar=p.grammar,
                      session=session, adapter=p.adapter)
@@ -249,15 +268,22 @@ class SessionBackends:
                        if "agents" in parts else "role adapters run in the batch engine or "
                        "in 'agents' sessions: use one of those or no session")
     if len(parts) > 1:                   # a composition: with pruning, pruning's turns
+      if ("pruned" in parts or "memart" in parts) and p.chat is None:
+        raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
       if "pruned" not in parts:          # (agents + reuse: any prompt, lines as spans)
         prompt, ctx = p.prompt, {"session": session}
-      elif p.chat is None:
-        raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
       else:
         prompt, ctx = self.pruned.context(session, *p.chat)
       if "agents" in parts:
         self.agents.check(len(prompt), p.sampling.max_tokens)
       self.open(session, kind)
+      if "memart" in parts:
+        got = self._memory_region(session, p, prompt, ctx, recalled, rid)
+        if isinstance(got, Recall):
+          return got
+        prompt, ctx = got
+        if "agents" in parts:
+          self.agents.check(len(prompt), p.sampling.max_tokens)
       self.stats.requests[kind] += 1
       return Request(id=rid, prompt=prompt, sampling=p.sampling, grammar=p.grammar,
                      adapter=p.adapter, mechanism=kind, context=ctx)

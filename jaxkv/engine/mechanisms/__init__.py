@@ -9,6 +9,9 @@ hooks where its KV management differs from a plain request:
     match(req)            the cached KV to adopt (a radix match with a lock), before
                           any page is taken; `unmatch` undoes it when the request
                           has to wait
+    fill(row)             after admission: KV it writes itself into the row's fresh
+                          slots from row.cached on (MemArt's memory region in a
+                          composition); the engine prefills from there
     prefill(row)          a mechanism that plans its own prefill (which tokens at which
                           layers, spliced rows: `owns_prefill`) runs it over the row's
                           slots and returns the last prompt token's logits; the engine
@@ -119,6 +122,14 @@ class Mechanism:
     (segment reuse, SemShareKV). A ValueError or
     OutOfSlotsError fails this request only (its message is the error result)."""
     raise NotImplementedError(f"{type(self).__name__} does not plan its own prefill")
+
+  def fill(self, row) -> int:
+    """Writes the K/V of prompt positions [row.cached, row.cached + k) into the row's
+    own fresh slots and returns k (< row.n - row.cached; default 0): the engine
+    counts them as cached and prefills the rest. Sets `row.private_from` when that
+    KV is not what a plain prefill computes."""
+    del row
+    return 0
 
   def capture_q(self, row) -> bool:
     del row

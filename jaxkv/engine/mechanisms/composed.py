@@ -1,7 +1,8 @@
 """Mechanisms composed on one row: role agents sharing one trajectory whose KV
 IntentKV prunes (`["agents", "pruned"]`), a pruned session whose prompts reuse
 stored segments (`["pruned", "reuse"]`), role agents whose prompts reuse segments
-the roles stored (`["agents", "reuse"]`), or all three.
+the roles stored (`["agents", "reuse"]`), any of these with MemArt memory of the
+session's earlier conversations (`"memart"`), or all four.
 
 A composition is an ordered list of mechanisms the engine has. Each takes one of
 three roles:
@@ -18,14 +19,17 @@ three roles:
     prefix sessions share (`shared_prefix`: pruning's protected system prompt) spliced:
     approximate KV there would make the path private, and every later session with
     that system prompt would compute it again (measured: bench/compaction.py).
-  * the others *join* the row and act through the hooks they share (`capture_q` /
-    `on_chunk`, `after_prefill`: prune), then `leave` it keeping only their
-    per-session state (QueryMemory).
+  * the others *join* the row and act through the hooks they share (`fill`: MemArt
+    copies a retrieved memory region into the row's slots; `capture_q` / `on_chunk`,
+    `after_prefill`: prune), then `leave` it keeping only their per-session state
+    (QueryMemory; MemArt's memory and conversation: `memart_region`).
 
 The order of application is the order of the hooks, not of the list:
 
     1. match     the layout adopts its cached prefix (holes of earlier prunings and
-                 the session's private suffix included)
+                 the session's private suffix included); then MemArt fills the memory
+                 region the prompt carries when it starts there (copied, re-rotated;
+                 private from there on)
     2. prefill   the engine's chunks, with the row's role adapter, queries captured
                  for whoever scores them; or the planner's plan, then the scored tail,
                  every pass on the role adapter the layout names (`adapter_of`)
@@ -38,8 +42,9 @@ The order of application is the order of the hooks, not of the list:
 
 What does not combine, and why (`check`, the server's 400):
   * two layouts (two mechanisms that can only lay out, e.g. agents and memart);
-  * a mechanism that plans its own prefill but cannot plan it inside a composition
-    (memart, semshare: retrieved blocks or aliased rows in a sequence of their own);
+  * a mechanism that plans its own prefill and can neither plan it inside a
+    composition nor join one (semshare: aliased rows in a sequence of its own), or
+    that can only join (memart: it needs a layout, e.g. agents or pruned);
   * two planners;
   * a planner that runs the base model only (`plans_on_adapters` False) with role
     adapters, or role adapters on a layout that does not name the row's adapter.
@@ -84,12 +89,12 @@ def check(mechanisms: list[Mechanism]) -> tuple[Mechanism, Mechanism | None]:
   names = [m.name for m in mechanisms]
   if len(mechanisms) < 2 or len(set(names)) != len(names):
     raise ValueError(f"a composition names two or more distinct mechanisms, got {names}")
-  own = [m.name for m in mechanisms if m.owns_prefill and not _plans(m)]
+  own = [m.name for m in mechanisms if m.owns_prefill and not _plans(m) and not _joins(m)]
   if own:
     rest = [n for n in names if n != own[0]]
     raise ValueError(f"{own[0]!r} plans its own prefill on the base model in a sequence of "
                      f"its own (retrieved or aliased rows): it does not combine with {rest}")
-  planners = [m for m in mechanisms if m.owns_prefill]
+  planners = [m for m in mechanisms if m.owns_prefill and _plans(m)]
   if len(planners) > 1:
     raise ValueError(f"{[m.name for m in planners]} each plan the prompt's prefill: at most "
                      "one may")
@@ -103,8 +108,8 @@ def check(mechanisms: list[Mechanism]) -> tuple[Mechanism, Mechanism | None]:
   if len(layouts) > 1:
     raise ValueError(f"{[m.name for m in layouts]} each lay out and cache the row's KV: "
                      "at most one may")
-  if not layouts:
-    layouts = [m for m in mechanisms if m is not planner][:1]
+  if not layouts:      # a joiner that plans its own prefill alone (memart) cannot lay out
+    layouts = [m for m in mechanisms if m is not planner and not m.owns_prefill][:1]
   if not layouts or (type(layouts[0]).match is Mechanism.match
                      and type(layouts[0]).finish is Mechanism.finish):
     raise ValueError(f"none of {names} lays out and caches the row's KV (they only join "
@@ -176,7 +181,9 @@ class Composed(Mechanism):
                if m is not self.planner and m.capture_q(self._view(row, m))]
     tail = min((m.queries_from(v) for m, v in scorers), default=None)
     lay = self._view(row, self.layout)
-    row.private_from = self.layout.private_from(lay)
+    pf = self.layout.private_from(lay)        # and a joiner's filled region (`fill`)
+    if pf is not None:
+      row.private_from = pf if row.private_from is None else min(pf, row.private_from)
     logits, queries = yield from self.planner.plan_prefill(
         self._view(row, self.planner), tail, self.layout.shared_prefix(lay),
         self.layout.adapter_of(lay))
@@ -184,6 +191,9 @@ class Composed(Mechanism):
       for m, v in scorers:
         m.on_chunk(v, q, lo, count)
     return logits
+
+  def fill(self, row) -> int:
+    return sum(m.fill(self._view(row, m)) for m in self.parts)
 
   def after_prefill(self, row) -> None:
     first = [] if self.planner is None else [self.planner]

@@ -30,6 +30,13 @@ request's prompt is the tail to answer (question and template), and its context
 "neighbors": the runner's overrides, "evaluate": True (the row's `TailPrefill` in
 `Result.extra["prefill"]`)}. A mechanism built on a runner alone (`MemArt(runner=)`,
 whose held head is the evaluation's own) serves only such requests.
+
+In a composition (`composed`) MemArt joins another mechanism's row: a session's
+earlier conversations are its memory, and a new conversation's prompt carries the
+blocks retrieved for it as a region its row copies from memory (`memart_region`).
+A *recall* request ({"session", "recall": {"close": lines, "query": ids}}, one
+placeholder token) writes a closed conversation and retrieves the new one's blocks
+(`Result.extra["recall"]`) before the composed request runs.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import dataclasses
 import numpy as np
 
 from jaxkv.engine.mechanisms import Match, Mechanism
+from jaxkv.engine.mechanisms import memart_region as region
 
 
 @dataclasses.dataclass
@@ -47,6 +55,7 @@ class _Turn:
   session: str | None = None    # None: an evaluation request (its memory in the context)
   pre: object = None            # the runner's `TailPrefill`
   info: dict | None = None      # memory blocks, blocks written, memory bytes
+  recall: dict | None = None    # a recall request's retrieval (`recall_steps`)
 
 
 class MemArt(Mechanism):
@@ -72,6 +81,7 @@ class MemArt(Mechanism):
     self._writing: set[str] = set()      # sessions whose history a row is writing
     self._inflight: collections.Counter = collections.Counter()   # session -> rows
     self._closing: set[str] = set()      # closed while a turn was in flight
+    self.conversations: dict[str, region.Conversation] = {}   # composed sessions'
     # counters for /metrics (one writer: the engine's thread)
     self.stats = {"requests": 0, "blocks_written": 0, "blocks_retrieved": 0,
                   "prefill_tokens": 0, "chat_tokens": 0}
@@ -92,6 +102,10 @@ class MemArt(Mechanism):
     ctx = req.context or {}
     if "memory" in ctx:                                # evaluation: the prompt is the tail
       return Match(0, np.zeros(0, np.int32), _Turn(), defer=True, reserve=len(req.prompt))
+    if "recall" in ctx:                                # a composed session's recall
+      self._sessions()
+      self._inflight[ctx["session"]] += 1
+      return Match(0, np.zeros(0, np.int32), _Turn(ctx["session"]), defer=True, reserve=1)
     if "session" not in ctx or "messages" not in ctx:
       raise ValueError("a memart request's context names its session and messages")
     tail, _ = self._sessions().tail(ctx["messages"])  # what the row will prefill
@@ -118,6 +132,8 @@ class MemArt(Mechanism):
     ctx = row.req.context
     if "memory" in ctx:
       return (yield from self._evaluate(row, ctx))
+    if "recall" in ctx:
+      return (yield from self._recall(row, ctx))
     while ctx["session"] in self._writing:     # another turn of the session is writing
       yield
     self._writing.add(ctx["session"])
@@ -152,7 +168,111 @@ class MemArt(Mechanism):
     row.n, row.cached, row.served = pre.n, pre.start, 0
     return pre.logits
 
+  def _recall(self, row, ctx):
+    """A composed session's recall: writes the closed conversation's lines, retrieves
+    the blocks for the new one's question; logits zero (its one token is no answer)."""
+    session, rc = ctx["session"], ctx["recall"]
+    while session in self._writing:
+      yield
+    self._writing.add(session)
+    try:
+      mem, _ = self.sessions.sessions.get(session) or (self.runner.new_memory(), [])
+      self.sessions.sessions[session] = (mem, [])
+      written = 0
+      if rc.get("close"):
+        span = self.sessions._enc("\n".join(rc["close"]) + "\n", literal=True)
+        rows = yield from self.runner.write_steps(mem, span, tag=mem.writes)
+        written = int(span.size)
+        self.stats["blocks_written"] += int(rows.size)
+    finally:
+      self._writing.discard(session)
+    blocks, probe = np.zeros(0, np.int32), 0
+    if mem.num_blocks:
+      q = self.sessions._enc(rc["query"], literal=True)[-self.runner.prefill_chunk:]
+      probe = q.size if self.runner.needs_probe(mem) else 0
+      blocks = yield from self.runner.retrieve_steps(mem, q)
+      mem.hits[blocks] += 1
+    ids, _, _ = region.region_of(mem, blocks)
+    row.state.recall = {"blocks": np.asarray(blocks).tolist(), "ids": ids.tolist(),
+                        "written_tokens": written, "probe_tokens": probe,
+                        "memory_blocks": mem.num_blocks, "memory_bytes": mem.nbytes}
+    row.n = row.cached = row.served = 0
+    return np.zeros(self.runner.mcfg.vocab_size, np.float32)
+
+  # ------------------------------------------------------------ in a composition
+  def conversation(self, session: str, messages: list[dict], recalled: dict | None = None):
+    """A composed session's request: its conversation (`memart_region.Conversation`),
+    or, when it opens a new one and there is memory to write or read, the recall
+    request's context to run first (then call again with its `recall` result)."""
+    conv = self.conversations.get(session)
+    if conv is not None and region.extends(messages, conv.messages):
+      conv.messages = list(messages)
+      return conv
+    if recalled is None:
+      close = [] if conv is None else region.lines(conv.messages, conv.reply)
+      mem = self._sessions().sessions.get(session)
+      if close or (mem is not None and mem[0].num_blocks):
+        user = [m for m in messages if m.get("role") == "user"]
+        query = user[-1].get("content") if user else ""
+        return {"session": session,
+                "recall": {"close": close, "query": query if isinstance(query, str) else ""}}
+      recalled = {"blocks": [], "ids": []}
+    conv = region.Conversation(list(messages), np.asarray(recalled["blocks"], np.int32),
+                               np.asarray(recalled["ids"], np.int32),
+                               {k: v for k, v in recalled.items() if k not in ("blocks", "ids")})
+    self.conversations[session] = conv
+    return conv
+
+  def turn(self, session: str, messages: list[dict], tools, prompt, ctx: dict,
+           recalled: dict | None = None):
+    """A composed request's (prompt, context) with its conversation's memory region
+    at the first user message's content (`memart_region.insert`), or the context of
+    the recall request to run first (`conversation`)."""
+    conv = self.conversation(session, messages, recalled)
+    if isinstance(conv, dict):
+      return conv
+    recall = conv.recall if recalled is not None else {}     # reported once, by its call
+    at = region.head_length(self.sessions.tok, messages, tools, prompt) if conv.ids.size else None
+    if at is None:                       # nothing retrieved (or no user message)
+      return list(prompt), dict(ctx, memart={"session": session, "at": 0, "blocks": [],
+                                             "n": 0, "recall": recall})
+    return region.insert(prompt, ctx, at, conv, session, recall)
+
+  def join(self, req) -> region.Fill:
+    ctx = (req.context or {}).get("memart")
+    if ctx is None:
+      raise ValueError("a composed request with memart names its region (context['memart'])")
+    return region.Fill(ctx["session"], ctx["at"], np.asarray(ctx["blocks"], np.int32),
+                       ctx["n"], ctx.get("recall") or {})
+
+  def fill(self, row) -> int:
+    f = row.state
+    mem = self.sessions.sessions.get(f.session) if self.sessions is not None else None
+    k = region.fill(self.runner, None if mem is None else mem[0], row, f)
+    if k:      # private from the region on: a part adopted from the cache is too
+      row.private_from = f.at if row.private_from is None else min(row.private_from, f.at)
+    return k
+
+  def leave(self, row, cache: bool) -> dict | None:
+    f = row.state
+    conv = self.conversations.get(f.session)
+    if cache and conv is not None and row.generated:
+      conv.reply = self.sessions.tok.decode([int(t) for t in row.generated
+                                             if t not in self.sessions.tok.stop_ids])
+    s = self.stats
+    s["requests"] += 1
+    s["blocks_retrieved"] += int(f.blocks.size)
+    # region tokens among the row's cached ones (spliced or adopted): not the client's
+    cached = max(0, min(row.cached, f.at + f.n) - f.at) if f.n else 0
+    return {"memory_region_tokens": f.n, "memory_spliced_tokens": f.spliced,
+            "memory_cached_tokens": cached,
+            "memory_blocks_retrieved": int(f.blocks.size), **{
+                f"memory_{k}" if not k.startswith("memory") else k: v
+                for k, v in f.recall.items()}}
+
   def decode_view(self, row, width: int):
+    if isinstance(row.state, region.Fill):   # joined: the region is the row's own KV
+      return None, None
     shift = row.state.pre.shift
     if shift is None:
       return None, None
@@ -166,6 +286,8 @@ class MemArt(Mechanism):
     t = row.state
     if t.session is not None:
       self._leave(t.session)
+    if t.recall is not None:
+      return {"recall": t.recall}
     if t.pre is None:
       return None
     pre, info = t.pre, t.info
@@ -185,6 +307,7 @@ class MemArt(Mechanism):
   def close(self, session: str) -> bool:
     """Frees a session's memory (with its last turn in flight, when that one ends);
     False when it has none and no turn in flight."""
+    self.conversations.pop(session, None)
     if self._inflight[session] > 0:
       self._closing.add(session)
       return True
