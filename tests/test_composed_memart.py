@@ -130,6 +130,38 @@ def test_a_later_call_adopts_the_region_and_pruning_sees_it_as_history(llm):
   eng.kv_manager.check()
 
 
+def test_a_new_region_that_starts_like_the_last_one_adopts_that_part(llm):
+  """A new conversation whose region begins with the last conversation's first block:
+  the layout adopts that part of the region from the session's path (same tokens, same
+  positions, the same copied K/V) and the row fills the rest; the whole region is cached
+  as the session's private suffix again (its adopted part included), so the call ends
+  cleanly and the conversation's next call adopts all of it."""
+  eng, pr, ma = _engine(llm)
+  _call(eng, pr, ma, "s", FIRST, "a1")
+  _, _, ctx, _ = _call(eng, pr, ma, "s", SECOND, "b0")
+  mem = ma.sessions.sessions["s"][0]
+  last = ctx["memart"]["blocks"]
+  others = [int(b) for b in np.flatnonzero(mem.live) if b not in last][:1]
+  blocks = np.asarray(last[:1] + others, np.int32)
+  third = [{"role": "system", "content": SYSTEM},
+           {"role": "user", "content": "What is the cat called?"}]
+  prompt, ctx3 = pr.context("s", third)
+  ma.conversations.pop("s")            # as if this question had retrieved `blocks`
+  prompt, ctx3 = ma.turn("s", third, None, prompt, ctx3, {
+      "blocks": blocks.tolist(), "ids": region.region_of(mem, blocks)[0].tolist()})
+  (res,) = list(eng.run([Request("c0", prompt, SamplingConfig(max_tokens=MAX), mechanism=PAIR,
+                                 context=ctx3)]))
+  assert res.finish_reason in ("stop", "length"), res.error
+  n, at = ctx3["memart"]["n"], ctx3["memart"]["at"]
+  assert 0 < res.extra["memory_spliced_tokens"] < n and res.cached_tokens >= at + n
+  more = third + [{"role": "assistant", "content": llm.tokenizer.decode(res.tokens)},
+                  {"role": "user", "content": "And its colour?"}]
+  again, _, _, recall = _call(eng, pr, ma, "s", more, "c1")
+  assert recall is None and again.extra["memory_spliced_tokens"] == 0
+  assert again.cached_tokens >= at + n
+  eng.kv_manager.check()
+
+
 def test_with_no_memory_it_equals_pruning_alone(llm):
   """One conversation: nothing to recall, no region; tokens and pruning's report
   equal the pruned mechanism's alone, turn by turn, at a budget that prunes."""
