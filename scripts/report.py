@@ -60,6 +60,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             composed (agent calls)
   bench/results_compaction.json    bench/compaction.py      pruning / reuse alone and
                                                             composed (cleared histories)
+  bench/results_composed_memory.json bench/composed_memory.py MemArt / pruning alone and
+                                                            composed (planted facts)
   artifacts/smollm2-135m/*/        scripts/train_lora.py,   held-out NLL matrix, Phase-2
    (metrics.jsonl, log.csv)        scripts/train_pruner.py  epoch table, training curves
 
@@ -87,6 +89,7 @@ import attention_kernels as kernels_bench  # noqa: E402
 import common  # noqa: E402
 import compaction as compaction_bench  # noqa: E402
 import composed as composed_bench  # noqa: E402
+import composed_memory  # noqa: E402
 import config_reference  # noqa: E402  (scripts/)
 import layouts  # noqa: E402
 import lragent as lragent_bench  # noqa: E402
@@ -154,6 +157,7 @@ SOURCES = {
     "server-load-kinds": "bench/results_server_load_kinds.json",
     "composed": "bench/results_composed.json",
     "compaction": "bench/results_compaction.json",
+    "composed-memory": "bench/results_composed_memory.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
@@ -269,6 +273,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [server_load.batching_table(rows["server-load-kinds"])])
   out["composed"] = rows["composed"] and _render([composed_bench.table(rows["composed"])])
   out["compaction"] = rows["compaction"] and _render(compaction_bench.tables(rows["compaction"]))
+  out["composed-memory"] = rows["composed-memory"] and _render(
+      composed_memory.tables(rows["composed-memory"]))
   out["layouts"] = rows["layouts"] and _render([layouts.table(rows["layouts"])],
                                                titles=False)
   out["throughput-layouts"] = rows["throughput-layouts"] and _render(

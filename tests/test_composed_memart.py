@@ -162,6 +162,38 @@ def test_a_new_region_that_starts_like_the_last_one_adopts_that_part(llm):
   eng.kv_manager.check()
 
 
+def test_a_region_prefix_computed_exactly_is_adopted_as_exact(llm):
+  """A region prefilled as text (a block evicted since the recall) is exact KV and is
+  cached under shared keys; another session whose region begins with the same block
+  adopts that part as exact, fills the rest from memory and caches only the filled
+  part as private (the call ends cleanly; with the region's start as the private bound
+  the adopted slots would be cached twice)."""
+  eng, pr, ma = _engine(llm)
+  _call(eng, pr, ma, "s", FIRST, "a1")
+  prompt, ctx = pr.context("s", SECOND)
+  todo = ma.turn("s", SECOND, None, prompt, ctx)
+  (rc,) = list(eng.run([Request("r", prompt[-1:], SamplingConfig(max_tokens=1),
+                                mechanism="memart", context=todo)]))
+  prompt, ctx = ma.turn("s", SECOND, None, prompt, ctx, rc.extra["recall"])
+  mem = ma.sessions.sessions["s"][0]
+  blocks = ctx["memart"]["blocks"]
+  ma.runner.evict(mem, blocks[-1:])
+  (res,) = list(eng.run([Request("b", prompt, SamplingConfig(max_tokens=MAX), mechanism=PAIR,
+                                 context=ctx)]))
+  assert res.extra["memory_spliced_tokens"] == 0          # computed: exact, shared keys
+  ma.sessions.sessions["t"] = ma.sessions.sessions["s"]     # a session sharing the memory
+  other = [int(b) for b in np.flatnonzero(mem.live) if b not in blocks][:1]
+  mine = np.asarray(blocks[:1] + other, np.int32)
+  prompt, ctx = pr.context("t", SECOND)
+  prompt, ctx = ma.turn("t", SECOND, None, prompt, ctx, {
+      "blocks": mine.tolist(), "ids": region.region_of(mem, mine)[0].tolist()})
+  (res,) = list(eng.run([Request("t", prompt, SamplingConfig(max_tokens=MAX), mechanism=PAIR,
+                                 context=ctx)]))
+  assert res.finish_reason in ("stop", "length"), res.error
+  assert 0 < res.extra["memory_spliced_tokens"] < ctx["memart"]["n"]
+  eng.kv_manager.check()
+
+
 def test_with_no_memory_it_equals_pruning_alone(llm):
   """One conversation: nothing to recall, no region; tokens and pruning's report
   equal the pruned mechanism's alone, turn by turn, at a budget that prunes."""

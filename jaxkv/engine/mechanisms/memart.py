@@ -248,10 +248,11 @@ class MemArt(Mechanism):
   def fill(self, row) -> int:
     f = row.state
     mem = self.sessions.sessions.get(f.session) if self.sessions is not None else None
+    start = row.cached
     k = region.fill(self.runner, None if mem is None else mem[0], row, f)
-    if k:      # private from the region on: a part adopted from the cache is too
-      row.private_from = f.at if row.private_from is None else min(row.private_from, f.at)
-    return k
+    if k:   # private from the fill on; a part adopted from the cache keeps its path's
+      row.private_from = start if row.private_from is None else min(row.private_from, start)
+    return k   # keys (the layout's own `private_from` when its session's path was private)
 
   def leave(self, row, cache: bool) -> dict | None:
     f = row.state

@@ -311,8 +311,9 @@ class Pruned(Mechanism):
       if cache and row.prefilled == len(row.req.prompt):
         toks = np.asarray(list(row.req.prompt) + row.generated[:-1], np.int64)
         slots = self.kv.allocator.slot_map(row.seq)[:toks.size]
-        # a composition's approximate KV (`Row.private_from`), else the adopted suffix's
-        pf = row.private_from if row.private_from is not None else self.private_from(row)
+        # a composition's approximate KV (`Row.private_from`) and the adopted suffix's
+        pf = min((p for p in (row.private_from, self.private_from(row)) if p is not None),
+                 default=None)
         self.tree.insert(toks, slots, replaces=t.prev, private_from=pf)
         self.state.commit(t.session, t.new_memory, len(row.req.prompt) + len(row.generated),
                           (toks.copy(), slots == SENTINEL, pf))
