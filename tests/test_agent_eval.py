@@ -157,6 +157,7 @@ def test_paired_fields_score_discriminative_calls_only():
   assert ikv["n_scored"] is None and math.isnan(ikv["exact_scored"])
 
 
+@pytest.mark.slow
 def test_every_configuration_starts_from_the_same_warm_cache(llm):
   """The shared system prompt is cached before each configuration, so the first one
   run in a process sees the same prefix hits as the ones after it."""

@@ -100,6 +100,7 @@ def test_distinct_adapters_separate_the_schemes(llm, traj, distinct):
   assert b["full_shared"] < b["base_lr_shared"] < b["base_shared"] < b["non_shared"]
 
 
+@pytest.mark.slow
 def test_droidspeak_recomputing_every_layer_is_non_shared(llm, traj, distinct):
   """A window over all layers recomputes every reused token from its embedding
   with the agent's own adapter: exactly the agent's own cache."""

@@ -48,6 +48,7 @@ def llm():
   return hf_util.random_llm_with_real_tokenizer(num_layers=3)
 
 
+@pytest.mark.slow
 def test_every_method_serves_the_conversation(llm):
   """Each method answers both questions; the composed one prefills only its question
   (the region is copied) and pruning drops history past the budget."""

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
@@ -25,6 +26,7 @@ def test_jax_dense_layout_matches_our_reference():
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_mosaic_rows_run_on_page_aligned_pools_and_match_the_reference():
   """The bench's pools sit on the 16-slot page grid (Mosaic tiles the pool by 8 rows):
   both Mosaic rows (plan per call, plan built once) take the paged path and agree with
@@ -101,6 +103,7 @@ def test_bench_runs_and_writes_rows(tmp_path):
   assert all(r["bytes"] < 0.9 * dense["bytes"] for r in decode if r["dead"])
 
 
+@pytest.mark.slow
 def test_pallas_rows_run_in_the_interpreter(tmp_path):
   """Every GPU row of the script (per-call and planned kernels, JAX's kernel, the
   split probe, Flash-LoRA planned) runs through the interpreter, so a GPU run

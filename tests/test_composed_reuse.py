@@ -73,7 +73,8 @@ def _turn(eng, session, messages, mechanism, rid=None):
   return res, prompt, ctx
 
 
-@pytest.mark.parametrize("method", ["intentkv", "snapkv", "h2o"])
+@pytest.mark.parametrize("method", ["intentkv", pytest.param("snapkv", marks=pytest.mark.slow),
+                                    pytest.param("h2o", marks=pytest.mark.slow)])
 def test_with_reuse_a_no_op_it_equals_pruning_alone(llm, method):
   """Reuse off: the composed turns give pruning's tokens, prefix hits, kept entries
   and QueryMemory cosine, turn by turn, with the scorer's queries from the tail the
@@ -98,6 +99,7 @@ def test_with_reuse_a_no_op_it_equals_pruning_alone(llm, method):
   both.kv_manager.check()
 
 
+@pytest.mark.slow
 def test_with_pruning_a_no_op_it_equals_reuse_alone(llm):
   """Pruning off: each session's turn gives reuse's tokens, first-token logits (1e-5),
   prefix hits, tiers and reused tokens; the sessions after the first splice the tool

@@ -89,7 +89,8 @@ def _call(eng, mechanism, session, prompt, role, forced=None, ctx=None, rid=None
   return res
 
 
-@pytest.mark.parametrize("scheme", ["base_lr_shared", "full_shared"])
+@pytest.mark.parametrize("scheme", ["base_lr_shared",
+                                    pytest.param("full_shared", marks=pytest.mark.slow)])
 def test_with_reuse_a_no_op_it_equals_the_agents_alone(llm, lora, forced, scheme):
   """Reuse "none": the planner's layer passes run the row's role adapter (decoupled or
   full) and give the agents' forced log-probabilities (1e-5), greedy tokens and

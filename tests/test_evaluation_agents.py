@@ -33,7 +33,8 @@ def llm(tmp_path_factory):
   return hf_util.tiny_chat_llm(tmp_path_factory.mktemp("tiny_evaluation_agents"))
 
 
-@pytest.mark.parametrize("scheme", SERVED)
+@pytest.mark.parametrize("scheme", [s if s == "base_lr_shared" else
+                                    pytest.param(s, marks=pytest.mark.slow) for s in SERVED])
 def test_batched_trajectories_equal_the_runner(llm, scheme):
   trajs = [agents.build(_session(f"s{i}", a), llm.tokenizer) for i, a in enumerate(ANSWERS)]
   w = _lora(llm, seed=int(np.random.default_rng().integers(1 << 20)))

@@ -76,6 +76,7 @@ def _runner_eval(runner, qs, stop_ids):
   return out
 
 
+@pytest.mark.slow
 def test_engine_evaluation_equals_the_runner(llm):
   seed = int(np.random.default_rng().integers(1 << 30))
   head = np.asarray(llm.tokenizer.encode("<|im_start|>user\nRecall:", add_bos=False), np.int32)

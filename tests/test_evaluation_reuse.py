@@ -56,7 +56,8 @@ def _runner_eval(llm, method, prompts):
   return out, r
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m == "cacheblend"
+                                    else m for m in sorted(METHODS)])
 def test_engine_evaluation_equals_the_runner(llm, method):
   prompts = _workload()
   want, runner = _runner_eval(llm, method, prompts)

@@ -75,7 +75,8 @@ def _runner_eval(llm, method, pairs):
   return out
 
 
-@pytest.mark.parametrize("method,given", [("semshare", False), ("semshare", True),
+@pytest.mark.parametrize("method,given", [pytest.param("semshare", False, marks=pytest.mark.slow),
+                                          ("semshare", True),
                                           ("random", True), ("snapkv", True),
                                           ("full", False)])
 def test_engine_evaluation_equals_the_runner(llm, method, given):

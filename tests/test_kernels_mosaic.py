@@ -200,8 +200,9 @@ def _shifted_reference(**kw):
   return ops.paged_attention(**kw, impl="reference")
 
 
-@pytest.mark.parametrize("head_dim,groups,dead,q_len", [(64, 3, 0.0, 1), (64, 7, 0.5, 12),
-                                                        (128, 1, 0.3, 1), (128, 3, 0.0, 4)])
+@pytest.mark.parametrize("head_dim,groups,dead,q_len", [
+    (64, 3, 0.0, 1), pytest.param(64, 7, 0.5, 12, marks=pytest.mark.slow),
+    pytest.param(128, 1, 0.3, 1, marks=pytest.mark.slow), (128, 3, 0.0, 4)])
 def test_mosaic_key_shift_matches_reference(head_dim, groups, dead, q_len):
   """Keys rotated on read in the tile (`key_shift`: MemArt's aliased blocks) against
   the reference path of jaxkv.ops (gather, rotate, attend), on poisoned pools, with

@@ -98,6 +98,7 @@ def _requests(llm, eng):
                "agents", {"session": "team"}, adapter=1)]
 
 
+@pytest.mark.slow
 def test_six_kinds_in_one_step_equal_their_runs_alone(llm):
   alone = {}
   for i in range(6):

@@ -66,6 +66,7 @@ def test_forced_replay_equals_session_runner(llm, method):
   assert eng.allocator.sequences() == [] and rec.tree.locked_tokens == 0 and not rec.kept
 
 
+@pytest.mark.slow
 def test_free_turns_and_batched_sessions(llm):
   """Free turns equal SessionRunner's generated tokens; three sessions replayed side by
   side in one batch equal each replayed alone; `until` stops a reply early."""
@@ -130,6 +131,7 @@ def test_a_failed_turn_raises_and_frees_everything(llm):
   assert not eng.busy and eng.allocator.sequences() == []
 
 
+@pytest.mark.slow
 def test_pruning_bench_columns_reproduce_through_the_engine(llm):
   """bench/pruning.py's columns from the engine replay equal the batch-1 runner's
   (wall time aside; Delta-NLL within 1e-5); compact still runs on the runner."""

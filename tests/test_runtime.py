@@ -67,6 +67,7 @@ def test_compilation_cache_keeps_a_directory_already_set(tmp_path, monkeypatch):
     jax.config.update("jax_compilation_cache_dir", before)
 
 
+@pytest.mark.slow
 def test_load_turns_on_the_cache_and_reports_progress(tmp_path):
   """`jaxkv.load` as a user calls it: the shared persistent cache (what the CLI
   uses) is on and filled, and stderr says what the first minute is spent on;

@@ -414,6 +414,7 @@ def test_prefix_cache_reports_cached_tokens(base, reference):
     llm.engine.radix.check()
 
 
+@pytest.mark.slow
 def test_queue_full_gets_429_and_the_rest_complete(base):
   llm, cfg = fresh(base, max_pending=2)
   with serving(llm, cfg) as server:
@@ -436,6 +437,7 @@ def test_queue_full_gets_429_and_the_rest_complete(base):
     assert metric(server.url, "jaxkv_requests_rejected_total") == got.count(429)
 
 
+@pytest.mark.slow
 def test_compiled_programs_stay_bounded_and_answers_do_not_change(base, reference):
   """server.max_compiled=1: every step compiles past the bound, so the loop drops
   the compiled programs after each one; the answers still equal single runs, and
@@ -699,6 +701,7 @@ def test_api_keys_hosts_and_session_owners(base):
     assert httpx.get(url + "/v1/models", headers=ok).status_code == 200
 
 
+@pytest.mark.slow
 def test_idle_session_pins_give_way_under_pressure(base):
   """Two sessions pin most of a small pool; a request that needs those pages runs (it
   got a 500 "KV pool too small" before, issue 38): the least recently used session's

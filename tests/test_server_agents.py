@@ -99,6 +99,7 @@ def test_role_adapter_reports_itself(served):
   assert metric(served.url, "jaxkv_lora_shared_a_saved_bytes") > 0
 
 
+@pytest.mark.slow
 def test_pruned_session_keeps_query_memory_across_turns(served):
   """The default kind: turn 1 is pruned to the budget and equals a SessionRunner of
   its own; turn 2 adopts turn 1 from the radix cache and its QueryMemory carries

@@ -250,6 +250,7 @@ def _user(text):
   return [{"role": "user", "content": text}]
 
 
+@pytest.mark.slow
 def test_json_modes_give_valid_json(server):
   """20 requests per mode: every reply is JSON valid under its schema."""
   schema = dict(PARAMS, properties={"name": {"type": "string", "maxLength": 20},
