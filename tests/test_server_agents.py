@@ -375,7 +375,7 @@ def test_four_mechanisms_compose_with_memory_of_earlier_conversations(served):
   that conversation adopts the region from the trajectory; usage names all four."""
   url, client = served.url, served.client
   opened = httpx.post(url + "/v1/sessions", json={"kind": ["memart", "reuse", "agents",
-                                                             "pruned"]}).json()
+                                                             "pruned"]}, timeout=120).json()
   sid, kind = opened["id"], "agents+pruned+memart+reuse"
   assert opened["kind"] == kind
 
@@ -462,7 +462,8 @@ def test_three_mechanisms_compose_in_one_session(served):
                        {"role": "user", "content": "Which tool cancels an order?"}])]
   got, sids = [], []
   for role, chat in chats:
-    opened = httpx.post(url + "/v1/sessions", json={"kind": ["reuse", "agents", "pruned"]})
+    opened = httpx.post(url + "/v1/sessions", json={"kind": ["reuse", "agents", "pruned"]},
+                        timeout=120)      # the loop thread may be in a step that compiles
     assert opened.json()["kind"] == "agents+pruned+reuse", opened.text
     sids.append(opened.json()["id"])
     r = client.chat.completions.create(model=f"{MODEL}:{role}", messages=chat, max_tokens=8,
