@@ -54,6 +54,16 @@ def _engine(llm, budget=4096, top_k=2):
   return eng, pr, ma
 
 
+def _recalled(eng, pr, ma, session, msgs):
+  """(prompt, context, recall result) of a new conversation's first call, its recall run."""
+  prompt, ctx = pr.context(session, msgs)
+  todo = ma.turn(session, msgs, None, prompt, ctx)
+  (rc,) = list(eng.run([Request("r", prompt[-1:], SamplingConfig(max_tokens=1),
+                                mechanism="memart", context=todo)]))
+  prompt, ctx = ma.turn(session, msgs, None, prompt, ctx, rc.extra["recall"])
+  return prompt, ctx, rc.extra["recall"]
+
+
 def _call(eng, pr, ma, session, msgs, rid):
   """One composed call as the server makes it: a recall first when it opens a new
   conversation with memory to write or read (`SessionBackends.engine_request`)."""
@@ -82,13 +92,8 @@ def test_with_pruning_a_no_op_a_new_conversation_answers_as_memart(llm):
   eng, pr, ma = _engine(llm)
   _call(eng, pr, ma, "s", FIRST[:2], "a0")
   _call(eng, pr, ma, "s", FIRST, "a1")
-  prompt, ctx = pr.context("s", SECOND)
-  todo = ma.turn("s", SECOND, None, prompt, ctx)
-  (rc,) = list(eng.run([Request("r", prompt[-1:], SamplingConfig(max_tokens=1),
-                                mechanism="memart", context=todo)]))
-  got = rc.extra["recall"]
+  prompt, ctx, got = _recalled(eng, pr, ma, "s", SECOND)
   assert got["written_tokens"] > 0 and len(got["blocks"]) == 2 and got["memory_blocks"] > 2
-  prompt, ctx = ma.turn("s", SECOND, None, prompt, ctx, got)
   at, n = ctx["memart"]["at"], ctx["memart"]["n"]
   assert n == len(got["ids"]) > 16 and prompt[at:at + n] == got["ids"]
   runner, mem = ma.runner, ma.sessions.sessions["s"][0]
@@ -170,11 +175,7 @@ def test_a_region_prefix_computed_exactly_is_adopted_as_exact(llm):
   the adopted slots would be cached twice)."""
   eng, pr, ma = _engine(llm)
   _call(eng, pr, ma, "s", FIRST, "a1")
-  prompt, ctx = pr.context("s", SECOND)
-  todo = ma.turn("s", SECOND, None, prompt, ctx)
-  (rc,) = list(eng.run([Request("r", prompt[-1:], SamplingConfig(max_tokens=1),
-                                mechanism="memart", context=todo)]))
-  prompt, ctx = ma.turn("s", SECOND, None, prompt, ctx, rc.extra["recall"])
+  prompt, ctx, _ = _recalled(eng, pr, ma, "s", SECOND)
   mem = ma.sessions.sessions["s"][0]
   blocks = ctx["memart"]["blocks"]
   ma.runner.evict(mem, blocks[-1:])
@@ -214,11 +215,7 @@ def test_a_region_whose_blocks_went_is_computed_instead(llm):
   prompt text (exact, not saved) and the call still answers."""
   eng, pr, ma = _engine(llm)
   _call(eng, pr, ma, "s", FIRST, "a1")
-  prompt, ctx = pr.context("s", SECOND)
-  got = ma.turn("s", SECOND, None, prompt, ctx)
-  (rc,) = list(eng.run([Request("r", prompt[-1:], SamplingConfig(max_tokens=1),
-                                mechanism="memart", context=got)]))
-  prompt, ctx = ma.turn("s", SECOND, None, prompt, ctx, rc.extra["recall"])
+  prompt, ctx, _ = _recalled(eng, pr, ma, "s", SECOND)
   mem = ma.sessions.sessions["s"][0]
   ma.runner.evict(mem, ctx["memart"]["blocks"][:1])
   (res,) = list(eng.run([Request("b", prompt, SamplingConfig(max_tokens=MAX), mechanism=PAIR,

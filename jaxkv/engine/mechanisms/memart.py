@@ -134,14 +134,8 @@ class MemArt(Mechanism):
       return (yield from self._evaluate(row, ctx))
     if "recall" in ctx:
       return (yield from self._recall(row, ctx))
-    while ctx["session"] in self._writing:     # another turn of the session is writing
-      yield
-    self._writing.add(ctx["session"])
-    try:
-      mem, tail, voters, info = yield from self.sessions.prepare_steps(
-          ctx["session"], ctx["messages"])
-    finally:
-      self._writing.discard(ctx["session"])
+    mem, tail, voters, info = yield from self._writer(
+        ctx["session"], self.sessions.prepare_steps(ctx["session"], ctx["messages"]))
     pre = yield from self.runner.prefill_into_steps(row.seq, mem, tail,
                                                     row.req.sampling.max_tokens,
                                                     voters=voters, owner="engine")
@@ -168,24 +162,29 @@ class MemArt(Mechanism):
     row.n, row.cached, row.served = pre.n, pre.start, 0
     return pre.logits
 
-  def _recall(self, row, ctx):
-    """A composed session's recall: writes the closed conversation's lines, retrieves
-    the blocks for the new one's question; logits zero (its one token is no answer)."""
-    session, rc = ctx["session"], ctx["recall"]
+  def _writer(self, session: str, steps):
+    """Runs the prefill-work generator `steps` that writes `session`'s memory once no
+    other row of the session is writing it (one writer per memory); its result."""
     while session in self._writing:
       yield
     self._writing.add(session)
     try:
-      mem, _ = self.sessions.sessions.get(session) or (self.runner.new_memory(), [])
-      self.sessions.sessions[session] = (mem, [])
-      written = 0
-      if rc.get("close"):
-        span = self.sessions._enc("\n".join(rc["close"]) + "\n", literal=True)
-        rows = yield from self.runner.write_steps(mem, span, tag=mem.writes)
-        written = int(span.size)
-        self.stats["blocks_written"] += int(rows.size)
+      return (yield from steps)
     finally:
       self._writing.discard(session)
+
+  def _recall(self, row, ctx):
+    """A composed session's recall: writes the closed conversation's lines, retrieves
+    the blocks for the new one's question; logits zero (its one token is no answer)."""
+    session, rc = ctx["session"], ctx["recall"]
+    mem, _ = self.sessions.sessions.get(session) or (self.runner.new_memory(), [])
+    self.sessions.sessions[session] = (mem, [])
+    written = 0
+    if rc.get("close"):
+      span = self.sessions._enc("\n".join(rc["close"]) + "\n", literal=True)
+      rows = yield from self._writer(session, self.runner.write_steps(mem, span, tag=mem.writes))
+      written = int(span.size)
+      self.stats["blocks_written"] += int(rows.size)
     blocks, probe = np.zeros(0, np.int32), 0
     if mem.num_blocks:
       q = self.sessions._enc(rc["query"], literal=True)[-self.runner.prefill_chunk:]
