@@ -35,6 +35,7 @@ from pallas_kernels import paged_attention as pa
 from pallas_kernels import paged_attention_mosaic as pm
 
 
+@pm.settled
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_step", "k_splits", "stages", "stage_starts", "fallback",
     "interpret"))

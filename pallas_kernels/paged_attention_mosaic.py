@@ -412,6 +412,28 @@ def _mosaic_call(q_rows, row_pos, starts, positions, bounds, offset, k_flat, v_f
               *(shifted or ()), *(lora or ()))
 
 
+def settled(kernel):
+  """`kernel` (a jitted Mosaic entry point) that, run eagerly with interpret=True,
+  returns only once its result is computed.
+
+  Mosaic GPU's interpreter runs eager JAX ops inside the kernel's IO callbacks. If
+  the caller dispatches other work while the interpreted kernel is still running
+  (JAX dispatches asynchronously), the callback's op and the caller's op can each
+  wait for the other on the CPU device: the process hangs idle (seen in CI, in a
+  test that computed its reference right after the kernel call). Under a trace
+  (inside the caller's own jit) nothing is waited for."""
+
+  @functools.wraps(kernel)
+  def run(*args, **kwargs):
+    out = kernel(*args, **kwargs)
+    if kwargs.get("interpret") and not isinstance(out, jax.core.Tracer):
+      jax.block_until_ready(out)
+    return out
+
+  return run
+
+
+@settled
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_step", "k_splits", "stages", "stage_starts", "fallback",
     "interpret"))

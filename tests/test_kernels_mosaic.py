@@ -15,6 +15,7 @@ slot after the last query, is NaN: a kernel that read one would return NaN.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -181,6 +182,24 @@ def test_token_level_maps_run_the_fallback():
   for fallback in ("triton", "reference"):
     got = _run(a, 1, fallback=fallback)
     _check_bf16(seed, got, pa.paged_attention_reference, a, layer=1)
+
+
+def test_interpreted_calls_return_once_computed():
+  """`settled`: an eager interpret=True call returns a computed result (the caller's
+  next op must not race the interpreter's callbacks: that hung CI); under the
+  caller's own trace nothing is waited for. A few seconds of matmuls stand in for
+  the kernel, which JAX would hand back still running."""
+
+  @functools.partial(jax.jit, static_argnames="interpret")
+  def kernel(x, *, interpret=False):
+    del interpret
+    return jax.lax.fori_loop(0, 24, lambda _, y: jnp.tanh(y @ x), x)
+
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((1024, 1024)), jnp.float32) / 32
+  jax.block_until_ready(kernel(x))                         # compiled
+  assert not kernel(x).is_ready(), "the stand-in must come back still running"
+  assert pm.settled(kernel)(x, interpret=True).is_ready()
+  assert jax.jit(lambda y: pm.settled(kernel)(y, interpret=True))(x).shape == x.shape
 
 
 def test_unsupported_calls_go_to_the_fallback():
