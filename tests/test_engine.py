@@ -132,10 +132,24 @@ def test_bad_requests_are_errors_and_the_run_goes_on(tiny):
   reqs = [Request("long", list(range(1, 120)), SamplingConfig(max_tokens=20)),
           Request("empty", [], SamplingConfig(max_tokens=4)),
           Request("ok", [1, 2, 3], SamplingConfig(max_tokens=4))]
-  out = {r.id: r for r in _engine(model).run(reqs)}
+  eng = _engine(model)
+  eng.add_mechanism(_FailingFill())     # a plug-in that raises while filling its row
+  reqs.insert(2, Request("fill", [5, 6, 7, 8], SamplingConfig(max_tokens=4),
+                         mechanism="failing_fill"))
+  out = {r.id: r for r in eng.run(reqs)}
   assert out["long"].finish_reason == "error" and "max_seq_len" in out["long"].error
   assert out["empty"].finish_reason == "error"
+  assert out["fill"].finish_reason == "error" and "no memory block" in out["fill"].error
   assert out["ok"].finish_reason == "length" and len(out["ok"].tokens) == 4
+  assert eng.allocator.num_used_pages == 0         # the failed row's sequence was freed
+  eng.allocator.check()
+
+
+class _FailingFill(Mechanism):
+  name = "failing_fill"
+
+  def fill(self, row):
+    raise KeyError("no memory block")
 
 
 def test_small_pool_queues_requests(tiny):

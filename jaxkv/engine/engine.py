@@ -254,7 +254,7 @@ class Engine(MechanismRows, SessionHolds, ForcedRows):
     row = Row(req=req, seq=seq, admitted=now, prefilled=hit, cached=hit, lock=match,
               state=None if found is None else found.state, n=n, order=self._admitted)
     if found is not None and not found.defer:      # KV the mechanism writes itself
-      row.cached = row.prefilled = hit + mech.fill(row)
+      return self._fill(row, mech)
     return row
 
   def _too_long(self, n: int, max_tokens: int) -> str | None:

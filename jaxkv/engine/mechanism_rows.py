@@ -4,8 +4,9 @@
 (`Mechanism.owns_prefill`: each advances by one prefill, or one slice of a
 generator prefill, per step; the first token is sampled from the logits they return) and
 the decode views of rows whose KV is not their own slot map (per-layer slot maps,
-key shifts). It reads the engine's `mechanisms`, `cfg`, `driver`, `model_cfg`,
-`metrics` and `_emit`.
+key shifts), and the admission of rows a mechanism fills itself (`_fill`). It
+reads the engine's `mechanisms`, `cfg`, `driver`, `model_cfg`, `metrics`, `_emit`
+and `_release`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from jaxkv.engine import executables
 from jaxkv.engine.prefill_work import run_chunk
-from jaxkv.engine.request import Row
+from jaxkv.engine.request import Result, Row, error
 from jaxkv.engine.sampling import sample
 from jaxkv.kv.allocator import OutOfSlotsError
 
@@ -28,6 +29,20 @@ _sample_one = executables.register(jax.jit(sample, static_argnames=("greedy_only
 
 class MechanismRows:
   """Mixin of `Engine` (module docstring)."""
+
+  def _fill(self, row: Row, mech) -> Row | Result:
+    """Admits a row whose mechanism writes KV itself at admission (`Mechanism.fill`:
+    MemArt's recalled blocks); the row's prompt is then computed up to the end of
+    what it adopted and filled. A fill that raises leaves nothing held: the row is
+    released (its sequence, its mechanism's locks) and its request answered with
+    the error, so the engine goes on with the other rows."""
+    try:
+      row.cached = row.prefilled = row.cached + mech.fill(row)
+    except Exception as e:   # any failure of a plug-in's fill
+      self._release(row, cache=False)
+      return error(row.req, f"mechanism {row.req.mechanism!r} could not fill the request: "
+                            f"{e!r}")
+    return row
 
   def _owns(self, r: Row) -> bool:
     """Whether the row's mechanism computes its prompt itself (`owns_prefill`)."""

@@ -127,7 +127,8 @@ class Mechanism:
     """Writes the K/V of prompt positions [row.cached, row.cached + k) into the row's
     own fresh slots and returns k (< row.n - row.cached; default 0): the engine
     counts them as cached and prefills the rest. Sets `row.private_from` when that
-    KV is not what a plain prefill computes."""
+    KV is not what a plain prefill computes. If it raises, the engine releases the
+    row (`finish` with cache=False) and answers the request with the error."""
     del row
     return 0
 
