@@ -132,6 +132,11 @@ def test_a_later_call_adopts_the_region_and_pruning_sees_it_as_history(llm):
   assert res.cached_tokens >= ctx2["memart"]["at"] + ctx2["memart"]["n"]
   assert ctx2["qs"] > ctx2["memart"]["at"] + ctx2["memart"]["n"]
   assert res.extra["pruned"]
+  # a prompt that does not start with the template's rendering up to the first user
+  # message (here one token more in front) has nowhere for the region: none, and said
+  p, c = pr.context("s", more)
+  p2, c2 = ma.turn("s", more, None, [0, *p], c)
+  assert p2 == [0, *p] and c2["memart"]["n"] == 0 and c2["memart"]["recall"]["region_skipped"]
   eng.kv_manager.check()
 
 

@@ -232,7 +232,9 @@ class MemArt(Mechanism):
       return conv
     recall = conv.recall if recalled is not None else {}     # reported once, by its call
     at = region.head_length(self.sessions.tok, messages, tools, prompt) if conv.ids.size else None
-    if at is None:                       # nothing retrieved (or no user message)
+    if at is None:                       # nothing retrieved, or nowhere to put it
+      if conv.ids.size:                  # said in the call's usage (memory_region_skipped)
+        recall = dict(recall, region_skipped=True)
       return list(prompt), dict(ctx, memart={"session": session, "at": 0, "blocks": [],
                                              "n": 0, "recall": recall})
     return region.insert(prompt, ctx, at, conv, session, recall)
