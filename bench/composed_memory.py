@@ -23,6 +23,9 @@ a server would (system prompt: answer in a short phrase with the conversations' 
                    new conversation over that memory (a session of its own sharing
                    it), so a recall retrieves its blocks, which the row copies into
                    its prompt's region; IntentKV at --budget prunes that conversation
+    pruned+memart/random  the chance line: pruned+memart with the retrieved blocks
+                   replaced by as many live memory blocks drawn at random (in memory
+                   order; seeded by question)
     pruned+memart/seq  one composed session as an agent would use it: each history
                    session is a conversation of its own (one call), then the
                    questions one after another, each a new conversation whose recall
@@ -69,7 +72,8 @@ from jaxkv.engine.mechanisms.memart import MemArt
 from jaxkv.engine.mechanisms.pruned import Pruned
 from jaxkv.engine.memart import MemArtSessions
 
-METHODS = ("full", "pruned", "memart", "pruned+memart", "pruned+memart/seq")
+METHODS = ("full", "pruned", "memart", "pruned+memart", "pruned+memart/random",
+           "pruned+memart/seq")
 SYSTEM = ("You answer questions about the user's earlier conversations with a short "
           "phrase, using exact words from those conversations whenever possible.")
 QUESTION = "Question: {} Short answer:"
@@ -175,14 +179,15 @@ def serve_conversation(llm, method: str, conv: C.Conversation, budget: int, gen:
       out.append((qa, res, res.extra["prefill_tokens"], res.extra["decode_kv_len"]))
     else:
       sid = "s"
-      if method == "pruned+memart":                 # a session per question, one memory
+      if method != "pruned+memart/seq":             # a session per question, one memory
         sid, pr, ma = f"q{j}", *parts
         if j:
           ma.sessions.sessions[sid] = ma.sessions.sessions["q0"]
         else:
           ma.conversations[sid] = region.Conversation(hist, np.zeros(0, np.int32),
                                                       np.zeros(0, np.int32), {})
-      res = _composed(eng, *parts, sid, [sys_msg, q], f"q{j}", samp)
+      rng = np.random.default_rng(j) if method.endswith("/random") else None
+      res = _composed(eng, *parts, sid, [sys_msg, q], f"q{j}", samp, rng)
       out.append((qa, res, res.prompt_tokens - res.cached_tokens, res.extra["kv_live_after"]))
   eng.kv_manager.check()
   return out
@@ -192,20 +197,35 @@ def _warm(tok, pr, sys_msg) -> list[int]:
   return pr.context("warm", [sys_msg, {"role": "user", "content": "Hello."}])[0]
 
 
-def _composed(eng, pr, ma, sid, msgs, rid, samp):
+def _composed(eng, pr, ma, sid, msgs, rid, samp, rng=None):
   """One call of composed session `sid`, as the server makes it (a recall first when it
-  opens a conversation and there is memory to write or read)."""
+  opens a conversation and there is memory to write or read); with `rng` the recall's
+  blocks are swapped for random ones (`random_blocks`)."""
   prompt, ctx = pr.context(sid, msgs)
   got, rc = ma.turn(sid, msgs, None, prompt, ctx), None
   if isinstance(got, dict):
     rc = run(eng, Request(f"{rid}-recall", prompt[-1:], SamplingConfig(max_tokens=1),
                           mechanism="memart", context=got))
-    got = ma.turn(sid, msgs, None, prompt, ctx, rc.extra["recall"])
+    recall = rc.extra["recall"]
+    if rng is not None:
+      recall = random_blocks(ma.sessions.sessions[sid][0], recall, rng)
+    got = ma.turn(sid, msgs, None, prompt, ctx, recall)
   prompt, ctx = got
   res = run(eng, Request(rid, prompt, samp, mechanism="pruned+memart", context=ctx))
   if rc is not None:          # the recall runs before the answer starts: its time is the
     res.ttft_s += rc.latency_s   # call's (MemArt alone writes and retrieves inside its TTFT)
   return res
+
+
+def random_blocks(mem, recall: dict, rng) -> dict:
+  """`recall` with its blocks replaced by as many live blocks of `mem` drawn uniformly
+  without replacement, in chronological order (as retrieval returns them), and their
+  token ids."""
+  live = np.flatnonzero(mem.live)
+  pick = rng.choice(live, size=min(len(recall["blocks"]), live.size), replace=False)
+  blocks = pick[np.argsort(mem.time[pick])].astype(np.int32)
+  ids, _, _ = region.region_of(mem, blocks)
+  return dict(recall, blocks=blocks.tolist(), ids=ids.tolist())
 
 
 def record(llm, method, conv, qa, res, prefilled, kv) -> dict:

@@ -43,6 +43,32 @@ def test_table_pairs_by_question_and_counts_conversations():
   assert by["memart"][2].startswith("0.67")
 
 
+def test_random_blocks_draw_live_blocks_in_memory_order():
+  """The chance line's region: as many blocks as were retrieved, live ones only, in
+  chronological order, with their own token ids."""
+  import types
+
+  import numpy as np
+  cap, bs = 12, 4
+  rng = np.random.default_rng(0)
+  mem = types.SimpleNamespace(live=np.arange(cap) % 3 != 0, time=rng.permutation(cap),
+                              ids=rng.integers(1, 99, (cap, bs)), tokens=np.full(cap, bs),
+                              slots=np.zeros((cap, bs), np.int32),
+                              positions=np.zeros((cap, bs), np.int32))
+  mem.tokens[5] = 2
+  seen = set()
+  for seed in range(20):
+    got = cm.random_blocks(mem, {"blocks": [1, 2, 4], "ids": [], "memory_blocks": 8},
+                           np.random.default_rng(seed))
+    b = np.asarray(got["blocks"])
+    assert b.size == 3 and mem.live[b].all() and len(set(b)) == 3
+    assert (np.diff(mem.time[b]) > 0).all() and got["memory_blocks"] == 8
+    want = np.concatenate([mem.ids[i][:mem.tokens[i]] for i in b])
+    assert got["ids"] == want.tolist()
+    seen |= set(b.tolist())
+  assert seen == set(np.flatnonzero(mem.live).tolist())    # every live block drawn
+
+
 @pytest.fixture(scope="module")
 def llm():
   return hf_util.random_llm_with_real_tokenizer(num_layers=3)
@@ -55,7 +81,7 @@ def test_every_method_serves_the_conversation(llm):
   got = {m: cm.serve_conversation(llm, m, CONV, budget=64, gen=4) for m in cm.METHODS}
   for m, out in got.items():
     assert [qa.answer for qa, *_ in out] == ["Porto", "4172"], m
-  for _, res, prefilled, _ in got["pruned+memart"]:
+  for _, res, prefilled, _ in got["pruned+memart"] + got["pruned+memart/random"]:
     assert res.extra["memory_spliced_tokens"] == res.extra["memory_region_tokens"] > 0
     assert prefilled < res.prompt_tokens - res.extra["memory_region_tokens"]
   full = [pre for _, _, pre, _ in got["full"]]
