@@ -468,11 +468,11 @@ class MemArtSessions:
     msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": _MARK}]
     head, self.tail_text = self.tok.render_chat(msgs, add_generation_prompt=True).split(_MARK)
-    self.runner = MemArtRunner(llm, cfg, self._enc(head), cache=cache, attn_impl=attn_impl,
+    self.runner = MemArtRunner(llm, cfg, self.encode(head), cache=cache, attn_impl=attn_impl,
                                kv=kv)
     self.sessions: dict[str, tuple[Memory, list[str]]] = {}
 
-  def _enc(self, text: str, literal: bool = False) -> np.ndarray:
+  def encode(self, text: str, literal: bool = False) -> np.ndarray:
     """Ids of template text, or of message text (`literal`: special tokens stay text)."""
     enc = literal_backend(self.tok).encode(text, add_special_tokens=False).ids if literal else (
         self.tok.encode(text, add_bos=False))
@@ -507,8 +507,8 @@ class MemArtSessions:
   def tail(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """(the tokens an answer prefills: the last message and the template after it,
     which of them vote in retrieval: the message's)."""
-    q = self._enc(messages[-1]["content"], literal=True)
-    tail = np.r_[q, self._enc("\n" + self.tail_text)].astype(np.int32)
+    q = self.encode(messages[-1]["content"], literal=True)
+    tail = np.r_[q, self.encode("\n" + self.tail_text)].astype(np.int32)
     return tail, np.arange(tail.size) < q.size
 
   def prepare(self, session: str, messages: list[dict]) -> tuple[Memory, np.ndarray,
@@ -525,7 +525,7 @@ class MemArtSessions:
     new = lines[len(seen):]
     written = written_tokens = 0
     if new:
-      span = self._enc("\n".join(new) + "\n", literal=True)
+      span = self.encode("\n".join(new) + "\n", literal=True)
       written = (yield from self.runner.write_steps(mem, span, tag=len(seen))).size
       written_tokens = span.size
       seen = seen + new

@@ -181,13 +181,13 @@ class MemArt(Mechanism):
     self.sessions.sessions[session] = (mem, [])
     written = 0
     if rc.get("close"):
-      span = self.sessions._enc("\n".join(rc["close"]) + "\n", literal=True)
+      span = self.sessions.encode("\n".join(rc["close"]) + "\n", literal=True)
       rows = yield from self._writer(session, self.runner.write_steps(mem, span, tag=mem.writes))
       written = int(span.size)
       self.stats["blocks_written"] += int(rows.size)
     blocks, probe = np.zeros(0, np.int32), 0
     if mem.num_blocks:
-      q = self.sessions._enc(rc["query"], literal=True)[-self.runner.prefill_chunk:]
+      q = self.sessions.encode(rc["query"], literal=True)[-self.runner.prefill_chunk:]
       probe = q.size if self.runner.needs_probe(mem) else 0
       blocks = yield from self.runner.retrieve_steps(mem, q)
       mem.hits[blocks] += 1
