@@ -7,15 +7,6 @@ import pytest
 
 # Tests run on the CPU; keep XLA from grabbing every core for its own pool.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU compiles dominate the suite (tiny models run in milliseconds; a test compiles
-# ~40 programs, forward_chunk ~0.3 s each). LLVM at -O0 compiles them ~25% faster
-# (tests/test_composed_reuse.py + test_mechanisms.py: 97 s -> 72 s); matmuls are
-# library calls either way. Every check compares programs compiled at the same level,
-# or a reference within a stated tolerance. Subprocesses the tests start inherit it;
-# set the flag in XLA_FLAGS yourself to override.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_backend_optimization_level=0").strip()
 sys.path.insert(0, os.path.dirname(__file__))
 
 
