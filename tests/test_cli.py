@@ -277,9 +277,20 @@ def test_a_line_names_its_kv_mechanism():
   a = batch.parse_line(json.dumps({"id": "a", "prompt": "p", "kind": "agents", "role": "plan",
                                    "user": "t"}), 4, defaults)
   assert (a.kind, a.role, a.user) == ("agents", "plan", "t")
+  # a list composes the kinds in one session, named as the server names it
+  c = batch.parse_line(json.dumps({"id": "c", "prompt": "p", "kind": ["reuse", "memart",
+                                                                        "pruned", "memart"]}),
+                       6, defaults)
+  assert c.kind == "pruned+memart+reuse" and c.role is None
+  assert batch.parse_line(json.dumps({"id": "g", "prompt": "p", "role": "plan",
+                                      "kind": ["pruned", "agents"]}), 7, defaults).kind == (
+      "agents+pruned")
   for bad, why in (({"kind": "agents"}, "names its role adapter"),
+                   ({"kind": ["pruned", "agents"]}, "names its role adapter"),
                    ({"role": "plan"}, "give \"kind\": \"agents\""),
-                   ({"kind": "agents", "role": 3}, "'role' must be")):
+                   ({"kind": "agents", "role": 3}, "'role' must be"),
+                   ({"kind": ["pruned", "prefix"]}, "or a list of them"),
+                   ({"kind": []}, "or a list of them")):
     with pytest.raises(batch.RequestError, match=why):
       batch.parse_line(json.dumps({"id": "r", "prompt": "p", **bad}), 5, defaults)
 

@@ -343,6 +343,20 @@ def test_serve_memart_mode_keeps_session_history_in_memory(tmp_path):
   assert proc.returncode == 0 and len(_records(out)) == 6
 
 
+def _serve_kinds(tmp_path, lines) -> dict:
+  """serve.py on `lines` with configs/smollm2_agents.py (every kind served): the records
+  by id, one per line in input order."""
+  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  proc = _run([sys.executable, str(ROOT / "scripts/serve.py"),
+               f"--config={ROOT}/configs/smollm2_agents.py", f"--input={inp}",
+               f"--output={out}", "--config.sampling.max_tokens=4", "--noprogress"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  recs = {r["id"]: r for r in _records(out)}
+  assert list(recs) == [x["id"] for x in lines]
+  return recs
+
+
 @pytest.mark.slow
 def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
   """One JSONL names a KV mechanism per line ("kind", the server's session kinds):
@@ -365,14 +379,7 @@ def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
            {"id": "bad", "kind": "bogus", "prompt": "Hi"},
            {"id": "boss", "kind": "agents", "role": "boss", "user": "t", "prompt": "Hi"},
            {"id": "norole", "role": "plan", "prompt": "Hi"}]
-  inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-  inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-  proc = _run([sys.executable, str(ROOT / "scripts/serve.py"),
-               f"--config={ROOT}/configs/smollm2_agents.py", f"--input={inp}",
-               f"--output={out}", "--config.sampling.max_tokens=4", "--noprogress"])
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  recs = {r["id"]: r for r in _records(out)}
-  assert list(recs) == [x["id"] for x in lines]
+  recs = _serve_kinds(tmp_path, lines)
   assert "kind" not in recs["plain"] and recs["plain"]["finish_reason"] == "length"
   assert recs["r1"]["kind"] == "reuse" and recs["r1"]["reused_tokens"] > 0
   assert recs["s1"]["kind"] == "semshare" and recs["s1"]["reused"]
@@ -385,6 +392,37 @@ def test_serve_mixes_mechanisms_by_line_kind(tmp_path):
   assert "not one of the role adapters" in recs["boss"]["error"]
   assert "give \"kind\": \"agents\"" in recs["norole"]["error"]
   assert sum(r["finish_reason"] == "error" for r in recs.values()) == 3
+
+
+@pytest.mark.slow
+def test_serve_composes_mechanisms_in_one_session(tmp_path):
+  """A line's "kind" may list kinds composed in one session, as the server's sessions:
+  a pruned+memart session's second conversation first writes the first (its reply
+  included) into the session's memory and recalls blocks for its question, which
+  its prompt carries as a region (the session's lines run one after the other); all
+  four kinds in one session; what does not combine is the line's error saying why."""
+  first = [{"role": "user", "content": "The spare key is under the blue flower pot."},
+           {"role": "assistant", "content": "Noted."},
+           {"role": "user", "content": "My sister Ana teaches piano in Lisbon."}]
+  second = [{"role": "user", "content": "Where is the spare key?"}]
+  lines = [{"id": "c1", "kind": ["pruned", "memart"], "user": "u", "messages": first},
+           {"id": "c2", "kind": ["memart", "pruned"], "user": "u", "messages": second},
+           {"id": "all", "kind": ["agents", "pruned", "memart", "reuse"], "role": "plan",
+            "user": "v", "messages": first},
+           {"id": "nolayout", "kind": ["memart", "reuse"], "user": "w", "messages": first},
+           {"id": "plain", "prompt": "The capital of France is"}]
+  recs = _serve_kinds(tmp_path, lines)
+  c1, c2 = recs["c1"], recs["c2"]
+  assert c1["kind"] == c2["kind"] == "pruned+memart" and c1["session"] == "u"
+  assert c1["memory_region_tokens"] == 0 and "memory_written_tokens" not in c1
+  assert c2["memory_written_tokens"] > 0 and c2["memory_blocks"] > 0      # c1 written
+  assert c2["memory_region_tokens"] > 0 and c2["memory_blocks_retrieved"] > 0
+  assert c2["prompt_tokens"] > c2["memory_region_tokens"]
+  a = recs["all"]
+  assert a["kind"] == "agents+pruned+memart+reuse" and a["finish_reason"] in ("stop", "length")
+  assert a["mechanisms"] == ["agents", "pruned", "memart", "reuse"]
+  assert "lays out and caches" in recs["nolayout"]["error"]
+  assert recs["plain"]["finish_reason"] == "length"
 
 
 @pytest.mark.slow

@@ -45,6 +45,13 @@ what its mechanism did (the server's `usage["jaxkv"]`):
   computed (base_lr_shared) instead of prefilling it; sessions open on their first line,
   with no cap (an idle session's trajectory gives way when the pool needs room);
   records add the role, the computed and shared prompt tokens and the KV bytes.
+- Compositions (`"kind": ["agents", "pruned", "memart", "reuse"]` or any list the server's
+  `POST /v1/sessions` takes; `jaxkv.engine.compose_request`): the kinds act on one
+  session as in the server, what does not combine is the line's error saying why. A
+  composed session's lines run one at a time in file order (a line waits for the
+  session's line before it: with memart, a line that opens a new conversation first
+  writes the last one, its reply included, into the session's memory); records add
+  every part's figures.
 
 Agent sessions (`--config=configs/smollm2_sessions.py`, or `--config.mode=sessions`):
 --input is a ToolBench-format trace file (jaxkv/data/traces.py, e.g. from
@@ -57,6 +64,7 @@ entry becomes an error line naming its index and the run goes on.
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 import sys
@@ -303,11 +311,12 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
   import numpy as np
   import tqdm
 
-  from jaxkv.engine import batch
+  from jaxkv.engine import batch, compose_request
   from jaxkv.engine.engine import Request
+  from jaxkv.engine.mechanisms.composed import Composed
 
   t0 = time.perf_counter()
-  llm = cli.load_llm(cfg, agents="agents" in kinds)
+  llm = cli.load_llm(cfg, agents=any("agents" in k.split("+") for k in kinds))
   default = cfg.mode if cfg.mode in batch.KINDS else None
   mechs: dict[str, object] = {}
   refused: dict[str, str] = {}          # kind -> why this config cannot serve it
@@ -315,7 +324,15 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
   def mechanism(kind):
     if kind not in mechs and kind not in refused:
       try:
-        mechs[kind], what = _mechanism(kind, cfg, llm)
+        if "+" in kind:                  # a composition of the kinds it names
+          parts = kind.split("+")
+          for k in parts:
+            if mechanism(k) is None:
+              raise ValueError(refused[k])
+          mechs[kind], what = llm.engine.add_mechanism(Composed([mechs[k] for k in parts])), (
+              "composed")
+        else:
+          mechs[kind], what = _mechanism(kind, cfg, llm)
         tqdm.tqdm.write(f"{kind}: {what}", file=sys.stderr)
       except ValueError as e:
         refused[kind] = f"kind {kind!r} cannot run with this config: {e}"
@@ -345,9 +362,25 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
       return [{"role": "system", "content": cfg.system_prompt}, *msgs]
     return msgs
 
-  def build(p, kind) -> Request:
-    """The engine request of line `p` on `kind` (ValueError: this line cannot)."""
+  def role_of(p) -> int:
+    if p.role not in llm.adapters:
+      raise ValueError(f"role {p.role!r} is not one of the role adapters "
+                       f"{', '.join(llm.adapters)}")
+    return llm.adapters.index(p.role)
+
+  def build(p, kind, recalled=None):
+    """The engine request of line `p` on `kind`, or a composition's `Recall` to run
+    first (ValueError: this line cannot)."""
     grammar = grammar_of(p)
+    if kind is not None and "+" in kind:
+      session = sessions[p.id] = p.user or p.id
+      agents = "agents" in kind.split("+")
+      msgs = with_system(messages(p.prompt))
+      return compose_request.request(
+          llm.engine.mechanisms, kind, session, msgs, p.tools, p.sampling, rid=p.id,
+          encode=lambda: llm.encode(msgs, tools=p.tools), grammar=grammar,
+          adapter=role_of(p) if agents else -1, recalled=recalled,
+          opened=(lambda: mechs["agents"].open(session)) if agents else None)
     if kind is None or kind in ("reuse", "semshare"):
       prompt = with_system(p.prompt) if isinstance(p.prompt, list) else p.prompt
       return Request(p.id, llm.encode(prompt, tools=p.tools), p.sampling, mechanism=kind,
@@ -355,13 +388,11 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
     session = sessions[p.id] = p.user or p.id
     mech = mechs[kind]
     if kind == "agents":
-      if p.role not in llm.adapters:
-        raise ValueError(f"role {p.role!r} is not one of the role adapters "
-                         f"{', '.join(llm.adapters)}")
+      adapter = role_of(p)
       prompt = llm.encode(with_system(messages(p.prompt)), tools=p.tools)
       mech.check(len(prompt), p.sampling.max_tokens)
       mech.open(session)
-      return Request(p.id, prompt, p.sampling, adapter=llm.adapters.index(p.role),
+      return Request(p.id, prompt, p.sampling, adapter=adapter,
                      mechanism="agents", context={"session": session}, grammar=grammar)
     if kind == "memart":                # the session's history + question, no tools
       if p.tools:
@@ -374,6 +405,33 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
     return Request(p.id, prompt, p.sampling, mechanism="pruned", context=ctx,
                    grammar=grammar)
 
+  recalls: dict[str, tuple] = {}         # a recall's request id -> (line, kind)
+  waiting: dict[str, collections.deque] = {}   # composed session -> lines behind its call
+
+  def start(p, kind, recalled=None) -> Request | None:
+    """Line p's engine request (a composition's recall first), or None after
+    recording the line's error."""
+    try:
+      req = build(p, kind, recalled)
+    except ValueError as e:            # e.g. an edited history, a bad chat message
+      on_error(batch.RequestError(p.line, str(e), p.id))
+      return None
+    if isinstance(req, compose_request.Recall):
+      recalls[req.request.id] = (p, kind)
+      return req.request
+    kinds[p.id] = kind
+    return req
+
+  def advance(session: str) -> Request | None:
+    """The request of the composed session's next waiting line (None: none left)."""
+    while waiting.get(session):
+      p, kind = waiting[session].popleft()
+      req = start(p, kind)
+      if req is not None:
+        return req
+    waiting.pop(session, None)
+    return None
+
   def requests():
     for p, _ in batch.read_requests(src, lambda prompt, tools: None, cfg.sampling, out.done,
                                     on_error, order, parsed=True):
@@ -381,17 +439,35 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
       if kind is not None and mechanism(kind) is None:
         on_error(batch.RequestError(p.line, refused[kind], p.id))
         continue
-      try:
-        req = build(p, kind)
-      except ValueError as e:            # e.g. an edited history, a bad chat message
-        on_error(batch.RequestError(p.line, str(e), p.id))
-        continue
-      kinds[p.id] = kind
-      yield req
+      if kind is not None and "+" in kind:        # one call of a composed session at a time
+        session = p.user or p.id
+        if session in waiting:
+          waiting[session].append((p, kind))
+          continue
+        waiting[session] = collections.deque([(p, kind)])
+        req = advance(session)
+      else:
+        req = start(p, kind)
+      if req is not None:
+        yield req
 
   for res in llm.engine.run(requests()):
+    if res.id in recalls:                # a recall ran: its call is built and submitted
+      p, kind = recalls.pop(res.id)
+      if res.finish_reason == "error":
+        on_error(batch.RequestError(p.line, f"the memory recall failed: {res.error}", p.id))
+        nxt = advance(p.user or p.id)
+      else:
+        nxt = start(p, kind, res.extra["recall"]) or advance(p.user or p.id)
+      if nxt is not None:
+        llm.engine.submit(nxt)
+      continue
     rec = llm.complete(res).to_json()
     kind = kinds.pop(res.id, None)
+    if kind is not None and "+" in kind:         # the session's next line may start
+      nxt = advance(sessions.get(res.id, res.id))
+      if nxt is not None:
+        llm.engine.submit(nxt)
     if res.finish_reason == "error":
       errors += 1
       bar.write(f"error: request {res.id!r}: {res.error}", file=sys.stderr)
@@ -399,7 +475,7 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
       ttfts.append(res.ttft_s)
     if kind is not None:
       rec["kind"] = kind
-    if kind in ("pruned", "memart", "agents"):
+    if kind is not None and (kind in ("pruned", "memart", "agents") or "+" in kind):
       rec["session"] = sessions.pop(res.id, res.id)
     out.add({**rec, **(res.extra or {})})
     bar.update(1)

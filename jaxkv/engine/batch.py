@@ -7,7 +7,9 @@ with optional "max_tokens", "temperature", "top_p", "top_k", "seed" overriding t
 config's sampling defaults, "user" (OpenAI's end-user id: the session a request belongs
 to for the pruned, memart and agents kinds; ignored elsewhere), "kind" (the KV mechanism
 the request runs on: "pruned", "memart", "reuse", "semshare" or "agents", the server's
-session kinds; default: the config's mode, plain requests for mode=requests) and "role"
+session kinds, or a list of them composed in one session as the server's
+`{"kind": [...]}`, e.g. ["pruned", "memart"]; default: the config's mode, plain
+requests for mode=requests) and "role"
 (an agents line's role adapter, e.g. "plan": the server's `<model>:<role>`), and
 "response_format" / "tool_choice" / "parallel_tool_calls" (structured output, as the
 server's `jaxkv.server.structured` reads them; a reply under a grammar is its text,
@@ -40,6 +42,7 @@ import pathlib
 from collections.abc import Iterator
 
 from jaxkv.config import SamplingConfig
+from jaxkv.engine import compose_request
 from jaxkv.engine.engine import Request
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
@@ -125,12 +128,16 @@ def parse_line(text: str, line: int, defaults: SamplingConfig) -> ParsedLine:
   if user is not None and not isinstance(user, str):
     raise RequestError(line, "'user' must be a string (the session id)", rid)
   kind = obj.get("kind")
-  if kind is not None and kind not in KINDS:
-    raise RequestError(line, f"'kind' must be one of {', '.join(KINDS)}, got {kind!r}", rid)
+  if isinstance(kind, list) and kind and all(k in KINDS for k in kind):
+    kind = compose_request.name(kind)   # a composition, e.g. "pruned+memart"
+  elif kind is not None and kind not in KINDS:
+    raise RequestError(line, f"'kind' must be one of {', '.join(KINDS)} or a list of them, "
+                             f"got {kind!r}", rid)
   role = obj.get("role")
-  if (role is not None) != (kind == "agents"):
+  agents = kind is not None and "agents" in kind.split("+")
+  if (role is not None) != agents:
     raise RequestError(line, "an agents line names its role adapter ('role', e.g. \"plan\")"
-                       if kind == "agents" else "'role' runs a role adapter in an agents "
+                       if agents else "'role' runs a role adapter in an agents "
                        "session: give \"kind\": \"agents\"", rid)
   if role is not None and (not isinstance(role, str) or not role):
     raise RequestError(line, "'role' must be a role adapter's name", rid)

@@ -45,19 +45,13 @@ import collections
 import dataclasses
 import time
 
-from jaxkv.config import SamplingConfig, ServeConfig, session_kinds
+from jaxkv.config import ServeConfig, session_kinds
+from jaxkv.engine import compose_request
+from jaxkv.engine.compose_request import Recall
 from jaxkv.engine.engine import Request
 from jaxkv.policies.sharing import lragent
 
-# the order a composed session's kinds are named in: the one that lays out the KV first
-COMPOSE_ORDER = ("agents", "pruned", "memart", "reuse", "semshare")
-
-
-@dataclasses.dataclass
-class Recall:
-  """A memart composition's recall (`SessionBackends.engine_request`): run `request`,
-  then build the request again with its `Result.extra["recall"]`."""
-  request: Request
+__all__ = ["BackendStats", "Recall", "SessionBackends"]
 
 
 @dataclasses.dataclass
@@ -149,11 +143,11 @@ class SessionBackends:
                        "not combine (every mechanism caches its session's KV itself)")
     if len(kinds) == 1:
       return kinds[0]
-    kinds.sort(key=COMPOSE_ORDER.index)
-    name = "+".join(kinds)
+    name = compose_request.name(kinds)
     if name not in self.engine.mechanisms:
       from jaxkv.engine.mechanisms.composed import Composed
-      self.engine.add_mechanism(Composed([self.engine.mechanisms[k] for k in kinds]))
+      self.engine.add_mechanism(Composed([self.engine.mechanisms[k]
+                                          for k in name.split("+")]))
     return name
 
   def open(self, session: str, kind: str | list | None = None) -> str:
@@ -243,16 +237,6 @@ class SessionBackends:
     return out
 
   # ------------------------------------------------------------------ requests
-  def _memory_region(self, session: str, p, prompt, ctx: dict, recalled, rid: str):
-    """A composed request's prompt and context with its conversation's memory region
-    (`MemArt.turn`), or the `Recall` to run first."""
-    got = self.memart.turn(session, *p.chat, prompt, ctx, recalled)
-    if isinstance(got, dict):
-      return Recall(Request(id=f"{rid}-recall", prompt=list(prompt[-1:]),
-                            sampling=SamplingConfig(max_tokens=1, temperature=0.0),
-                            mechanism="memart", context=got))
-    return got
-
   def engine_request(self, kind: str, session: str, p, rid: str, recalled: dict | None = None):
     """The engine `Request` of a request on a session kind the engine serves; raises
     ValueError for one this kind cannot take (the server's 400). Call on the loop
@@ -267,26 +251,17 @@ class SessionBackends:
       raise ValueError(f"'{kind}' sessions need a role model name (<model>:<role>)"
                        if "agents" in parts else "role adapters run in the batch engine or "
                        "in 'agents' sessions: use one of those or no session")
-    if len(parts) > 1:                   # a composition: with pruning, pruning's turns
+    if len(parts) > 1:                   # a composition (`jaxkv.engine.compose_request`)
       if ("pruned" in parts or "memart" in parts) and p.chat is None:
         raise ValueError(f"'{kind}' sessions take chat completions (their turns are messages)")
-      if "pruned" not in parts:          # (agents + reuse: any prompt, lines as spans)
-        prompt, ctx = p.prompt, {"session": session}
-      else:
-        prompt, ctx = self.pruned.context(session, *p.chat)
-      if "agents" in parts:
-        self.agents.check(len(prompt), p.sampling.max_tokens)
-      self.open(session, kind)
-      if "memart" in parts:
-        got = self._memory_region(session, p, prompt, ctx, recalled, rid)
-        if isinstance(got, Recall):
-          return got
-        prompt, ctx = got
-        if "agents" in parts:
-          self.agents.check(len(prompt), p.sampling.max_tokens)
-      self.stats.requests[kind] += 1
-      return Request(id=rid, prompt=prompt, sampling=p.sampling, grammar=p.grammar,
-                     adapter=p.adapter, mechanism=kind, context=ctx)
+      msgs, tools = p.chat if p.chat is not None else (None, None)
+      got = compose_request.request(
+          self.engine.mechanisms, kind, session, msgs, tools, p.sampling, rid=rid,
+          encode=lambda: p.prompt, grammar=p.grammar, adapter=p.adapter, recalled=recalled,
+          opened=lambda: self.open(session, kind))
+      if not isinstance(got, Recall):
+        self.stats.requests[kind] += 1
+      return got
     if kind == "agents":
       self.agents.check(len(p.prompt), p.sampling.max_tokens)
       self.open(session, kind)
