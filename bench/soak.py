@@ -9,14 +9,17 @@ to back until `--duration_s` has passed. Each request is drawn (seeded) from:
 
     chat        a plain chat completion, half of them streamed
     session     a session of a random kind (pruned, memart, reuse, semshare, agents,
-                agents+pruned, pruned+reuse, agents+pruned+reuse, prefix) opened,
-                1-3 turns, deleted
+                agents+pruned, pruned+reuse, agents+pruned+reuse, pruned+memart,
+                agents+pruned+memart+reuse, prefix) opened, 1-3 turns, deleted; with
+                memart in a composition a later turn opens a new conversation half of
+                the time (the last one is written to memory, blocks recalled)
     cancel      a stream the client drops after its first chunk
     bad         a malformed request: invalid JSON, a lone surrogate, nesting 100 deep,
                 an unknown model, a prompt over the cache, a bad session kind list
 
 Then the server drains, every session is deleted, and the run reports: requests by
-kind and status, 5xx responses (must be 0: no fault is injected), RSS and the
+kind and status, each engine mechanism's counters (composed sessions' calls, MemArt's
+blocks written and retrieved), 5xx responses (must be 0: no fault is injected), RSS and the
 compiled variants of the engine's jitted steps (and how often `server.max_compiled`
 made the loop drop them all: `jaxkv.engine.executables`) at the start (after a warm-up round),
 at --marks points over the run, and the KV books: sessions left, sequences left,
@@ -44,7 +47,8 @@ import common
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 KINDS = ("pruned", "memart", "reuse", "semshare", "agents", ["agents", "pruned"],
-         ["pruned", "reuse"], ["agents", "pruned", "reuse"], "prefix")
+         ["pruned", "reuse"], ["agents", "pruned", "reuse"], ["pruned", "memart"],
+         ["agents", "pruned", "memart", "reuse"], "prefix")
 FLAGS = flags.FLAGS
 
 
@@ -106,6 +110,9 @@ async def client(url: str, rng: random.Random, deadline: float, counts, statuses
         sid = r.json()["id"]
         chat = list(msg)
         for turn in range(rng.randint(1, 3)):
+          if turn and "memart" in kind and not isinstance(kind, str) and rng.random() < 0.5:
+            chat = [{"role": "user", "content": f"{name} new topic {n}.{turn}: which city "
+                                                "did I name before?"}]
           model = MODEL + (":" + ("plan", "action", "reflect")[turn] if role else "")
           r = await post("session_turn", "/v1/chat/completions", {
               "model": model, "messages": chat, "max_tokens": max_tokens,
@@ -202,7 +209,10 @@ def main(argv):
          "rss_mb": {k: round(v[0], 1) for k, v in marks.items()},
          "compiled_steps": {k: v[1] for k, v in marks.items()},
          "compiled_releases": {k: v[3] for k, v in marks.items()},
-         "max_compiled": cfg.server.max_compiled, "books": books}
+         "max_compiled": cfg.server.max_compiled, "books": books,
+         # each engine mechanism's counters over the whole run, warm-up included (a
+         # composition's requests; MemArt's blocks written by recalls and retrieved)
+         "mechanisms": {k: dict(m.stats) for k, m in llm.engine.mechanisms.items()}}
   print(json.dumps(out, indent=1))
   common.print_tables([common.Table(
       f"soak: {out['duration_s']:.0f} s, {FLAGS.clients} clients, {sum(counts.values())} "
