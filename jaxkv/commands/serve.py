@@ -313,7 +313,6 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
 
   from jaxkv.engine import batch, compose_request
   from jaxkv.engine.engine import Request
-  from jaxkv.engine.mechanisms.composed import Composed
 
   t0 = time.perf_counter()
   llm = cli.load_llm(cfg, agents=any("agents" in k.split("+") for k in kinds))
@@ -329,8 +328,7 @@ def serve_mechanism(cfg, src: pathlib.Path, out, todo: int, kinds: set = frozens
           for k in parts:
             if mechanism(k) is None:
               raise ValueError(refused[k])
-          mechs[kind], what = llm.engine.add_mechanism(Composed([mechs[k] for k in parts])), (
-              "composed")
+          mechs[kind], what = compose_request.mechanism(llm.engine, kind), "composed"
         else:
           mechs[kind], what = _mechanism(kind, cfg, llm)
         tqdm.tqdm.write(f"{kind}: {what}", file=sys.stderr)

@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxkv.config import SamplingConfig
+from jaxkv.engine.mechanisms.composed import Composed
 from jaxkv.engine.request import Request
 
 # the order a composed session's kinds are named in: the one that lays out the KV first
@@ -42,6 +43,15 @@ def name(kinds) -> str:
     raise ValueError(f"{bad} cannot be composed: a composition names mechanisms "
                      f"({', '.join(COMPOSE_ORDER)})")
   return "+".join(sorted(kinds, key=COMPOSE_ORDER.index))
+
+
+def mechanism(engine, kind: str):
+  """The engine's composed mechanism `kind` (a `name`), added on first use from the
+  parts the engine already has (ValueError from `composed.check`, saying why, when
+  they do not combine)."""
+  if kind not in engine.mechanisms:
+    engine.add_mechanism(Composed([engine.mechanisms[k] for k in kind.split("+")]))
+  return engine.mechanisms[kind]
 
 
 def request(mechanisms: dict, kind: str, session: str, messages: list[dict], tools,

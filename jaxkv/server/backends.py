@@ -144,10 +144,7 @@ class SessionBackends:
     if len(kinds) == 1:
       return kinds[0]
     name = compose_request.name(kinds)
-    if name not in self.engine.mechanisms:
-      from jaxkv.engine.mechanisms.composed import Composed
-      self.engine.add_mechanism(Composed([self.engine.mechanisms[k]
-                                          for k in name.split("+")]))
+    compose_request.mechanism(self.engine, name)
     return name
 
   def open(self, session: str, kind: str | list | None = None) -> str:
