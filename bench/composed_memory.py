@@ -31,6 +31,12 @@ a server would (system prompt: answer in a short phrase with the conversations' 
                    questions one after another, each a new conversation whose recall
                    writes the last one (a session, or the previous question and its
                    answer) into the memory before retrieving
+    pruned+memart/seq-inputs  /seq with `memart.write_turns="inputs"`: the model's
+                   replies are not written (the questions are)
+    pruned+memart/sessions  the history written as /seq writes it (a conversation per
+                   session), then each question a conversation of its own over that
+                   memory, as pruned+memart: what /seq costs by writing session by
+                   session, without the earlier questions and answers
 
 The composed methods' engine first serves one plain pruned call ("Hello."), so the system
 prompt and the user opening are cached as on a running server (a region can only be
@@ -51,6 +57,7 @@ conversations already there. --tables_from=FILE reprints the tables.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -73,7 +80,7 @@ from jaxkv.engine.mechanisms.pruned import Pruned
 from jaxkv.engine.memart import MemArtSessions
 
 METHODS = ("full", "pruned", "memart", "pruned+memart", "pruned+memart/random",
-           "pruned+memart/seq")
+           "pruned+memart/seq", "pruned+memart/seq-inputs", "pruned+memart/sessions")
 SYSTEM = ("You answer questions about the user's earlier conversations with a short "
           "phrase, using exact words from those conversations whenever possible.")
 QUESTION = "Question: {} Short answer:"
@@ -110,11 +117,14 @@ def engine(llm, method: str, need: int, budget: int):
     parts.append(eng.add_mechanism(Pruned(llm.tokenizer, llm.config, eng.kv_manager,
                                           PruningConfig(method="intentkv", budget=budget))))
   if "memart" in method:
+    cfg = MEMART
+    if method.endswith("-inputs"):
+      cfg = dataclasses.replace(MEMART, write_turns="inputs")
     parts.append(eng.add_mechanism(MemArt(MemArtSessions(
-        llm, MEMART, cache, system_prompt=SYSTEM,
+        llm, cfg, cache, system_prompt=SYSTEM,
         kv=eng.kv_manager))))
   if len(parts) > 1:
-    eng.add_mechanism(Composed(parts))      # named "pruned+memart" (the /seq too)
+    eng.add_mechanism(Composed(parts))      # named "pruned+memart" (every variant)
   return eng, parts
 
 
@@ -154,7 +164,8 @@ def serve_conversation(llm, method: str, conv: C.Conversation, budget: int, gen:
     run(eng, Request("warm", _warm(tok, parts[0], sys_msg), SamplingConfig(max_tokens=1),
                      mechanism="pruned", context=parts[0].context("warm", [
                          sys_msg, {"role": "user", "content": "Hello."}])[1]))
-  if method == "pruned+memart/seq":
+  per_session = method.startswith("pruned+memart/seq") or method.endswith("/sessions")
+  if per_session:
     pr, ma = parts
     for i, s in enumerate(conv.sessions):          # each session: a conversation of its own
       _composed(eng, pr, ma, "s", [sys_msg, {"role": "user", "content": session_text(s)}],
@@ -179,7 +190,10 @@ def serve_conversation(llm, method: str, conv: C.Conversation, budget: int, gen:
       out.append((qa, res, res.extra["prefill_tokens"], res.extra["decode_kv_len"]))
     else:
       sid = "s"
-      if method != "pruned+memart/seq":             # a session per question, one memory
+      if method.endswith("/sessions") and j:        # the history's memory, not written to
+        sid = f"q{j}"
+        ma.sessions.sessions[sid] = ma.sessions.sessions["s"]
+      elif not per_session:                         # a session per question, one memory
         sid, pr, ma = f"q{j}", *parts
         if j:
           ma.sessions.sessions[sid] = ma.sessions.sessions["q0"]

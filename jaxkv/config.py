@@ -570,6 +570,7 @@ MEMART_NORMS = ("softmax", "rr")      # Table 1: per-token normalisation over bl
 MEMART_AGGS = ("max", "sum")          # Table 1: aggregation over query tokens
 MEMART_BOX_KEYS = ("raw", "rope")     # box the de-rotated keys R(-p)k, or the stored ones
 MEMART_BOX_HEADS = ("each", "pooled")  # a box per layer and KV head, or per layer (all heads)
+MEMART_WRITE_TURNS = ("all", "inputs")  # a closed conversation's turns a composed session writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -615,8 +616,16 @@ class MemArtConfig:
                                 # blocks of it in its span, so retrieval takes windows of
                                 # 2n + 1 blocks and a block cut mid-sentence comes with its
                                 # context (policies.memory.memart.dilate; README MemArt).
+  write_turns: str = "all"      # Turns of a closed conversation a composed session writes
+                                # into memory: all (user, tool and assistant turns, the last
+                                # reply included) or inputs (the user's and tools' turns;
+                                # the model's own replies left out). MemArt alone writes
+                                # the history it is sent.
 
   def __post_init__(self):
+    if self.write_turns not in MEMART_WRITE_TURNS:
+      raise ValueError(f"memart.write_turns must be one of {MEMART_WRITE_TURNS}, got "
+                       f"{self.write_turns!r}")
     if self.norm not in MEMART_NORMS or self.agg not in MEMART_AGGS:
       raise ValueError(f"memart.norm must be one of {MEMART_NORMS} and memart.agg one of "
                        f"{MEMART_AGGS}, got {self.norm!r} / {self.agg!r}")

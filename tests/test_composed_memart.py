@@ -42,12 +42,13 @@ def llm():
   return hf_util.random_llm_with_real_tokenizer(num_layers=3)
 
 
-def _engine(llm, budget=4096, top_k=2):
+def _engine(llm, budget=4096, top_k=2, write_turns="all"):
   eng = Engine(llm.model, llm.tokenizer.stop_ids, CACHE,
                EngineConfig(max_batch=4, prefill_chunk=64, decode_steps=4))
   pr = eng.add_mechanism(Pruned(llm.tokenizer, llm.config, eng.kv_manager,
                                 PruningConfig(method="intentkv", budget=budget)))
-  sessions = MemArtSessions(llm, MemArtConfig(block_size=16, top_k=top_k), CACHE,
+  sessions = MemArtSessions(llm, MemArtConfig(block_size=16, top_k=top_k,
+                                                       write_turns=write_turns), CACHE,
                             system_prompt=SYSTEM, attn_impl="reference", kv=eng.kv_manager)
   ma = eng.add_mechanism(MemArt(sessions))
   eng.add_mechanism(composed.Composed([pr, ma]))
@@ -237,6 +238,26 @@ def test_memart_needs_a_layout(llm):
     composed.check([ma, _Planner()])
   assert region.lines(FIRST, "ok")[-1] == "assistant: ok" and "system" not in "".join(
       region.lines(FIRST))
+
+
+@pytest.mark.parametrize("turns", ["all", "inputs"])
+def test_closed_conversation_lines_follow_write_turns(llm, turns):
+  """Opening a new conversation closes the last: its recall writes the user's turns, and
+  the model's (the earlier one sent back and the reply generated last) only under
+  write_turns "all"."""
+  eng, pr, ma = _engine(llm, write_turns=turns)
+  res = _call(eng, pr, ma, "a", FIRST, "first")[0]
+  prompt, ctx = pr.context("a", SECOND)
+  todo = ma.turn("a", SECOND, None, prompt, ctx)
+  close = todo["recall"]["close"]
+  assert [line.split(":")[0] for line in close if not line.startswith("assistant")] == [
+      "user", "user"] and todo["recall"]["query"] == "Where is the spare key?"
+  said = [line for line in close if line.startswith("assistant: ")]
+  reply = llm.tokenizer.decode([t for t in res.tokens if t not in llm.tokenizer.stop_ids])
+  assert said == ([f"assistant: {FIRST[2]['content']}", f"assistant: {reply}"]
+                  if turns == "all" else [])
+  with pytest.raises(ValueError, match="write_turns"):
+    MemArtConfig(write_turns="replies")
 
 
 class _Planner(MemArt.__mro__[1]):

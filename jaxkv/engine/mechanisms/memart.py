@@ -208,7 +208,8 @@ class MemArt(Mechanism):
       conv.messages = list(messages)
       return conv
     if recalled is None:
-      close = [] if conv is None else region.lines(conv.messages, conv.reply)
+      close = [] if conv is None else region.lines(conv.messages, conv.reply,
+                                                   self.runner.cfg.write_turns)
       mem = self._sessions().sessions.get(session)
       if close or (mem is not None and mem[0].num_blocks):
         user = [m for m in messages if m.get("role") == "user"]

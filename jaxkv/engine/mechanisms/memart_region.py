@@ -9,9 +9,10 @@ besides its layout's KV (an agents trajectory, a pruned radix path), a MemArt me
     prompt carries the same memory region and its layout adopts it from its cache.
   * Any other request opens a new conversation and closes the last one: first a
     *recall* request (an engine row of the `MemArt` mechanism, batched like any other)
-    writes the closed conversation's "role: content" lines (the last reply included)
-    into the memory and retrieves the top-k blocks for the new question (MemArt's
-    probe and aggregated scores), then the composed request runs.
+    writes the closed conversation's "role: content" lines (the last reply included;
+    `memart.write_turns="inputs"` leaves the model's replies out) into the memory and
+    retrieves the top-k blocks for the new question (MemArt's probe and aggregated
+    scores), then the composed request runs.
   * The region is the retrieved blocks' tokens, packed in chronological order, placed
     where the first user message's content starts (after the system prompt and the
     user opening: MemArt's own `head + blocks + question` layout for a one-question
@@ -69,19 +70,20 @@ class Fill:
   spliced: int = 0               # region tokens whose K/V were copied from memory
 
 
-def lines(messages: list[dict], reply: str = "") -> list[str]:
+def lines(messages: list[dict], reply: str = "", turns: str = "all") -> list[str]:
   """A conversation as memory lines ("role: content"; tool calls as JSON; system
-  messages left out: they are not what happened)."""
+  messages left out: they are not what happened). `turns` "inputs" keeps the user's and
+  tools' turns only (`MemArtConfig.write_turns`: the model's replies left out)."""
   out = []
   for m in messages:
-    if m.get("role") == "system":
+    if m.get("role") == "system" or (turns == "inputs" and m.get("role") == "assistant"):
       continue
     content = m.get("content")
     text = content if isinstance(content, str) else ""
     if m.get("tool_calls"):
       text = (text + " " + json.dumps(m["tool_calls"], ensure_ascii=False)).strip()
     out.append(f"{m.get('role')}: {text}")
-  if reply:
+  if reply and turns == "all":
     out.append(f"assistant: {reply}")
   return out
 
