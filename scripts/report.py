@@ -35,6 +35,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_reuse_pool.json    bench/reuse.py           the exact tier on a small pool
   bench/results_reuse_gated.json   bench/reuse.py           the gates calibrated on dev
                                                             (bench/reuse_gates.py), held out
+  bench/results_reuse_qwen.json    bench/reuse.py           workload (a) on Qwen2.5-Coder-0.5B
+                                                            through the engine, with chance
   bench/results_semshare*.json     bench/semshare.py        SemShareKV by similarity and by
                                                             prompt length (tables, curves)
   bench/results_memart.json        bench/memart.py          MemArt vs baselines (Tables 2 /
@@ -121,6 +123,7 @@ SOURCES = {
     "reuse-chance": "bench/results_reuse_chance.json",
     "reuse-pool": "bench/results_reuse_pool.json",
     "reuse-gated": "bench/results_reuse_gated.json",
+    "reuse-qwen": "bench/results_reuse_qwen.json",
     "semshare": "bench/results_semshare.json",
     "semshare-lengths": "bench/results_semshare_lengths.json",
     "semshare-curve": "bench/results_semshare_curve.json",
@@ -236,7 +239,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
-  for name in ("reuse", "reuse-chance", "reuse-pool", "reuse-gated"):
+  for name in ("reuse", "reuse-chance", "reuse-pool", "reuse-gated", "reuse-qwen"):
     out[name] = rows[name] and _render(reuse_bench.tables(rows[name]))
   out["semshare"] = rows["semshare"] and _render(
       [t for t in semshare_bench.tables(rows["semshare"]) if "similarity" in t.title])
