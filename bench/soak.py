@@ -18,14 +18,15 @@ to back until `--duration_s` has passed. Each request is drawn (seeded) from:
                 an unknown model, a prompt over the cache, a bad session kind list
 
 Then the server drains, every session is deleted, and the run reports: requests by
-kind and status, each engine mechanism's counters (composed sessions' calls, MemArt's
-blocks written and retrieved), 5xx responses (must be 0: no fault is injected), RSS and the
-compiled variants of the engine's jitted steps (and how often `server.max_compiled`
-made the loop drop them all: `jaxkv.engine.executables`) at the start (after a warm-up round),
-at --marks points over the run, and the KV books: sessions left, sequences left,
-live slots (= tokens the radix trees cache + slots held by `retain`: SemShareKV's
-references, MemArt's shared chat head, when no sequence is left), and
-`KVManager.check()`.
+kind and status, the wall time of answered chats and session turns by kind (p50 / p99:
+queueing, a composed call's recall, prefill and decode), each engine mechanism's
+counters (composed sessions' calls, MemArt's blocks written and retrieved), 5xx
+responses (must be 0: no fault is injected), RSS and the compiled variants of the
+engine's jitted steps (and how often `server.max_compiled` made the loop drop them
+all: `jaxkv.engine.executables`) at the start (after a warm-up round), at --marks
+points over the run, and the KV books: sessions left, sequences left, live slots (=
+tokens the radix trees cache + slots held by `retain`: SemShareKV's references,
+MemArt's shared chat head, when no sequence is left), and `KVManager.check()`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import resource
 import sys
 import time
 
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -80,16 +82,21 @@ def compiled() -> int:
 
 
 async def client(url: str, rng: random.Random, deadline: float, counts, statuses,
-                 max_tokens: int, name: str) -> None:
+                 max_tokens: int, name: str, latency=None) -> None:
+  """One client's mix until `deadline`; the wall time of each answered (200) plain chat
+  and session turn goes to `latency[kind]` (a session's kinds joined by "+")."""
   import httpx
   chat_url = url + "/v1/chat/completions"
   async with httpx.AsyncClient(timeout=600) as http:
 
-    async def post(what, path, body=None, raw=None):
+    async def post(what, path, body=None, raw=None, kind=None):
+      t0 = time.monotonic()
       r = await http.post(url + path, json=body, content=raw,
                           headers={"Content-Type": "application/json"})
       counts[what] += 1
       statuses[r.status_code] += 1
+      if kind is not None and latency is not None and r.status_code == 200:
+        latency[kind].append(time.monotonic() - t0)
       return r
 
     n = 0
@@ -100,7 +107,7 @@ async def client(url: str, rng: random.Random, deadline: float, counts, statuses
       if pick < 0.3:
         await post("chat", "/v1/chat/completions", {"model": MODEL, "messages": msg,
                                                      "max_tokens": max_tokens,
-                                                     "stream": rng.random() < 0.5})
+                                                     "stream": rng.random() < 0.5}, kind="chat")
       elif pick < 0.65:
         kind = rng.choice(KINDS)
         role = "agents" in kind            # a kind or a list of kinds
@@ -116,7 +123,8 @@ async def client(url: str, rng: random.Random, deadline: float, counts, statuses
           model = MODEL + (":" + ("plan", "action", "reflect")[turn] if role else "")
           r = await post("session_turn", "/v1/chat/completions", {
               "model": model, "messages": chat, "max_tokens": max_tokens,
-              "session_id": sid, "stream": rng.random() < 0.3})
+              "session_id": sid, "stream": rng.random() < 0.3},
+              kind=kind if isinstance(kind, str) else "+".join(kind))
           if r.status_code != 200:
             break
           text = "ok" if r.headers.get("content-type", "").startswith("text/event-stream") \
@@ -161,6 +169,7 @@ def main(argv):
   llm = cli.load_llm(cfg)
   rng = random.Random(FLAGS.seed)
   counts, statuses = collections.Counter(), collections.Counter()
+  latency = collections.defaultdict(list)
   marks = {}
   app_ = create_app(llm, cfg)
   backends, releases = app_.state.backends, lambda: app_.state.loop.compiled.clears
@@ -170,7 +179,7 @@ def main(argv):
     async def load(seconds: float):
       deadline = time.monotonic() + seconds
       await asyncio.gather(*[client(url, random.Random(rng.random()), deadline, counts,
-                                    statuses, FLAGS.max_tokens, f"c{i}")
+                                    statuses, FLAGS.max_tokens, f"c{i}", latency)
                              for i in range(FLAGS.clients)])
 
     print("warm-up round (compiles)...", file=sys.stderr, flush=True)
@@ -178,6 +187,7 @@ def main(argv):
     marks["start"] = (rss_mb(), compiled(), time.monotonic(), releases())
     counts.clear()
     statuses.clear()
+    latency.clear()
     part = FLAGS.duration_s / FLAGS.marks
     for k in range(1, FLAGS.marks + 1):
       print(f"load for {part:.0f} s ({k}/{FLAGS.marks})...", file=sys.stderr, flush=True)
@@ -210,6 +220,11 @@ def main(argv):
          "compiled_steps": {k: v[1] for k, v in marks.items()},
          "compiled_releases": {k: v[3] for k, v in marks.items()},
          "max_compiled": cfg.server.max_compiled, "books": books,
+         # wall seconds of each answered plain chat / session turn, by kind (a session's
+         # whole request: queueing, a composed call's recall, prefill and decode)
+         "latency_s": {k: {"n": len(v), "p50": round(float(np.percentile(v, 50)), 3),
+                           "p99": round(float(np.percentile(v, 99)), 3)}
+                       for k, v in sorted(latency.items())},
          # each engine mechanism's counters over the whole run, warm-up included (a
          # composition's requests; MemArt's blocks written by recalls and retrieved)
          "mechanisms": {k: dict(m.stats) for k, m in llm.engine.mechanisms.items()}}
@@ -220,7 +235,10 @@ def main(argv):
       [["RSS MB", *(f"{v[0]:.0f}" for v in marks.values())],
        ["compiled step variants", *(str(v[1]) for v in marks.values())],
        [f"releases (max_compiled {cfg.server.max_compiled})",
-        *(str(v[3]) for v in marks.values())]])])
+        *(str(v[3]) for v in marks.values())]]),
+      common.Table("answered requests' wall time by kind (s)", ["kind", "n", "p50", "p99"],
+                   [[k, str(v["n"]), f"{v['p50']:.2f}", f"{v['p99']:.2f}"]
+                    for k, v in out["latency_s"].items()])])
   if FLAGS.out:
     pathlib.Path(FLAGS.out).write_text(json.dumps(out, indent=1) + "\n")
   if out["server_errors"] or books["sessions_left"] or books["engine_busy"]:
