@@ -39,7 +39,8 @@ blend_random recompute as many tokens as EPIC / CacheBlend, drawn uniformly from
 keys to their new positions (`rerope=False`).
 
 A method may carry settings, `name@field=value[@field=value]` (`method_config`:
-the gates' and the sweeps' knobs, e.g. `tiered@ctx_threshold=0.6`); such a row is
+the gates' and the sweeps' knobs, and the store's regime, e.g. `tiered@ctx_threshold=0.6`
+or `tiered@regime=B@reuse_layers=8`); such a row is
 paired with its base method in the paired table, and a gated row also with its base's
 `@reject_random=p` row (each spliced run recomputed with probability p: the gates'
 chance baseline at a matched rate). The gates are calibrated on a dev
@@ -93,7 +94,7 @@ MATCHED = (("epic@epic_tokens=40", "cacheblend"), ("cacheblend@blend_ratio=0.75"
            ("tiered@guard_base=4", "cacheblend"), ("tiered@guard_base=4", "epic@epic_tokens=40"))
 TIERS = ("exact", "approx", "blend", "naive", "epic", "reject")
 OVERRIDABLE = ("ctx_threshold", "probe_reject", "reject_random", "guard_base", "blend_ratio",
-               "epic_tokens", "blend_layer", "seg_threshold")
+               "epic_tokens", "blend_layer", "seg_threshold", "regime", "reuse_layers")
 FLAGS = flags.FLAGS
 
 

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from flag_util import script_flags
 from pallas_kernels import flash_lora_attention as fla
 from pallas_kernels import paged_attention as pa
 
@@ -75,17 +76,9 @@ def _run_bench(tmp_path, *argv) -> list[dict]:
   """bench.main on argv; the script's flags exist only for this call. Its rows."""
   import json
 
-  from absl import flags
   out = tmp_path / "rows.json"
-  before = set(flags.FLAGS)
-  bench.define_flags()
-  added = set(flags.FLAGS) - before
-  try:
-    flags.FLAGS(["attention_kernels.py", *argv, f"--out={out}"])
+  with script_flags(bench.define_flags, ["attention_kernels.py", *argv, f"--out={out}"]):
     bench.main([])
-  finally:
-    for name in added:
-      delattr(flags.FLAGS, name)
   return json.loads(out.read_text())
 
 

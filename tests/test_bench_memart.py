@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from absl import app, flags
 
+from flag_util import script_flags
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import memart as bench
 import memart_layout
@@ -24,15 +26,9 @@ FLAGS = flags.FLAGS
 @pytest.fixture
 def parsed():
   """The script's flags, parsed, for this test only (other bench tests define theirs)."""
-  before = set(FLAGS)
-  bench.define_flags()
-  added = set(FLAGS) - before
-  try:
-    FLAGS(["memart", "--block_sizes=8", "--top_k=64", "--rerank=16,4"])
-    yield
-  finally:
-    for name in added:
-      delattr(FLAGS, name)
+  with script_flags(bench.define_flags,
+                    ["memart", "--block_sizes=8", "--top_k=64", "--rerank=16,4"]) as f:
+    yield f
 
 
 def rec(method, q, f1, conv="c0", answer=None):
