@@ -480,12 +480,32 @@ def test_failing_step_is_isolated(base, monkeypatch):
     assert metric(server.url, "jaxkv_engine_step_errors_total") == 1
 
 
-def test_shutdown_answers_every_request_and_stops_the_loop(base):
+@pytest.mark.parametrize("step_blocked", [False, True])
+def test_shutdown_answers_every_request_and_stops_the_loop(base, monkeypatch, step_blocked):
   """Shutdown with requests running past graceful_s: a non-streamed one gets 503 JSON
   (shutting_down, Retry-After), a stream ends with an error chunk and [DONE] (issue 38:
-  a plain-text 500 and a cut stream before); nothing stays allocated."""
+  a plain-text 500 and a cut stream before); nothing stays allocated. step_blocked:
+  the engine is inside a step through the whole shutdown (a compile or a long
+  prefill under load): the answers must not wait for it (they did, past uvicorn's
+  10 s flush, and the clients got no reply)."""
   llm, cfg = fresh(base)
   got = {}
+  gate = threading.Event()
+  gate.set()
+  real_step = llm.engine.step
+
+  def step(**kw):
+    gate.wait(120)
+    return real_step(**kw)
+
+  monkeypatch.setattr(llm.engine, "step", step)
+
+  def release_when_answered():       # the blocked step ends once both clients have replies
+    deadline = time.time() + 120
+    while len(got) < 2 and time.time() < deadline:
+      time.sleep(0.05)
+    gate.set()
+
   body = {"model": MODEL, "messages": chat("Tell a very long story."), "max_tokens": 400}
   with serving(llm, cfg, graceful_s=1.0) as server:
     loop = server.config.app.state.loop
@@ -495,17 +515,28 @@ def test_shutdown_answers_every_request_and_stops_the_loop(base):
       got["plain"] = (r.status_code, r.headers.get("retry-after"), r.json())
 
     def streamed():
+      lines = []
       with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
                         json={**body, "stream": True}) as resp:
-        got["stream"] = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+        for ln in resp.iter_lines():
+          if ln.startswith("data: "):
+            lines.append(ln)
+            began.set()
+      got["stream"] = lines
 
+    # shut down once the stream has begun (a stream not yet begun is answered as the
+    # plain request is: 503 JSON)
+    began = threading.Event()
     threads = [threading.Thread(target=f) for f in (plain, streamed)]
     for t in threads:
       t.start()
     deadline = time.time() + 120
-    while loop.pending < 2 or llm.engine.allocator.num_live_slots == 0:
+    while loop.pending < 2 or llm.engine.allocator.num_live_slots == 0 or not began.is_set():
       assert time.time() < deadline
       time.sleep(0.05)
+    if step_blocked:
+      gate.clear()
+      threading.Thread(target=release_when_answered, daemon=True).start()
   for t in threads:
     t.join(60)
   status, retry, js = got["plain"]

@@ -427,7 +427,8 @@ def make_server(app: FastAPI, *, host: str = "127.0.0.1", port: int = 0,
                 graceful_s: float = 5.0, log_level: str = "warning", flush_s: float = 10.0):
   """A `uvicorn.Server` for `app` whose shutdown answers every request: new ones get
   503 `shutting_down` at once, running ones get `graceful_s` seconds to finish, and
-  what is left is cancelled and answered 503 JSON (a stream: an error chunk, then
+  what is left is cancelled and answered at once (`EngineLoop.cancel_all`: a step still
+  running is not waited for) with 503 JSON (a stream that began: an error chunk, then
   `[DONE]`) within `flush_s` before the connections close. Past the app's
   server.max_connections open connections uvicorn answers 503; a connection whose
   request headers take longer than server.header_timeout_s is closed."""
