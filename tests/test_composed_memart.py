@@ -256,6 +256,9 @@ def test_closed_conversation_lines_follow_write_turns(llm, turns):
   reply = llm.tokenizer.decode([t for t in res.tokens if t not in llm.tokenizer.stop_ids])
   assert said == ([f"assistant: {FIRST[2]['content']}", f"assistant: {reply}"]
                   if turns == "all" else [])
+
+
+def test_write_turns_is_all_or_inputs():
   with pytest.raises(ValueError, match="write_turns"):
     MemArtConfig(write_turns="replies")
 
