@@ -275,7 +275,7 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
     be = [store_lib.break_even(runner.store.peek(k), L, fl, flops_per_s=hardware[0],
                                bytes_per_s=hardware[1]).reuses for k in keys]
   mean = lambda key: float(np.mean([p[key] for p in per]))
-  return dict(**quality(per), timed=FLAGS.timed, num_pages=pages,
+  return dict(**quality(per, timed=FLAGS.timed), timed=FLAGS.timed, num_pages=pages,
       method=name, workload=FLAGS.workload, tier_accept={t: tiers[t] for t in TIERS if tiers[t]},
       prefill_tokens=mean("tokens"), prompt_tokens=mean("n"), reused_tokens=mean("reused"),
       prefill_flops=mean("flops"), flops_ratio=mean("flops") / mean("full_flops"),
@@ -288,11 +288,12 @@ def run_method(llm, name: str, requests, ref, clock: CompileClock,
           [o["ttft"] for o, r in zip(ref, requests) if r.scored]))), outs
 
 
-def quality(per: list[dict]) -> dict:
+def quality(per: list[dict], timed: bool = False) -> dict:
   """A row's drift fields from its requests': means with bootstrap 95% intervals over
   the requests (the unit that varies; `calls.mean_ci`), and the per-request values
   the paired comparisons and the gates' calibration read (`per_request`; `runs`: each
-  request's matched runs, `_runs`)."""
+  request's matched runs, `_runs`; `ttft` when `timed`: the second, compiled pass's,
+  for TTFT ratios paired by request)."""
   out = {}
   for key, field in (("kl", "kl_first_token"), ("dnll", "delta_nll"),
                      ("agree", "greedy_agreement")):
@@ -304,6 +305,8 @@ def quality(per: list[dict]) -> dict:
                         for k in ("kl", "dnll", "agree", "first_diff")}
   if all("runs" in p for p in per):
     out["per_request"]["runs"] = [p["runs"] for p in per]
+  if timed:
+    out["per_request"]["ttft"] = [round(float(p["ttft"]), 6) for p in per]
   return out
 
 

@@ -37,6 +37,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             (bench/reuse_gates.py), held out
   bench/results_reuse_qwen.json    bench/reuse.py           workload (a) on Qwen2.5-Coder-0.5B
                                                             through the engine, with chance
+  bench/results_reuse_qwen_ttft.json bench/reuse.py         the same workload's TTFT (runner,
+                                                            timed pass)
   bench/results_semshare*.json     bench/semshare.py        SemShareKV by similarity and by
                                                             prompt length (tables, curves)
   bench/results_memart.json        bench/memart.py          MemArt vs baselines (Tables 2 /
@@ -124,6 +126,7 @@ SOURCES = {
     "reuse-pool": "bench/results_reuse_pool.json",
     "reuse-gated": "bench/results_reuse_gated.json",
     "reuse-qwen": "bench/results_reuse_qwen.json",
+    "reuse-qwen-ttft": "bench/results_reuse_qwen_ttft.json",
     "semshare": "bench/results_semshare.json",
     "semshare-lengths": "bench/results_semshare_lengths.json",
     "semshare-curve": "bench/results_semshare_curve.json",
@@ -239,7 +242,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
-  for name in ("reuse", "reuse-chance", "reuse-pool", "reuse-gated", "reuse-qwen"):
+  for name in ("reuse", "reuse-chance", "reuse-pool", "reuse-gated", "reuse-qwen",
+               "reuse-qwen-ttft"):
     out[name] = rows[name] and _render(reuse_bench.tables(rows[name]))
   out["semshare"] = rows["semshare"] and _render(
       [t for t in semshare_bench.tables(rows["semshare"]) if "similarity" in t.title])

@@ -41,3 +41,13 @@ def test_settings_become_the_rows_config(parsed):
 def test_bad_settings_are_usage_errors(parsed, name, says):
   with pytest.raises(app.UsageError, match=says):
     bench.method_config(name)
+
+
+def test_rows_keep_each_requests_ttft_when_timed():
+  """A timed row keeps every request's TTFT beside its drift (paired TTFT ratios with
+  intervals over requests); a quality-only row has none to keep."""
+  per = [dict(kl=0.01 * i, dnll=0.0, agree=1.0, first_diff=32, ttft=1.5 + i) for i in range(4)]
+  row = bench.quality(per, timed=True)
+  assert row["per_request"]["ttft"] == [1.5, 2.5, 3.5, 4.5]
+  assert row["per_request"]["kl"] == [0.0, 0.01, 0.02, 0.03]
+  assert "ttft" not in bench.quality(per)["per_request"]   # quality only: TTFT has compiles
