@@ -51,8 +51,14 @@ class QueueFull(Exception):
 class _Waiter:
   loop: asyncio.AbstractEventLoop
   queue: asyncio.Queue
-  sent: int = 0         # tokens already posted
-  tokens: list = dataclasses.field(default_factory=list)   # the last posted ones
+  tokens: list = dataclasses.field(default_factory=list)   # the tokens last posted
+
+  def send(self, event: tuple) -> None:
+    """Puts `event` on the queue from any thread (nothing when the server is gone)."""
+    try:
+      self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    except RuntimeError:   # the event loop is closed
+      pass
 
 
 @dataclasses.dataclass
@@ -168,11 +174,8 @@ class EngineLoop:
       self._waiters.clear()
     for rid, waiter in waiters.items():
       self.engine.cancel(rid)
-      res = Result(rid, list(waiter.tokens), 0, len(waiter.tokens), 0.0, 0.0, "cancelled")
-      try:
-        waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, ("done", res))
-      except RuntimeError:   # the event loop is closed: the server is gone
-        pass
+      waiter.send(("done", Result(rid, waiter.tokens, 0, len(waiter.tokens), 0.0, 0.0,
+                                  "cancelled")))
     self._wake.set()
     return len(waiters)
 
@@ -188,18 +191,14 @@ class EngineLoop:
   def _post(self, rid: str, event: tuple, final: bool = False) -> None:
     with self._lock:
       waiter = self._waiters.pop(rid, None) if final else self._waiters.get(rid)
-    if waiter is None:
-      return
-    try:
-      waiter.loop.call_soon_threadsafe(waiter.queue.put_nowait, event)
-    except RuntimeError:   # the event loop is closed: the server is gone
-      pass
+    if waiter is not None:
+      waiter.send(event)
 
   def _post_progress(self) -> None:
     for rid, (tokens, cached) in self.engine.progress().items():
       waiter = self._waiters.get(rid)
-      if waiter is not None and len(tokens) > waiter.sent:
-        waiter.sent, waiter.tokens = len(tokens), tokens
+      if waiter is not None and len(tokens) > len(waiter.tokens):
+        waiter.tokens = tokens              # a copy (Engine.progress)
         self._post(rid, ("tokens", tokens, cached))
 
   def _run(self) -> None:
