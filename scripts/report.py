@@ -100,7 +100,7 @@ import lragent as lragent_bench  # noqa: E402
 import memart_tables as memart_bench  # noqa: E402
 import plot_training  # noqa: E402
 import pruning  # noqa: E402
-import reuse as reuse_bench  # noqa: E402
+import reuse_tables as reuse_bench  # noqa: E402
 import semshare as semshare_bench  # noqa: E402
 import server_load  # noqa: E402
 import throughput  # noqa: E402

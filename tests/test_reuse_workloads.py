@@ -15,6 +15,7 @@ from jaxkv.tokens import Tokenizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import reuse
+import reuse_tables
 
 TOOLS = tuple({"name": f"tool_{i}", "description": f"Looks up record kind {i} by its id and "
                f"returns every field of it as JSON.",
@@ -96,7 +97,7 @@ def _row(method, ttft, **kw):
 def test_bench_table_ratios_are_against_none_and_prefix():
   rows = [_row("none", 2.0), _row("prefix", 1.6),
           _row("tiered", 0.4, tier_accept={"exact": 1, "blend": 3}, break_even_median=0.5)]
-  (table,) = reuse.tables(rows)
+  (table,) = reuse_tables.tables(rows)
   by = {line[0]: line for line in table.lines}
   assert by["tiered"][5] == "5.00x" and by["tiered"][6] == "4.00x"
   assert by["tiered"][1] == "exact:1 blend:3"
@@ -115,11 +116,31 @@ def test_bench_quality_and_the_chance_table_pair_requests():
   rows = [_row("none", 2.0, **reuse.quality(per([1.0] * 4))),
           _row("epic", 1.0, **reuse.quality(per([1.0, 1.0, 0.5, 0.5]))),
           _row("epic_random", 1.0, **reuse.quality(per([0.5, 0.5, 0.0, 0.0])))]
-  main, chance = reuse.tables(rows)
+  main, chance = reuse_tables.tables(rows)
   assert "bootstrap 95% intervals over requests" in main.title
   assert {line[0]: line for line in main.lines}["epic"][10] == "3.0"    # first diff
   (line,) = chance.lines
   assert line[:2] == ("epic", "epic_random") and line[3] == "+0.5000 [+0.5000, +0.5000]"
+
+
+def test_the_paired_table_times_methods_request_by_request():
+  """Timed rows pair TTFT by request: each timed method against the prefix cache and a
+  method with @settings against its base; quality-only rows keep the table as it was."""
+  per = lambda ttft: [dict(kl=0.0, dnll=0.0, agree=1.0, first_diff=4.0, ttft=t) for t in ttft]
+  timed = lambda name, ttft: _row(name, float(np.mean(ttft)),
+                                  **reuse.quality(per(ttft), timed=True))
+  rows = [timed("none", [2.0] * 4), timed("prefix", [1.0, 2.0, 2.0, 1.0]),
+          timed("tiered", [0.5, 1.0, 1.0, 0.5]), timed("tiered@regime=B", [1.0, 2.0, 2.0, 1.0])]
+  _, paired = reuse_tables.tables(rows)
+  assert paired.header[-1] == "TTFT b / a" and "times sooner" in paired.title
+  by = {tuple(line[:2]): line[-1] for line in paired.lines}
+  assert by[("tiered", "prefix")] == "2.00x [2.00, 2.00]"
+  assert by[("tiered@regime=B", "tiered")] == "0.50x [0.50, 0.50]"
+  assert by[("tiered@regime=B", "prefix")] == "1.00x [1.00, 1.00]"
+  assert ("none", "prefix") not in by
+  plain = [_row(r["method"], r["ttft_s"], **reuse.quality(per([1.0] * 4))) for r in rows]
+  _, paired = reuse_tables.tables(plain)
+  assert paired.header[-1] == "d dNLL" and "times sooner" not in paired.title
 
 
 def test_bench_ratios_divide_by_each_runs_own_none():
@@ -127,13 +148,13 @@ def test_bench_ratios_divide_by_each_runs_own_none():
   # tiered's 0.6 s is 5x its own none, and 4x the prefix cache through each run's none
   rows = [_row("none", 2.0), _row("prefix", 1.6), _row("tiered", 0.6, none_ttft_s=3.0),
           _row("naive", 0.5)]
-  reuse.add_speedups(rows)
+  reuse_tables.add_speedups(rows)
   by = {r["method"]: r for r in rows}
   assert by["tiered"]["ttft_ratio_vs_none"] == pytest.approx(5.0)
   assert by["tiered"]["ttft_ratio_vs_prefix"] == pytest.approx(4.0)
   assert by["naive"]["ttft_ratio_vs_prefix"] == pytest.approx(3.2)
   alone = [_row("naive", 0.5)]            # no baselines in the file: no ratio, no error
-  reuse.add_speedups(alone)
+  reuse_tables.add_speedups(alone)
   assert alone[0]["ttft_ratio_vs_none"] is None and alone[0]["ttft_ratio_vs_prefix"] is None
 
 def test_line_spans_split_a_prompt_at_line_breaks(tok):
@@ -256,11 +277,11 @@ def test_drift_tables_and_plot(tmp_path):
                greedy_ci=[0.9, 1.0], flops_ratio=0.5, reused_tokens=10.0, n_requests=3,
                storage="int8")
           for m in ("none", "naive") for k in ("insert", "replace") for f in (0.0, 0.5)]
-  tabs = reuse.tables(rows)
+  tabs = reuse_tables.tables(rows)
   assert [t.title.split(",")[1].split(":")[0].strip() for t in tabs] == ["insert", "replace"]
   by = {line[0]: line for line in tabs[0].lines}
   assert by["naive"][2] == "0.005 / +0.010 / 0.50"
-  path = reuse.drift_plot(rows, str(tmp_path / "drift.png"))
+  path = reuse_tables.drift_plot(rows, str(tmp_path / "drift.png"))
   assert pathlib.Path(path).stat().st_size > 10_000
 
 
