@@ -39,6 +39,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             through the engine, with chance
   bench/results_reuse_qwen_ttft.json bench/reuse.py         the same workload's TTFT (runner,
                                                             timed pass)
+  bench/results_reuse_regime_b_ttft.json bench/reuse.py     workload (a)'s TTFT with the store
+                                                            in regime B (SmolLM2, timed)
   bench/results_semshare*.json     bench/semshare.py        SemShareKV by similarity and by
                                                             prompt length (tables, curves)
   bench/results_memart.json        bench/memart.py          MemArt vs baselines (Tables 2 /
@@ -127,6 +129,7 @@ SOURCES = {
     "reuse-gated": "bench/results_reuse_gated.json",
     "reuse-qwen": "bench/results_reuse_qwen.json",
     "reuse-qwen-ttft": "bench/results_reuse_qwen_ttft.json",
+    "reuse-regime-b-ttft": "bench/results_reuse_regime_b_ttft.json",
     "semshare": "bench/results_semshare.json",
     "semshare-lengths": "bench/results_semshare_lengths.json",
     "semshare-curve": "bench/results_semshare_curve.json",
@@ -243,7 +246,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
   for name in ("reuse", "reuse-chance", "reuse-pool", "reuse-gated", "reuse-qwen",
-               "reuse-qwen-ttft"):
+               "reuse-qwen-ttft", "reuse-regime-b-ttft"):
     out[name] = rows[name] and _render(reuse_bench.tables(rows[name]))
   out["semshare"] = rows["semshare"] and _render(
       [t for t in semshare_bench.tables(rows["semshare"]) if "similarity" in t.title])
