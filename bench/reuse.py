@@ -345,8 +345,6 @@ def run_perturbed(llm, name: str, pairs, ref, clock: CompileClock) -> tuple[list
   return rows, outs
 
 
-
-
 def build_workload(tokenizer):
   """The requests of --workload (pairs for perturbed)."""
   wl, n = FLAGS.workload, FLAGS.requests

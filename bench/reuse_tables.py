@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 import common
 from jaxkv.data import calls, reuse_workloads
 
@@ -99,13 +97,6 @@ def _ci(r, field, fmt) -> str:
   return cell if ci is None else f"{cell} [{format(ci[0], fmt)}, {format(ci[1], fmt)}]"
 
 
-def speedup(a: list[float], b: list[float]) -> tuple[float, float, float]:
-  """How many times faster a's requests start than b's on the same requests: the
-  ratio of mean TTFTs (b / a), with its 95% bootstrap interval over requests."""
-  per = {i: np.array([x, y]) for i, (x, y) in enumerate(zip(a, b, strict=True))}
-  return common.cluster_bootstrap(per, lambda xs: sum(x[1] for x in xs) / sum(x[0] for x in xs))
-
-
 def paired_table(rows: list[dict]) -> common.Table | None:
   """Each method against its chance baseline (`CHANCE`), then against the others
   (`PAIRS`), then each method run with @settings against its base method, a gated
@@ -113,7 +104,7 @@ def paired_table(rows: list[dict]) -> common.Table | None:
   method against the prefix cache, on the same requests: paired mean differences
   (a - b) with bootstrap intervals over requests, beside the FLOPs each spent (unequal
   FLOPs: not a matched comparison), and where both rows were timed, how many times
-  sooner a's first token comes (`speedup`)."""
+  sooner a's first token comes (b's mean TTFT over a's, `calls.ratio_ci`)."""
   by = {r["method"]: r for r in rows if "per_request" in r}
   lines = []
   variants = tuple((m, m.split("@")[0]) for m in by if "@" in m)
@@ -128,7 +119,7 @@ def paired_table(rows: list[dict]) -> common.Table | None:
       d = lambda k, x=x, y=y: "{:+.4f} [{:+.4f}, {:+.4f}]".format(*calls.mean_ci(x[k], y[k]))
       fast = "-"
       if "ttft" in x and "ttft" in y:
-        fast = "{:.2f}x [{:.2f}, {:.2f}]".format(*speedup(x["ttft"], y["ttft"]))
+        fast = "{:.2f}x [{:.2f}, {:.2f}]".format(*calls.ratio_ci(y["ttft"], x["ttft"]))
       lines.append((a, b, f"{by[a]['flops_ratio']:.3f} / {by[b]['flops_ratio']:.3f}",
                     d("agree"), d("kl"), d("dnll"), fast))
   if not lines:
