@@ -38,16 +38,19 @@ def _share_compiled_programs(limit: int = 2 << 30):
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-  if os.path.isdir(path) and "PYTEST_XDIST_WORKER" not in os.environ:
-    entries = sorted((e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(path)
-                     if e.is_file())
-    total = sum(size for _, size, _ in entries)
-    for _, size, name in entries if total > limit else ():
-      if total <= limit // 2:
-        break
-      total -= size
-      with contextlib.suppress(OSError):
-        os.remove(name)
+  if not os.path.isdir(path) or "PYTEST_XDIST_WORKER" in os.environ:
+    return                                  # the controller trims, before workers start
+  entries = sorted((st.st_mtime, st.st_size, e.path) for e in os.scandir(path)
+                   if e.is_file() and (st := e.stat()))
+  total = sum(size for _, size, _ in entries)
+  if total <= limit:
+    return
+  for _, size, name in entries:             # oldest first, down to half the limit
+    with contextlib.suppress(OSError):
+      os.remove(name)
+    total -= size
+    if total <= limit // 2:
+      break
 
 
 _share_compiled_programs()
