@@ -200,54 +200,54 @@ def test_aligned_positions_take_shifts_back():
   assert semshare.aligned_positions(np.r_[x[:10], x[200:260]], x[200:260]).min() >= 0
 
 
-def _docs_paragraphs():
-  """Real English prose shipped with the repository (its docs), as paragraphs."""
-  import glob
-  import re
-  out = []
-  for f in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "**",
-                                         "*.md"), recursive=True)):
-    with open(f) as fh:
-      text = fh.read()
-    for para in text.split("\n\n"):
-      if para[:1].isalpha() and "|" not in para and len(para) > 200:
-        out.append(re.sub(r"\s+", " ", para))
-  return list(dict.fromkeys(out))                # a paragraph repeated across pages once
+def _prose_paragraphs():
+  """Real English prose: the repository's own docs, frozen in tests/data/semshare_prose.txt
+  (one paragraph per line) so that editing the docs cannot move this test's figures (the
+  test read docs/ live and failed twice when they changed)."""
+  path = os.path.join(os.path.dirname(__file__), "data", "semshare_prose.txt")
+  with open(path) as fh:
+    return [line.strip() for line in fh if line[:1].isalpha()]
 
 
 def test_natural_edits_pass_the_gate_once_aligned():
-  """Real weights (SmolLM2) on real prose of >= 1k tokens (the repository's docs): texts
-  with 20-40% of their sentences deleted or replaced mostly score at or above the gate
-  (0.8) with alignment (at least 9 of 12; a 40% edit sits at the calibrated edge), every
-  unrelated text of the same length well below it, and without alignment every edit
+  """Real weights (SmolLM2) on real prose of >= 1k tokens (the repository's docs, frozen):
+  over 32 texts, those with 20-30% of their sentences deleted or replaced score at or
+  above the gate (0.8) with alignment (22 of 24 measured; one sits 0.001 over the gate,
+  so 21 is asserted), a 40% deletion sits at the calibrated edge (4 of 8 over it, every
+  one above 0.7, below the 20% deletions on average), every unrelated text of the same
+  length well below the gate (at most 0.56 measured), and without alignment every edit
   scores lower (the shift moves every later token's codes)."""
   import jaxkv
   from jaxkv.data import semshare_pairs as SP
   llm = jaxkv.load("smollm2-135m")
   tok = llm.tokenizer
   count = lambda s: len(tok.encode(s, add_bos=False))
-  paras = _docs_paragraphs()
+  paras = _prose_paragraphs()
   half = len(paras) // 2                          # targets from one half, unrelated texts
   pool = [x for p in paras[::5] for x in SP.sentences(p)]   # from the other
   aligned = SemShareRunner(llm, SemShareConfig(), attn_impl="reference", cache=CACHE)
   plain = SemShareRunner(llm, SemShareConfig(align=False), attn_impl="reference", cache=CACHE)
   enc = lambda p: np.asarray(tok.encode(SP.join(p), add_bos=False), np.int32)
-  edited, unrelated = [], []
-  for seed in range(3):
+  edits = (("eliminate", 0.2), ("eliminate", 0.4), ("replace", 0.2), ("replace", 0.3))
+  edited, unrelated = {e: [] for e in edits}, []
+  for seed in range(8):
     rng = np.random.default_rng(seed)
-    for kind, frac in (("eliminate", 0.2), ("eliminate", 0.4), ("replace", 0.2),
-                       ("replace", 0.3)):
+    for kind, frac in edits:
       text = SP.excerpt(paras[:half], count, 1400, rng)
       ref = (SP.eliminate(text, frac, rng) if kind == "eliminate" else
              SP.replace(text, frac, pool, rng))
       t, r = enc(text), enc(ref)
       assert t.size >= 1000
       other = enc(SP.excerpt(paras[half:], count, 1400, rng))
-      edited.append(aligned.similarity(r, t))
+      edited[kind, frac].append(aligned.similarity(r, t))
       unrelated.append(aligned.similarity(other, t))
-      assert plain.similarity(r, t) < edited[-1], (seed, kind, frac)
-  assert sum(x >= 0.8 for x in edited) >= 9, edited
-  assert min(edited) > 0.7 and max(unrelated) < 0.72, (edited, unrelated)
+      assert plain.similarity(r, t) < edited[kind, frac][-1], (seed, kind, frac)
+  light = [x for e in edits if e != ("eliminate", 0.4) for x in edited[e]]
+  heavy = edited["eliminate", 0.4]
+  assert sum(x >= 0.8 for x in light) >= 21, edited
+  assert sum(x >= 0.8 for x in heavy) >= 3 and min(heavy) > 0.7, heavy
+  assert np.mean(heavy) < np.mean(edited["eliminate", 0.2]), edited
+  assert max(unrelated) < 0.65, unrelated
 
 
 def test_observer_attention_equals_dense_numpy():
