@@ -62,8 +62,9 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
   bench/results_memart_qwen_planted.json bench/memart.py    the frozen setting on Qwen at 24k
   bench/results_kernels_h200*.json bench/attention_kernels.py (GPU)   attention kernels side by side
   bench/results_throughput_h200.json bench/throughput.py    engine vs HF on the same GPU
-  bench/results_composed.json      bench/composed.py        agents / pruning alone and
-                                                            composed (agent calls)
+  bench/results_composed.json      bench/composed.py        agents / pruning / reuse /
+                                                            MemArt alone and composed
+                                                            (agent calls)
   bench/results_compaction.json    bench/compaction.py      pruning / reuse alone and
                                                             composed (cleared histories)
   bench/results_composed_memory.json bench/composed_memory.py MemArt / pruning alone and
@@ -281,7 +282,13 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["server-load"] = rows["server-load"] and _render(server_load.tables(rows["server-load"]))
   out["server-load-kinds"] = rows["server-load-kinds"] and _render(
       [server_load.batching_table(rows["server-load-kinds"])])
-  out["composed"] = rows["composed"] and _render([composed_bench.table(rows["composed"])])
+  # the README's: each mechanism of agents / pruning / reuse alone and composed; the
+  # MemArt compositions (continued sessions, their chance line) in the docs'
+  readme = [r for r in rows["composed"] or [] if r["method"] in composed_bench.METHODS[:7]]
+  memart = [r for r in rows["composed"] or []
+            if r["method"] == "agents" or r["method"] not in composed_bench.METHODS[:7]]
+  out["composed"] = readme and _render([composed_bench.table(readme)])
+  out["composed-memart"] = memart and _render(composed_bench.tables(memart))
   out["compaction"] = rows["compaction"] and _render(compaction_bench.tables(rows["compaction"]))
   out["composed-memory"] = rows["composed-memory"] and _render(
       composed_memory.tables(rows["composed-memory"]))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from jaxkv.config import PAGE_SIZE, CacheConfig, EngineConfig, SamplingConfig
 from jaxkv.engine import executables
@@ -45,20 +45,23 @@ class Served:
   index: int
   calls: list[Result]
   live_slots: int
+  before: list[Result] = dataclasses.field(default_factory=list)  # run before its first call
 
 
 def engine(llm, lora, scheme: str, *, max_tokens: int, max_batch: int = 4,
-           prefill_chunk: int = 256, names: Sequence[str] = ()) -> tuple[Engine, Agents]:
+           prefill_chunk: int = 256, names: Sequence[str] = (),
+           extra_pages: int = 0) -> tuple[Engine, Agents]:
   """An engine whose pool takes `max_batch` trajectories of up to `max_tokens` tokens
   under `scheme` (one of `SERVED`: a region per role for non_shared, one otherwise,
-  plus a running call's own slots), with its `Agents` mechanism (sessions of
-  `max_tokens`, `max_batch` open)."""
+  plus a running call's own slots) and `extra_pages` more (another mechanism's session
+  state, e.g. MemArt memory), with its `Agents` mechanism (sessions of `max_tokens`,
+  `max_batch` open)."""
   if scheme not in SERVED:
     raise ValueError(f"the engine serves the sharing schemes {SERVED}, not {scheme!r}: "
                      "run it with jaxkv.engine.agents.AgentRunner")
   decoupled = scheme in lragent.DECOUPLED
   regions = lora.num_adapters if scheme == "non_shared" else 1
-  pages = max_batch * (regions + 1) * (-(-max_tokens // PAGE_SIZE) + 1) + 8
+  pages = max_batch * (regions + 1) * (-(-max_tokens // PAGE_SIZE) + 1) + 8 + extra_pages
   eng = Engine(llm.model, llm.tokenizer.stop_ids,
                CacheConfig(num_pages=pages, page_size=PAGE_SIZE,
                            max_seq_len=max_tokens + PAGE_SIZE),
@@ -71,13 +74,21 @@ def engine(llm, lora, scheme: str, *, max_tokens: int, max_batch: int = 4,
 
 def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanism: str = "agents",
                        contexts: Sequence[Sequence[dict]] | None = None, max_batch: int = 4,
-                       progress=None) -> Iterator[Served]:
+                       progress=None,
+                       before: Callable[[int, list[Result]], Request | None] | None = None,
+                       prepare: Callable | None = None) -> Iterator[Served]:
   """Runs every trajectory (`jaxkv.data.agents.Trajectory`, first call at position >= 1)
   as a session of `agents` (the engine's mechanism, or the layout of the composition
   named `mechanism`), up to `max_batch` at once; yields each `Served` as its last call
   ends (so a caller can write results as they come), then closes its session.
   `contexts[t][k]`: extra `Request.context` of trajectory t's call k (a joined
-  mechanism's, e.g. pruning's spans). `progress(calls)` after each call. Raises
+  mechanism's, e.g. pruning's spans). `progress(calls)` after each call.
+  `before(t, done)`: the next request to run once trajectory t's session is open and
+  before its first call, given the `Result`s of those run so far (None: start the
+  calls), e.g. the session's earlier conversation, then a composed MemArt session's
+  recall; the results go to `prepare` and `Served.before`.
+  `prepare(t, k, prompt, ctx, before)`: call k's (prompt, context) as the mechanism
+  wants them (MemArt's region inserted), from the trajectory's own. Raises
   RuntimeError naming the call when one fails."""
   for traj in trajs:
     if not traj.calls or traj.calls[0].start < 1:
@@ -86,27 +97,47 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
     raise ValueError("two trajectories share a session id")
   todo = collections.deque(range(len(trajs)))
   got: dict[int, list[Result]] = {}
+  first: dict[int, list[Result]] = {}
 
   def submit(t: int) -> None:
     traj, k = trajs[t], len(got[t])
     c = traj.calls[k]
+    prompt = traj.ids[:c.start].tolist()
     ctx = {"session": traj.session, **(contexts[t][k] if contexts is not None else {})}
-    eng.submit(Request(f"{t}:{k}", traj.ids[:c.start].tolist(), SamplingConfig(max_tokens=1),
-                       adapter=c.role, mechanism=mechanism, context=ctx,
+    if prepare is not None:
+      prompt, ctx = prepare(t, k, prompt, ctx, first[t])
+    eng.submit(Request(f"{t}:{k}", prompt, SamplingConfig(max_tokens=1), adapter=c.role,
+                       mechanism=mechanism, context=ctx,
                        forced=traj.ids[c.start:c.end].tolist()))
 
   def start_next() -> None:
     if todo:
       t = todo.popleft()
       agents.open(trajs[t].session)
-      got[t] = []
+      got[t], first[t] = [], []
+      opening(t)
+
+  def opening(t: int) -> None:
+    req = before(t, first[t]) if before is not None else None
+    if req is None:
       submit(t)
+    else:
+      eng.submit(dataclasses.replace(req, id=f"{t}:before"))
 
   for _ in range(max_batch):
     start_next()
   while eng.busy:
     for res in executables.step(eng):
-      t, k = (int(x) for x in res.id.split(":"))
+      t, k = res.id.split(":")
+      t = int(t)
+      if k == "before":
+        if res.error is not None or res.finish_reason not in ("stop", "length"):
+          raise RuntimeError(f"{mechanism}: the request before trajectory {trajs[t].session} "
+                             f"failed: {res.error or res.finish_reason}")
+        first[t].append(res)
+        opening(t)
+        continue
+      k = int(k)
       if res.finish_reason != "length":
         raise RuntimeError(f"{mechanism}: call {k} of trajectory {trajs[t].session} failed: "
                            f"{res.error or res.finish_reason}")
@@ -120,5 +151,5 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
       live = sum(int((eng.allocator.slot_map(r.seq) != SENTINEL).sum())
                  for r in s.regions.values())
       agents.close(trajs[t].session)
-      yield Served(t, got.pop(t), live)
+      yield Served(t, got.pop(t), live, first.pop(t))
       start_next()
