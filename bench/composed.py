@@ -109,10 +109,13 @@ from jaxkv.engine.request import Request
 from jaxkv.engine.reuse import ReuseRunner
 from jaxkv.evaluation import agents as ev
 
-METHODS = ("non_shared", "pruned", "agents", "agents+pruned", "agents+random", "agents+reuse",
-           "agents+pruned+reuse", "agents+memart", "agents/cont", "agents+memart/cont",
-           "agents+pruned+reuse/cont", "agents+pruned+memart+reuse/cont",
-           "agents+memart/cont-random")
+# LRAgent sharing, IntentKV pruning and reuse alone and composed (the README's table),
+# then MemArt in the compositions with the sessions and chance line it needs
+ALONE_AND_COMPOSED = ("non_shared", "pruned", "agents", "agents+pruned", "agents+random",
+                      "agents+reuse", "agents+pruned+reuse")
+WITH_MEMART = ("agents+memart", "agents/cont", "agents+memart/cont", "agents+pruned+reuse/cont",
+               "agents+pruned+memart+reuse/cont", "agents+memart/cont-random")
+METHODS = ALONE_AND_COMPOSED + WITH_MEMART
 REUSE = ReuseConfig(method="tiered", storage="int8")      # configs/smollm2_agents.py's
 MEMART = MemArtConfig(block_size=PAGE_SIZE, top_k=32, rerank=4)   # configs/smollm2_agents.py's
 
@@ -288,18 +291,24 @@ def without(m: str, kind: str) -> str:
   return "+".join(k for k in base.split("+") if k != kind) + ("/" + rest if rest else "")
 
 
-def _dnll(by: dict, m: str, ref: str) -> str:
-  """Method m's Delta-NLL per gold token against method `ref` (paired by call, 95%
-  bootstrap over trajectories), or "-" when either run is absent or they are one."""
+def _paired(by: dict, m: str, ref: str, gain, fmt: str) -> str:
+  """Method m against method `ref` per gold token, paired by call: sum over calls of
+  `gain(m's row, ref's row)` over m's tokens, with a 95% bootstrap over trajectories;
+  "-" when either run is absent or they are one."""
   if ref == m or ref not in by or m not in by:
     return "-"
   pair = {}
   for key, r in by[m].items():
     if key in by[ref]:
       pair.setdefault(key[0], np.zeros(2))
-      pair[key[0]] += (by[ref][key]["logprob"] - r["logprob"], r["tokens"])
+      pair[key[0]] += (gain(r, by[ref][key]), r["tokens"])
   d = common.cluster_bootstrap(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
-  return f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
+  return f"{d[0]:{fmt}} [{d[1]:{fmt}}, {d[2]:{fmt}}]"
+
+
+def _dnll(by: dict, m: str, ref: str) -> str:
+  """Method m's Delta-NLL per gold token against method `ref` (`_paired`)."""
+  return _paired(by, m, ref, lambda r, o: o["logprob"] - r["logprob"], "+.4f")
 
 
 def _dnll_without(by: dict, m: str, kind: str) -> str:
@@ -374,30 +383,13 @@ def table(rows: list[dict]) -> common.Table:
       c = sum(by[ref][key]["exact"] and not act[key]["exact"] for key in keys)
       return f"{calls_lib.mcnemar(b, c):.2f} ({b}-{c})"
 
-    per = collections.defaultdict(lambda: np.zeros(3))    # trace -> agree, tokens, logprob
-    ref = collections.defaultdict(float)                   # trace -> the reference's logprob
+    per = collections.defaultdict(lambda: np.zeros(2))    # trace -> agree, tokens
     for key, r in by[m].items():
-      per[key[0]] += (r["agree"], r["tokens"], r["logprob"])
-      if key in by.get(base, {}):
-        ref[key[0]] += by[base][key]["logprob"]
+      per[key[0]] += (r["agree"], r["tokens"])
     agree = common.cluster_bootstrap(per, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
-    dnll = "-"
-    if base in by and m != base:
-      paired = {t: np.array([per[t][1], per[t][2], ref[t]]) for t in per}
-      d = common.cluster_bootstrap(
-          paired, lambda xs: sum(x[2] - x[1] for x in xs) / sum(x[0] for x in xs))
-      dnll = f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}]"
-    vs_random = "-"                      # the chance line: paired over trajectories
-    rnd = "agents+random"
-    if rnd in by and m != rnd:
-      pair = {}
-      for key, r in by[m].items():
-        if key in by[rnd]:
-          o = by[rnd][key]
-          pair.setdefault(key[0], np.zeros(2))
-          pair[key[0]] += (r["agree"] - o["agree"], r["tokens"])
-      d = common.cluster_bootstrap(pair, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
-      vs_random = f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
+    dnll = _dnll(by, m, base)
+    # the chance line: greedy agreement against random pruning's, paired
+    vs_random = _paired(by, m, "agents+random", lambda r, o: r["agree"] - o["agree"], "+.3f")
     vs_plain = _dnll_without(by, m, "reuse")     # reuse's cost: against the method without it
     vs_memory = _dnll_without(by, m, "memart")   # the memory region's, likewise
     traj = [r for r in rows if r.get("trajectory") and r["method"] == m]

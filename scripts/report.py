@@ -284,9 +284,10 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [server_load.batching_table(rows["server-load-kinds"])])
   # the README's: each mechanism of agents / pruning / reuse alone and composed; the
   # MemArt compositions (continued sessions, their chance line) in the docs'
-  readme = [r for r in rows["composed"] or [] if r["method"] in composed_bench.METHODS[:7]]
+  alone = composed_bench.ALONE_AND_COMPOSED
+  readme = [r for r in rows["composed"] or [] if r["method"] in alone]
   memart = [r for r in rows["composed"] or []
-            if r["method"] == "agents" or r["method"] not in composed_bench.METHODS[:7]]
+            if r["method"] == "agents" or r["method"] not in alone]
   out["composed"] = readme and _render([composed_bench.table(readme)])
   out["composed-memart"] = memart and _render(composed_bench.tables(memart))
   out["compaction"] = rows["compaction"] and _render(compaction_bench.tables(rows["compaction"]))

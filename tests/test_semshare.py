@@ -213,10 +213,10 @@ def test_natural_edits_pass_the_gate_once_aligned():
   """Real weights (SmolLM2) on real prose of >= 1k tokens (the repository's docs, frozen):
   over 32 texts, those with 20-30% of their sentences deleted or replaced score at or
   above the gate (0.8) with alignment (22 of 24 measured; one sits 0.001 over the gate,
-  so 21 is asserted), a 40% deletion sits at the calibrated edge (4 of 8 over it, every
-  one above 0.7, below the 20% deletions on average), every unrelated text of the same
-  length well below the gate (at most 0.56 measured), and without alignment every edit
-  scores lower (the shift moves every later token's codes)."""
+  so 21 is asserted), a 40% deletion sits at the calibrated edge (4 of 8 over it, 3
+  asserted; below the 20% deletions on average), every edit scores above 0.7, every
+  unrelated text of the same length well below the gate (at most 0.56 measured), and
+  without alignment every edit scores lower (the shift moves every later token's codes)."""
   import jaxkv
   from jaxkv.data import semshare_pairs as SP
   llm = jaxkv.load("smollm2-135m")
@@ -245,7 +245,8 @@ def test_natural_edits_pass_the_gate_once_aligned():
   light = [x for e in edits if e != ("eliminate", 0.4) for x in edited[e]]
   heavy = edited["eliminate", 0.4]
   assert sum(x >= 0.8 for x in light) >= 21, edited
-  assert sum(x >= 0.8 for x in heavy) >= 3 and min(heavy) > 0.7, heavy
+  assert sum(x >= 0.8 for x in heavy) >= 3, heavy
+  assert min(x for e in edits for x in edited[e]) > 0.7, edited
   assert np.mean(heavy) < np.mean(edited["eliminate", 0.2]), edited
   assert max(unrelated) < 0.65, unrelated
 

@@ -97,7 +97,7 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
     raise ValueError("two trajectories share a session id")
   todo = collections.deque(range(len(trajs)))
   got: dict[int, list[Result]] = {}
-  first: dict[int, list[Result]] = {}
+  ran: dict[int, list[Result]] = {}    # the requests run before its calls
 
   def submit(t: int) -> None:
     traj, k = trajs[t], len(got[t])
@@ -105,7 +105,7 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
     prompt = traj.ids[:c.start].tolist()
     ctx = {"session": traj.session, **(contexts[t][k] if contexts is not None else {})}
     if prepare is not None:
-      prompt, ctx = prepare(t, k, prompt, ctx, first[t])
+      prompt, ctx = prepare(t, k, prompt, ctx, ran[t])
     eng.submit(Request(f"{t}:{k}", prompt, SamplingConfig(max_tokens=1), adapter=c.role,
                        mechanism=mechanism, context=ctx,
                        forced=traj.ids[c.start:c.end].tolist()))
@@ -114,11 +114,11 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
     if todo:
       t = todo.popleft()
       agents.open(trajs[t].session)
-      got[t], first[t] = [], []
+      got[t], ran[t] = [], []
       opening(t)
 
   def opening(t: int) -> None:
-    req = before(t, first[t]) if before is not None else None
+    req = before(t, ran[t]) if before is not None else None
     if req is None:
       submit(t)
     else:
@@ -134,7 +134,7 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
         if res.error is not None or res.finish_reason not in ("stop", "length"):
           raise RuntimeError(f"{mechanism}: the request before trajectory {trajs[t].session} "
                              f"failed: {res.error or res.finish_reason}")
-        first[t].append(res)
+        ran[t].append(res)
         opening(t)
         continue
       k = int(k)
@@ -151,5 +151,5 @@ def serve_trajectories(eng: Engine, agents: Agents, trajs: Sequence, *, mechanis
       live = sum(int((eng.allocator.slot_map(r.seq) != SENTINEL).sum())
                  for r in s.regions.values())
       agents.close(trajs[t].session)
-      yield Served(t, got.pop(t), live, first.pop(t))
+      yield Served(t, got.pop(t), live, ran.pop(t))
       start_next()

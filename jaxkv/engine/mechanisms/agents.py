@@ -230,7 +230,7 @@ class Agents(Mechanism):
     if old is not None:
       alloc.free_sequence(old.seq)
     s.regions[self._region(c.role)] = _Region(seq, tokens)
-    computed = row.n - max(c.hit, row.cached)    # a joiner's fill (MemArt's region) is no compute
+    computed = row.n - row.cached    # past the adopted hit and any joiner's fill (MemArt's region)
     self.stats["requests"] += 1
     self.stats["shared_tokens"] += c.hit
     self.stats["computed_tokens"] += computed
