@@ -374,29 +374,48 @@ def _paper_cells(r: dict) -> tuple[str, ...]:
           f"{r['raw_reads']:.0f}", f"{r['eff_reads']:.0f}", f"{100 * r['prefix_hit_rate']:.0f}")
 
 
+def _full_cells_on(full: dict, sessions: set) -> tuple[str, ...]:
+  """The full row's exact / name accuracy over the calls of `sessions` only (the
+  sessions a `--skip_sessions` grid ran its pruned methods on), so that its rate sits
+  on the same calls as theirs; the columns its calls do not carry per call are '-'."""
+  mine = [c for c in full["calls"] if c["session"] in sessions]
+  k = sum(bool(c["exact"]) for c in mine)
+  lo, hi = calls.wilson(k, len(mine))
+  rate = lambda f: f"{sum(bool(c[f]) for c in mine) / len(mine):.3f}"
+  cells = ("full (same sessions)", "-", "0", rate("exact"), f"[{lo:.2f}, {hi:.2f}]",
+           rate("name"), "-", "-", "-", str(len(mine)))
+  return cells + ("-",) * (len(PAPER_HEADER) - len(cells))
+
+
 def paper_tables(rows: list[dict]) -> list[common.Table]:
   """IntentKV's Table 2 (published layouts: baselines compact, IntentKV dead-slot) and
   Table 7 (every scorer under both layouts) per budget, over next-call rows: accuracy
   with the efficiency columns of the same free-running decode (which therefore
-  differ by method, unlike a teacher-forced replay's). `full` heads both."""
+  differ by method, unlike a teacher-forced replay's). `full` heads both; where the
+  pruned rows ran on fewer sessions than full (`--skip_sessions`), a second full row
+  counts only those sessions' calls, the ones the pruned rates are over."""
   out, full = [], [r for r in rows if r["method"] == "full"]
   for b in sorted({r["budget"] for r in rows if r["budget"]}):
     at = [r for r in rows if r["budget"] == b]
+    ran = {c["session"] for r in at for c in r.get("calls", [])}
+    head = [_paper_cells(r) for r in full]
+    if full and "calls" in full[0] and ran and ran < {c["session"] for c in full[0]["calls"]}:
+      head.append(_full_cells_on(full[0], ran))
     layouts = {r["layout"] for r in at}
     if len(layouts) == 1:          # a one-layout grid: every method in one table
       out.append(common.Table(
           f"C={b}, {layouts.pop()} layout, every method {LEGEND}", PAPER_HEADER,
-          [_paper_cells(r) for r in full + at]))
+          head + [_paper_cells(r) for r in at]))
       continue
     pub = [r for r in at if (r["layout"] == "dead_slot") == r["method"].startswith("intentkv")]
     if pub:
       out.append(common.Table(
           f"Table 2 shape, C={b}: baselines in their published compact layout, IntentKV "
-          f"dead-slot {LEGEND}", PAPER_HEADER, [_paper_cells(r) for r in full + pub]))
+          f"dead-slot {LEGEND}", PAPER_HEADER, head + [_paper_cells(r) for r in pub]))
     if layouts >= {"dead_slot", "compact"}:
       out.append(common.Table(
           f"Table 7 shape, C={b}: the same scorers under both layouts", PAPER_HEADER,
-          [_paper_cells(r) for r in full + sorted(at, key=lambda r: (r["method"], r["layout"]))]))
+          head + [_paper_cells(r) for r in sorted(at, key=lambda r: (r["method"], r["layout"]))]))
   return out
 
 

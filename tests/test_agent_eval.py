@@ -118,6 +118,31 @@ def test_paper_tables_pick_the_published_layouts_and_both_layouts():
   assert [c[0] for c in one_tables[0].lines] == ["full", "random", "h2o", "intentkv_query"]
 
 
+def test_full_row_on_the_pruned_rows_sessions():
+  """With --skip_sessions the pruned rows cover fewer sessions than full: a second full
+  row counts full's calls on those sessions only (exact / name with Wilson), so the
+  rates beside each other are over the same calls; with the same sessions, none."""
+  def row(method, layout, budget, calls):
+    return dict(method=method, layout=layout, budget=budget, next_call_exact=0.5,
+                next_call_exact_ci=[0.0, 1.0], next_call_name=1.0, next_call_args=0.5,
+                n_calls=len(calls), future_evidence_recall=0.5, pruned_share=0.5, pt=1.0,
+                eff_live_kv=1.0, raw_reads=1.0, eff_reads=1.0, prefix_hit_rate=0.9,
+                calls=[dict(session=s, turn=t, exact=e, name=n) for s, t, e, n in calls])
+  full = row("full", "-", 0, [("a", 1, True, True), ("a", 2, True, True),
+                              ("b", 1, False, True), ("c", 1, True, False)])
+  pruned = row("random", "dead_slot", 3584, [("a", 1, False, True), ("b", 1, False, True)])
+  (table,) = agent_eval.paper_tables([full, pruned])
+  assert [c[0] for c in table.lines] == ["full", "full (same sessions)", "random"]
+  same = table.lines[1]
+  assert same[3] == "0.667" and same[5] == "1.000" and same[9] == "3"   # a: 2 of 2, b: 0 of 1
+  lo, hi = (float(x) for x in same[4].strip("[]").split(","))
+  assert 0.0 < lo < 0.667 < hi <= 1.0
+  assert len(same) == len(agent_eval.PAPER_HEADER)
+  everywhere = row("random", "dead_slot", 3584, [(s, 1, False, True) for s in "abc"])
+  (table,) = agent_eval.paper_tables([full, everywhere])
+  assert [c[0] for c in table.lines] == ["full", "random"]
+
+
 def test_prunable_only_values_are_the_ones_pruning_can_take(llm):
   """A value in the current query span (the tool output just read, the user's request)
   or in the system prompt is safe; one only in the history between is prunable."""
