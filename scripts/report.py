@@ -18,6 +18,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             now: Tables 2 / 7 come from
                                                             next-call accuracy)
   bench/results_table4_tau2.json   bench/pruning.py --head  Table 4 shape
+  bench/results_lragent_heldout.json bench/lragent.py       every held-out trajectory through
+                                                            the engine, paired vs non_shared
   bench/results_lragent.json       bench/lragent.py         TTFT / throughput / KV / fidelity /
                                                             call accuracy tables, TTFT and
                                                             throughput vs context
@@ -43,6 +45,7 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             in regime B (SmolLM2, timed)
   bench/results_semshare*.json     bench/semshare.py        SemShareKV by similarity and by
                                                             prompt length (tables, curves)
+  bench/results_semshare_admission.json bench/semshare_gate.py  the gate on natural edits
   bench/results_memart.json        bench/memart.py          MemArt vs baselines (Tables 2 /
                                                             3), recall@k ablation and curve
   bench/results_memart_exact.json  bench/memart.py          recall@k: eq. 3 bound vs exact
@@ -105,6 +108,7 @@ import plot_training  # noqa: E402
 import pruning  # noqa: E402
 import reuse_tables as reuse_bench  # noqa: E402
 import semshare as semshare_bench  # noqa: E402
+import semshare_gate  # noqa: E402
 import server_load  # noqa: E402
 import throughput  # noqa: E402
 from jaxkv import artifacts  # noqa: E402
@@ -118,6 +122,7 @@ SOURCES = {
     "pruning": "bench/results_pruning_tau2.json",
     "table4": "bench/results_table4_tau2.json",
     "lragent": "bench/results_lragent.json",
+    "lragent-heldout": "bench/results_lragent_heldout.json",
     "agent-eval-qwen-free": "bench/results_agent_eval_qwen_free.json",
     "agent-eval-qwen": "bench/results_agent_eval_qwen.json",
     "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
@@ -138,6 +143,7 @@ SOURCES = {
     "semshare-gate500": "bench/results_semshare_gate500.json",
     "semshare-gate2000": "bench/results_semshare_gate2000.json",
     "semshare-gate4000": "bench/results_semshare_gate4000.json",
+    "semshare-admission": "bench/results_semshare_admission.json",
     "memart": "bench/results_memart.json",
     "memart-exact": "bench/results_memart_exact.json",
     "memart-rerank": "bench/results_memart_rerank.json",
@@ -240,6 +246,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["table4"] = rows["table4"] and _render(pruning.tables(rows["table4"], everything=False),
                                              titles=False)
   out["lragent"] = rows["lragent"] and _render(lragent_bench.tables(rows["lragent"]))
+  out["lragent-heldout"] = rows["lragent-heldout"] and _render(
+      lragent_bench.tables(rows["lragent-heldout"]))
   # the stopped free-generation grid: one flat table (every row is 0-5%)
   out["agent-eval-qwen-free"] = rows["agent-eval-qwen-free"] and _render(
       [agent_eval.table(rows["agent-eval-qwen-free"])])
@@ -261,6 +269,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
     out[name] = rows[name] and _render(
         [t for t in semshare_bench.tables(rows[name]) if "every pair" in t.title
          or "how the reference" in t.title])
+  out["semshare-admission"] = rows["semshare-admission"] and _render(
+      semshare_gate.tables(rows["semshare-admission"]))
   out["memart"] = rows["memart"] and _render(memart_bench.tables(rows["memart"]))
   for name in ("memart-exact", "memart-pooled"):           # the recall@k grid alone
     out[name] = rows[name] and _render(
