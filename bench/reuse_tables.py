@@ -19,7 +19,12 @@ PAIRS = CHANCE + (("tiered", "cacheblend"), ("tiered", "epic"), ("cacheblend", "
 # at matched FLOPs (workload (a)): EPIC with more first tokens against CacheBlend, and
 # CacheBlend recomputing more against tiered
 MATCHED = (("epic@epic_tokens=40", "cacheblend"), ("cacheblend@blend_ratio=0.75", "tiered"),
-           ("tiered@guard_base=4", "cacheblend"), ("tiered@guard_base=4", "epic@epic_tokens=40"))
+           ("tiered@guard_base=4", "cacheblend"), ("tiered@guard_base=4", "epic@epic_tokens=40"),
+           # tiered against random recompute at its own FLOPs (its chance line), and
+           # the seed's guard schedule against the doubling one (the default)
+           ("tiered", "blend_random@blend_ratio=0.75"),
+           ("cacheblend@blend_ratio=0.75", "blend_random@blend_ratio=0.75"),
+           ("tiered_seed", "tiered"))
 
 
 def drift_tables(rows: list[dict]) -> list[common.Table]:
