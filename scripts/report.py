@@ -18,6 +18,8 @@ Sources (nothing is measured here; rerun a benchmark to change a figure):
                                                             now: Tables 2 / 7 come from
                                                             next-call accuracy)
   bench/results_table4_tau2.json   bench/pruning.py --head  Table 4 shape
+  bench/results_pruner_head_recall.json bench/pruner_head_recall.py  the shipped heads'
+                                                            recall@k with chance, intervals
   bench/results_lragent_heldout.json bench/lragent.py       every held-out trajectory through
                                                             the engine, paired vs non_shared
   bench/results_lragent.json       bench/lragent.py         TTFT / throughput / KV / fidelity /
@@ -105,6 +107,7 @@ import layouts  # noqa: E402
 import lragent as lragent_bench  # noqa: E402
 import memart_tables as memart_bench  # noqa: E402
 import plot_training  # noqa: E402
+import pruner_head_recall  # noqa: E402
 import pruning  # noqa: E402
 import reuse_tables as reuse_bench  # noqa: E402
 import semshare as semshare_bench  # noqa: E402
@@ -123,6 +126,7 @@ SOURCES = {
     "table4": "bench/results_table4_tau2.json",
     "lragent": "bench/results_lragent.json",
     "lragent-heldout": "bench/results_lragent_heldout.json",
+    "pruner-head-recall": "bench/results_pruner_head_recall.json",
     "agent-eval-qwen-free": "bench/results_agent_eval_qwen_free.json",
     "agent-eval-qwen": "bench/results_agent_eval_qwen.json",
     "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
@@ -144,6 +148,7 @@ SOURCES = {
     "semshare-gate2000": "bench/results_semshare_gate2000.json",
     "semshare-gate4000": "bench/results_semshare_gate4000.json",
     "semshare-admission": "bench/results_semshare_admission.json",
+    "semshare-gold": "bench/results_semshare_gold.json",
     "memart": "bench/results_memart.json",
     "memart-exact": "bench/results_memart_exact.json",
     "memart-rerank": "bench/results_memart_rerank.json",
@@ -248,6 +253,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["lragent"] = rows["lragent"] and _render(lragent_bench.tables(rows["lragent"]))
   out["lragent-heldout"] = rows["lragent-heldout"] and _render(
       lragent_bench.tables(rows["lragent-heldout"]))
+  out["pruner-head-recall"] = rows["pruner-head-recall"] and _render(
+      pruner_head_recall.tables(rows["pruner-head-recall"]))
   # the stopped free-generation grid: one flat table (every row is 0-5%)
   out["agent-eval-qwen-free"] = rows["agent-eval-qwen-free"] and _render(
       [agent_eval.table(rows["agent-eval-qwen-free"])])
@@ -265,7 +272,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [t for t in semshare_bench.tables(rows["semshare-lengths45"]) if "length" in t.title])
   out["semshare-curve"] = rows["semshare-curve"] and _render(
       [t for t in semshare_bench.tables(rows["semshare-curve"]) if "length" not in t.title])
-  for name in ("semshare-gate500", "semshare-gate2000", "semshare-gate4000"):   # admitted
+  for name in ("semshare-gate500", "semshare-gate2000", "semshare-gate4000",   # admitted
+               "semshare-gold"):
     out[name] = rows[name] and _render(
         [t for t in semshare_bench.tables(rows[name]) if "every pair" in t.title
          or "how the reference" in t.title])
