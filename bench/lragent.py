@@ -81,6 +81,22 @@ def emulate(session: Session, filler: str, target: int, tok) -> Session:
   return dataclasses.replace(base, id=f"{session.id}@{target}", turns=tuple(turns))
 
 
+def per_token(r: RunResult, ref: RunResult, tr) -> dict:
+  """The row's paired per-token and per-call records against the reference
+  (non_shared) on the same trajectory: each scored gold token's log-probability
+  difference (reference minus scheme: its share of dNLL) and whether the greedy
+  tokens agree, and each call's role and whether greedy generation writes it exactly;
+  the tables test schemes on these, paired, with trajectories as the bootstrap unit."""
+  lp = np.concatenate([c.logprob for c in r.calls])
+  lp_ref = np.concatenate([c.logprob for c in ref.calls])
+  am = np.concatenate([c.argmax for c in r.calls])
+  am_ref = np.concatenate([c.argmax for c in ref.calls])
+  return dict(token_dlp=np.round(lp_ref - lp, 6).tolist(),
+              token_agree=(am == am_ref).astype(int).tolist(),
+              call_exact=[[int(c.role), int(np.array_equal(c.argmax, tr.ids[c.start:c.end]))]
+                          for c in r.calls])
+
+
 def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True):
   """Runs every scheme on each trajectory not yet in `rows`; appends its rows and
   writes `out` after each trajectory (a rerun resumes). Without `timing` each scheme
@@ -110,7 +126,8 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True
                        **call_accuracy(r, tr),
                        computed_tokens=sum(c.computed for c in r.calls),
                        recomputed_tokens=sum(c.recomputed for c in r.calls),
-                       targets=targets, window=list(window), kind=label))
+                       targets=targets, window=list(window), kind=label,
+                       **per_token(r, ref, tr)))
     common.write_rows(out, rows)
   bar.close()
 
@@ -153,7 +170,7 @@ def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch):
                          ttft_s=None, tokens_per_s=None, **fidelity(r, ref),
                          **call_accuracy(r, tr), computed_tokens=sum(c.computed for c in r.calls),
                          recomputed_tokens=0, targets=targets, window=None, kind=label,
-                         via="engine"))
+                         via="engine", **per_token(r, ref, tr)))
     common.write_rows(out, rows)
   bar.close()
 
@@ -297,7 +314,53 @@ def tables(rows) -> list[common.Table]:
                             lines))
     if kind.startswith("real") and all("action_n" in r for r in sub):
       out.append(accuracy_table(kind, sub, schemes))
+    if kind.startswith("real") and all("token_dlp" in r for r in sub):
+      out.append(paired_table(kind, sub, schemes))
   return out
+
+
+def paired_table(kind: str, sub: list[dict], schemes) -> common.Table:
+  """Schemes against each other on the same trajectories, paired: each against
+  non_shared (the reference), then base_lr_shared against full_shared (LRAgent's
+  claim: sharing the base cache plus a low-rank cache beats sharing one full cache).
+  Per gold token the log-probability difference (dNLL, a minus b: positive when a is
+  further from the gold tokens) and greedy agreement with non_shared, with a cluster
+  bootstrap over trajectories (tokens of one trajectory are not independent); per
+  call, exact McNemar on whether greedy generation writes it (split: calls only a
+  writes - only b writes)."""
+  by = {(r["scheme"], r["trace"]): r for r in sub}
+  traces = sorted({r["trace"] for r in sub if r["scheme"] == "non_shared"})
+  pairs = [(s, "non_shared") for s in schemes if s != "non_shared"]
+  if {"base_lr_shared", "full_shared"} <= set(schemes):
+    pairs.append(("base_lr_shared", "full_shared"))
+  lines = []
+  for a, b in pairs:
+    both = [t for t in traces if (a, t) in by and (b, t) in by]
+    groups = [t for t in both for _ in by[a, t]["token_dlp"]]
+    # token_dlp = log p(non_shared) - log p(scheme): a's minus b's is log p(b) - log p(a)
+    dnll = [x - y for t in both for x, y in zip(by[a, t]["token_dlp"], by[b, t]["token_dlp"])]
+    dagree = [x - y for t in both
+              for x, y in zip(by[a, t]["token_agree"], by[b, t]["token_agree"])]
+    cells = [a, b, str(len(both)), str(len(dnll)),
+             "{:+.4f} [{:+.4f}, {:+.4f}]".format(*calls_lib.mean_ci(dnll, groups=groups)),
+             "{:+.3f} [{:+.3f}, {:+.3f}]".format(*calls_lib.mean_ci(dagree, groups=groups))]
+    for role in (1, 2):                              # action, reflect
+      mine = [(x[1], y[1]) for t in both
+              for x, y in zip(by[a, t]["call_exact"], by[b, t]["call_exact"]) if x[0] == role]
+      only_a = sum(x and not y for x, y in mine)
+      only_b = sum(y and not x for x, y in mine)
+      cells += [f"{sum(x for x, _ in mine)} / {sum(y for _, y in mine)} of {len(mine)}",
+                f"{calls_lib.mcnemar(only_a, only_b):.3f} ({only_a}-{only_b})"]
+    lines.append(cells)
+  return common.Table(
+      f"{kind}: schemes against each other on the same {len(traces)} trajectories "
+      "(paired, a minus b; dNLL = mean over gold tokens of log p(b) - log p(a), positive "
+      "when a fits the gold tokens worse; agreement = share of gold positions whose greedy "
+      "token equals non_shared's; 95% bootstrap over trajectories; exact calls: a / b, "
+      "exact McNemar p (split: only a - only b); reflect verdicts are right or wrong, "
+      "chance 0.5)",
+      ["a", "b", "trajectories", "tokens", "dNLL [95% CI]", "d agreement [95% CI]",
+       "action exact", "p (split)", "reflect exact", "p (split)"], lines)
 
 
 def accuracy_table(kind: str, sub: list[dict], schemes) -> common.Table:

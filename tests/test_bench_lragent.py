@@ -1,0 +1,56 @@
+"""bench/lragent.py's paired records and table without a model: per-token differences
+and per-call exactness against non_shared, and the schemes tested against each other
+(a minus b, bootstrap over trajectories, exact McNemar per call)."""
+
+import pathlib
+import sys
+import types
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import lragent as bench
+from jaxkv.engine.agents import CallResult, RunResult
+
+
+def _run(scheme, logprobs, argmaxes, roles):
+  calls, start = [], 0
+  for lp, am, role in zip(logprobs, argmaxes, roles):
+    calls.append(CallResult(role, start, start + len(lp), 0, 0, 0.0, 0.0,
+                            np.asarray(lp, np.float32), np.asarray(am, np.int32)))
+    start += len(lp)
+  return RunResult(scheme, start, calls, 0, None)
+
+
+def test_per_token_records_pair_with_the_reference():
+  traj = types.SimpleNamespace(ids=np.array([5, 6, 7, 8, 9]))
+  ref = _run("non_shared", [[-1.0, -2.0], [-0.5, -0.5, -1.0]], [[5, 6], [7, 8, 9]], [1, 2])
+  mine = _run("full_shared", [[-1.5, -2.0], [-0.5, -1.0, -1.0]], [[5, 0], [7, 8, 9]], [1, 2])
+  got = bench.per_token(mine, ref, traj)
+  np.testing.assert_allclose(got["token_dlp"], [0.5, 0.0, 0.0, 0.5, 0.0])
+  assert got["token_agree"] == [1, 0, 1, 1, 1]
+  assert got["call_exact"] == [[1, 0], [2, 1]]           # the action call misses a token
+
+
+def _row(scheme, trace, dlp, agree, calls):
+  return dict(scheme=scheme, trace=trace, token_dlp=dlp, token_agree=agree, call_exact=calls)
+
+
+def test_paired_table_tests_a_minus_b_per_token_and_per_call():
+  rows = []
+  for t in ("t1", "t2", "t3"):
+    rows += [_row("non_shared", t, [0.0] * 4, [1] * 4, [[1, 1], [1, 1], [2, 1]]),
+             _row("full_shared", t, [0.4] * 4, [1, 1, 0, 0], [[1, 0], [1, 0], [2, 1]]),
+             _row("base_lr_shared", t, [0.1] * 4, [1, 1, 1, 0], [[1, 1], [1, 0], [2, 1]])]
+  table = bench.paired_table("real-qv", rows, ["non_shared", "full_shared", "base_lr_shared"])
+  got = {(line[0], line[1]): line for line in table.lines}
+  assert set(got) == {("full_shared", "non_shared"), ("base_lr_shared", "non_shared"),
+                      ("base_lr_shared", "full_shared")}
+  full = got["full_shared", "non_shared"]
+  assert full[2:4] == ["3", "12"]
+  assert full[4].startswith("+0.4000") and full[5].startswith("-0.500")
+  assert full[6] == "0 / 6 of 6" and full[7] == "0.031 (0-6)"     # 6 calls only b writes
+  assert full[8] == "3 / 3 of 3" and full[9] == "1.000 (0-0)"
+  better = got["base_lr_shared", "full_shared"]
+  assert better[4].startswith("-0.3000") and better[5].startswith("+0.250")
+  assert better[6] == "3 / 0 of 6" and better[7] == "0.250 (3-0)"
