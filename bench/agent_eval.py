@@ -381,9 +381,9 @@ def _full_cells_on(full: dict, sessions: set) -> tuple[str, ...]:
   mine = [c for c in full["calls"] if c["session"] in sessions]
   k = sum(bool(c["exact"]) for c in mine)
   lo, hi = calls.wilson(k, len(mine))
-  rate = lambda f: f"{sum(bool(c[f]) for c in mine) / len(mine):.3f}"
-  cells = ("full (same sessions)", "-", "0", rate("exact"), f"[{lo:.2f}, {hi:.2f}]",
-           rate("name"), "-", "-", "-", str(len(mine)))
+  name = sum(bool(c["name"]) for c in mine)
+  cells = ("full (same sessions)", "-", "0", f"{k / len(mine):.3f}", f"[{lo:.2f}, {hi:.2f}]",
+           f"{name / len(mine):.3f}", "-", "-", "-", str(len(mine)))
   return cells + ("-",) * (len(PAPER_HEADER) - len(cells))
 
 

@@ -23,7 +23,6 @@ measures how well it learned them, not next-call accuracy.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import numpy as np
@@ -50,19 +49,19 @@ def define_flags():
 
 def head_config(folder) -> PrunerTrainConfig:
   """The training run's config, from the head's manifest."""
-  with open(artifacts.resolve(folder) / artifacts.MANIFEST) as f:
-    got = json.load(f)["config"]
+  got = artifacts.read_manifest(folder)["config"]
   known = {f.name for f in dataclasses.fields(PrunerTrainConfig)}
-  return PrunerTrainConfig(**{k: tuple(v) if isinstance(v, list) else v
-                              for k, v in got.items() if k in known})
+  return PrunerTrainConfig(**{k: v for k, v in got.items() if k in known})
 
 
-def per_row(graphdef, params, rows, budgets) -> list[dict]:
-  """Kept positives per scorer and budget, positives and window size, per row."""
+def per_row(graphdef, params, rows, budgets, cfg: PrunerTrainConfig) -> list[dict]:
+  """Kept positives per scorer and budget, positives and window size, per row; the
+  head's scores from the step training's own validation runs (`train.eval_step`)."""
   out = []
   for r in rows:
-    s = np.asarray(train.head_scores(graphdef, params, train.make_batch([r]),
-                                     clip_alpha=True)[0, :r.rule.size])
+    _, _, s = train.eval_step(graphdef, params, train.make_batch([r]),
+                              lc=train.loss_settings(cfg))
+    s = np.asarray(s[0, :r.rule.size])
     rec = dict(session=r.session, turn=r.turn, window=int(r.rule.size),
                positives=int((r.labels == 1).sum()))
     for k in budgets:
@@ -132,7 +131,8 @@ def main(argv):
     graphdef, state = artifacts.load_pruner_head(folder, model_name=model)
     params = nnx.to_pure_dict(state)
     by_session = features.load_or_extract(cfg, cfg.val_traces, cfg.max_val_sessions)
-    recs = per_row(graphdef, params, [r for rs in by_session.values() for r in rs], budgets)
+    recs = per_row(graphdef, params, [r for rs in by_session.values() for r in rs], budgets,
+                   cfg)
     rows += summarize(model, recs, budgets)
     jax.clear_caches()
     print(f"{model}: {len(recs)} validation rows in {len(by_session)} sessions", flush=True)

@@ -275,6 +275,14 @@ def shift_probe(llm, ids: np.ndarray, shifts) -> common.Table:
       ("shift", "similarity", "mean distance", "twin", "same id", "aligned"), lines)
 
 
+def read_pairs(path: str) -> list[SP.Pair]:
+  """The pairs of a JSONL file, or a usage error saying what is wrong with it."""
+  try:
+    return SP.load_pairs(path)
+  except (SP.PairFormatError, OSError) as e:
+    raise app.UsageError(str(e)) from e
+
+
 def main(argv):
   del argv
   if FLAGS.tables_from:
@@ -287,10 +295,7 @@ def main(argv):
                          "wait behind the other rows): add --notimed, or time with "
                          "--via=runner")
   names = common.method_names(FLAGS.methods, SEMSHARE_METHODS)
-  try:
-    pairs = SP.load_pairs(FLAGS.pairs)
-  except (SP.PairFormatError, OSError) as e:
-    raise app.UsageError(str(e)) from e
+  pairs = read_pairs(FLAGS.pairs)
   if FLAGS.ids:
     with open(FLAGS.ids) as f:
       wanted = {ln.strip() for ln in f if ln.strip() and not ln.startswith("#")}

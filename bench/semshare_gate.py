@@ -34,7 +34,7 @@ from jaxkv.config import CacheConfig, SemShareConfig
 from jaxkv.data import semshare_pairs as SP
 from jaxkv.engine.semshare import SemShareRunner
 from jaxkv.policies.reuse import semshare as semshare_lib
-from semshare import render
+from semshare import read_pairs, render
 
 FLAGS = flags.FLAGS
 SHARED_RUN = 8      # tokens: excerpts sharing a run this long are not unrelated
@@ -129,18 +129,16 @@ def main(argv):
     return
   if not FLAGS.pairs:
     raise app.UsageError("give --pairs (JSONL files of scripts/make_pairs.py)")
-  llm = jaxkv.load(FLAGS.model)
-  rows = []
-  for path in FLAGS.pairs:
-    try:
-      pairs = SP.load_pairs(path)
-    except (SP.PairFormatError, OSError) as e:
-      raise app.UsageError(str(e)) from e
+  files = {path: read_pairs(path) for path in FLAGS.pairs}   # every file checked first
+  for path, pairs in files.items():
     bad = [p.id for p in pairs if not p.meta or not {"source", "length", "kind", "frac"}
            <= set(p.meta)]
     if bad:
       raise app.UsageError(f"{path}: pairs without make_pairs' meta (source, length, kind, "
                            f"frac), e.g. {bad[0]!r}")
+  llm = jaxkv.load(FLAGS.model)
+  rows = []
+  for path, pairs in files.items():
     print(f"{path}: {len(pairs)} pairs", flush=True)
     rows += measure(llm, pairs)
   common.write_rows(FLAGS.out, rows)
