@@ -62,6 +62,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import agent_env
+import agent_splits
 import agent_stats
 import common
 import jaxkv
@@ -76,10 +77,7 @@ from jaxkv.evaluation import replay
 METHODS = {"full": dict(method="none"), **pruning.METHODS, **pruning.LEARNABLE}
 
 
-def call_turns(session: traces.Session) -> list[int]:
-  """Message indices of the assistant turns that make a tool call (after the first message)."""
-  return [i for i, t in enumerate(session.turns) if i > 0 and t.role == "assistant"
-          and t.tool_calls]
+call_turns = agent_splits.call_turns
 
 
 ARG_MARKERS = ('"arguments": ', '"arguments":', "Action Input: ", "Action Input:")
@@ -291,7 +289,8 @@ FLAGS = flags.FLAGS
 
 def define_flags():
   flags.DEFINE_string("traces", None, "ToolBench-format JSON (scripts/make_traces.py), or "
-                      "several comma-separated: next-call accuracy over their sessions")
+                      "several comma-separated, each optionally sliced (path[30:]): "
+                      "next-call accuracy over their sessions")
   flags.DEFINE_string("out", None, "write JSON rows here (a rerun resumes)")
   flags.DEFINE_string("tables_from", None, "print the table of an earlier --out JSON and exit")
   flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
@@ -300,6 +299,10 @@ def define_flags():
   flags.DEFINE_string("head", artifacts.PRUNER_HEAD, "residual head for learnable methods")
   flags.DEFINE_string("layouts", "dead_slot,compact", "dead_slot and/or compact")
   flags.DEFINE_string("budgets", "2048,3072", "C, with the tool-schema system prompt forced")
+  flags.DEFINE_enum("budget_scope", "prompt", ["prompt", "history"], "what --budgets count: "
+                    "prompt = the whole prompt (IntentKV's C); history = the tokens outside "
+                    "the system prompt and the current query (shown as +C): every call with "
+                    "more history prunes and the scorers choose among it")
   flags.DEFINE_integer("max_sessions", 8, "sessions to replay (per --traces file)")
   flags.DEFINE_integer("max_prompt", 7000, "skip sessions whose final prompt exceeds this; "
                        "--env: an episode whose prompt + reply would exceed it overflows")
@@ -345,7 +348,8 @@ def table(rows: list[dict]) -> common.Table:
   return common.Table(
       f"next-call accuracy ({how}, greedy over the pruned cache; args = gold argument values "
       "the call carries, pooled over arguments; Wilson 95% intervals)",
-      HEADER, [(r["method"], r["layout"], str(r["budget"]), f"{r['next_call_exact']:.3f}",
+      HEADER, [(r["method"], r["layout"], agent_stats.budget_cell(r),
+                f"{r['next_call_exact']:.3f}",
                 ci(r["next_call_exact_ci"]), f"{r['next_call_name']:.3f}",
                 ci(r["next_call_name_ci"]), f"{r.get('next_call_args', float('nan')):.3f}",
                 ci(r.get("next_call_args_ci", [float("nan")] * 2)), str(r["n_calls"]),
@@ -365,7 +369,7 @@ LEGEND = ("(exact / name: next-call accuracy; args: gold argument values in the 
 
 def _paper_cells(r: dict) -> tuple[str, ...]:
   ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
-  return (r["method"], r["layout"], str(r["budget"]), f"{r['next_call_exact']:.3f}",
+  return (r["method"], r["layout"], agent_stats.budget_cell(r), f"{r['next_call_exact']:.3f}",
           ci(r["next_call_exact_ci"]), f"{r['next_call_name']:.3f}", f"{r['next_call_args']:.3f}",
           f"{r['next_call_copied']:.3f}" if "next_call_copied" in r else "-",
           ci(r["next_call_copied_ci"]) if "next_call_copied" in r else "-",
@@ -440,14 +444,13 @@ def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
 
 def _sessions(llm) -> list:
   sessions, seen = [], set()
-  for path in FLAGS.traces.split(","):
-    if not os.path.exists(path):
-      raise app.UsageError(f"{path} does not exist; make it with scripts/make_traces.py "
-                           "--source=tau2 --domains=airline,retail --out=data_local/"
-                           "tau2_train.json --held_out=data_local/tau2_heldout.json (or "
-                           "--source=agentdojo)")
+  for spec in FLAGS.traces.split(","):
+    try:
+      part = agent_splits.load_spec(spec)
+    except FileNotFoundError as e:
+      raise app.UsageError(str(e)) from e
     found = 0
-    for s in traces.load_toolbench(path):
+    for s in part:
       msgs, tools = traces.session_chat(s, llm.tokenizer)
       n = len(llm.tokenizer.encode_chat(msgs, tools=tools, add_generation_prompt=False))
       if n + FLAGS.max_tokens <= FLAGS.max_prompt and len(call_turns(s)) >= max(FLAGS.min_calls,
@@ -483,6 +486,11 @@ def main(argv):
       env = make_env()
     except ValueError as e:
       raise app.UsageError(str(e)) from e
+  if FLAGS.traces and set(names) & set(pruning.LEARNABLE):
+    try:   # a head is scored only on sessions it never trained on
+      agent_splits.check_unseen(FLAGS.head, FLAGS.traces.split(","))
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
   llm = jaxkv.load(FLAGS.model)
   head = (artifacts.load_pruner_head(FLAGS.head, model_name=FLAGS.model)
           if set(names) & set(pruning.LEARNABLE) else None)
@@ -497,7 +505,7 @@ def main(argv):
     shared = system_prefixes(llm.tokenizer, sessions)
     what = f"{len(sessions)} sessions from {FLAGS.traces}"
   else:
-    ids = ([s.id for path in FLAGS.traces.split(",") for s in traces.load_toolbench(path)]
+    ids = ([s.id for spec in FLAGS.traces.split(",") for s in agent_splits.load_spec(spec)]
            if FLAGS.traces else None)
     tasks, trivial = agent_env.select_tasks(env, ids, FLAGS.max_tasks)
     if not tasks:
@@ -523,7 +531,9 @@ def main(argv):
       rows = json.load(f)
   if env is None and rescore(rows, sessions):
     common.write_rows(FLAGS.out, rows)
-  have = {(r["method"], r["layout"], r["budget"]) for r in rows}
+  scope = FLAGS.budget_scope
+  have = {(r["method"], r["layout"], r["budget"]) for r in rows
+          if r["method"] == "full" or agent_stats.budget_key(r)[0] == scope}
   configs = [("full", "-", 0)] if "full" in names else []
   configs += [(m, lay, int(b)) for b in FLAGS.budgets.split(",") for m in names if m != "full"
               for lay in FLAGS.layouts.split(",")]
@@ -533,7 +543,7 @@ def main(argv):
     if env is None and FLAGS.calls == "discriminative" and FLAGS.skip_sessions:
       sessions = discriminative_sessions(rows, sessions, llm.tokenizer)
     cfg = (PruningConfig(method="none") if name == "full" else
-           PruningConfig(layout=layout, budget=budget, **METHODS[name]))
+           PruningConfig(layout=layout, budget=budget, budget_scope=scope, **METHODS[name]))
     desc = f"{name}/{layout}/C={budget}"
     if env is None:
       r = evaluate(llm, sessions, cfg, replayer, head=head, max_tokens=FLAGS.max_tokens,
@@ -547,13 +557,16 @@ def main(argv):
               f"n={r['n_tasks']}")
     if env is None:
       r["given"] = FLAGS.given
+    if name != "full":
+      r["budget_scope"] = scope
     rows.append(dict(method=name, layout=layout, budget=budget, **r))
     print(f"{name:18s} {layout:9s} C={budget:5d} {line}", flush=True)
     agent_stats.annotate(rows, FLAGS.calls)      # paired fields against the rows so far
     agent_env.annotate(rows)
     common.write_rows(FLAGS.out, rows)
-  agent_stats.annotate(rows, FLAGS.calls)
+  agent_stats.annotate(rows, FLAGS.calls)   # every row against today's references
   agent_env.annotate(rows)
+  common.write_rows(FLAGS.out, rows)
   print(f"\n{FLAGS.model}, {what}")
   common.print_tables(tables(rows))
 

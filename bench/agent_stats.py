@@ -9,10 +9,11 @@ view, or nothing can be lost because nothing is won, so those calls only dilute 
 comparison. `--calls=all` scores every call instead.
 
 Per row, over the scored calls: the exact rate with its Wilson 95% interval, n, and
-for each reference method (random, SnapKV, H2O at the same layout and budget; the
-full cache) the exact two-sided McNemar p of the paired outcomes (fields
-`p_vs_random`, `p_vs_snapkv`, `p_vs_h2o`, `p_vs_full`, with the discordant split
-`split_vs_*` = [only this row right, only the reference right]); a row compared
+for each reference method (random, StreamingLLM, SnapKV, H2O at the same layout and
+budget; the full cache) the exact two-sided McNemar p of the paired outcomes (fields
+`p_vs_random`, `p_vs_streaming_llm`, `p_vs_snapkv`, `p_vs_h2o`, `p_vs_full`, with the
+discordant split `split_vs_*` = [only this row right, only the reference right]); a
+row compared
 with itself, or with a reference that was not run, gets None. The full cache solves
 every discriminative call by construction, so against it the split is [0, c]: its
 p says whether a method loses calls the full cache solves, not a symmetric test.
@@ -26,7 +27,7 @@ import math
 import common
 from jaxkv.data import calls as calls_lib
 
-REFERENCES = ("random", "snapkv", "h2o", "full")
+REFERENCES = ("random", "streaming_llm", "snapkv", "h2o", "full")
 MODES = ("discriminative", "all")
 
 
@@ -51,10 +52,22 @@ def scored_calls(rows: list[dict], mode: str) -> list[tuple[str, int]] | None:
                 if c["exact"] and c["prunable"] > 0)
 
 
+def budget_key(r: dict) -> tuple[str, int]:
+  """(budget_scope, C) of a row (rows written before budget_scope existed: prompt)."""
+  return r.get("budget_scope", "prompt"), r["budget"]
+
+
+def budget_cell(r: dict) -> str:
+  """C as a table shows it: `3584` counts the whole prompt, `+256` the history alone
+  (`budget_scope="history"`: the system prompt and the query kept on top)."""
+  scope, b = budget_key(r)
+  return f"+{b}" if scope == "history" and b else str(b)
+
+
 def _reference(rows: list[dict], row: dict, name: str) -> dict | None:
   for r in rows:
     if r.get("calls") and r["method"] == name and (
-        name == "full" or (r["layout"], r["budget"]) == (row["layout"], row["budget"])):
+        name == "full" or (r["layout"], budget_key(r)) == (row["layout"], budget_key(row))):
       return r
   return None
 
@@ -119,7 +132,48 @@ def table(rows: list[dict]) -> common.Table | None:
       f"next-call exact on {what}; Wilson 95%; exact McNemar p against each reference "
       "(split: calls only this row solves - only the reference solves); recall = "
       "future-evidence recall, bootstrap over sessions", HEADER,
-      [(r["method"], r["layout"], str(r["budget"]), f"{100 * r['pruned_share']:.0f}",
+      [(r["method"], r["layout"], budget_cell(r), f"{100 * r['pruned_share']:.0f}",
         f"{r['exact_scored']:.3f}", ci(r["exact_scored_ci"]), str(r["n_scored"]),
         *(p_cell(r, b) for b in REFERENCES), f"{r['future_evidence_recall']:.3f}",
         ci(r.get("future_evidence_recall_ci"))) for r in done])
+
+
+def plot(rows: list[dict], path: str) -> str:
+  """Exact accuracy on the scored calls vs the budget C, one panel per layout, one
+  line per method with its Wilson 95% interval as error bars; the full cache (which
+  solves every discriminative call) as a dashed line."""
+  import os  # pylint: disable=import-outside-toplevel
+
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  done = [r for r in rows if r.get("calls_scored") and r["method"] != "full"
+          and r.get("n_scored")]
+  layouts = sorted({r["layout"] for r in done}) or ["-"]
+  fig, ax = plt.subplots(1, len(layouts), figsize=(5.5 * len(layouts), 4), squeeze=False)
+  full = next((r for r in rows if r["method"] == "full" and r.get("n_scored")), None)
+  for j, lay in enumerate(layouts):
+    a = ax[0, j]
+    for k, m in enumerate(dict.fromkeys(r["method"] for r in done)):
+      rs = sorted((r for r in done if r["method"] == m and r["layout"] == lay),
+                  key=lambda r: r["budget"])
+      if not rs:
+        continue
+      x = [r["budget"] + 12 * (k - 2.5) for r in rs]          # dodge the error bars
+      y = [r["exact_scored"] for r in rs]
+      err = [[v - r["exact_scored_ci"][0] for v, r in zip(y, rs)],
+             [r["exact_scored_ci"][1] - v for v, r in zip(y, rs)]]
+      a.errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=m)
+    if full is not None:
+      a.axhline(full["exact_scored"], color="k", ls="--", lw=1, label="full cache")
+    n = max((r["n_scored"] for r in done if r["layout"] == lay), default=0)
+    scope = "history tokens kept" if any(r.get("budget_scope") == "history"
+                                         for r in done) else "tokens"
+    a.set(xlabel=f"budget C ({scope})", ylabel="next-call exact (scored calls)", ylim=(-0.05, 1.05),
+          title=f"{lay} layout, n = {n} {done[0]['calls_scored'] if done else ''} calls")
+    a.legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

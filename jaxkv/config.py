@@ -232,6 +232,7 @@ class EngineConfig:
 
 PRUNING_METHODS = ("none", "random", "streaming_llm", "snapkv", "h2o", "intentkv")
 PRUNING_LAYOUTS = ("dead_slot", "compact")
+BUDGET_SCOPES = ("prompt", "history")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +255,12 @@ class PruningConfig:
                                 # is not pruned; a longer one keeps its forced tokens (the
                                 # system prompt, the current query, the method's own) and
                                 # the best-scored others, up to this many in all.
+  budget_scope: str = "prompt"  # What C counts: prompt (the whole prompt, IntentKV's C) or
+                                # history (only the tokens outside the protected system
+                                # prompt and the current query: a request keeps those and
+                                # up to C others, pruning whenever its history is longer,
+                                # so scorers choose among the history whatever the system
+                                # prompt's length).
   protect_system: bool = True   # Always keep the chat template's system prompt.
   sink: int = 4                 # StreamingLLM: the first tokens, always kept (the
                                 # attention sinks).
@@ -299,6 +306,9 @@ class PruningConfig:
       raise ValueError(f"pruning.layout must be one of {PRUNING_LAYOUTS}, got {self.layout!r}")
     if self.budget < 1:
       raise ValueError(f"pruning.budget must be >= 1, got {self.budget}")
+    if self.budget_scope not in BUDGET_SCOPES:
+      raise ValueError(f"pruning.budget_scope must be one of {BUDGET_SCOPES}, "
+                       f"got {self.budget_scope!r}")
     if self.intent_mode not in ("query", "memory", "learnable"):
       raise ValueError(f"pruning.intent_mode must be query, memory or learnable, "
                        f"got {self.intent_mode!r}")

@@ -97,6 +97,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 
 import agent_eval  # noqa: E402  (bench/)
+import agent_stats  # noqa: E402
 import attention_kernels as kernels_bench  # noqa: E402
 import common  # noqa: E402
 import compaction as compaction_bench  # noqa: E402
@@ -131,6 +132,7 @@ SOURCES = {
     "agent-eval-qwen": "bench/results_agent_eval_qwen.json",
     "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
     "agent-eval-disc": "bench/results_agent_eval_disc.json",
+    "agent-eval-disc-all": "bench/results_agent_eval_disc_all.json",
     "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
     "closed-loop-agentdojo": "bench/results_closed_loop_agentdojo.json",
     "reuse": "bench/results_reuse.json",
@@ -258,6 +260,10 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   # the stopped free-generation grid: one flat table (every row is 0-5%)
   out["agent-eval-qwen-free"] = rows["agent-eval-qwen-free"] and _render(
       [agent_eval.table(rows["agent-eval-qwen-free"])])
+  # every split and budget: the paired table alone (--tables_from prints the Table 2 / 7
+  # shapes per budget)
+  out["agent-eval-disc-all"] = rows["agent-eval-disc-all"] and _render(
+      [agent_stats.table(rows["agent-eval-disc-all"])])
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
@@ -424,7 +430,9 @@ def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.P
            ("semshare-curve", "semshare_curve.png", lambda rows, path: pathlib.Path(
                semshare_bench.plot(rows, str(path)))),
            ("memart", "memart_recall.png", lambda rows, path: pathlib.Path(
-               memart_bench.plot(rows, str(path)))))
+               memart_bench.plot(rows, str(path)))),
+           ("agent-eval-disc-all", "agent_eval_vs_budget.png", lambda rows, path: pathlib.Path(
+               agent_stats.plot(rows, str(path)))))
   for name, file, fn in jobs:
     rows = _rows(root, name)
     if rows is None:

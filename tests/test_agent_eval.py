@@ -182,6 +182,22 @@ def test_paired_fields_score_discriminative_calls_only():
   assert ikv["n_scored"] is None and math.isnan(ikv["exact_scored"])
 
 
+def test_accuracy_vs_budget_plot(tmp_path):
+  import agent_stats
+
+  def row(method, budget, layout, exact):
+    calls = [dict(session="a", turn=t, exact=e, name=True, prunable=1)
+             for t, e in enumerate(exact)]
+    return dict(method=method, layout=layout, budget=budget, calls=calls, pruned_share=1.0,
+                future_evidence_recall=0.5)
+  rows = [row("full", 0, "-", (True,) * 4)] + [
+      row(m, b, lay, (True, b > 200, False, m == "h2o")) for m in ("random", "h2o")
+      for b in (100, 300) for lay in ("dead_slot", "compact")]
+  agent_stats.annotate(rows, "discriminative")
+  path = agent_stats.plot(rows, str(tmp_path / "sub" / "acc.png"))
+  assert pathlib.Path(path).stat().st_size > 10_000
+
+
 @pytest.mark.slow
 def test_every_configuration_starts_from_the_same_warm_cache(llm):
   """The shared system prompt is cached before each configuration, so the first one

@@ -38,12 +38,14 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("method", ["none", pytest.param("intentkv", marks=SLOW),
-                                    pytest.param("snapkv", marks=SLOW), "h2o"])
+                                    pytest.param("snapkv", marks=SLOW), "h2o", "h2o@history"])
 def test_forced_replay_equals_session_runner(llm, method):
   """Teacher-forced: NLL within 1e-5 (the engine prefills the reply in its own
   chunks beside other rows), prefix hits, the pruning event, the kept positions and
-  evidence identical."""
-  pruning = PruningConfig(method=method, budget=64)
+  evidence identical (method@history: a budget on the history alone)."""
+  method, _, scope = method.partition("@")
+  pruning = PruningConfig(method=method, budget=16 if scope else 64,
+                          budget_scope=scope or "prompt")
   ref = SessionRunner(llm, pruning, cache=CACHE, prefill_chunk=64).run_session("s", MESSAGES)
   eng, rec = replay.engine_for(llm, pruning, CACHE, prefill_chunk=64, decode_steps=4)
   (got,) = replay.replay(eng, rec, [_session("s", replay.all_turns(MESSAGES))])

@@ -112,6 +112,30 @@ def test_budget_forced_set_and_persistent_holes(llm):
   runner.radix.check()
 
 
+@pytest.mark.parametrize("layout", ["dead_slot", "compact"])
+def test_history_budget_counts_only_the_history(llm, layout):
+  """budget_scope="history": C history tokens on top of the system prompt and the
+  query, the same kept set as the prompt-scope budget C + |forced|."""
+  k = 12
+  runner = SessionRunner(llm, PruningConfig(method="intentkv", budget=k, layout=layout,
+                                            budget_scope="history"), cache=CACHE,
+                         prefill_chunk=64)
+  p = runner.prepare(MESSAGES, None, 6)
+  got = runner.run_turn("s", MESSAGES, None, 6)
+  forced = p["sys_len"] + (got.prompt_tokens - p["qs"])
+  assert got.pruned and got.live_after == forced + k < got.live_before
+  same = SessionRunner(llm, PruningConfig(method="intentkv", budget=forced + k, layout=layout),
+                       cache=CACHE, prefill_chunk=64).run_turn("s", MESSAGES, None, 6)
+  np.testing.assert_array_equal(got.kept, same.kept)
+  history = p["qs"] - p["sys_len"]
+  wide = SessionRunner(llm, PruningConfig(method="intentkv", budget=history, layout=layout,
+                                          budget_scope="history"), cache=CACHE,
+                       prefill_chunk=64).run_turn("s", MESSAGES, None, 6)
+  assert not wide.pruned                     # no more history than C: nothing to prune
+  with pytest.raises(ValueError, match="budget_scope"):
+    PruningConfig(budget_scope="tokens")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_holes_persist_across_turns_with_random_budgets(llm, seed):
   """Two interleaved sessions, a random budget per turn: a position pruned in any turn

@@ -240,7 +240,8 @@ class SessionRunner:
       live = (smap != SENTINEL) & (t < n)
       live_before = int(live.sum())
       keep = live
-      pruned = cfg.method != "none" and live_before > cfg.budget
+      pruned = cfg.method != "none" and live_before > self.state.budget_for(
+          live, p["qs"], p["sys_len"], n)
       memory, new_memory, memory_cos = None, None, float("nan")
       if cfg.method == "intentkv":        # M_t advances on every request (eq. 2)
         memory, new_memory, memory_cos = self._advance_memory(session_id, p, q, hit, n)

@@ -136,9 +136,7 @@ class PruningState:
     cfg = self.pruning
     span = np.zeros(n, bool)
     span[qs:] = True
-    forced = span.copy()
-    if cfg.protect_system:
-      forced[:sys_len] = True
+    forced = _forced(n, qs, sys_len, cfg.protect_system)
     rows = policy.query_rows(cfg)
     q_lo = q_count = 0
     if rows is not None:
@@ -146,8 +144,18 @@ class PruningState:
     keep, _ = policy.select_kept_at(
         cfg, pool_k, row(smap, width), row(live, width, bool), row(forced, width, bool),
         q if rows is not None else None, hit, q_lo, q_count, memory, row(span, width, bool),
-        head_graphdef=self.head[0], head_state=self.head[1])
+        head_graphdef=self.head[0], head_state=self.head[1],
+        budget=self.budget_for(live, qs, sys_len, n))
     return np.asarray(keep[0, :smap.size])
+
+  def budget_for(self, live, qs: int, sys_len: int, n: int) -> int:
+    """This request's C: `pruning.budget`, plus with budget_scope="history" the live
+    tokens of its protected system prompt and query span (`live`: [>= n] bool)."""
+    cfg = self.pruning
+    if cfg.budget_scope == "prompt":
+      return cfg.budget
+    return cfg.budget + int(np.asarray(live[:n])[_forced(n, qs, sys_len,
+                                                          cfg.protect_system)].sum())
 
   def commit(self, session: str, new_memory, processed: int, path=None) -> None:
     """Keeps what a turn that succeeded leaves: M_t, its processed length and (when
@@ -165,6 +173,16 @@ class PruningState:
     gone = (self.memories.pop(intentkv.session_key(session_id=session)),
             self.seen.pop(session, None), self.paths.pop(session, None))
     return any(x is not None for x in gone)
+
+
+def _forced(n: int, qs: int, sys_len: int, protect_system: bool) -> np.ndarray:
+  """[n] bool the base forced set: the query span [qs, n) and, protected, the system
+  prompt [0, sys_len)."""
+  forced = np.zeros(n, bool)
+  forced[qs:] = True
+  if protect_system:
+    forced[:sys_len] = True
+  return forced
 
 
 @dataclasses.dataclass
@@ -295,7 +313,8 @@ class Pruned(Mechanism):
     memory = None
     if cfg.method == "intentkv":        # M_t advances on every request (eq. 2)
       memory, t.new_memory, t.memory_cos = self.state.advance(t.session, t.qs, q, hit, n)
-    t.pruned = cfg.method != "none" and t.live_before > cfg.budget
+    t.pruned = cfg.method != "none" and t.live_before > self.state.budget_for(live, t.qs,
+                                                                              t.sys_len, n)
     if t.pruned:
       keep = self.state.select(t.session, self.kv.driver.kv.k, smap, live, t.qs, t.sys_len, q,
                                hit, n, t.width, memory)

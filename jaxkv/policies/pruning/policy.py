@@ -72,7 +72,8 @@ def select_kept_at(cfg: PruningConfig, pool_k: jax.Array, slot_map: jax.Array,
                    live: jax.Array, forced: jax.Array, q_rows: jax.Array | None = None,
                    q_start: int = 0, q_lo: int = 0, q_count: int = 0,
                    memory: jax.Array | None = None, span: jax.Array | None = None,
-                   head_graphdef=None, head_state=None) -> tuple[jax.Array, jax.Array | None]:
+                   head_graphdef=None, head_state=None,
+                   budget: int | None = None) -> tuple[jax.Array, jax.Array | None]:
   """`select_kept` for a serving loop: one jitted call that gathers the keys from
   the pool and slices the query rows itself (no eager, unbucketed copies).
 
@@ -82,15 +83,16 @@ def select_kept_at(cfg: PruningConfig, pool_k: jax.Array, slot_map: jax.Array,
       (row j at logical position q_start + j; Wq bucketed), or None.
     q_lo, q_count: the method reads rows [q_lo, q_lo + q_count) (traced; the
       static row count is `plan.chunk_len(q_count)`, padding rows get position -1).
+    budget: this request's C (traced; None: `cfg.budget`), e.g. the caller's
+      `budget_scope="history"` C.
     others: see `select_kept`.
   """
   rows = plan.chunk_len(max(int(q_count), 1)) if q_rows is not None else 0
   i32 = lambda x: jnp.asarray(x, jnp.int32)
   return _select_kept_at(_static(cfg), pool_k, slot_map, live, forced,
                          q_rows, i32(q_start), i32(q_lo), i32(q_count), memory, span,
-                         i32(cfg.budget), i32(cfg.random_seed), head_graphdef=head_graphdef,
-                         head_state=head_state,
-                         rows=rows)
+                         i32(cfg.budget if budget is None else budget), i32(cfg.random_seed),
+                         head_graphdef=head_graphdef, head_state=head_state, rows=rows)
 
 
 def _select_kept_at_impl(cfg, pool_k, slot_map, live, forced, q_rows, q_start, q_lo, q_count,
@@ -105,8 +107,9 @@ def _select_kept_at_impl(cfg, pool_k, slot_map, live, forced, q_rows, q_start, q
 
 
 def _static(cfg: PruningConfig) -> PruningConfig:
-  """The config with its traced fields (budget, random_seed) set to placeholders."""
-  return dataclasses.replace(cfg, budget=1, random_seed=0)
+  """The config with its traced fields (budget, random_seed) and the host-side
+  budget_scope set to placeholders."""
+  return dataclasses.replace(cfg, budget=1, random_seed=0, budget_scope="prompt")
 
 
 def _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, seed, head_graphdef=None,
