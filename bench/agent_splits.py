@@ -59,19 +59,25 @@ def load_spec(spec: str) -> list[traces.Session]:
   return traces.load_toolbench(path)[part]
 
 
-def head_trained_ids(head: str, path: str) -> set[str]:
-  """Ids of the sessions of trace file `path` that the head under `head` trained on
-  (empty when its manifest names another file or none)."""
+def _trained_prefix(head: str, path: str) -> int | None:
+  """How many of trace file `path`'s first sessions the head under `head` trained on
+  (0: all of them); None when its manifest names another file or none."""
   try:
     manifest = artifacts.read_manifest(head)
   except FileNotFoundError:
+    return None
+  digest = manifest.get("data", {}).get("train", {}).get("sha256")
+  if not digest or not os.path.exists(path) or artifacts.sha256(path) != digest:
+    return None
+  return int(manifest.get("config", {}).get("max_train_sessions", 0) or 0)
+
+
+def head_trained_ids(head: str, path: str) -> set[str]:
+  """Ids of the sessions of trace file `path` that the head under `head` trained on
+  (empty when its manifest names another file or none)."""
+  cap = _trained_prefix(head, path)
+  if cap is None:
     return set()
-  train = manifest.get("data", {}).get("train", {})
-  if not train.get("sha256") or not os.path.exists(path):
-    return set()
-  if artifacts.sha256(path) != train["sha256"]:
-    return set()
-  cap = int(manifest.get("config", {}).get("max_train_sessions", 0) or 0)
   sessions = traces.load_toolbench(path, strict=False)
   return {s.id for s in (sessions[:cap] if cap else sessions)}
 
@@ -80,13 +86,14 @@ def check_unseen(head: str, specs: list[str]) -> None:
   """Raises ValueError when a spec holds sessions the head trained on."""
   for spec in specs:
     path, part = parse_spec(spec)
-    seen = head_trained_ids(head, path)
-    if not seen:
+    cap = _trained_prefix(head, path)
+    if cap is None:
       continue
     ids = [s.id for s in traces.load_toolbench(path, strict=False)]
-    overlap = [i for i in ids[part] if i in seen]
+    first_unseen = cap or len(ids)
+    trained = set(ids[:first_unseen])
+    overlap = [i for i in ids[part] if i in trained]
     if overlap:
-      first_unseen = max(k for k, i in enumerate(ids) if i in seen) + 1
       raise ValueError(
           f"{len(overlap)} sessions of {spec} trained the Phase-2 head {head} (its "
           f"manifest: the first {first_unseen} of {path}); score the head on sessions it "

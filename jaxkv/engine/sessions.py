@@ -240,14 +240,14 @@ class SessionRunner:
       live = (smap != SENTINEL) & (t < n)
       live_before = int(live.sum())
       keep = live
-      pruned = cfg.method != "none" and live_before > self.state.budget_for(
-          live, p["qs"], p["sys_len"], n)
+      budget = self.state.budget_for(live, p["qs"], p["sys_len"], n)
+      pruned = cfg.method != "none" and live_before > budget
       memory, new_memory, memory_cos = None, None, float("nan")
       if cfg.method == "intentkv":        # M_t advances on every request (eq. 2)
         memory, new_memory, memory_cos = self._advance_memory(session_id, p, q, hit, n)
       p0 = n
       if pruned:
-        keep = self._select(session_id, smap, live, p, q, hit, n, width, memory)
+        keep = self._select(session_id, smap, live, p, q, hit, n, width, budget, memory)
         if cfg.layout == "dead_slot":
           select.evict_dropped(self.alloc, seq, keep | (t >= n))   # reply slots stay
         else:
@@ -322,9 +322,9 @@ class SessionRunner:
   def _advance_memory(self, session_id, p, q, hit, n):
     return self.state.advance(session_id, p["qs"], q, hit, n)
 
-  def _select(self, session_id, smap, live, p, q, hit, n, width, memory=None):
+  def _select(self, session_id, smap, live, p, q, hit, n, width, budget, memory=None):
     return self.state.select(session_id, self.driver.kv.k, smap, live, p["qs"], p["sys_len"], q,
-                             hit, n, width, memory)
+                             hit, n, width, budget, memory)
 
   def _compact(self, seq, smap, keep, g, width) -> int:
     n_keep = int(keep.sum())

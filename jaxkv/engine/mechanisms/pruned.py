@@ -130,9 +130,10 @@ class PruningState:
     return prev, new, float(cos[0])
 
   def select(self, session: str, pool_k, smap, live, qs: int, sys_len: int, q, hit: int,
-             n: int, width: int, memory=None) -> np.ndarray:
-    """The pruning event: the kept prompt positions ([len(smap)] bool). `memory` is
-    IntentKV's memory before this request (the event advances it itself)."""
+             n: int, width: int, budget: int, memory=None) -> np.ndarray:
+    """The pruning event: the kept prompt positions ([len(smap)] bool). `budget` is the
+    request's C (`budget_for`); `memory` is IntentKV's memory before this request (the
+    event advances it itself)."""
     cfg = self.pruning
     span = np.zeros(n, bool)
     span[qs:] = True
@@ -144,8 +145,7 @@ class PruningState:
     keep, _ = policy.select_kept_at(
         cfg, pool_k, row(smap, width), row(live, width, bool), row(forced, width, bool),
         q if rows is not None else None, hit, q_lo, q_count, memory, row(span, width, bool),
-        head_graphdef=self.head[0], head_state=self.head[1],
-        budget=self.budget_for(live, qs, sys_len, n))
+        head_graphdef=self.head[0], head_state=self.head[1], budget=budget)
     return np.asarray(keep[0, :smap.size])
 
   def budget_for(self, live, qs: int, sys_len: int, n: int) -> int:
@@ -313,11 +313,11 @@ class Pruned(Mechanism):
     memory = None
     if cfg.method == "intentkv":        # M_t advances on every request (eq. 2)
       memory, t.new_memory, t.memory_cos = self.state.advance(t.session, t.qs, q, hit, n)
-    t.pruned = cfg.method != "none" and t.live_before > self.state.budget_for(live, t.qs,
-                                                                              t.sys_len, n)
+    budget = self.state.budget_for(live, t.qs, t.sys_len, n)
+    t.pruned = cfg.method != "none" and t.live_before > budget
     if t.pruned:
       keep = self.state.select(t.session, self.kv.driver.kv.k, smap, live, t.qs, t.sys_len, q,
-                               hit, n, t.width, memory)
+                               hit, n, t.width, budget, memory)
       select.evict_dropped(alloc, row.seq, keep | (np.arange(smap.size) >= n))
       t.live_after = int((keep & live).sum())
       self.stats["events"] += 1
