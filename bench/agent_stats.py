@@ -142,8 +142,6 @@ def plot(rows: list[dict], path: str) -> str:
   """Exact accuracy on the scored calls vs the budget C, one panel per layout, one
   line per method with its Wilson 95% interval as error bars; the full cache (which
   solves every discriminative call) as a dashed line."""
-  import os  # pylint: disable=import-outside-toplevel
-
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -172,8 +170,4 @@ def plot(rows: list[dict], path: str) -> str:
     a.set(xlabel=f"budget C ({scope})", ylabel="next-call exact (scored calls)", ylim=(-0.05, 1.05),
           title=f"{lay} layout, n = {n} {done[0]['calls_scored'] if done else ''} calls")
     a.legend(fontsize=7)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return common.save_figure(fig, plt, path)

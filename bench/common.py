@@ -112,6 +112,15 @@ def write_rows(path: str | None, rows: list[dict]) -> None:
     print(f"wrote {path}")
 
 
+def save_figure(fig, plt, path: str) -> str:
+  """Lays out, writes (creating its folder) and closes a matplotlib figure; returns path."""
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def matmul_gflops(n: int = 1024, reps: int = 5, dtype=jnp.float32) -> float:
   """Achieved FLOP/s of a large square matmul on random data (the compute peak a
   prefill can hope for on this device, with jaxkv's compiler options), in GFLOP/s."""

@@ -6,8 +6,6 @@ the README blocks from the rows."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 import common
@@ -290,8 +288,4 @@ def plot(rows: list[dict], path: str) -> str:
   ax.set(xscale="log", xlabel="retrieved history tokens (k x BS)", ylabel="evidence recall",
          title="MemArt retrieval: recall vs k")
   ax.legend(fontsize=6, ncol=2)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return common.save_figure(fig, plt, path)

@@ -7,8 +7,6 @@ README blocks from them."""
 
 from __future__ import annotations
 
-import os
-
 import common
 from jaxkv.data import calls, reuse_workloads
 
@@ -70,11 +68,7 @@ def drift_plot(rows: list[dict], path: str):
     ax[1, j].axhline(0, color="k", lw=0.8)
   ax[0, 0].legend(fontsize=8)
   fig.suptitle("segment reuse drift vs left-context perturbation (vs no reuse)")
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return common.save_figure(fig, plt, path)
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -22,7 +22,6 @@ retention comparison at identical per-layer budgets).
 from __future__ import annotations
 
 import collections
-import os
 
 import numpy as np
 
@@ -182,8 +181,4 @@ def plot(rows: list[dict], path: str) -> str:
   ax[1].axvline(0.8, color="k", lw=0.8, ls="--")
   for a in ax:
     a.legend(fontsize=8)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return common.save_figure(fig, plt, path)
