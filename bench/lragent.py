@@ -23,13 +23,16 @@ agent outputs, vs non_shared), greedy_agreement, computed_tokens,
 recomputed_tokens, targets, and LRAgent's accuracy: action_exact / action_n
 (tool-call arguments that greedy generation over the scheme's shared cache writes
 exactly; `jaxkv.engine.agents.call_accuracy`) and reflect_exact / reflect_n
-(verdicts), pooled per scheme with Wilson 95% intervals in the tables.
+(verdicts), pooled per scheme with Wilson 95% intervals in the tables, and
+adapters (the folder and a digest of its weights, `provenance`: a rerun with other
+adapters measures every trajectory again and the tables keep the two sets apart).
 --tables_from=FILE reprints the tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -97,14 +100,39 @@ def per_token(r: RunResult, ref: RunResult, tr) -> dict:
                           for c in r.calls])
 
 
-def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True):
-  """Runs every scheme on each trajectory not yet in `rows`; appends its rows and
-  writes `out` after each trajectory (a rerun resumes). Without `timing` each scheme
-  runs once (fidelity and call accuracy do not depend on the pass) and the timing
-  fields are null."""
+def provenance(path: str) -> dict:
+  """Which adapters a row was measured with: the folder as given and a digest of its
+  weight and config files (the same digest for the same adapters wherever they lie).
+  Rows without this field predate it (see `adapters_label`)."""
+  digests = artifacts.file_digests(artifacts.resolve(path))
+  h = hashlib.sha256()
+  for name, d in sorted(digests.items()):
+    if name.endswith(("adapter_model.safetensors", "adapter_config.json")):
+      h.update(f"{name}:{d}\n".encode())
+  return {"path": str(path), "sha256": h.hexdigest()[:16]}
+
+
+def adapters_label(r: dict) -> str:
+  a = r.get("adapters")
+  return f"adapters {a['path']} (sha256 {a['sha256']})" if a else "adapters not recorded"
+
+
+def _todo(rows, trajs, label, targets, adapters):
+  """The trajectories of `trajs` with no row yet for this kind and these adapters."""
+  done = {(r["kind"], r["targets"], r["trace"], (r.get("adapters") or {}).get("sha256"))
+          for r in rows}
+  return [tr for tr in trajs
+          if (label, targets, tr.session, (adapters or {}).get("sha256")) not in done]
+
+
+def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True,
+            adapters=None):
+  """Runs every scheme on each trajectory not yet in `rows` for these `adapters`
+  (`provenance`); appends its rows and writes `out` after each trajectory (a rerun
+  resumes). Without `timing` each scheme runs once (fidelity and call accuracy do not
+  depend on the pass) and the timing fields are null."""
   targets = ",".join(w.targets)
-  done = {(r["kind"], r["targets"], r["trace"]) for r in rows}
-  todo = [tr for tr in trajs if (label, targets, tr.session) not in done]
+  todo = _todo(rows, trajs, label, targets, adapters)
   bar = tqdm(total=len(todo) * len(schemes), desc=label)
   for tr in todo:
     res = {}
@@ -127,20 +155,19 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True
                        computed_tokens=sum(c.computed for c in r.calls),
                        recomputed_tokens=sum(c.recomputed for c in r.calls),
                        targets=targets, window=list(window), kind=label,
-                       **per_token(r, ref, tr)))
+                       adapters=adapters, **per_token(r, ref, tr)))
     common.write_rows(out, rows)
   bar.close()
 
 
-def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch):
+def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch, adapters=None):
   """`run_all` through the batch engine (`jaxkv.evaluation.agents`): per group of
   `max_batch` trajectories not yet in `rows`, each scheme (one the engine serves) runs
   them as sessions of one engine, their calls batched; rows are written after each
   group (a rerun resumes). Timing fields are null (TTFT inside a batch waits behind
   other rows), the fidelity and accuracy fields are the runner's."""
   targets = ",".join(w.targets)
-  done = {(r["kind"], r["targets"], r["trace"]) for r in rows}
-  todo = [tr for tr in trajs if (label, targets, tr.session) not in done]
+  todo = _todo(rows, trajs, label, targets, adapters)
   if not todo:
     return
   max_tokens = plan.bucket(max(len(tr) for tr in trajs) + 16, 1024, 1024)
@@ -170,7 +197,7 @@ def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch):
                          ttft_s=None, tokens_per_s=None, **fidelity(r, ref),
                          **call_accuracy(r, tr), computed_tokens=sum(c.computed for c in r.calls),
                          recomputed_tokens=0, targets=targets, window=None, kind=label,
-                         via="engine", **per_token(r, ref, tr)))
+                         via="engine", adapters=adapters, **per_token(r, ref, tr)))
     common.write_rows(out, rows)
   bar.close()
 
@@ -255,10 +282,11 @@ def main(argv):
     if not path:
       continue
     _, w = artifacts.load_role_adapters(llm.config, path, model_name=args.model)
+    tag = provenance(path)
     if args.via == "engine":
       for kind, trajs in sets[name].items():
         run_engine(llm, w, trajs, schemes, args.chunk, f"{kind}-{name}", rows, args.out,
-                   args.max_batch)
+                   args.max_batch, adapters=tag)
       continue
     n_crit = args.n_critical or max(1, llm.config.num_layers // 4)
     probe = (real or list(emu.values()))[0]     # --max_sessions=0: an emulated one
@@ -267,7 +295,7 @@ def main(argv):
           f"{np.round(dev, 3).tolist()})", flush=True)
     for kind, trajs in sets[name].items():
       run_all(llm, w, trajs, schemes, window, args.chunk, f"{kind}-{name}", rows, args.out,
-              timing=args.timing)
+              timing=args.timing, adapters=tag)
   print_tables(rows)
 
 
@@ -277,11 +305,13 @@ METRICS = (("ttft_s", "TTFT (s, mean per agent call)", "{:.3f}"),
 
 
 def tables(rows) -> list[common.Table]:
-  """Per kind of trajectory (real / emulated, per adapter set): TTFT, throughput and KV
-  bytes by length (emulated), then fidelity vs non_shared."""
+  """Per kind of trajectory (real / emulated, per adapter set) and the adapters that
+  measured it: TTFT, throughput and KV bytes by length (emulated), then fidelity vs
+  non_shared."""
   out = []
-  for kind in sorted({r["kind"] for r in rows}):
-    sub = [r for r in rows if r["kind"] == kind]
+  for group in sorted({(r["kind"], adapters_label(r)) for r in rows}):
+    sub = [r for r in rows if (r["kind"], adapters_label(r)) == group]
+    kind = ", ".join(group)
     schemes = [s for s in lragent.SCHEMES if any(r["scheme"] == s for r in sub)]
     if kind.startswith("emulated"):
       lens = sorted({r["context_tokens"] for r in sub})

@@ -54,3 +54,37 @@ def test_paired_table_tests_a_minus_b_per_token_and_per_call():
   better = got["base_lr_shared", "full_shared"]
   assert better[4].startswith("-0.3000") and better[5].startswith("+0.250")
   assert better[6] == "3 / 0 of 6" and better[7] == "0.250 (3-0)"
+
+
+def test_rows_name_their_adapters_and_resume_per_adapter_set(tmp_path):
+  """A row records the adapters that measured it: the digest of their weight and
+  config files, equal for a copy elsewhere and different once a weight changes. A
+  trajectory already measured with other adapters (or none on record) is run again,
+  and the tables keep each adapter set apart."""
+  import shutil
+
+  from jaxkv import artifacts
+  shipped = bench.provenance(artifacts.ROLE_ADAPTERS)
+  copy = tmp_path / "copy"
+  shutil.copytree(artifacts.resolve(artifacts.ROLE_ADAPTERS), copy)
+  (copy / "log.csv").write_text("not a weight\n")           # logs do not count
+  assert bench.provenance(str(copy))["sha256"] == shipped["sha256"]
+  w = copy / "plan" / "adapter_model.safetensors"
+  w.write_bytes(w.read_bytes()[:-1] + b"\0")
+  assert bench.provenance(str(copy))["sha256"] != shipped["sha256"]
+
+  trajs = [types.SimpleNamespace(session=s) for s in ("t1", "t2")]
+  old = dict(kind="emulated-qv", targets="q,v", trace="t1")
+  new = dict(old, trace="t2", adapters=shipped)
+  todo = bench._todo([old, new], trajs, "emulated-qv", "q,v", shipped)
+  assert [t.session for t in todo] == ["t1"]                # t1's row names no adapters
+  assert bench._todo([old, new], trajs, "emulated-qv", "q,v", None) == trajs[1:]
+
+  def row(scheme, adapters):
+    return dict(scheme=scheme, kind="real-qv", trace="t1", context_tokens=100, kv_bytes=0,
+                ttft_s=None, tokens_per_s=None, delta_nll=0.0, greedy_agreement=1.0,
+                computed_tokens=1, recomputed_tokens=0, **({"adapters": adapters}
+                                                           if adapters else {}))
+  titles = [t.title for t in bench.tables([row("non_shared", shipped), row("non_shared", None)])]
+  assert any("adapters not recorded" in t for t in titles)
+  assert any(f"sha256 {shipped['sha256']}" in t for t in titles)
