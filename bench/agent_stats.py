@@ -148,16 +148,22 @@ def plot(rows: list[dict], path: str) -> str:
   done = [r for r in rows if r.get("calls_scored") and r["method"] != "full"
           and r.get("n_scored")]
   layouts = sorted({r["layout"] for r in done}) or ["-"]
-  fig, ax = plt.subplots(1, len(layouts), figsize=(5.5 * len(layouts), 4), squeeze=False)
+  fig, ax = plt.subplots(1, len(layouts), figsize=(5.5 * len(layouts) + 1.5, 4),
+                         squeeze=False)
   full = next((r for r in rows if r["method"] == "full" and r.get("n_scored")), None)
+  methods = list(dict.fromkeys(r["method"] for r in done))
+  history = any(r.get("budget_scope") == "history" for r in done)
   for j, lay in enumerate(layouts):
     a = ax[0, j]
-    for k, m in enumerate(dict.fromkeys(r["method"] for r in done)):
+    # budgets as evenly spaced categories, the methods side by side within each
+    budgets = sorted({r["budget"] for r in done if r["layout"] == lay})
+    pos = {b: i for i, b in enumerate(budgets)}
+    for k, m in enumerate(methods):
       rs = sorted((r for r in done if r["method"] == m and r["layout"] == lay),
                   key=lambda r: r["budget"])
       if not rs:
         continue
-      x = [r["budget"] + 12 * (k - 2.5) for r in rs]          # dodge the error bars
+      x = [pos[r["budget"]] + 0.1 * (k - (len(methods) - 1) / 2) for r in rs]
       y = [r["exact_scored"] for r in rs]
       err = [[v - r["exact_scored_ci"][0] for v, r in zip(y, rs)],
              [r["exact_scored_ci"][1] - v for v, r in zip(y, rs)]]
@@ -165,9 +171,10 @@ def plot(rows: list[dict], path: str) -> str:
     if full is not None:
       a.axhline(full["exact_scored"], color="k", ls="--", lw=1, label="full cache")
     n = max((r["n_scored"] for r in done if r["layout"] == lay), default=0)
-    scope = "history tokens kept" if any(r.get("budget_scope") == "history"
-                                         for r in done) else "tokens"
+    a.set_xticks(range(len(budgets)), [f"+{b}" if history else str(b) for b in budgets])
+    a.set_xlim(-0.6, len(budgets) - 0.4)
+    scope = "history tokens kept" if history else "tokens"
     a.set(xlabel=f"budget C ({scope})", ylabel="next-call exact (scored calls)", ylim=(-0.05, 1.05),
           title=f"{lay} layout, n = {n} {done[0]['calls_scored'] if done else ''} calls")
-    a.legend(fontsize=7)
+  ax[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))   # outside
   return common.save_figure(fig, plt, path)
