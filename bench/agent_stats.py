@@ -156,14 +156,14 @@ def plot(rows: list[dict], path: str) -> str:
   for j, lay in enumerate(layouts):
     a = ax[0, j]
     # budgets as evenly spaced categories, the methods side by side within each
-    budgets = sorted({r["budget"] for r in done if r["layout"] == lay})
-    pos = {b: i for i, b in enumerate(budgets)}
+    cells = {budget_key(r): budget_cell(r) for r in done if r["layout"] == lay}
+    pos = {b: i for i, b in enumerate(sorted(cells))}
     for k, m in enumerate(methods):
       rs = sorted((r for r in done if r["method"] == m and r["layout"] == lay),
-                  key=lambda r: r["budget"])
+                  key=budget_key)
       if not rs:
         continue
-      x = [pos[r["budget"]] + 0.1 * (k - (len(methods) - 1) / 2) for r in rs]
+      x = [pos[budget_key(r)] + 0.1 * (k - (len(methods) - 1) / 2) for r in rs]
       y = [r["exact_scored"] for r in rs]
       err = [[v - r["exact_scored_ci"][0] for v, r in zip(y, rs)],
              [r["exact_scored_ci"][1] - v for v, r in zip(y, rs)]]
@@ -171,8 +171,8 @@ def plot(rows: list[dict], path: str) -> str:
     if full is not None:
       a.axhline(full["exact_scored"], color="k", ls="--", lw=1, label="full cache")
     n = max((r["n_scored"] for r in done if r["layout"] == lay), default=0)
-    a.set_xticks(range(len(budgets)), [f"+{b}" if history else str(b) for b in budgets])
-    a.set_xlim(-0.6, len(budgets) - 0.4)
+    a.set_xticks(range(len(pos)), [cells[b] for b in sorted(cells)])
+    a.set_xlim(-0.6, len(pos) - 0.4)
     scope = "history tokens kept" if history else "tokens"
     a.set(xlabel=f"budget C ({scope})", ylabel="next-call exact (scored calls)", ylim=(-0.05, 1.05),
           title=f"{lay} layout, n = {n} {done[0]['calls_scored'] if done else ''} calls")

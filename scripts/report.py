@@ -400,7 +400,8 @@ def plot_lragent(rows: list[dict], out: pathlib.Path) -> pathlib.Path:
   kinds = sorted({r["kind"] for r in rows if r["kind"].startswith("emulated")})
   kind = "emulated-qv" if "emulated-qv" in kinds else kinds[0]
   sub = [r for r in rows if r["kind"] == kind]
-  sub = [r for r in sub if r.get("adapters")] or sub     # adapters on record first
+  last = lragent_bench.adapters_label(sub[-1])          # the latest adapter set measured
+  sub = [r for r in sub if lragent_bench.adapters_label(r) == last]
   fig, ax = plt.subplots(1, 2, figsize=(11, 4))
   for s in [s for s in lragent_bench.lragent.SCHEMES if any(r["scheme"] == s for r in sub)]:
     rs = sorted((r for r in sub if r["scheme"] == s), key=lambda r: r["context_tokens"])
