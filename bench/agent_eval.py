@@ -430,9 +430,8 @@ def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
   calls_rows = [r for r in rows if "next_call_exact" in r]
   env_rows = [r for r in rows if "true_acc" in r]
   if calls_rows:
-    stats = agent_stats.table(calls_rows)
-    if stats is not None:
-      out.append(stats)
+    out += [t for t in (agent_stats.table(calls_rows), agent_stats.contrasts(calls_rows))
+            if t is not None]
     shapes = paper_tables(calls_rows)
     out += shapes
     if everything or not shapes:

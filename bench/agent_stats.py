@@ -18,6 +18,9 @@ with itself, or with a reference that was not run, gets None. The full cache sol
 every discriminative call by construction, so against it the split is [0, c]: its
 p says whether a method loses calls the full cache solves, not a symmetric test.
 Evidence recall's interval is a bootstrap over sessions (agent_eval.summarize).
+`contrasts` pairs the rows the reference columns do not: IntentKV's head against its
+rule, each scorer across layouts, and IntentKV dead-slot against the baselines compact
+(the published Table 2 layouts).
 """
 
 from __future__ import annotations
@@ -136,6 +139,49 @@ def table(rows: list[dict]) -> common.Table | None:
         f"{r['exact_scored']:.3f}", ci(r["exact_scored_ci"]), str(r["n_scored"]),
         *(p_cell(r, b) for b in REFERENCES), f"{r['future_evidence_recall']:.3f}",
         ci(r.get("future_evidence_recall_ci"))) for r in done])
+
+
+SCORERS = ("intentkv_query", "intentkv_learnable")    # IntentKV's rule and its head
+BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
+
+
+def contrasts(rows: list[dict]) -> common.Table | None:
+  """The paired comparisons the readings cite beyond the reference columns, per budget:
+  IntentKV's head against its rule (each layout), every scorer in the compact layout
+  against itself dead-slot (does the layout move it), and IntentKV dead-slot against
+  each baseline compact (IntentKV Table 2's shape). Counts and the exact McNemar p
+  over the scored calls both rows have; None when no pair exists yet."""
+  done = [r for r in rows if r.get("calls_scored") and r["method"] != "full"
+          and r.get("n_scored")]
+  keys = scored_calls(rows, done[0]["calls_scored"]) if done else None
+  if keys is None:
+    return None
+  at = {(r["method"], r["layout"], budget_key(r)): r for r in done}
+  out = []
+  for b in sorted({budget_key(r) for r in done}):
+    pairs = [("head vs rule", (SCORERS[1], lay), (SCORERS[0], lay))
+             for lay in ("dead_slot", "compact")]
+    pairs += [("compact vs dead-slot", (m, "compact"), (m, "dead_slot"))
+              for m in SCORERS + BASELINES]
+    pairs += [("Table 2 shape", (m, "dead_slot"), (base, "compact"))
+              for m in SCORERS for base in BASELINES]
+    for what, (ma, la), (mb, lb) in pairs:
+      ra, rb = at.get((ma, la, b)), at.get((mb, lb, b))
+      if ra is None or rb is None:
+        continue
+      oa, ob = _outcomes(ra), _outcomes(rb)
+      both = [k for k in keys if k in oa and k in ob]
+      only_a = sum(oa[k] and not ob[k] for k in both)
+      only_b = sum(ob[k] and not oa[k] for k in both)
+      out.append((budget_cell(ra), what, f"{ma} {la}", f"{mb} {lb}", str(len(both)),
+                  str(sum(oa[k] for k in both)), str(sum(ob[k] for k in both)),
+                  f"{only_a}-{only_b}", f"{calls_lib.mcnemar(only_a, only_b):.3f}"))
+  if not out:
+    return None
+  return common.Table(
+      "paired contrasts on the same scored calls (split: only a solves - only b solves; "
+      "exact McNemar p)",
+      ("C", "contrast", "a", "b", "n", "a exact", "b exact", "split", "p"), out)
 
 
 def plot(rows: list[dict], path: str) -> str:

@@ -260,10 +260,11 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   # the stopped free-generation grid: one flat table (every row is 0-5%)
   out["agent-eval-qwen-free"] = rows["agent-eval-qwen-free"] and _render(
       [agent_eval.table(rows["agent-eval-qwen-free"])])
-  # every split and budget: the paired table alone (--tables_from prints the Table 2 / 7
-  # shapes per budget)
-  out["agent-eval-disc-all"] = rows["agent-eval-disc-all"] and _render(
-      [agent_stats.table(rows["agent-eval-disc-all"])])
+  # every split and budget: the paired table and the contrasts the readings cite
+  # (--tables_from prints the Table 2 / 7 shapes per budget too)
+  disc = rows["agent-eval-disc-all"]
+  out["agent-eval-disc-all"] = disc and _render(
+      [t for t in (agent_stats.table(disc), agent_stats.contrasts(disc)) if t is not None])
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))

@@ -182,6 +182,35 @@ def test_paired_fields_score_discriminative_calls_only():
   assert ikv["n_scored"] is None and math.isnan(ikv["exact_scored"])
 
 
+def test_contrasts_pair_the_rows_the_readings_cite():
+  import agent_stats
+
+  def row(method, layout, exact, budget=100):
+    calls = [dict(session="s", turn=t, exact=e, name=True, prunable=1)
+             for t, e in enumerate(exact)]
+    return dict(method=method, layout=layout, budget=budget, budget_scope="history",
+                calls=calls, pruned_share=1.0, future_evidence_recall=0.5)
+  assert agent_stats.contrasts([row("snapkv", "compact", (True,) * 5)]) is None   # no full row
+  rows = [row("full", "-", (True, True, True, True, False), 0),    # scores calls 0-3
+          row("intentkv_learnable", "dead_slot", (True, True, True, False, True)),
+          row("intentkv_query", "dead_slot", (False, True, False, False, False)),
+          row("intentkv_learnable", "compact", (True, False, True, True, True)),
+          row("snapkv", "compact", (False, False, True, True, True)),
+          row("snapkv", "dead_slot", (False, False, True, True, True), budget=200)]
+  agent_stats.annotate(rows, "discriminative")
+  t = agent_stats.contrasts(rows)
+  got = {(r[1], r[2], r[3]): (r[0], r[4], r[5], r[6], r[7]) for r in t.lines}
+  assert got == {
+      ("head vs rule", "intentkv_learnable dead_slot", "intentkv_query dead_slot"):
+          ("+100", "4", "3", "1", "2-0"),
+      ("compact vs dead-slot", "intentkv_learnable compact", "intentkv_learnable dead_slot"):
+          ("+100", "4", "3", "3", "1-1"),
+      ("Table 2 shape", "intentkv_learnable dead_slot", "snapkv compact"):
+          ("+100", "4", "3", "2", "2-1"),
+      ("Table 2 shape", "intentkv_query dead_slot", "snapkv compact"):
+          ("+100", "4", "1", "2", "1-2")}    # snapkv at another budget pairs with nothing
+
+
 def test_accuracy_vs_budget_plot(tmp_path):
   import agent_stats
 
