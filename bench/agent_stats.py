@@ -106,11 +106,15 @@ def pair(row: dict, mine: dict, reference, outcomes) -> None:
     if ref is None or ref is row:
       row[f"p_vs_{name}"] = row[f"split_vs_{name}"] = None
       continue
-    theirs = outcomes(ref)
-    both = [k for k in mine if k in theirs]
-    b = sum(mine[k] and not theirs[k] for k in both)
-    c = sum(theirs[k] and not mine[k] for k in both)
+    _, b, c = discordant(mine, outcomes(ref), mine)
     row[f"p_vs_{name}"], row[f"split_vs_{name}"] = calls_lib.mcnemar(b, c), [b, c]
+
+
+def discordant(a: dict, b: dict, keys) -> tuple[list, int, int]:
+  """Of `keys` both outcome maps have: those keys, how many only `a` gets right, how
+  many only `b` does (the McNemar split)."""
+  both = [k for k in keys if k in a and k in b]
+  return (both, sum(a[k] and not b[k] for k in both), sum(b[k] and not a[k] for k in both))
 
 
 HEADER = ("method", "layout", "C", "pruned %", "exact", "95% CI", "n") + tuple(
@@ -170,9 +174,7 @@ def contrasts(rows: list[dict]) -> common.Table | None:
       if ra is None or rb is None:
         continue
       oa, ob = _outcomes(ra), _outcomes(rb)
-      both = [k for k in keys if k in oa and k in ob]
-      only_a = sum(oa[k] and not ob[k] for k in both)
-      only_b = sum(ob[k] and not oa[k] for k in both)
+      both, only_a, only_b = discordant(oa, ob, keys)
       out.append((budget_cell(ra), what, f"{ma} {la}", f"{mb} {lb}", str(len(both)),
                   str(sum(oa[k] for k in both)), str(sum(ob[k] for k in both)),
                   f"{only_a}-{only_b}", f"{calls_lib.mcnemar(only_a, only_b):.3f}"))
