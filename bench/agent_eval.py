@@ -292,7 +292,9 @@ def define_flags():
                       "several comma-separated, each optionally sliced (path[30:]): "
                       "next-call accuracy over their sessions")
   flags.DEFINE_string("out", None, "write JSON rows here (a rerun resumes)")
-  flags.DEFINE_string("tables_from", None, "print the table of an earlier --out JSON and exit")
+  flags.DEFINE_string("tables_from", None, "print the tables of an earlier --out JSON and exit; "
+                      "several, comma-separated (one grid on disjoint session sets, e.g. "
+                      "one file per trace source): the paired tables over their union")
   flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
   flags.DEFINE_string("methods", "full,random,streaming_llm,snapkv,h2o,intentkv_query,"
                       "intentkv_memory,intentkv_learnable", f"of {','.join(METHODS)}")
@@ -466,6 +468,18 @@ def _sessions(llm) -> list:
 
 def main(argv):
   del argv
+  if FLAGS.tables_from and "," in FLAGS.tables_from:
+    sets = []
+    for path in FLAGS.tables_from.split(","):
+      with open(path) as f:
+        sets.append(json.load(f))
+    try:
+      rows = agent_stats.pool(sets, FLAGS.calls)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
+    common.print_tables([t for t in (agent_stats.table(rows), agent_stats.contrasts(rows))
+                         if t is not None])
+    return
   if FLAGS.tables_from:
     common.print_tables_from(FLAGS.tables_from, tables)
     return

@@ -20,7 +20,8 @@ p says whether a method loses calls the full cache solves, not a symmetric test.
 Evidence recall's interval is a bootstrap over sessions (agent_eval.summarize).
 `contrasts` pairs the rows the reference columns do not: IntentKV's head against its
 rule, each scorer across layouts, and IntentKV dead-slot against the baselines compact
-(the published Table 2 layouts).
+(the published Table 2 layouts). `pool` joins the rows of one grid run on disjoint
+session sets (one results file per trace source) into one row per configuration.
 """
 
 from __future__ import annotations
@@ -115,6 +116,42 @@ def discordant(a: dict, b: dict, keys) -> tuple[list, int, int]:
   many only `b` does (the McNemar split)."""
   both = [k for k in keys if k in a and k in b]
   return (both, sum(a[k] and not b[k] for k in both), sum(b[k] and not a[k] for k in both))
+
+
+POOLED = ("method", "layout", "budget", "budget_scope", "given")
+
+
+def pool(row_sets: list[list[dict]], mode: str = "discriminative") -> list[dict]:
+  """One grid run on disjoint session sets (e.g. tau2 + AgentDojo in one results file,
+  BFCL in another) -> one annotated row per configuration every set has, over the
+  union of their calls: the per-call records joined (so the discriminative calls are
+  the full cache's over both), evidence recall re-bootstrapped over the union of
+  sessions, the pruned share weighted by scored turns. A configuration missing from
+  any set is left out: a rate over part of the data would read as the whole. Raises
+  when two sets share a session (the same call would count twice)."""
+  sets = [[r for r in rows if r.get("calls")] for rows in row_sets]
+  seen: dict[str, int] = {}
+  for i, rows in enumerate(sets):
+    for s in {c["session"] for r in rows for c in r["calls"]}:
+      if seen.setdefault(s, i) != i:
+        raise ValueError(f"session {s!r} is in results {seen[s]} and {i}: pool only "
+                         "disjoint session sets")
+  key = lambda r: (r["method"], r["layout"], budget_key(r))
+  by_set = [{key(r): r for r in rows} for rows in sets]
+  out = []
+  for k in [k for k in by_set[0] if all(k in b for b in by_set[1:])] if by_set else []:
+    parts = [b[k] for b in by_set]
+    turns = [p["n_turns"] for p in parts]
+    ev = [e for p in parts for e in p["evidence_by_session"]]
+    recall, lo, hi = calls_lib.ratio_ci([a for a, _ in ev], [b for _, b in ev])
+    out.append({**{f: parts[0][f] for f in POOLED if f in parts[0]},
+                "calls": [c for p in parts for c in p["calls"]], "evidence_by_session": ev,
+                "future_evidence_recall": recall, "future_evidence_recall_ci": [lo, hi],
+                "pruned_share": sum(p["pruned_share"] * t for p, t in zip(parts, turns))
+                / max(sum(turns), 1), "n_turns": sum(turns),
+                "n_sessions": sum(p["n_sessions"] for p in parts)})
+  annotate(out, mode)
+  return out
 
 
 HEADER = ("method", "layout", "C", "pruned %", "exact", "95% CI", "n") + tuple(

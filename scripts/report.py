@@ -133,6 +133,7 @@ SOURCES = {
     "agent-eval-smollm2": "bench/results_agent_eval_smollm2.json",
     "agent-eval-disc": "bench/results_agent_eval_disc.json",
     "agent-eval-disc-all": "bench/results_agent_eval_disc_all.json",
+    "agent-eval-disc-bfcl": "bench/results_agent_eval_disc_bfcl.json",
     "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
     "closed-loop-agentdojo": "bench/results_closed_loop_agentdojo.json",
     "reuse": "bench/results_reuse.json",
@@ -262,9 +263,12 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       [agent_eval.table(rows["agent-eval-qwen-free"])])
   # every split and budget: the paired table and the contrasts the readings cite
   # (--tables_from prints the Table 2 / 7 shapes per budget too)
-  disc = rows["agent-eval-disc-all"]
-  out["agent-eval-disc-all"] = disc and _render(
-      [t for t in (agent_stats.table(disc), agent_stats.contrasts(disc)) if t is not None])
+  disc, bfcl = rows["agent-eval-disc-all"], rows["agent-eval-disc-bfcl"]
+  for name, rs in (("agent-eval-disc-all", disc), ("agent-eval-disc-bfcl", bfcl),
+                   # the same grid over both session sets, one row per configuration
+                   ("agent-eval-disc-pooled", disc and bfcl and agent_stats.pool([disc, bfcl]))):
+    out[name] = rs and _render(
+        [t for t in (agent_stats.table(rs), agent_stats.contrasts(rs)) if t is not None])
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))

