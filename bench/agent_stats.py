@@ -212,15 +212,33 @@ def contrasts(rows: list[dict]) -> common.Table | None:
         continue
       oa, ob = _outcomes(ra), _outcomes(rb)
       both, only_a, only_b = discordant(oa, ob, keys)
+      d, lo, hi = session_difference(oa, ob, both)
       out.append((budget_cell(ra), what, f"{ma} {la}", f"{mb} {lb}", str(len(both)),
                   str(sum(oa[k] for k in both)), str(sum(ob[k] for k in both)),
-                  f"{only_a}-{only_b}", f"{calls_lib.mcnemar(only_a, only_b):.3f}"))
+                  f"{only_a}-{only_b}", f"{calls_lib.mcnemar(only_a, only_b):.3f}",
+                  f"{d:+.3f} [{lo:+.2f}, {hi:+.2f}]"))
   if not out:
     return None
   return common.Table(
       "paired contrasts on the same scored calls (split: only a solves - only b solves; "
-      "exact McNemar p)",
-      ("C", "contrast", "a", "b", "n", "a exact", "b exact", "split", "p"), out)
+      "exact McNemar p over calls; d = a's exact rate - b's, 95% bootstrap over sessions, "
+      "the unit calls cluster in)",
+      ("C", "contrast", "a", "b", "n", "a exact", "b exact", "split", "p",
+       "d [95% CI, sessions]"), out)
+
+
+def session_difference(a: dict, b: dict, keys) -> tuple[float, float, float]:
+  """a's exact rate minus b's over `keys` ((session, turn) -> right), with its 95%
+  bootstrap interval resampling whole sessions (calls of one session are not
+  independent samples); nan when no key."""
+  per: dict[str, list[int]] = {}
+  for k in keys:
+    net = per.setdefault(k[0], [0, 0])
+    net[0] += int(a[k]) - int(b[k])
+    net[1] += 1
+  if not per:
+    return math.nan, math.nan, math.nan
+  return common.cluster_bootstrap(per, lambda xs: sum(x[0] for x in xs) / sum(x[1] for x in xs))
 
 
 def plot(rows: list[dict], path: str) -> str:

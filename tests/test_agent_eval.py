@@ -200,6 +200,7 @@ def test_contrasts_pair_the_rows_the_readings_cite():
   agent_stats.annotate(rows, "discriminative")
   t = agent_stats.contrasts(rows)
   got = {(r[1], r[2], r[3]): (r[0], r[4], r[5], r[6], r[7]) for r in t.lines}
+  assert all(r[9].startswith(("+", "-")) for r in t.lines)   # d [CI over sessions]
   assert got == {
       ("head vs rule", "intentkv_learnable dead_slot", "intentkv_query dead_slot"):
           ("+100", "4", "3", "1", "2-0"),
@@ -209,6 +210,19 @@ def test_contrasts_pair_the_rows_the_readings_cite():
           ("+100", "4", "3", "2", "2-1"),
       ("Table 2 shape", "intentkv_query dead_slot", "snapkv compact"):
           ("+100", "4", "1", "2", "1-2")}    # snapkv at another budget pairs with nothing
+
+
+def test_session_difference_resamples_whole_sessions():
+  import agent_stats
+  keys = [("s1", 0), ("s1", 1), ("s1", 2), ("s2", 0), ("s2", 1)]
+  a = dict.fromkeys(keys, True)
+  b = {k: k[0] == "s2" for k in keys}      # b misses every call of s1, none of s2
+  d, lo, hi = agent_stats.session_difference(a, b, keys)
+  assert d == pytest.approx(3 / 5)
+  # a resample drawing s2 twice has no difference: resampling sessions, not calls,
+  # puts 0 inside the interval (a bootstrap over the 5 calls would not reach it)
+  assert lo == pytest.approx(0.0) and hi == pytest.approx(1.0)
+  assert all(map(math.isnan, agent_stats.session_difference(a, b, [])))
 
 
 def test_pool_joins_disjoint_session_sets():
