@@ -432,8 +432,7 @@ def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
   calls_rows = [r for r in rows if "next_call_exact" in r]
   env_rows = [r for r in rows if "true_acc" in r]
   if calls_rows:
-    out += [t for t in (agent_stats.table(calls_rows), agent_stats.contrasts(calls_rows))
-            if t is not None]
+    out += agent_stats.tables(calls_rows)
     shapes = paper_tables(calls_rows)
     out += shapes
     if everything or not shapes:
@@ -477,8 +476,7 @@ def main(argv):
       rows = agent_stats.pool(sets, FLAGS.calls)
     except ValueError as e:
       raise app.UsageError(str(e)) from e
-    common.print_tables([t for t in (agent_stats.table(rows), agent_stats.contrasts(rows))
-                         if t is not None])
+    common.print_tables(agent_stats.tables(rows))
     return
   if FLAGS.tables_from:
     common.print_tables_from(FLAGS.tables_from, tables)

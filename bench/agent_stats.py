@@ -227,6 +227,11 @@ def contrasts(rows: list[dict]) -> common.Table | None:
        "d [95% CI, sessions]"), out)
 
 
+def tables(rows: list[dict]) -> list[common.Table]:
+  """The scored-call table and the contrasts of `rows`, those that exist yet."""
+  return [t for t in (table(rows), contrasts(rows)) if t is not None]
+
+
 def session_difference(a: dict, b: dict, keys) -> tuple[float, float, float]:
   """a's exact rate minus b's over `keys` ((session, turn) -> right), with its 95%
   bootstrap interval resampling whole sessions (calls of one session are not

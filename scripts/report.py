@@ -267,8 +267,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   for name, rs in (("agent-eval-disc-all", disc), ("agent-eval-disc-bfcl", bfcl),
                    # the same grid over both session sets, one row per configuration
                    ("agent-eval-disc-pooled", disc and bfcl and agent_stats.pool([disc, bfcl]))):
-    out[name] = rs and _render(
-        [t for t in (agent_stats.table(rs), agent_stats.contrasts(rs)) if t is not None])
+    out[name] = rs and _render(agent_stats.tables(rs))
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
