@@ -77,3 +77,26 @@ def fetch(x) -> np.ndarray:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)
+
+
+_BARRIERS: dict[str, int] = {}
+
+
+def barrier(name: str, timeout_s: float = 900.0) -> None:
+  """Waits until every process reaches `barrier(name)`; nothing in a single-process run.
+
+  Use it before the first cross-process transfer that follows host work whose length
+  differs between processes (loading weights, a single-device run): gloo opens its TCP
+  pairs at the first collective with a short connect timeout, so a process that gets
+  there much later than another fails the job ("Gloo context initialization failed:
+  Connect timeout"). This waits on the coordination service instead, with `timeout_s`.
+  Every process must call it the same number of times with the same names (SPMD).
+  """
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  client = jax_distributed.global_state.client   # what jax's own checkpointing waits on
+  if client is None:
+    return
+  n = _BARRIERS[name] = _BARRIERS.get(name, -1) + 1
+  client.wait_at_barrier(f"jaxkv:{name}:{n}", timeout_in_ms=int(timeout_s * 1000))

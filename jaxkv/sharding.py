@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv import distributed
 from jaxkv.kv import state as kv_state
 from jaxkv.models.llama import PROJECTIONS, stored_name
 
@@ -201,6 +202,7 @@ def shard_weights(weights: Any, mesh: Mesh, model_cfg) -> Any:
   """`nnx.split(model)[1]` placed on the mesh. Host copies first: a mesh may span
   other processes' devices, and every process holds the same values."""
   host = jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, weights)
+  distributed.barrier("shard_weights")   # processes load weights at their own pace
   return jax.device_put(host, param_shardings(weights, mesh, model_cfg))
 
 
@@ -209,6 +211,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
   small, and each row picks its own adapter's B). Host copies first, as
   `shard_weights`."""
   host = jax.tree.map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, tree)
+  distributed.barrier("replicate")
   return jax.device_put(host, NamedSharding(mesh, P()))
 
 

@@ -4,6 +4,7 @@ process, because the device count is fixed when JAX starts.
 
     python tests/sharding_worker.py [--model=tiny|smollm2] [--meshes=1x8,2x4,4x2,8x1]
         [--mode=mechanisms]     # a mixed batch of KV mechanisms instead
+        [--skew=S]              # tiny/smollm2: process 1 reaches the meshes S s late
     python scripts/launch.py --processes=2 --devices_per_process=4 -- \
         python tests/sharding_worker.py --meshes=2x4      # the mesh spans 2 processes
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -212,6 +214,8 @@ def main():
   want_tok, _ = greedy(model, prompts, None, max_tokens)
   want_masked, _ = greedy(model, prompts, None, max_tokens, masked=True)
   want_logits, _ = logits(model, prompts, None)
+  if jax.process_index() == 1:   # --skew: one process reaches the mesh late (slow weights)
+    time.sleep(float(args.get("skew", 0)))
   for d, m in meshes:
     mesh = sharding.make_mesh(d, m)
     tok, eng = greedy(model, prompts, mesh, max_tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -85,6 +86,22 @@ def test_mesh_config_checks():
     sharding.make_mesh(2, 4)       # this process sees one CPU device
 
 
+def _tails(proc, processes: int, lines: int = 12) -> str:
+  """Each process's first Python exception line and last output lines: process 0's
+  output is stdout, the others' stderr prefixed [pN] (scripts/launch.py). The process
+  that failed first is often not the one that printed last."""
+  if not processes:
+    return proc.stderr[-3000:]
+  err = [x for x in proc.stderr.splitlines() if "[Gloo]" not in x]
+  mine = [[x for x in proc.stdout.splitlines() if not x.startswith("{") and "[Gloo]" not in x]]
+  mine += [[x for x in err if x.startswith(f"[p{i}]")] for i in range(1, processes)]
+  out = []
+  for i, xs in enumerate(mine):
+    first = [x for x in xs if re.match(r"(\[p\d+\] )?[\w.]+(Error|Exception): ", x)][:1]
+    out += [f"--- process {i} ---", *first, "...", *xs[-lines:]]
+  return "\n".join(out + [x for x in err if x.startswith("launch:")])
+
+
 def _worker(*args, timeout, processes=0):
   """The worker's JSON lines; with `processes`, as that many processes of 8 /
   processes CPU devices each, through scripts/launch.py."""
@@ -95,7 +112,7 @@ def _worker(*args, timeout, processes=0):
     cmd = [sys.executable, str(ROOT / "scripts" / "launch.py"), f"--processes={processes}",
            f"--devices_per_process={8 // processes}", f"--timeout={timeout - 30}", "--", *cmd]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.returncode == 0, _tails(proc, processes)
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
@@ -167,7 +184,7 @@ def test_serve_on_a_mesh(tmp_path):
 def test_two_processes_equal_one_device():
   """scripts/launch.py: 2 processes x 4 CPU devices (gloo collectives), one mesh over
   all 8; greedy tokens and logits equal the single-device run, within a bounded time."""
-  rows = _worker("--model=tiny", "--meshes=2x4,4x2", timeout=420, processes=2)
+  rows = _worker("--model=tiny", "--meshes=2x4,4x2", "--skew=45", timeout=420, processes=2)
   assert [r["mesh"] for r in rows] == [[2, 4], [4, 2]]
   for r in rows:
     assert r["processes"] == 2 and r["devices"] == 8 and r["pool_devices"] == 8, r
