@@ -34,8 +34,10 @@ answers --confirm of the agent's questions with a yes; --max_tokens is raised to
 the longest gold call of the tasks. Each episode's transcript is kept in the row.
 
 Rows (JSON, written as each configuration finishes; a rerun with the same --out
-resumes): method, layout, budget; next-call mode: next_call_exact / next_call_name
-(rates) with their Wilson 95% intervals (`*_ci`), n_calls, n_sessions,
+resumes, next-call runs from the last --checkpoint_every sessions: each session's turn
+metrics go to <out>.partial.jsonl as they finish, a progress line each time): method,
+layout, budget; next-call mode: next_call_exact / next_call_name (rates) with their
+Wilson 95% intervals (`*_ci`), n_calls, n_sessions,
 next_call_args (gold argument values the generated call carries under the same key,
 `calls.argument_hits`, pooled over n_args arguments), next_call_copied (the same
 values read from the raw text, `calls.argument_mentions`: a call cut off by the token
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from absl import app, flags
 from tqdm import tqdm
@@ -64,6 +67,7 @@ from tqdm import tqdm
 import agent_env
 import agent_splits
 import agent_stats
+import agent_tables
 import common
 import jaxkv
 import pruning
@@ -71,7 +75,7 @@ from jaxkv import artifacts
 from jaxkv.config import CacheConfig, PruningConfig
 from jaxkv.data import calls, envs, labels, traces
 from jaxkv.engine import agent_loop
-from jaxkv.engine.sessions import SessionRunner
+from jaxkv.engine.sessions import SessionRunner, TurnMetrics
 from jaxkv.evaluation import replay
 
 METHODS = {"full": dict(method="none"), **pruning.METHODS, **pruning.LEARNABLE}
@@ -247,12 +251,28 @@ class Replay:
 
 def evaluate(llm, sessions, cfg: PruningConfig, replayer: Replay, *, head=None,
              max_tokens: int = 96, desc: str = "", keep_prefixes=(),
-             given: str = "none") -> dict:
+             given: str = "none", journal: common.Journal | None = None, key: str = "",
+             every: int = 16) -> dict:
   """One configuration over `sessions` (sessions start afresh; of the cache only
-  `keep_prefixes`, the shared system prompts, stay)."""
+  `keep_prefixes`, the shared system prompts, stay), `every` sessions at a time: each
+  session's turn metrics go to `journal` under `key` as its chunk finishes, and the
+  sessions it already holds are not run again (a killed run resumes)."""
   head = head if cfg.method == "intentkv" and cfg.intent_mode == "learnable" else None
   plans = [plan_session(s, llm.tokenizer, max_tokens, given) for s in sessions]
-  metrics = replayer.run(plans, cfg, head=head, keep_prefixes=keep_prefixes, desc=desc)
+  journal = journal or common.Journal(None)
+  done = {sid: [TurnMetrics(**m) for m in ms] for sid, ms in journal.done(key).items()}
+  todo, t0 = [p for p in plans if p.id not in done], time.perf_counter()
+  if len(todo) < len(plans):
+    print(f"{desc}: {len(plans) - len(todo)} sessions done before ({journal.path})")
+  for i in range(0, len(todo), every):
+    part = todo[i:i + every]
+    for p, m in zip(part, replayer.run(part, cfg, head=head, keep_prefixes=keep_prefixes,
+                                       desc=desc)):
+      done[p.id] = m
+      journal.add(key, p.id, [t.to_json() for t in m])
+    print(f"{desc}: {i + len(part)} of {len(todo)} sessions in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+  metrics = [done[p.id] for p in plans]
   return summarize([score_session(s, p, m) for s, p, m in zip(sessions, plans, metrics)])
 
 
@@ -292,6 +312,8 @@ def define_flags():
                       "several comma-separated, each optionally sliced (path[30:]): "
                       "next-call accuracy over their sessions")
   flags.DEFINE_string("out", None, "write JSON rows here (a rerun resumes)")
+  flags.DEFINE_integer("checkpoint_every", 16, "next-call mode: sessions per chunk, each "
+                       "chunk's sessions saved to <out>.partial.jsonl as it finishes")
   flags.DEFINE_string("tables_from", None, "print the tables of an earlier --out JSON and exit; "
                       "several, comma-separated (one grid on disjoint session sets, e.g. "
                       "one file per trace source): the paired tables over their union")
@@ -338,110 +360,6 @@ def define_flags():
   flags.DEFINE_bool("policy", True, "--env=tau2: the domain policy in the system prompt")
 
 
-HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "95% CI", "args", "95% CI", "n",
-          "pruned %", "Eff. live", "Eff. reads", "hit %")
-
-
-def table(rows: list[dict]) -> common.Table:
-  ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
-  given = {r.get("given", "none") for r in rows}
-  how = ("the tool name given, the model writes the arguments" if given == {"name"} else
-         "the model writes the whole call" if given == {"none"} else f"given: {sorted(given)}")
-  return common.Table(
-      f"next-call accuracy ({how}, greedy over the pruned cache; args = gold argument values "
-      "the call carries, pooled over arguments; Wilson 95% intervals)",
-      HEADER, [(r["method"], r["layout"], agent_stats.budget_cell(r),
-                f"{r['next_call_exact']:.3f}",
-                ci(r["next_call_exact_ci"]), f"{r['next_call_name']:.3f}",
-                ci(r["next_call_name_ci"]), f"{r.get('next_call_args', float('nan')):.3f}",
-                ci(r.get("next_call_args_ci", [float("nan")] * 2)), str(r["n_calls"]),
-                f"{100 * r['pruned_share']:.0f}",
-                f"{r['eff_live_kv']:.0f}", f"{r['eff_reads']:.0f}",
-                f"{100 * r['prefix_hit_rate']:.0f}") for r in rows])
-
-
-PAPER_HEADER = ("method", "layout", "C", "exact", "95% CI", "name", "args", "copied", "95% CI",
-                "n", "recall", "pruned %", "PT", "Eff. live", "Raw reads", "Eff. reads", "hit %")
-
-
-LEGEND = ("(exact / name: next-call accuracy; args: gold argument values in the parsed call; "
-          "copied: the same read from the raw text, Wilson 95%; recall: future-evidence "
-          "tokens kept)")
-
-
-def _paper_cells(r: dict) -> tuple[str, ...]:
-  ci = lambda x: f"[{x[0]:.2f}, {x[1]:.2f}]"
-  return (r["method"], r["layout"], agent_stats.budget_cell(r), f"{r['next_call_exact']:.3f}",
-          ci(r["next_call_exact_ci"]), f"{r['next_call_name']:.3f}", f"{r['next_call_args']:.3f}",
-          f"{r['next_call_copied']:.3f}" if "next_call_copied" in r else "-",
-          ci(r["next_call_copied_ci"]) if "next_call_copied" in r else "-",
-          str(r["n_calls"]), f"{r['future_evidence_recall']:.3f}",
-          f"{100 * r['pruned_share']:.0f}", f"{r['pt']:.0f}", f"{r['eff_live_kv']:.0f}",
-          f"{r['raw_reads']:.0f}", f"{r['eff_reads']:.0f}", f"{100 * r['prefix_hit_rate']:.0f}")
-
-
-def _full_cells_on(full: dict, sessions: set) -> tuple[str, ...]:
-  """The full row's exact / name accuracy over the calls of `sessions` only (the
-  sessions a `--skip_sessions` grid ran its pruned methods on), so that its rate sits
-  on the same calls as theirs; the columns its calls do not carry per call are '-'."""
-  mine = [c for c in full["calls"] if c["session"] in sessions]
-  k = sum(bool(c["exact"]) for c in mine)
-  lo, hi = calls.wilson(k, len(mine))
-  name = sum(bool(c["name"]) for c in mine)
-  cells = ("full (same sessions)", "-", "0", f"{k / len(mine):.3f}", f"[{lo:.2f}, {hi:.2f}]",
-           f"{name / len(mine):.3f}", "-", "-", "-", str(len(mine)))
-  return cells + ("-",) * (len(PAPER_HEADER) - len(cells))
-
-
-def paper_tables(rows: list[dict]) -> list[common.Table]:
-  """IntentKV's Table 2 (published layouts: baselines compact, IntentKV dead-slot) and
-  Table 7 (every scorer under both layouts) per budget, over next-call rows: accuracy
-  with the efficiency columns of the same free-running decode (which therefore
-  differ by method, unlike a teacher-forced replay's). `full` heads both; where the
-  pruned rows ran on fewer sessions than full (`--skip_sessions`), a second full row
-  counts only those sessions' calls, the ones the pruned rates are over."""
-  out, full = [], [r for r in rows if r["method"] == "full"]
-  for b in sorted({r["budget"] for r in rows if r["budget"]}):
-    at = [r for r in rows if r["budget"] == b]
-    ran = {c["session"] for r in at for c in r.get("calls", [])}
-    head = [_paper_cells(r) for r in full]
-    if full and "calls" in full[0] and ran and ran < {c["session"] for c in full[0]["calls"]}:
-      head.append(_full_cells_on(full[0], ran))
-    layouts = {r["layout"] for r in at}
-    if len(layouts) == 1:          # a one-layout grid: every method in one table
-      out.append(common.Table(
-          f"C={b}, {layouts.pop()} layout, every method {LEGEND}", PAPER_HEADER,
-          head + [_paper_cells(r) for r in at]))
-      continue
-    pub = [r for r in at if (r["layout"] == "dead_slot") == r["method"].startswith("intentkv")]
-    if pub:
-      out.append(common.Table(
-          f"Table 2 shape, C={b}: baselines in their published compact layout, IntentKV "
-          f"dead-slot {LEGEND}", PAPER_HEADER, head + [_paper_cells(r) for r in pub]))
-    if layouts >= {"dead_slot", "compact"}:
-      out.append(common.Table(
-          f"Table 7 shape, C={b}: the same scorers under both layouts", PAPER_HEADER,
-          head + [_paper_cells(r) for r in sorted(at, key=lambda r: (r["method"], r["layout"]))]))
-  return out
-
-
-def tables(rows: list[dict], everything: bool = True) -> list[common.Table]:
-  """Next-call rows: Tables 2 and 7 shapes per budget, then (everything, or when no
-  budget has both layouts) the flat table; closed-loop rows: their table."""
-  out = []
-  calls_rows = [r for r in rows if "next_call_exact" in r]
-  env_rows = [r for r in rows if "true_acc" in r]
-  if calls_rows:
-    out += agent_stats.tables(calls_rows)
-    shapes = paper_tables(calls_rows)
-    out += shapes
-    if everything or not shapes:
-      out.append(table(calls_rows))
-  if env_rows:
-    out.append(agent_env.env_table(env_rows))
-  return out
-
-
 def _sessions(llm) -> list:
   sessions, seen = [], set()
   for spec in FLAGS.traces.split(","):
@@ -479,7 +397,7 @@ def main(argv):
     common.print_tables(agent_stats.tables(rows))
     return
   if FLAGS.tables_from:
-    common.print_tables_from(FLAGS.tables_from, tables)
+    common.print_tables_from(FLAGS.tables_from, agent_tables.tables)
     return
   if not FLAGS.traces and not FLAGS.env:
     raise app.UsageError("give --traces (next-call accuracy; make one with "
@@ -543,6 +461,7 @@ def main(argv):
   if env is None and rescore(rows, sessions):
     common.write_rows(FLAGS.out, rows)
   scope = FLAGS.budget_scope
+  journal = common.Journal(FLAGS.out and FLAGS.out + ".partial.jsonl")   # sessions as they go
   have = {(r["method"], r["layout"], r["budget"]) for r in rows
           if r["method"] == "full" or agent_stats.budget_key(r)[0] == scope}
   configs = [("full", "-", 0)] if "full" in names else []
@@ -556,10 +475,11 @@ def main(argv):
     cfg = (PruningConfig(method="none") if name == "full" else
            PruningConfig(layout=layout, budget=budget, budget_scope=scope, **METHODS[name]))
     desc = f"{name}/{layout}/C={budget}"
+    key = json.dumps([FLAGS.model, name, layout, budget, scope, FLAGS.given, FLAGS.max_tokens])
     if env is None:
       r = evaluate(llm, sessions, cfg, replayer, head=head, max_tokens=FLAGS.max_tokens,
                    desc=f"{desc} ({len(sessions)} sessions)", keep_prefixes=shared,
-                   given=FLAGS.given)
+                   given=FLAGS.given, journal=journal, key=key, every=FLAGS.checkpoint_every)
       line = f"exact={r['next_call_exact']:.3f} name={r['next_call_name']:.3f} n={r['n_calls']}"
     else:
       r = loop.evaluate(tasks, cfg, head=head, keep_prefixes=shared, max_turns=FLAGS.max_turns,
@@ -575,11 +495,12 @@ def main(argv):
     agent_stats.annotate(rows, FLAGS.calls)      # paired fields against the rows so far
     agent_env.annotate(rows)
     common.write_rows(FLAGS.out, rows)
+    journal.drop(key)
   agent_stats.annotate(rows, FLAGS.calls)   # every row against today's references
   agent_env.annotate(rows)
   common.write_rows(FLAGS.out, rows)
   print(f"\n{FLAGS.model}, {what}")
-  common.print_tables(tables(rows))
+  common.print_tables(agent_tables.tables(rows))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import jsonl
+
 
 def timeit(fn, *args, reps: int = 10, **kwargs) -> float:
   """Median wall seconds of a call (compiled and warmed first), outputs awaited."""
@@ -110,6 +112,51 @@ def write_rows(path: str | None, rows: list[dict]) -> None:
     with open(path, "w") as f:
       json.dump(rows, f, indent=1)
     print(f"wrote {path}")
+
+
+class Journal:
+  """Work items of a long configuration appended as they finish (JSON lines at
+  `path`), so a killed run loses at most the chunk in flight: `done(key)` gives what
+  an earlier run finished under `key` (a truncated or malformed line, as a kill
+  mid-write leaves, is skipped with a message), `add` appends one item, `drop`
+  forgets a key once its row is written. path None: nothing is kept."""
+
+  def __init__(self, path: str | None):
+    self.path = path
+
+  def _lines(self) -> list[dict]:
+    if not self.path or not os.path.exists(self.path):
+      return []
+    out = []
+    with open(self.path) as f:
+      for n, line in enumerate(f, 1):
+        try:
+          rec = json.loads(line)
+          out.append(rec if isinstance(rec, dict) and {"key", "item", "value"} <= rec.keys()
+                     else None)
+        except json.JSONDecodeError:
+          out.append(None)
+        if out[-1] is None and line.strip():
+          print(f"{self.path}:{n}: skipping a malformed line (that item runs again)")
+    return [r for r in out if r is not None]
+
+  def done(self, key: str) -> dict:
+    return {r["item"]: r["value"] for r in self._lines() if r["key"] == key}
+
+  def add(self, key: str, item: str, value) -> None:
+    if self.path:
+      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+      jsonl.append(self.path, dict(key=key, item=item, value=value))
+
+  def drop(self, key: str) -> None:
+    if not self.path or not os.path.exists(self.path):
+      return
+    keep = [r for r in self._lines() if r["key"] != key]
+    if keep:
+      with open(self.path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in keep)
+    else:
+      os.remove(self.path)
 
 
 def save_figure(fig, plt, path: str) -> str:

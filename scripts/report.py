@@ -96,8 +96,8 @@ from absl import app, flags
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
 
-import agent_eval  # noqa: E402  (bench/)
-import agent_stats  # noqa: E402
+import agent_stats  # noqa: E402  (bench/)
+import agent_tables  # noqa: E402
 import attention_kernels as kernels_bench  # noqa: E402
 import common  # noqa: E402
 import compaction as compaction_bench  # noqa: E402
@@ -260,7 +260,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
       pruner_head_recall.tables(rows["pruner-head-recall"]))
   # the stopped free-generation grid: one flat table (every row is 0-5%)
   out["agent-eval-qwen-free"] = rows["agent-eval-qwen-free"] and _render(
-      [agent_eval.table(rows["agent-eval-qwen-free"])])
+      [agent_tables.table(rows["agent-eval-qwen-free"])])
   # every split and budget: the paired table and the contrasts the readings cite
   # (--tables_from prints the Table 2 / 7 shapes per budget too)
   disc, bfcl = rows["agent-eval-disc-all"], rows["agent-eval-disc-bfcl"]
@@ -270,7 +270,7 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
     out[name] = rs and _render(agent_stats.tables(rs))
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
-    out[name] = rows[name] and _render(agent_eval.tables(rows[name], everything=False))
+    out[name] = rows[name] and _render(agent_tables.tables(rows[name], everything=False))
   for name in ("reuse", "reuse-chance", "reuse-pool", "reuse-gated", "reuse-qwen",
                "reuse-qwen-ttft", "reuse-regime-b-ttft"):
     out[name] = rows[name] and _render(reuse_bench.tables(rows[name]))
@@ -438,7 +438,7 @@ def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.P
            ("memart", "memart_recall.png", lambda rows, path: pathlib.Path(
                memart_bench.plot(rows, str(path)))),
            ("agent-eval-disc-all", "agent_eval_vs_budget.png", lambda rows, path: pathlib.Path(
-               agent_stats.plot(rows, str(path)))))
+               agent_tables.plot(rows, str(path)))))
   for name, file, fn in jobs:
     rows = _rows(root, name)
     if rows is None:

@@ -17,6 +17,8 @@ from jaxkv.engine.sessions import SessionRunner
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import agent_env
 import agent_eval
+import agent_tables
+import common
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_each_call_turn_is_scored_against_its_own_gold(llm, monkeypatch):
               PruningConfig(method="intentkv", budget=60, layout="compact")):
     r = agent_eval.evaluate(llm, [s], cfg, replayer, max_tokens=8)
   assert r["pruned_share"] > 0
-  assert agent_eval.table([dict(method="intentkv_memory", layout="dead_slot", budget=60, **r)])
+  assert agent_tables.table([dict(method="intentkv_memory", layout="dead_slot", budget=60, **r)])
 
 
 def test_given_name_forces_the_turn_up_to_the_arguments(llm, monkeypatch):
@@ -101,7 +103,7 @@ def test_paper_tables_pick_the_published_layouts_and_both_layouts():
   rows = [row("full", "-", 0, 0.45)] + [
       row(m, lay, b, 0.1) for b in (3584, 4096) for m in ("random", "h2o", "intentkv_query")
       for lay in ("dead_slot", "compact")]
-  t2a, t7a, t2b, t7b, flat = agent_eval.tables(rows)
+  t2a, t7a, t2b, t7b, flat = agent_tables.tables(rows)
   assert "Table 2" in t2a.title and "C=3584" in t2a.title and "C=4096" in t2b.title
   assert [c[:3] for c in t2a.lines] == [("full", "-", "0"), ("random", "compact", "3584"),
                                         ("h2o", "compact", "3584"),
@@ -110,9 +112,9 @@ def test_paper_tables_pick_the_published_layouts_and_both_layouts():
   assert {c[1] for c in t7b.lines[1:]} == {"dead_slot", "compact"}
   assert len(flat.lines) == len(rows)
   # README blocks: the shapes only; a grid with one layout still gets a table
-  assert len(agent_eval.tables(rows, everything=False)) == 4
+  assert len(agent_tables.tables(rows, everything=False)) == 4
   one = [r for r in rows if r["layout"] != "compact"]
-  one_tables = agent_eval.tables(one, everything=False)
+  one_tables = agent_tables.tables(one, everything=False)
   assert [t.title.split(",")[:2] for t in one_tables] == [["C=3584", " dead_slot layout"],
                                                           ["C=4096", " dead_slot layout"]]
   assert [c[0] for c in one_tables[0].lines] == ["full", "random", "h2o", "intentkv_query"]
@@ -131,15 +133,15 @@ def test_full_row_on_the_pruned_rows_sessions():
   full = row("full", "-", 0, [("a", 1, True, True), ("a", 2, True, True),
                               ("b", 1, False, True), ("c", 1, True, False)])
   pruned = row("random", "dead_slot", 3584, [("a", 1, False, True), ("b", 1, False, True)])
-  (table,) = agent_eval.paper_tables([full, pruned])
+  (table,) = agent_tables.paper_tables([full, pruned])
   assert [c[0] for c in table.lines] == ["full", "full (same sessions)", "random"]
   same = table.lines[1]
   assert same[3] == "0.667" and same[5] == "1.000" and same[9] == "3"   # a: 2 of 2, b: 0 of 1
   lo, hi = (float(x) for x in same[4].strip("[]").split(","))
   assert 0.0 < lo < 0.667 < hi <= 1.0
-  assert len(same) == len(agent_eval.PAPER_HEADER)
+  assert len(same) == len(agent_tables.PAPER_HEADER)
   everywhere = row("random", "dead_slot", 3584, [(s, 1, False, True) for s in "abc"])
-  (table,) = agent_eval.paper_tables([full, everywhere])
+  (table,) = agent_tables.paper_tables([full, everywhere])
   assert [c[0] for c in table.lines] == ["full", "random"]
 
 
@@ -267,7 +269,7 @@ def test_accuracy_vs_budget_plot(tmp_path):
       row(m, b, lay, (True, b > 200, False, m == "h2o")) for m in ("random", "h2o")
       for b in (100, 300) for lay in ("dead_slot", "compact")]
   agent_stats.annotate(rows, "discriminative")
-  path = agent_stats.plot(rows, str(tmp_path / "sub" / "acc.png"))
+  path = agent_tables.plot(rows, str(tmp_path / "sub" / "acc.png"))
   assert pathlib.Path(path).stat().st_size > 10_000
 
 
@@ -323,3 +325,33 @@ def test_closed_loop_rows_are_paired_over_tasks():
                                     eff_live_kv=1.0, eff_reads=1.0, prefix_hit_rate=0.5,
                                     wall_s=1.0) for r in rows])
   assert "0.062 (5-0)" in table.lines[2]
+
+
+def test_a_killed_configuration_resumes_from_its_saved_sessions(llm, tmp_path):
+  """Each session's turn metrics are saved as its chunk finishes; a rerun runs only the
+  sessions not saved (a torn last line, as a kill mid-write leaves, runs again) and
+  scores the same as a run that was never stopped."""
+  entry = hf_util.tool_session_entry("second")
+  sessions = [_session(), traces.parse_entry(entry)]
+  rep = agent_eval.Replay(llm, CacheConfig(num_pages=512, page_size=4, max_seq_len=2048),
+                          batch=2)
+  ran = []
+  run = rep.run
+  rep.run = lambda plans, cfg, **kw: (ran.append([p.id for p in plans]), run(plans, cfg, **kw))[1]
+  cfg = PruningConfig(method="snapkv", budget=60)
+  path = tmp_path / "rows.json.partial.jsonl"
+  go = lambda journal: agent_eval.evaluate(llm, sessions, cfg, rep, max_tokens=4, every=1,
+                                           journal=journal, key="k")
+  whole = go(common.Journal(str(path)))
+  assert ran == [[sessions[0].id], [sessions[1].id]]
+  lines = path.read_text().splitlines()
+  assert len(lines) == 2
+  path.write_text(lines[0] + "\n" + lines[1][:40])      # killed while writing the second
+  ran.clear()
+  again = go(common.Journal(str(path)))
+  assert ran == [[sessions[1].id]]
+  for k in ("next_call_exact", "n_calls", "texts", "calls", "pruned_share", "n_turns"):
+    assert again[k] == whole[k], k
+  assert set(common.Journal(str(path)).done("k")) == {s.id for s in sessions}
+  common.Journal(str(path)).drop("k")
+  assert not path.exists()

@@ -246,6 +246,13 @@ def test_result_file_keeps_one_record_per_input_line(tmp_path):
   g.add({"id": "c", "text": "w", "finish_reason": "stop"})
   assert json.loads(out.read_text().splitlines()[-1])["id"] == "c"
   assert batch.ResultFile(out).done == {"a", "fixed", "b", "gone", "c"}
+  # killed mid-write and never finished: the next run's first record is not glued to
+  # the torn line, so a third run still sees it
+  out.write_text(out.read_text() + '{"id": "torn", "te')
+  h = batch.ResultFile(out)
+  h.add({"id": "d", "text": "v", "finish_reason": "stop"})
+  h._f.close()
+  assert batch.ResultFile(out).done == {"a", "fixed", "b", "gone", "c", "d"}
 
 
 def test_read_requests_lists_every_line_once(tmp_path):

@@ -41,6 +41,7 @@ import os
 import pathlib
 from collections.abc import Iterator
 
+from jaxkv import jsonl
 from jaxkv.config import SamplingConfig
 from jaxkv.engine import compose_request
 from jaxkv.engine.engine import Request
@@ -181,11 +182,11 @@ class ResultFile:
     self.done = {k for k, r in self.latest.items() if not is_error(r)}
     self.path.parent.mkdir(parents=True, exist_ok=True)
     # open for the object's life: add() appends, finish() closes it
-    self._f = open(self.path, "w" if overwrite else "a")   # noqa: SIM115
+    self._f = open(self.path, "wb") if overwrite else jsonl.open_append(self.path)  # noqa: SIM115
 
   def add(self, rec: dict) -> None:
     self.latest[str(rec["id"])] = rec
-    self._f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    self._f.write(jsonl.encode(rec))
     self._f.flush()
 
   def finish(self, order: list[str]) -> int:

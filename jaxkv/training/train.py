@@ -49,6 +49,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxkv import jsonl
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.kv import plan
 from jaxkv.policies.pruning import residual
@@ -247,7 +248,7 @@ def train(cfg: PrunerTrainConfig, train_rows: dict[str, list[Row]], val_rows: li
   if start_epoch == 0 and start_micro == 0:
     m0 = dict(epoch=0, **evaluate(graphdef, params, val_rows, cfg))
     history.append(m0)
-    _append_json(out / "metrics.jsonl", m0)
+    jsonl.append(out / "metrics.jsonl", m0)
     log("val (init) " + _fmt(m0))
   t0 = time.perf_counter()
   for epoch in range(start_epoch, cfg.epochs):
@@ -276,7 +277,7 @@ def train(cfg: PrunerTrainConfig, train_rows: dict[str, list[Row]], val_rows: li
     m = dict(epoch=epoch + 1, train_s=time.perf_counter() - t0,
              **evaluate(graphdef, params, val_rows, cfg))
     history.append(m)
-    _append_json(out / "metrics.jsonl", m)
+    jsonl.append(out / "metrics.jsonl", m)
     log(f"val (epoch {epoch + 1}) " + _fmt(m))
     save_checkpoint(mgr, (epoch + 1) * len(rows), params, opt_state,
                     dict(epoch=epoch + 1, micro=0))
@@ -286,11 +287,6 @@ def train(cfg: PrunerTrainConfig, train_rows: dict[str, list[Row]], val_rows: li
   head_path = save_head(out / "head", d, params)
   mgr.close()
   return dict(head=str(head_path), history=history, train_s=time.perf_counter() - t0)
-
-
-def _append_json(path: pathlib.Path, rec: dict) -> None:
-  with open(path, "a") as f:
-    f.write(json.dumps(rec) + "\n")
 
 
 def _fmt(m: dict) -> str:
