@@ -30,7 +30,7 @@ import tokenize
 import typing
 from collections.abc import Callable, Iterator
 
-from jaxkv.config import _dataclass_type
+from jaxkv.config import dataclass_type
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -90,7 +90,7 @@ def fields(cls: type, prefix: str = "config") -> Iterator[Field]:
   for path, group in _groups(cls, prefix).items():
     hints, docs, inst = typing.get_type_hints(group), _comments(group), group()
     for f in dataclasses.fields(group):
-      if _dataclass_type(hints[f.name]) is None:
+      if dataclass_type(hints[f.name]) is None:
         yield Field(f"{path}.{f.name}", hints[f.name], getattr(inst, f.name),
                     docs.get(f.name, ""))
 
@@ -127,7 +127,7 @@ def _groups(cls: type, prefix: str = "config") -> dict[str, type]:
   out = {prefix: cls}
   hints = typing.get_type_hints(cls)
   for f in dataclasses.fields(cls):
-    sub = _dataclass_type(hints[f.name])
+    sub = dataclass_type(hints[f.name])
     if sub is not None:
       out.update(_groups(sub, f"{prefix}.{f.name}"))
   return out

@@ -17,7 +17,7 @@ import inspect
 import typing
 
 from jaxkv import cli
-from jaxkv.config import ServeConfig, _dataclass_type
+from jaxkv.config import ServeConfig, dataclass_type
 from jaxkv.training.features import PrunerTrainConfig
 from jaxkv.training.lora_train import LoraTrainConfig
 
@@ -44,7 +44,7 @@ def _groups(cls: type, prefix: str = "config") -> dict[str, type]:
   out = {prefix: cls}
   hints = typing.get_type_hints(cls)
   for f in dataclasses.fields(cls):
-    sub = _dataclass_type(hints[f.name])
+    sub = dataclass_type(hints[f.name])
     if sub is not None:
       out.update(_groups(sub, f"{prefix}.{f.name}"))
   return out
