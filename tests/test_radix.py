@@ -1,42 +1,21 @@
-"""Tests for the radix prefix cache (jaxkv/kv/radix.py)."""
+"""Tests for the radix prefix cache (jaxkv/kv/radix.py): units; the stateful property
+test against a model of slot contents is tests/test_radix_machine.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxkv.kv.allocator import OutOfSlotsError, PagedAllocator
+from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.radix import PrefixMatch, RadixCache, RadixStats
 from jaxkv.kv.state import SENTINEL
-
-
-def _seq(a: PagedAllocator, n: int) -> tuple[int, np.ndarray]:
-  s = a.new_sequence()
-  return s, a.extend(s, n)
-
-
-def _entries(cache: RadixCache) -> dict[tuple, int]:
-  """{token prefix: slot of its last token} for every cached prefix."""
-  out = {}
-  for toks, slots in cache.paths():
-    toks = tuple(toks.tolist())
-    for i, slot in enumerate(slots.tolist()):
-      assert out.setdefault(toks[:i + 1], slot) == slot
-  return out
-
-
-def _free_slots(a: PagedAllocator) -> set[int]:
-  ps = a.page_size
-  return {p * ps + j for p in a.free_pages().tolist() for j in range(ps)}
+from radix_util import free_slot_set, new_seq
 
 
 # ------------------------------------------------------------------ units
 def test_insert_match_and_edge_splits():
   a = PagedAllocator(8, 4)
-  s, x = _seq(a, 6)
+  s, x = new_seq(a, 6)
   c = RadixCache(a)
   assert c.insert([1, 2, 3, 4], x[:4]) == 4
   assert (c.num_nodes, c.num_cached_tokens) == (1, 4)
@@ -45,7 +24,7 @@ def test_insert_match_and_edge_splits():
   assert c.match_prefix([7, 1]).n_matched == 0
   assert c.match_prefix([]).slots.tolist() == []
   # [1, 2, 5, 6] diverges inside the edge [1, 2, 3, 4]: split into [1, 2] + {[3, 4], [5, 6]}.
-  t, y = _seq(a, 2)
+  t, y = new_seq(a, 2)
   assert c.insert([1, 2, 5, 6], [x[0], x[1], y[0], y[1]]) == 2
   assert (c.num_nodes, c.num_cached_tokens) == (3, 6)
   assert c.match_prefix([1, 2, 5, 6, 7]).slots.tolist() == [x[0], x[1], y[0], y[1]]
@@ -65,8 +44,8 @@ def test_insert_match_and_edge_splits():
 
 def test_cached_slots_win_over_callers():
   a = PagedAllocator(8, 4)
-  _, x = _seq(a, 3)
-  _, y = _seq(a, 3)
+  _, x = new_seq(a, 3)
+  _, y = new_seq(a, 3)
   c = RadixCache(a)
   c.insert([1, 2], x[:2])
   assert c.insert([1, 2, 3], y) == 1        # only the new token is held
@@ -92,7 +71,7 @@ def test_cached_slots_win_over_callers():
 
 def test_hit_statistics():
   a = PagedAllocator(8, 4)
-  _, x = _seq(a, 4)
+  _, x = new_seq(a, 4)
   c = RadixCache(a)
   assert c.stats == RadixStats() and c.stats.hit_rate == 0.0
   c.insert([1, 2, 3, 4], x)
@@ -111,7 +90,7 @@ def test_hit_statistics():
 
 def test_lru_eviction_order_leaves_first():
   a = PagedAllocator(8, 4)
-  _, x = _seq(a, 12)
+  _, x = new_seq(a, 12)
   c = RadixCache(a)
   c.insert([1, 1, 1], x[0:3])          # A
   c.insert([2, 2], x[3:5])             # B
@@ -137,7 +116,7 @@ def test_lru_eviction_order_leaves_first():
 
 def test_locked_nodes_never_evicted():
   a = PagedAllocator(8, 4)
-  _, x = _seq(a, 8)
+  _, x = new_seq(a, 8)
   c = RadixCache(a)
   c.insert([1, 2, 3], x[:3])
   c.insert([4, 5], x[3:5])
@@ -176,7 +155,7 @@ def test_locked_nodes_never_evicted():
 
 def test_capacity_enforced_on_insert():
   a = PagedAllocator(16, 4)
-  _, x = _seq(a, 40)
+  _, x = new_seq(a, 40)
   c = RadixCache(a, capacity_tokens=6)
   assert c.insert([1, 1, 1, 1], x[0:4]) == 4
   assert c.insert([2, 2, 2, 2], x[4:8]) == 4     # evicts [1, 1, 1, 1] (LRU)
@@ -204,7 +183,7 @@ def test_capacity_enforced_on_insert():
 
 def test_sentinel_stops_insertion():
   a = PagedAllocator(8, 4)
-  s, x = _seq(a, 6)
+  s, x = new_seq(a, 6)
   c = RadixCache(a)
   a.evict(s, [2])                           # a pruned position
   m = a.slot_map(s)
@@ -223,7 +202,7 @@ def test_cache_dead_keeps_holes_in_the_token_stream():
   """IntentKV dead-slot semantics: pruned positions are cached as SENTINEL holes
   (no hold), so a later turn matches the whole stream and adopts the holes."""
   a = PagedAllocator(8, 4)
-  s, x = _seq(a, 6)
+  s, x = new_seq(a, 6)
   c = RadixCache(a, cache_dead=True)
   a.evict(s, [2, 4])
   m = a.slot_map(s)
@@ -252,7 +231,7 @@ def test_holes_inside_an_adopted_prefix_persist_and_free_their_slots():
   old path, and the pruned slot is freed once no sequence maps it; a request that
   names no holes still gets the live prefix up to the branch point, exactly."""
   a = PagedAllocator(16, 4)
-  s, x = _seq(a, 8)
+  s, x = new_seq(a, 8)
   c = RadixCache(a, cache_dead=True)
   toks = [1, 2, 3, 4, 5, 6, 7, 8]
   assert c.insert(toks, x) == 8                            # turn 1: all live
@@ -285,14 +264,14 @@ def test_a_private_suffix_is_adopted_only_by_its_own_session():
   session that does adopts its path whole, holes inside the suffix included, and its
   next insert supersedes the old private path."""
   a = PagedAllocator(16, 4)
-  s, x = _seq(a, 8)
+  s, x = new_seq(a, 8)
   c = RadixCache(a, cache_dead=True)
   toks = [1, 2, 3, 4, 5, 6, 7, 8]
   assert c.insert(toks, x, private_from=3) == 8
   assert c.match_prefix(toks).n_matched == 3                # shared keys end at 3
   assert c.match_prefix(toks, private_from=3).slots.tolist() == x.tolist()
   assert c.match_prefix(toks, private_from=5).n_matched == 3   # another suffix: no match
-  o, z = _seq(a, 5)                                         # another request, same tokens
+  o, z = new_seq(a, 5)                                         # another request, same tokens
   assert c.insert(toks, [*x[:3], *z]) == 5                  # its exact KV beside them
   assert c.match_prefix(toks).slots.tolist() == [*x[:3], *z]
   c.check()
@@ -320,10 +299,10 @@ def test_a_shared_live_path_is_not_punched():
   """Another request extended the live path past the session's old end: the branch
   does not evict it, and that request keeps matching its live slots."""
   a = PagedAllocator(16, 4)
-  s, x = _seq(a, 6)
+  s, x = new_seq(a, 6)
   c = RadixCache(a, cache_dead=True)
   c.insert([1, 2, 3, 4, 5, 6], x)
-  o, z = _seq(a, 2)
+  o, z = new_seq(a, 2)
   c.insert([1, 2, 3, 4, 5, 6, 7, 7], [*x, *z])             # another request's longer path
   t = a.new_sequence()
   c.adopt_prefix(t, [1, 2, 3, 4, 5, 6])
@@ -345,19 +324,19 @@ def test_a_shared_live_path_is_not_punched():
 
 def test_eviction_releases_only_the_cache_holds():
   a = PagedAllocator(4, 4)
-  s, x = _seq(a, 6)                         # pages 1 and 2
+  s, x = new_seq(a, 6)                         # pages 1 and 2
   c = RadixCache(a)
   c.insert([1, 2, 3, 4, 5, 6], x)
   assert c.evict(100) == 6
   assert all(a.refcount(int(v)) == 1 for v in x)   # the sequence still maps them
-  assert not _free_slots(a) & set(x.tolist())
+  assert not free_slot_set(a) & set(x.tolist())
   assert sorted(a.free_sequence(s).tolist()) == x.tolist()
   assert a.num_free_pages == 3
   # The other order: the cache keeps the slots of a freed sequence alive.
-  s, x = _seq(a, 6)
+  s, x = new_seq(a, 6)
   c.insert([1, 2, 3, 4, 5, 6], x)
   assert a.free_sequence(s).tolist() == []
-  assert not _free_slots(a) & set(x.tolist())
+  assert not free_slot_set(a) & set(x.tolist())
   c.check()
   a.check()
   assert c.evict(100) == 6
@@ -368,7 +347,7 @@ def test_eviction_releases_only_the_cache_holds():
 
 def test_adopt_prefix_shares_and_never_writes_shared_slots():
   a = PagedAllocator(6, 4)
-  s, x = _seq(a, 3)                          # slots 4, 5, 6: page 1 is s's open tail
+  s, x = new_seq(a, 3)                          # slots 4, 5, 6: page 1 is s's open tail
   c = RadixCache(a)
   c.insert([1, 2, 3], x)
   t = a.new_sequence()
@@ -396,7 +375,7 @@ def test_adopt_prefix_shares_and_never_writes_shared_slots():
 
 def test_check_detects_corruption():
   a = PagedAllocator(8, 4)
-  _, x = _seq(a, 4)
+  _, x = new_seq(a, 4)
   c = RadixCache(a)
   c.insert([1, 2, 3], x[:3])
   c.insert([1, 5], [x[0], x[3]])
@@ -418,230 +397,6 @@ def test_check_detects_corruption():
   leaf.slots[0] = SENTINEL
   with pytest.raises(AssertionError, match="SENTINEL"):
     c.check()
-
-
-# ---------------------------------------------------------- state machine
-_PICK = st.integers(0, 10**6)
-_TOKENS = st.lists(st.integers(0, 1), max_size=6)
-
-
-class RadixMachine(RuleBasedStateMachine):
-  """Sequences, prefix cache and pruning against a model of slot contents.
-
-  `content[slot]` is the token prefix whose last token's KV the slot holds and
-  whether it was computed without a pruned position before it. Every cached
-  slot must hold exactly its prefix's exact KV, every slot-map entry its own
-  token's, and no referenced slot may sit in a free page.
-  """
-
-  @initialize(num_pages=st.integers(3, 16), page_size=st.sampled_from([1, 2, 4]),
-              capacity=st.one_of(st.none(), st.integers(0, 24)))
-  def setup(self, num_pages, page_size, capacity):
-    self.a = PagedAllocator(num_pages, page_size)
-    self.c = RadixCache(self.a, capacity_tokens=capacity)
-    self.capacity = capacity
-    self.toks: dict[int, list[int]] = {}       # seq -> token at each position
-    self.content: dict[int, tuple[tuple, bool]] = {}
-    self.locks: list[tuple] = []               # (handle, locked token prefix)
-    self.queries = 0
-
-  def seq(self, i: int) -> int:
-    seqs = sorted(self.toks)
-    return seqs[i % len(seqs)]
-
-  def grow(self, s: int, new: list[int]) -> bool:
-    """Appends tokens to s, evicting from the cache if the pool is full."""
-    if not new:
-      return True
-    try:
-      slots = self.a.extend(s, len(new))
-    except OutOfSlotsError as e:
-      self.c.evict(e.requested - e.available)
-      try:
-        slots = self.a.extend(s, len(new))
-      except OutOfSlotsError:
-        return False
-    exact = SENTINEL not in self.a.slot_map(s)[:len(self.toks[s])].tolist()
-    for slot, tok in zip(slots.tolist(), new):
-      self.toks[s].append(tok)
-      self.content[slot] = (tuple(self.toks[s]), exact)
-    return True
-
-  def expected_match(self, tokens) -> int:
-    entries = _entries(self.c)
-    n = 0
-    while n < len(tokens) and tuple(tokens[:n + 1]) in entries:
-      n += 1
-    return n
-
-  # ---- rules
-  @precondition(lambda self: len(self.toks) < 6)
-  @rule(prompt=_TOKENS, use_cache=st.booleans(), keep_last=st.booleans())
-  def new_request(self, prompt, use_cache, keep_last):
-    self.request(prompt, use_cache, keep_last)
-
-  def request(self, prompt, use_cache, keep_last) -> int | None:
-    """Starts a sequence for prompt; returns its id (None: the pool is full)."""
-    s = self.a.new_sequence()
-    self.toks[s] = []
-    n = 0
-    if use_cache:
-      key = prompt if keep_last else prompt[:-1]
-      n = self.expected_match(key)
-      assert self.c.adopt_prefix(s, key) == n
-      self.queries += 1
-      self.toks[s] = list(prompt[:n])
-      for p, slot in enumerate(self.a.slot_map(s).tolist()):
-        assert self.content[slot] == (tuple(prompt[:p + 1]), True)
-    if not self.grow(s, list(prompt[n:])):
-      self.a.free_sequence(s)
-      del self.toks[s]
-      return None
-    return s
-
-  @precondition(lambda self: self.toks and len(self.toks) < 6)
-  @rule(i=_PICK, extra=_TOKENS, finish=st.booleans())
-  def next_turn(self, i, extra, finish):
-    """An agent turn: cache the previous turn, then adopt it for the next one."""
-    s = self.seq(i)
-    toks = self.toks[s]
-    self.c.insert(toks, self.a.slot_map(s))
-    if finish:
-      self.free_sequence(i)
-    self.request(toks + extra, use_cache=True, keep_last=False)
-
-  @precondition(lambda self: self.toks and len(self.toks) < 6)
-  @rule(i=_PICK, cut=_PICK, extra=_TOKENS)
-  def branch(self, i, cut, extra):
-    """A request diverging from a cached sequence inside it (edge splits)."""
-    s = self.seq(i)
-    toks = self.toks[s]
-    self.c.insert(toks, self.a.slot_map(s))
-    cut = cut % (len(toks) + 1)
-    prompt = toks[:cut] + [1 - toks[cut] if cut < len(toks) else 0] + extra
-    new = self.request(prompt, use_cache=True, keep_last=True)
-    if new is not None:
-      self.c.insert(prompt, self.a.slot_map(new))
-
-  @precondition(lambda self: self.toks)
-  @rule(i=_PICK, new=_TOKENS)
-  def extend(self, i, new):
-    self.grow(self.seq(i), new)
-
-  @precondition(lambda self: self.toks)
-  @rule(i=_PICK, cut=st.one_of(st.none(), _PICK))
-  def insert(self, i, cut):
-    s = self.seq(i)
-    n = len(self.toks[s]) if cut is None else cut % (len(self.toks[s]) + 1)
-    toks, slots = self.toks[s][:n], self.a.slot_map(s)[:n].tolist()
-    end = slots.index(SENTINEL) if SENTINEL in slots else n
-    before = _entries(self.c)
-    fresh = {tuple(toks[:p + 1]): slots[p] for p in range(end)
-             if tuple(toks[:p + 1]) not in before}
-    added = self.c.insert(toks, slots)
-    after = _entries(self.c)
-    if self.capacity is None:
-      assert added == len(fresh)
-      assert after == {**before, **fresh}
-    else:
-      assert added == len(after.keys() & fresh.keys())
-      assert all(before.get(k, fresh.get(k)) == v for k, v in after.items())
-
-  @precondition(lambda self: self.toks)
-  @rule(i=_PICK, cut=_PICK)
-  def lock(self, i, cut):
-    s = self.seq(i)
-    toks = self.toks[s][:cut % (len(self.toks[s]) + 1)]
-    n = self.expected_match(toks)
-    m = self.c.match_prefix(toks, lock=True)
-    self.queries += 1
-    entries = _entries(self.c)
-    assert m.n_matched == n
-    assert m.slots.tolist() == [entries[tuple(toks[:p + 1])] for p in range(n)]
-    self.locks.append((m.handle, tuple(toks[:n])))
-
-  @precondition(lambda self: self.locks)
-  @rule(k=_PICK)
-  def unlock(self, k):
-    handle, _ = self.locks.pop(k % len(self.locks))
-    self.c.release_lock(handle)
-
-  @rule(n=st.integers(0, 20))
-  def cache_evict(self, n):
-    before = _entries(self.c)
-    got = self.c.evict(n)
-    after = _entries(self.c)
-    assert after.items() <= before.items()
-    assert len(before) - len(after) == got
-    assert got >= n or self.c.evictable_tokens == 0
-
-  @precondition(lambda self: self.toks)
-  @rule(i=_PICK, picks=st.lists(_PICK, max_size=4))
-  def prune(self, i, picks):
-    s = self.seq(i)
-    m = self.toks[s]
-    self.a.evict(s, [p % len(m) for p in picks] if m else [])
-
-  @precondition(lambda self: self.toks)
-  @rule(i=_PICK, cut=_PICK)
-  def truncate(self, i, cut):
-    s = self.seq(i)
-    n = cut % (len(self.toks[s]) + 1)
-    self.a.truncate(s, n)
-    del self.toks[s][n:]
-
-  @precondition(lambda self: self.toks)
-  @rule(i=_PICK)
-  def free_sequence(self, i):
-    s = self.seq(i)
-    self.a.free_sequence(s)
-    del self.toks[s]
-
-  # ---- invariants
-  @invariant()
-  def consistent(self):
-    a, c = self.a, self.c
-    a.check()
-    c.check()
-    entries = _entries(c)
-    assert c.num_cached_tokens == len(entries)
-    if self.capacity is not None:
-      assert len(entries) <= self.capacity
-    cached = set(entries.values())
-    for prefix, slot in entries.items():
-      assert self.content[slot] == (prefix, True), (prefix, slot, self.content[slot])
-    for slot in range(a.num_slots):
-      assert a.holds(slot) == (slot in cached)
-    mapped = set()
-    for s, toks in self.toks.items():
-      m = a.slot_map(s).tolist()
-      assert len(m) == len(toks)
-      for p, slot in enumerate(m):
-        if slot != SENTINEL:
-          assert self.content[slot][0] == tuple(toks[:p + 1])
-          mapped.add(slot)
-    assert not (cached | mapped) & _free_slots(a)
-    for _, prefix in self.locks:
-      assert all(prefix[:p + 1] in entries for p in range(len(prefix)))
-    assert c.stats.queries == self.queries
-
-  def teardown(self):
-    if not hasattr(self, "a"):
-      return
-    for handle, _ in self.locks:
-      self.c.release_lock(handle)
-    self.c.clear()
-    for s in list(self.toks):
-      self.a.free_sequence(s)
-    self.c.check()
-    self.a.check()
-    assert self.c.num_cached_tokens == self.c.num_nodes == 0
-    assert self.a.num_free_pages == self.a.num_pages - 1
-
-
-RadixMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=50, deadline=None)
-TestRadixMachine = RadixMachine.TestCase
 
 
 def test_retain_keeps_exactly_the_named_prefixes():
