@@ -41,7 +41,9 @@ Wilson 95% intervals (`*_ci`), n_calls, n_sessions,
 next_call_args (gold argument values the generated call carries under the same key,
 `calls.argument_hits`, pooled over n_args arguments), next_call_copied (the same
 values read from the raw text, `calls.argument_mentions`: a call cut off by the token
-cap still shows the IDs it copied) and the generated `texts`; closed loop:
+cap still shows the IDs it copied), the generated `texts` and per call (`calls`:
+session, turn, exact, name, prunable = its prunable-only gold values, kept = all of
+them survived pruning whole, `kept_values`; None where not recorded); closed loop:
 compl, raw_acc, true_acc with intervals, n_tasks, the outcome counts and each
 episode (`episodes`); both: pruned_share and the efficiency columns of
 `bench/pruning.py` over the real decode steps: pt, eff_live_kv, raw_reads,
@@ -61,6 +63,7 @@ import json
 import os
 import time
 
+import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
@@ -116,7 +119,7 @@ def plan_session(session: traces.Session, tokenizer, max_tokens: int,
   scored = set(call_turns(session))
   # with the head forced, the reply is done once it completes the call
   done = lambda ids: bool(calls.completed_call("", tokenizer.decode(list(ids))))
-  turns, prunable = [], {}
+  turns, prunable, spans = [], {}, {}
   for i, m in enumerate(messages):
     if m.get("role") != "assistant" or i == 0 or i > max(scored, default=-1):
       continue
@@ -124,17 +127,31 @@ def plan_session(session: traces.Session, tokenizer, max_tokens: int,
     if i in scored:
       p = labels.prepare_turn(tokenizer, messages, tools, i)
       prunable[i] = labels.prunable_only_values(p, messages, i)
+      spans[i] = labels.value_spans(p, prunable[i])
       if given == "name":
         k = argument_prefix(tokenizer, p["gold"])
     turns.append(replay.Turn(i, generate=i in scored, max_tokens=max_tokens, forced_reply=k,
                              until=done if k else None))
-  return replay.Session(session.id, messages, tools, turns, meta={"prunable": prunable})
+  return replay.Session(session.id, messages, tools, turns,
+                        meta={"prunable": prunable, "spans": spans})
 
 
-def score_session(session: traces.Session, plan: replay.Session, metrics) -> list[dict]:
+def kept_values(plan: replay.Session, metrics) -> dict[int, list[bool]]:
+  """Per scored turn: whether each prunable-only gold value survived pruning whole (some
+  occurrence with every token kept; `labels.values_kept`), from the turn's kept mask.
+  Turns whose metrics carry no mask (read back from a journal) are left out."""
+  spans = plan.meta.get("spans", {})
+  return {t.i: labels.values_kept(spans[t.i], np.asarray(m.kept, bool))
+          for t, m in zip(plan.turns, metrics) if t.i in spans and m.kept is not None}
+
+
+def score_session(session: traces.Session, plan: replay.Session, metrics,
+                  kept: dict[int, list[bool]] | None = None) -> list[dict]:
   """One sample per tool-call turn: {turn, exact, name, text, prunable (gold argument
-  values found only in prunable history), ...} plus the turn's metrics; the other
-  turns' records carry their metrics only."""
+  values found only in prunable history), values_kept (`kept_values`: each of those
+  values whole in the pruned cache, None when not known), ...} plus the turn's
+  metrics; the other turns' records carry their metrics only."""
+  kept = kept_values(plan, metrics) if kept is None else kept
   out = []
   for t, m in zip(plan.turns, metrics):
     rec = dict(session=session.id, turn=t.i, metrics=m)
@@ -147,7 +164,8 @@ def score_session(session: traces.Session, plan: replay.Session, metrics) -> lis
       hits, n_args = calls.argument_hits(pred, gold)
       rec.update(exact=exact, name=name, arg_hits=hits, n_args=n_args, text=m.text,
                  arg_mentions=calls.argument_mentions(m.text, gold)[0],
-                 prunable=len(plan.meta.get("prunable", {}).get(t.i, [])))
+                 prunable=len(plan.meta.get("prunable", {}).get(t.i, [])),
+                 values_kept=kept.get(t.i))
     out.append(rec)
   return out
 
@@ -189,7 +207,9 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
               texts=[s["text"] for s in flat],
               # per call, for the paired tests (agent_stats.annotate)
               calls=[dict(session=s["session"], turn=s["turn"], exact=bool(s["exact"]),
-                          name=bool(s["name"]), prunable=s["prunable"]) for s in flat],
+                          name=bool(s["name"]), prunable=s["prunable"],
+                          kept=all(s["values_kept"]) if s.get("values_kept") else None)
+                     for s in flat],
               evidence_by_session=ev, future_evidence_recall_ci=[ev_lo, ev_hi],
               **{k: eff[k] for k in keep})
 
@@ -260,7 +280,12 @@ def evaluate(llm, sessions, cfg: PruningConfig, replayer: Replay, *, head=None,
   head = head if cfg.method == "intentkv" and cfg.intent_mode == "learnable" else None
   plans = [plan_session(s, llm.tokenizer, max_tokens, given) for s in sessions]
   journal = journal or common.Journal(None)
-  done = {sid: [TurnMetrics(**m) for m in ms] for sid, ms in journal.done(key).items()}
+  done, kept = {}, {}
+  for sid, value in journal.done(key).items():   # {"turns", "kept"}; a bare list before
+    ms = value["turns"] if isinstance(value, dict) else value
+    done[sid] = [TurnMetrics(**m) for m in ms]
+    if isinstance(value, dict):
+      kept[sid] = {int(i): v for i, v in value["kept"].items()}
   todo, t0 = [p for p in plans if p.id not in done], time.perf_counter()
   if len(todo) < len(plans):
     print(f"{desc}: {len(plans) - len(todo)} sessions done before ({journal.path})")
@@ -268,12 +293,13 @@ def evaluate(llm, sessions, cfg: PruningConfig, replayer: Replay, *, head=None,
     part = todo[i:i + every]
     for p, m in zip(part, replayer.run(part, cfg, head=head, keep_prefixes=keep_prefixes,
                                        desc=desc)):
-      done[p.id] = m
-      journal.add(key, p.id, [t.to_json() for t in m])
+      done[p.id], kept[p.id] = m, kept_values(p, m)
+      journal.add(key, p.id, dict(turns=[t.to_json() for t in m], kept=kept[p.id]))
     print(f"{desc}: {i + len(part)} of {len(todo)} sessions in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
   metrics = [done[p.id] for p in plans]
-  return summarize([score_session(s, p, m) for s, p, m in zip(sessions, plans, metrics)])
+  return summarize([score_session(s, p, m, kept.get(p.id, {}))
+                    for s, p, m in zip(sessions, plans, metrics)])
 
 
 def system_prefixes(tokenizer, sessions) -> list:

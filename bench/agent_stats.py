@@ -227,9 +227,40 @@ def contrasts(rows: list[dict]) -> common.Table | None:
        "d [95% CI, sessions]"), out)
 
 
+def values_table(rows: list[dict]) -> common.Table | None:
+  """Whether the scored calls' prunable-only gold values survived pruning whole, and
+  the exact rate on each side: per row, over the scored calls whose record carries it
+  (`kept`, agent_eval.kept_values; rows run before it have none). Evidence recall
+  counts tokens; a value cut anywhere cannot be copied, so this is the share that
+  could be. None when no row carries it."""
+  done = [r for r in rows if r.get("calls_scored") and r["method"] != "full"]
+  keys = scored_calls(rows, done[0]["calls_scored"]) if done else None
+  out = []
+  for r in done if keys is not None else ():
+    by = {(c["session"], c["turn"]): c for c in r["calls"] if c.get("kept") is not None}
+    cs = [by[k] for k in keys if k in by]
+    if not cs:
+      continue
+    kept = [c for c in cs if c["kept"]]
+    lost = [c for c in cs if not c["kept"]]
+    lo, hi = calls_lib.wilson(len(kept), len(cs))
+    rate = lambda xs: (f"{sum(c['exact'] for c in xs) / len(xs):.3f} "
+                       f"({sum(c['exact'] for c in xs)}/{len(xs)})" if xs else "-")
+    out.append((r["method"], r["layout"], budget_cell(r), str(len(cs)),
+                f"{len(kept) / len(cs):.3f}", f"[{lo:.2f}, {hi:.2f}]", rate(kept), rate(lost)))
+  if not out:
+    return None
+  return common.Table(
+      "the scored calls' prunable-only gold values kept whole (some occurrence with every "
+      "token kept) by the pruned cache, Wilson 95%, and the exact rate when they were / "
+      "were not", ("method", "layout", "C", "n", "values kept", "95% CI",
+                   "exact if kept", "exact if cut"), out)
+
+
 def tables(rows: list[dict]) -> list[common.Table]:
-  """The scored-call table and the contrasts of `rows`, those that exist yet."""
-  return [t for t in (table(rows), contrasts(rows)) if t is not None]
+  """The scored-call table, the contrasts and the values-kept table of `rows`, those
+  that exist yet."""
+  return [t for t in (table(rows), contrasts(rows), values_table(rows)) if t is not None]
 
 
 def session_difference(a: dict, b: dict, keys) -> tuple[float, float, float]:

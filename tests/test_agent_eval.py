@@ -7,6 +7,7 @@ import math
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 import hf_util
@@ -155,6 +156,45 @@ def test_prunable_only_values_are_the_ones_pruning_can_take(llm):
   # turn 2 copies the user id from the request, turn 4 the reservation from the tool
   # output it answers; turn 6's user id lies only in the (prunable) first user message
   assert got == {2: [], 4: [], 6: ["mia_li_3668"]}
+
+
+def test_value_spans_are_the_prunable_occurrences_and_kept_needs_every_token(llm):
+  """The tokens of a prunable-only value's occurrences in the history; the value counts
+  as kept only when some occurrence keeps every token."""
+  s = _session()
+  messages, tools = traces.session_chat(s, llm.tokenizer)
+  p = labels.prepare_turn(llm.tokenizer, messages, tools, 6)
+  (occ,) = labels.value_spans(p, ["mia_li_3668"])
+  assert occ
+  for o in occ:
+    assert o == list(range(o[0], o[-1] + 1)) and p["sys_len"] <= o[0] and o[-1] < p["qs"]
+    assert "mia_li_3668" in llm.tokenizer.decode([p["ids"][j] for j in o])
+  kept = np.ones(len(p["ids"]), bool)
+  assert labels.values_kept([occ], kept) == [True]
+  kept[[o[len(o) // 2] for o in occ]] = False       # one token cut in every occurrence
+  assert labels.values_kept([occ], kept) == [False]
+  kept[occ[0]] = True                                # one occurrence whole again
+  assert labels.values_kept([occ], kept) == [True]
+  assert labels.value_spans(p, ["not in the prompt"]) == [[]]
+
+
+def test_values_table_splits_exact_by_whether_the_values_survived():
+  import agent_stats
+
+  def row(method, exact, kept):
+    calls = [dict(session="a", turn=t, exact=e, name=True, prunable=1, kept=k)
+             for t, e, k in zip((1, 2, 3, 4), exact, kept)]
+    return dict(method=method, layout="dead_slot", budget=100, calls=calls)
+  full = row("full", (True,) * 4, (True,) * 4)
+  rand = row("random", (True, False, False, True), (True, False, False, None))
+  old = row("h2o", (True, False, False, False), (None,) * 4)   # run before the field
+  rows = [full, rand, old]
+  agent_stats.annotate(rows, "discriminative")
+  table = agent_stats.values_table(rows)
+  assert [c[:3] for c in table.lines] == [("random", "dead_slot", "100")]
+  assert table.lines[0][3:5] == ("3", "0.333")
+  assert table.lines[0][6:] == ("1.000 (1/1)", "0.000 (0/2)")
+  assert agent_stats.values_table([full, old]) is None
 
 
 def test_paired_fields_score_discriminative_calls_only():

@@ -102,6 +102,30 @@ def prunable_only_values(p: dict, messages: Sequence[dict], i: int,
           if v in text[sys_c:q_c] and v not in text[:sys_c] and v not in text[q_c:]]
 
 
+def value_spans(p: dict, values: Iterable[str]) -> list[list[list[int]]]:
+  """For each value, the token indices of each of its occurrences in the prunable
+  history of `prepare_turn`'s dict p (between the system prompt and the query span):
+  the tokens a pruned cache must keep whole for the model to copy that occurrence."""
+  text, offsets = p["text"], p["offsets"]
+  at = lambda t: offsets[t][0] if t < len(offsets) else len(text)
+  lo, hi = at(p["sys_len"]), at(p["qs"])
+  starts = np.array([o[0] for o in offsets], np.int64)
+  ends = np.array([o[1] for o in offsets], np.int64)
+  out = []
+  for v in values:
+    occ, i = [], text.find(v, lo)
+    while i >= 0 and i + len(v) <= hi:
+      occ.append(np.nonzero((starts < i + len(v)) & (ends > i))[0].tolist())
+      i = text.find(v, i + 1)
+    out.append(occ)
+  return out
+
+
+def values_kept(spans: list[list[list[int]]], kept: np.ndarray) -> list[bool]:
+  """Per value of `value_spans`: some occurrence has every token in `kept` ([N] mask)."""
+  return [any(bool(np.all(kept[o])) for o in occ if o) for occ in spans]
+
+
 def query_start(messages: Sequence[dict], i: int) -> int:
   """Index of the first message of the actionable query span before message i:
   the trailing run of user / tool messages (the latest request or tool results)."""
