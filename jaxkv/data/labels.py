@@ -88,6 +88,14 @@ def evidence_mask(text: str, offsets: Sequence[tuple[int, int]], values: Iterabl
   return (cum[ends] - cum[starts]) > 0
 
 
+def _history_chars(p: dict) -> tuple[int, int]:
+  """The character range of `prepare_turn`'s prunable history: from the end of the
+  system prompt to the start of the query span."""
+  text, offsets = p["text"], p["offsets"]
+  at = lambda t: offsets[t][0] if t < len(offsets) else len(text)
+  return at(p["sys_len"]), at(p["qs"])
+
+
 def prunable_only_values(p: dict, messages: Sequence[dict], i: int,
                          min_len: int = 3) -> list[str]:
   """Argument values of the (first) tool call at messages[i] -- the one next-call
@@ -95,9 +103,8 @@ def prunable_only_values(p: dict, messages: Sequence[dict], i: int,
   prunable history: between the system prompt and the
   query span, and nowhere in either. Only those can be lost to pruning; a call with
   none is solved or failed the same under every policy that keeps the forced set."""
-  text, offsets = p["text"], p["offsets"]
-  at = lambda t: offsets[t][0] if t < len(offsets) else len(text)
-  sys_c, q_c = at(p["sys_len"]), at(p["qs"])
+  text = p["text"]
+  sys_c, q_c = _history_chars(p)
   return [v for v in future_tool_arguments(messages, i, lookahead=1, min_len=min_len)
           if v in text[sys_c:q_c] and v not in text[:sys_c] and v not in text[q_c:]]
 
@@ -107,8 +114,7 @@ def value_spans(p: dict, values: Iterable[str]) -> list[list[list[int]]]:
   history of `prepare_turn`'s dict p (between the system prompt and the query span):
   the tokens a pruned cache must keep whole for the model to copy that occurrence."""
   text, offsets = p["text"], p["offsets"]
-  at = lambda t: offsets[t][0] if t < len(offsets) else len(text)
-  lo, hi = at(p["sys_len"]), at(p["qs"])
+  lo, hi = _history_chars(p)
   starts = np.array([o[0] for o in offsets], np.int64)
   ends = np.array([o[1] for o in offsets], np.int64)
   out = []
