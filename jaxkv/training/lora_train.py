@@ -42,6 +42,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxkv import jsonl
 from jaxkv.config import COMPILER_OPTIONS
 from jaxkv.data import agents
 from jaxkv.engine import driver
@@ -194,7 +195,7 @@ def train(cfg: LoraTrainConfig, llm, train_ex: list[Example], val_ex: list[Examp
   if start == 0:
     m = dict(step=0, **evaluate(params, weights, val, **kw))
     history.append(m)
-    train_lib._append_json(out / "metrics.jsonl", m)
+    jsonl.append(out / "metrics.jsonl", m)
     log(f"step 0 held-out NLL {json.dumps(m['nll'])}")
   t0 = time.perf_counter()
   new_log = not (out / "log.csv").exists() or start == 0
@@ -221,7 +222,7 @@ def train(cfg: LoraTrainConfig, llm, train_ex: list[Example], val_ex: list[Examp
       if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
         m = dict(step=done, **evaluate(params, weights, val, **kw))
         history.append(m)
-        train_lib._append_json(out / "metrics.jsonl", m)
+        jsonl.append(out / "metrics.jsonl", m)
         log(f"step {done} held-out NLL {json.dumps(m['nll'])}")
   adapters = out / "adapters"
   lora_lib.save_peft(lora_lib.from_params(params, lcfg), lcfg, adapters, base_model=cfg.model)
