@@ -4,70 +4,37 @@ A host-side radix tree maps token-id sequences to the KV slots that hold their
 keys and values, so requests and agent turns that share a prefix reuse its KV
 instead of recomputing it. Nodes hold a token-id array and the slot array of the
 same length; children are keyed by their first token; edges are split like in a
-standard radix tree when an inserted sequence diverges inside an edge.
+standard radix tree when an inserted sequence diverges inside an edge. Why each
+rule below is safe: docs/architecture.md, "Radix prefix cache".
 
-Ownership (docs/architecture.md, "alias-aware free"):
-- every cached slot carries exactly one external hold of the cache
-  (`PagedAllocator.retain`), taken when the slot is first cached and dropped
-  (`release`) when its node is evicted. Sequences hold their own references
-  through their slot maps, so evicting a node never frees a slot that a live
-  sequence still maps: the allocator frees a slot only at refcount 0;
-- a hit is used by handing the matched slots to `PagedAllocator.adopt` for a new
-  sequence (`adopt_prefix`), which adds the sequence's own references.
+Ownership: every cached slot carries one external hold of the cache
+(`PagedAllocator.retain`), dropped when its node is evicted; sequences hold their
+own references through their slot maps, so evicting a node never frees a slot a
+live sequence maps. A hit is used by `adopt_prefix` (`PagedAllocator.adopt`).
 
-What may be cached (exactness). A slot holds the post-RoPE K/V of one token at
-one logical position, computed attending to the tokens before it. `insert`
-caches the prefix of a sequence up to (excluding) its first SENTINEL slot-map
-entry: a pruned (dead-slot) position breaks the cacheable prefix, since every
-later token may have been computed attending to a pruned cache, and it has no
-KV of its own. SENTINEL is never cached. Positions never shift under dead-slot
-pruning, so the surviving prefix is exact. Callers must not insert slot maps of
-sequences pruned with the `compact` layout (positions no longer match token
-indices), layer-wise (`[L, T]`) slot maps, or slots whose KV is not written yet
-(pre-allocated decode slots, the last sampled token).
+What may be cached: `insert` caches a sequence's prefix up to its first SENTINEL
+slot-map entry (a pruned position breaks exactness for every later token). Never
+insert slot maps of `compact`-pruned sequences (positions no longer match token
+indices), layer-wise `[L, T]` maps, or slots whose KV is not written yet.
 
-Holes (`cache_dead=True`, IntentKV dead-slot pruning). A pruned position is
-cached under a dead key, -1 - token (`dead_keys`), with a SENTINEL slot and no
-hold, so holes are part of the tree's keys: a request matches through a hole
-only when it names that hole (`match_prefix(tokens, holes=...)`), and a request
-without holes never adopts another request's holes -- the live path stays
-exact for everyone else. When a session prunes positions inside the prefix it
-adopted, its reinsertion diverges from the live path at the first new hole and
-continues on its own branch; the branch after the divergence aliases the live
-path's slots (same token at the same position, one hold per node, checked), so
-nothing is copied. `insert(..., replaces=(tokens, holes))` then evicts the
-session's superseded path below the divergence (when unlocked and not extended
-by another request): the pruned slots lose the cache's hold and are freed as
-soon as no sequence maps them either. Eviction only ever costs hits, never
-exactness.
+Holes (`cache_dead=True`, IntentKV dead-slot pruning): a pruned position is cached
+under the dead key -1 - token (`dead_keys`) with a SENTINEL slot and no hold. A
+request matches through a hole only when it names it (`match_prefix(tokens,
+holes=...)`), so a request without holes never adopts another's. A session pruning
+inside its adopted prefix branches off at its first new hole (the branch aliases
+the live path's slots, one hold per node, audited); `insert(..., replaces=(tokens,
+holes))` then evicts its superseded path below the divergence.
 
-Private suffixes (`private_from`). A session whose KV from some position on is not
-what a plain prefill computes, though it is what the session itself keeps (segment
-reuse spliced approximate K/V there), caches that suffix under private keys,
-token + `PRIVATE`: like a hole, only a request naming the same `private_from`
-matches through it, so no other request adopts approximate KV as exact, while the
-session's next turn adopts its own KV whole.
+Private suffixes (`private_from`): KV that is what a session keeps but not what a
+plain prefill computes (segment reuse spliced approximate K/V there) is cached
+under token + `PRIVATE` keys: only a request naming the same `private_from`
+matches through it, so approximate KV is never served as exact.
 
-Writes into shared slots. Matching is token-granular (no page alignment): the
-kernels address tokens through slot maps, so a hit may end inside a page. This
-is safe under the allocator's semantics: `extend` only hands out refcount-0
-slots (fresh pages, or the unused end of the sequence's own tail page, which the
-allocator keeps free of live slots), and every cached or adopted slot has
-refcount >= 1. So neither the adopting sequence (empty before `adopt`, hence
-without a tail page: its first `extend` takes a fresh page, like a forked
-child) nor the donor (which keeps filling its own tail page behind the cached
-slots) can be given a shared slot. The engine must still compute and write only
-positions >= n_matched of an adopted sequence. The cost of token granularity is
-fragmentation: a partly shared page stays out of the free list until all its
-slots are released.
-
-Locks keep the prefix of running requests in the cache (they are a retention
-policy, not a memory-safety device: the requests' slot maps already keep the
-KV alive). Eviction is LRU over unlocked leaves, repeatedly, so a node goes only
-after all its descendants. Every operation costs O(tokens touched + depth);
-`evict` costs O(nodes log nodes); `check` is the full audit used by tests.
-
-Request lifecycle:
+Matching is token-granular (a hit may end inside a page); the engine writes only
+positions >= n_matched of an adopted sequence. Eviction is LRU over unlocked leaves;
+operations cost O(tokens touched + depth), `evict` O(nodes log nodes). Request
+lifecycle (to keep a running request's prefix cached, `match_prefix(tokens,
+lock=True)` + `alloc.adopt(seq, match.slots)`, then `release_lock(match)`):
 
   seq = alloc.new_sequence()
   n = cache.adopt_prefix(seq, prompt[:-1])   # shared KV for positions < n
@@ -75,10 +42,6 @@ Request lifecycle:
   ...                                        # decode, prune (dead slots)
   cache.insert(tokens_with_kv, alloc.slot_map(seq)[:len(tokens_with_kv)])
   alloc.free_sequence(seq)                   # cached slots stay (cache holds)
-
-To keep a running request's prefix cached, use `match_prefix(tokens,
-lock=True)` + `alloc.adopt(seq, match.slots)` and `release_lock(match)` when
-the request ends.
 """
 
 from __future__ import annotations
@@ -90,6 +53,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from jaxkv.kv import radix_audit
 from jaxkv.kv.allocator import PagedAllocator
 from jaxkv.kv.state import SENTINEL
 
@@ -200,16 +164,12 @@ class RadixCache:
       allocator: the allocator owning the slots (holds are taken on it).
       capacity_tokens: if set (>= 0), `insert` evicts LRU leaves, then trims the
         newly cached tail, so that at most this many tokens stay cached.
-      cache_dead: IntentKV / SGLang dead-slot semantics: `insert` caches the
-        whole token stream, SENTINEL (pruned) positions included as dead keys
-        (module docstring, "Holes"), so the session's next turn, naming its
-        holes, matches the full prefix "exactly as if no pruning had happened"
-        (IntentKV section 3.4) and adopts the holes as holes -- pruned tokens
-        stay pruned instead of being recomputed. Dead entries hold no slot.
-        Tokens after a hole were computed attending to a pruned cache, so such
-        a hit is no longer bit-exact w.r.t. an unpruned run; that is the
-        method's trade, and only the pruning session takes it. Default False:
-        exact caching up to the first SENTINEL.
+      cache_dead: dead-slot semantics (module docstring, "Holes"): `insert` caches
+        the whole stream, pruned positions as dead keys, so the session's next turn
+        matches its full prefix "as if no pruning had happened" (IntentKV 3.4) and
+        adopts the holes as holes. Such a hit is not bit-exact w.r.t. an unpruned
+        run (the method's trade; only the pruning session takes it). Default
+        False: exact caching up to the first SENTINEL.
     """
     if capacity_tokens is not None:
       if isinstance(capacity_tokens, bool) or int(capacity_tokens) != capacity_tokens:
@@ -631,71 +591,9 @@ class RadixCache:
 
   # ------------------------------------------------------------------ audit
   def check(self) -> None:
-    """Audits the tree against itself and the allocator.
-
-    Checks: parent / child links and first-token keys; every node non-empty
-    with equally long token and slot arrays; no SENTINEL and no slot cached
-    twice (each cached slot carries exactly one hold of the cache, so the
-    allocator shows >= 1 hold on it); the cached-slot mask, token, node and
-    locked-token counters; lock counts equal to the live handles below each
-    node; LRU times never newer below than above; the capacity bound.
+    """Audits the tree against itself and the allocator (`jaxkv.kv.radix_audit.check_radix`).
 
     Raises:
       AssertionError: with a description of the first inconsistency found.
     """
-    def fail(msg: str):
-      raise AssertionError(f"RadixCache.check: {msg}")
-
-    root = self._root
-    if root.parent is not None or len(root.tokens) or len(root.slots):
-      fail("the root has a parent or tokens")
-    expected_locks: dict[int, int] = {}
-    for node in self._locks.values():
-      while node is not root:
-        expected_locks[node.id] = expected_locks.get(node.id, 0) + 1
-        node = node.parent
-    seen = np.zeros_like(self._cached)
-    tokens = nodes = locked = 0
-    depth = {root.id: 0}
-    for node in self._nodes():
-      nodes += 1
-      if len(node.tokens) == 0 or len(node.tokens) != len(node.slots):
-        fail(f"node {node.id} has {len(node.tokens)} tokens and {len(node.slots)} slots")
-      parent = node.parent
-      if parent is None or parent.children.get(int(node.tokens[0])) is not node:
-        fail(f"node {node.id} is not its parent's child under its first token")
-      if node.last_access > parent.last_access and parent is not root:
-        fail(f"node {node.id} was accessed after its parent {parent.id}")
-      if node.lock_ref != expected_locks.get(node.id, 0):
-        fail(f"node {node.id} lock_ref {node.lock_ref}, live handles below it "
-             f"{expected_locks.get(node.id, 0)}")
-      sl = node.slots
-      if sl.dtype != np.int32 or (np.any(sl == SENTINEL) and not self._cache_dead):
-        fail(f"node {node.id} caches SENTINEL or has slots of dtype {sl.dtype}")
-      if np.any((sl == SENTINEL) != (node.tokens < 0)):
-        fail(f"node {node.id}: SENTINEL slots and dead keys disagree")
-      d0 = depth[parent.id]
-      depth[node.id] = d0 + len(sl)
-      live = sl != SENTINEL
-      pos, sl = d0 + np.flatnonzero(live), sl[live]
-      if np.any((sl < 0) | (sl >= len(seen))):
-        fail(f"node {node.id} has out-of-range slots")
-      if len(np.unique(sl)) != len(sl):
-        fail(f"node {node.id} caches a slot twice")
-      if np.any((self._slot_pos[sl] != pos) | (self._slot_tok[sl] != node.tokens[live])):
-        fail(f"node {node.id} caches a slot at another position or token than its aliases")
-      seen[sl] += 1
-      for slot in sl.tolist():
-        if self._alloc.holds(slot) < seen[slot]:
-          fail(f"cached slot {slot} (node {node.id}) has no external hold for each node "
-               f"caching it")
-      tokens += len(node.slots)
-      locked += len(node.slots) if node.lock_ref else 0
-    if np.any(seen != self._cached):
-      fail("the cached-slot mask disagrees with the tree")
-    if (tokens, nodes, locked) != (self._num_tokens, self._num_nodes, self._locked_tokens):
-      fail(f"counters (tokens, nodes, locked) stored "
-           f"{(self._num_tokens, self._num_nodes, self._locked_tokens)}, recomputed "
-           f"{(tokens, nodes, locked)}")
-    if self._capacity is not None and tokens > self._capacity:
-      fail(f"{tokens} tokens cached over capacity {self._capacity}")
+    radix_audit.check_radix(self)
