@@ -47,7 +47,8 @@ them survived pruning whole, `kept_values`; None where not recorded); closed loo
 compl, raw_acc, true_acc with intervals, n_tasks, the outcome counts and each
 episode (`episodes`); both: pruned_share and the efficiency columns of
 `bench/pruning.py` over the real decode steps: pt, eff_live_kv, raw_reads,
-eff_reads, prefix_hit_rate, wall_s. `full` (no pruning) is the headroom; `random`
+eff_reads, prefix_hit_rate, wall_s; learnable rows: head (its path and file digest,
+`head_fingerprint`). `full` (no pruning) is the headroom; `random`
 the chance baseline. The dead-slot layout and the full cache replay through the serving
 engine's `pruned` mechanism, --batch sessions side by side (`jaxkv.evaluation.replay`:
 a free turn with the tool name given stops at the token that completes the call);
@@ -59,6 +60,7 @@ cached.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -85,6 +87,14 @@ METHODS = {"full": dict(method="none"), **pruning.METHODS, **pruning.LEARNABLE}
 
 
 call_turns = agent_splits.call_turns
+
+
+def head_fingerprint(path: str) -> str:
+  """`path@<12 hex>`: the head folder's path and a digest of its files' sha256s, kept on
+  learnable rows (which head scored them) and in their journal key (a resumed run never
+  mixes sessions scored by two heads)."""
+  digests = artifacts.file_digests(artifacts.resolve(path))
+  return f"{path}@{hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:12]}"
 
 
 ARG_MARKERS = ('"arguments": ', '"arguments":', "Action Input: ", "Action Input:")
@@ -449,6 +459,7 @@ def main(argv):
   llm = jaxkv.load(FLAGS.model)
   head = (artifacts.load_pruner_head(FLAGS.head, model_name=FLAGS.model)
           if set(names) & set(pruning.LEARNABLE) else None)
+  head_id = head_fingerprint(FLAGS.head) if head is not None else None
   # one replay for every configuration; between them only the system prompts every
   # session shares stay cached (Replay), as on a server
   if env is None:
@@ -501,7 +512,9 @@ def main(argv):
     cfg = (PruningConfig(method="none") if name == "full" else
            PruningConfig(layout=layout, budget=budget, budget_scope=scope, **METHODS[name]))
     desc = f"{name}/{layout}/C={budget}"
-    key = json.dumps([FLAGS.model, name, layout, budget, scope, FLAGS.given, FLAGS.max_tokens])
+    learnable = name in pruning.LEARNABLE
+    key = json.dumps([FLAGS.model, name, layout, budget, scope, FLAGS.given, FLAGS.max_tokens]
+                     + ([head_id] if learnable else []))   # another head: another key
     if env is None:
       r = evaluate(llm, sessions, cfg, replayer, head=head, max_tokens=FLAGS.max_tokens,
                    desc=f"{desc} ({len(sessions)} sessions)", keep_prefixes=shared,
@@ -516,6 +529,8 @@ def main(argv):
       r["given"] = FLAGS.given
     if name != "full":
       r["budget_scope"] = scope
+    if learnable:
+      r["head"] = head_id
     rows.append(dict(method=name, layout=layout, budget=budget, **r))
     print(f"{name:18s} {layout:9s} C={budget:5d} {line}", flush=True)
     agent_stats.annotate(rows, FLAGS.calls)      # paired fields against the rows so far

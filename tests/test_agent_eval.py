@@ -395,3 +395,17 @@ def test_a_killed_configuration_resumes_from_its_saved_sessions(llm, tmp_path):
   assert set(common.Journal(str(path)).done("k")) == {s.id for s in sessions}
   common.Journal(str(path)).drop("k")
   assert not path.exists()
+
+
+def test_head_fingerprint_names_the_head_by_its_files(tmp_path):
+  """A learnable row names its head by path and files: the same files give the same
+  fingerprint (wherever the folder is), one changed byte another, so a resumed journal
+  never mixes two heads' sessions."""
+  for name in ("a", "b"):
+    (tmp_path / name / "state").mkdir(parents=True)
+    (tmp_path / name / "head.json").write_text('{"hidden": 8}')
+    (tmp_path / name / "state" / "w").write_bytes(b"\x00\x01")
+  a, b = (agent_eval.head_fingerprint(str(tmp_path / n)) for n in ("a", "b"))
+  assert a.startswith(str(tmp_path / "a") + "@") and a.split("@")[1] == b.split("@")[1]
+  (tmp_path / "b" / "state" / "w").write_bytes(b"\x00\x02")
+  assert agent_eval.head_fingerprint(str(tmp_path / "b")).split("@")[1] != b.split("@")[1]
