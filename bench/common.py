@@ -153,8 +153,8 @@ class Journal:
       return
     keep = [r for r in self._lines() if r["key"] != key]
     if keep:
-      with open(self.path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in keep)
+      with open(self.path, "wb") as f:
+        f.writelines(jsonl.encode(r) for r in keep)
     else:
       os.remove(self.path)
 
