@@ -353,6 +353,11 @@ def define_flags():
   flags.DEFINE_string("tables_from", None, "print the tables of an earlier --out JSON and exit; "
                       "several, comma-separated (one grid on disjoint session sets, e.g. "
                       "one file per trace source): the paired tables over their union")
+  flags.DEFINE_string("full_from", None, "next-call mode: copy the full-cache row of this "
+                      "results file (run on the same --traces, --model and flags) instead of "
+                      "running it, e.g. to score a second --head on a grid's calls")
+  flags.DEFINE_string("versus", None, "with --tables_from: also print each of its pruned rows "
+                      "against this results file's rows (agent_stats.versus)")
   flags.DEFINE_string("model", "smollm2-135m", "preset or model path")
   flags.DEFINE_string("methods", "full,random,streaming_llm,snapkv,h2o,intentkv_query,"
                       "intentkv_memory,intentkv_learnable", f"of {','.join(METHODS)}")
@@ -434,6 +439,10 @@ def main(argv):
     return
   if FLAGS.tables_from:
     common.print_tables_from(FLAGS.tables_from, agent_tables.tables)
+    if FLAGS.versus:
+      with open(FLAGS.tables_from) as f, open(FLAGS.versus) as g:
+        common.print_tables([t for t in [agent_stats.versus(json.load(f), json.load(g))]
+                             if t is not None])
     return
   if not FLAGS.traces and not FLAGS.env:
     raise app.UsageError("give --traces (next-call accuracy; make one with "
@@ -495,6 +504,11 @@ def main(argv):
   if FLAGS.out and os.path.exists(FLAGS.out):
     with open(FLAGS.out) as f:
       rows = json.load(f)
+  if env is None and FLAGS.full_from and not any(r["method"] == "full" for r in rows):
+    with open(FLAGS.full_from) as f:
+      rows += [r for r in json.load(f) if r["method"] == "full"][:1]
+    if not rows:
+      raise app.UsageError(f"--full_from={FLAGS.full_from} holds no full-cache row")
   if env is None and rescore(rows, sessions):
     common.write_rows(FLAGS.out, rows)
   scope = FLAGS.budget_scope

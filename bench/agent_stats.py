@@ -227,6 +227,39 @@ def contrasts(rows: list[dict]) -> common.Table | None:
        "d [95% CI, sessions]"), out)
 
 
+def versus(rows: list[dict], others: list[dict]) -> common.Table | None:
+  """Each pruned row of `rows` (e.g. a second head, run into a results file of its own
+  with a copy of the grid's full-cache row) against every row of `others` (the grid) at
+  its layout and budget, the full cache included: counts, exact McNemar p and the
+  session-bootstrap difference over the scored calls both have. `rows`' full-cache
+  row defines which calls are scored. None when nothing pairs."""
+  done = [r for r in rows if r.get("calls") and r["method"] != "full"]
+  keys = scored_calls(rows, done[0].get("calls_scored", "discriminative")) if done else None
+  out = []
+  for ra in done if keys is not None else ():
+    for rb in others:
+      if not rb.get("calls") or (rb["method"] != "full" and (rb["layout"], budget_key(rb))
+                                 != (ra["layout"], budget_key(ra))):
+        continue
+      oa, ob = _outcomes(ra), _outcomes(rb)
+      both, only_a, only_b = discordant(oa, ob, keys)
+      if not both:
+        continue
+      d, lo, hi = session_difference(oa, ob, both)
+      out.append((budget_cell(ra), f"{ra['method']} {ra['layout']}", ra.get("head") or "-",
+                  f"{rb['method']} {rb['layout']}", str(len(both)),
+                  str(sum(oa[k] for k in both)), str(sum(ob[k] for k in both)),
+                  f"{only_a}-{only_b}", f"{calls_lib.mcnemar(only_a, only_b):.3f}",
+                  f"{d:+.3f} [{lo:+.2f}, {hi:+.2f}]"))
+  if not out:
+    return None
+  return common.Table(
+      "a row against the grid's rows on the scored calls both have (split: only a solves - "
+      "only b solves; exact McNemar p; d = a's exact rate - b's, 95% bootstrap over "
+      "sessions)", ("C", "a", "a's head", "b", "n", "a exact", "b exact", "split", "p",
+                    "d [95% CI, sessions]"), out)
+
+
 def values_table(rows: list[dict]) -> common.Table | None:
   """Whether the scored calls' prunable-only gold values survived pruning whole, and
   the exact rate on each side: per row, over the scored calls whose record carries it

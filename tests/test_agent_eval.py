@@ -254,6 +254,31 @@ def test_contrasts_pair_the_rows_the_readings_cite():
           ("+100", "4", "1", "2", "1-2")}    # snapkv at another budget pairs with nothing
 
 
+def test_versus_pairs_a_second_head_with_the_grid_on_its_own_sessions():
+  """A second head's row (its own file, the grid's full row copied, fewer sessions) meets
+  every grid row at its layout and budget, and the full cache, on the calls both have."""
+  import agent_stats
+
+  def row(method, layout, exact, budget=100, sessions=("s", "t"), **kw):
+    calls = [dict(session=s, turn=t, exact=e, name=True, prunable=1)
+             for s in sessions for t, e in enumerate(exact)]
+    return dict(method=method, layout=layout, budget=budget, budget_scope="history",
+                calls=calls, pruned_share=1.0, future_evidence_recall=0.5, **kw)
+  full = row("full", "-", (True, True, True, False), 0)          # scores calls 0-2
+  grid = [full, row("streaming_llm", "dead_slot", (True, False, False, True)),
+          row("intentkv_learnable", "dead_slot", (False, False, True, True)),
+          row("snapkv", "compact", (True, True, True, True))]   # another layout
+  mine = row("intentkv_learnable", "dead_slot", (True, True, False, False),
+             sessions=("t",), head="heads/b@0123")                  # session t only
+  t = agent_stats.versus([full, mine], grid)
+  got = {r[3]: (r[0], r[1], r[2], r[4], r[5], r[6], r[7]) for r in t.lines}
+  head = ("+100", "intentkv_learnable dead_slot", "heads/b@0123")
+  assert got == {"full -": (*head, "3", "2", "3", "0-1"),
+                 "streaming_llm dead_slot": (*head, "3", "2", "1", "1-0"),
+                 "intentkv_learnable dead_slot": (*head, "3", "2", "1", "2-1")}
+  assert agent_stats.versus([mine], grid) is None                   # no full row of its own
+
+
 def test_session_difference_resamples_whole_sessions():
   import agent_stats
   keys = [("s1", 0), ("s1", 1), ("s1", 2), ("s2", 0), ("s2", 1)]
