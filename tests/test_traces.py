@@ -284,3 +284,16 @@ def test_replay_bfcl_multi_turn(tmp_path):
   path = tmp_path / "b.json"
   traces.dump_toolbench(sessions, path)
   assert traces.load_toolbench(path) == sessions
+
+
+def test_made_by_names_the_command_of_the_sessions_source():
+  """An artifact's manifest records how its trace files are made: the command of their
+  own source (a head trained on BFCL traces must not point at the tau2 command)."""
+  s = lambda sid: Session(sid, "task", (Turn("user", "hi"),), ())
+  assert traces.made_by([s("bfcl/base/0"), s("bfcl/base/7")]) == (
+      "python scripts/make_traces.py --source=bfcl --out=data_local/bfcl_train.json "
+      "--held_out=data_local/bfcl_heldout.json")
+  assert "--source=tau2 --domains=airline,retail" in traces.made_by([s("tau2/airline/1")])
+  assert traces.made_by([s("tau2/airline/1"), s("bfcl/base/0")]) is None
+  assert traces.made_by([s("mine/1")]) is None
+  assert traces.MAKE_TRACES_HINT.endswith(traces.MAKE_TRACES["tau2"])

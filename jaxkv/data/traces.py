@@ -265,10 +265,21 @@ def parse_entry(entry: Any, index: int = 0) -> Session:
   return Session(sid, task, tuple(turns), tools)
 
 
-# The command that makes the trace files the configs and README commands read.
-MAKE_TRACES_HINT = ("make the tau2 traces with: python scripts/make_traces.py --source=tau2 "
-                    "--domains=airline,retail --out=data_local/tau2_train.json "
-                    "--held_out=data_local/tau2_heldout.json")
+# The commands that make the trace files of each source (data_local/<source>_train.json
+# and _heldout.json), keyed by a session id's first part; tau2's is what the configs and
+# README commands read.
+MAKE_TRACES = {
+    src: f"python scripts/make_traces.py --source={src}{extra} --out=data_local/{src}_train.json "
+         f"--held_out=data_local/{src}_heldout.json"
+    for src, extra in (("tau2", " --domains=airline,retail"), ("agentdojo", ""), ("bfcl", ""))}
+MAKE_TRACES_HINT = f"make the tau2 traces with: {MAKE_TRACES['tau2']}"
+
+
+def made_by(sessions) -> str | None:
+  """The command that makes trace files of these sessions' source (their ids' first
+  part, e.g. bfcl/base/0), None when the ids name no known source or several."""
+  sources = {s.id.split("/", 1)[0] for s in sessions}
+  return MAKE_TRACES[sources.pop()] if len(sources) == 1 and sources <= MAKE_TRACES.keys() else None
 
 
 def load_toolbench(path: str | os.PathLike, strict: bool = True,

@@ -101,9 +101,9 @@ def compare(got: dict, want: dict, path: str = "") -> list[str]:
 
 
 def _data(path: str) -> dict:
-  n = len(traces.load_toolbench(path, strict=False))
-  return dict(path=path, sha256=artifacts.sha256(path), sessions=n,
-              made_by=traces.MAKE_TRACES_HINT.split("with: ", 1)[-1])
+  sessions = traces.load_toolbench(path, strict=False)
+  return dict(path=path, sha256=artifacts.sha256(path), sessions=len(sessions),
+              made_by=traces.made_by(sessions))
 
 
 def _last_metrics(run: pathlib.Path) -> dict:
