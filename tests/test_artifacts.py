@@ -29,12 +29,16 @@ def test_manifests_describe_their_files():
   assert PruningConfig().head_path == artifacts.PRUNER_HEAD
 
 
-def test_the_qwen_head_is_intact_and_refuses_smollm2():
-  """The Phase-2 head trained on Qwen2.5-Coder-0.5B (issue 13's Qwen tables): files
-  as the manifest lists them, and loading it for another model is refused."""
-  folder = "artifacts/qwen2.5-coder-0.5b/pruner_head"
+@pytest.mark.parametrize("folder", ["artifacts/qwen2.5-coder-0.5b/pruner_head",
+                                    "artifacts/qwen2.5-coder-0.5b/pruner_head_bfcl"])
+def test_the_qwen_heads_are_intact_and_refuse_smollm2(folder):
+  """The Phase-2 heads trained on Qwen2.5-Coder-0.5B (on tau2: issue 13's Qwen tables;
+  on BFCL: issue 39's in-domain head): files as the manifest lists them, trained on the
+  traces its command names, and loading one for another model is refused."""
   m = artifacts.verify(folder)
   assert m["kind"] == "pruner_head" and m["model"] == "qwen2.5-coder-0.5b"
+  src = m["data"]["train"]["path"].split("/")[-1].split("_")[0]
+  assert f"--source={src}" in m["data"]["train"]["made_by"]
   assert m["held_out"]["recall_phase2"] > m["held_out"]["recall_phase1"]
   artifacts.load_pruner_head(folder, model_name="qwen2.5-coder-0.5b")
   with pytest.raises(ValueError, match=re.escape("qwen2.5-coder-0.5b")):
