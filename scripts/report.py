@@ -134,6 +134,7 @@ SOURCES = {
     "agent-eval-disc": "bench/results_agent_eval_disc.json",
     "agent-eval-disc-all": "bench/results_agent_eval_disc_all.json",
     "agent-eval-disc-bfcl": "bench/results_agent_eval_disc_bfcl.json",
+    "agent-eval-disc-bfcl-head": "bench/results_agent_eval_disc_bfcl_head.json",
     "closed-loop-tau2": "bench/results_closed_loop_tau2.json",
     "closed-loop-agentdojo": "bench/results_closed_loop_agentdojo.json",
     "reuse": "bench/results_reuse.json",
@@ -268,6 +269,10 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
                    # the same grid over both session sets, one row per configuration
                    ("agent-eval-disc-pooled", disc and bfcl and agent_stats.pool([disc, bfcl]))):
     out[name] = rs and _render(agent_stats.tables(rs))
+  # a head trained on BFCL, scored on the BFCL sessions it never saw, against the grid
+  head = rows["agent-eval-disc-bfcl-head"]
+  out["agent-eval-disc-bfcl-head"] = head and bfcl and _render(
+      [t for t in (agent_stats.table(head), agent_stats.versus(head, bfcl)) if t is not None])
   for name in ("agent-eval-qwen", "agent-eval-smollm2", "agent-eval-disc", "closed-loop-tau2",
                "closed-loop-agentdojo"):
     out[name] = rows[name] and _render(agent_tables.tables(rows[name], everything=False))
