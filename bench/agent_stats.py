@@ -186,6 +186,18 @@ SCORERS = ("intentkv_query", "intentkv_learnable")    # IntentKV's rule and its 
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 
 
+def paired_cells(ra: dict, rb: dict, keys) -> tuple[int, tuple[str, ...]]:
+  """Two rows over the `keys` both have: (n, the table cells n, a exact, b exact, split,
+  exact McNemar p, d [95% CI, session bootstrap])."""
+  oa, ob = _outcomes(ra), _outcomes(rb)
+  both, only_a, only_b = discordant(oa, ob, keys)
+  d, lo, hi = session_difference(oa, ob, both)
+  return len(both), (str(len(both)), str(sum(oa[k] for k in both)),
+                     str(sum(ob[k] for k in both)), f"{only_a}-{only_b}",
+                     f"{calls_lib.mcnemar(only_a, only_b):.3f}",
+                     f"{d:+.3f} [{lo:+.2f}, {hi:+.2f}]")
+
+
 def contrasts(rows: list[dict]) -> common.Table | None:
   """The paired comparisons the readings cite beyond the reference columns, per budget:
   IntentKV's head against its rule (each layout), every scorer in the compact layout
@@ -210,13 +222,8 @@ def contrasts(rows: list[dict]) -> common.Table | None:
       ra, rb = at.get((ma, la, b)), at.get((mb, lb, b))
       if ra is None or rb is None:
         continue
-      oa, ob = _outcomes(ra), _outcomes(rb)
-      both, only_a, only_b = discordant(oa, ob, keys)
-      d, lo, hi = session_difference(oa, ob, both)
-      out.append((budget_cell(ra), what, f"{ma} {la}", f"{mb} {lb}", str(len(both)),
-                  str(sum(oa[k] for k in both)), str(sum(ob[k] for k in both)),
-                  f"{only_a}-{only_b}", f"{calls_lib.mcnemar(only_a, only_b):.3f}",
-                  f"{d:+.3f} [{lo:+.2f}, {hi:+.2f}]"))
+      out.append((budget_cell(ra), what, f"{ma} {la}", f"{mb} {lb}",
+                  *paired_cells(ra, rb, keys)[1]))
   if not out:
     return None
   return common.Table(
@@ -241,16 +248,10 @@ def versus(rows: list[dict], others: list[dict]) -> common.Table | None:
       if not rb.get("calls") or (rb["method"] != "full" and (rb["layout"], budget_key(rb))
                                  != (ra["layout"], budget_key(ra))):
         continue
-      oa, ob = _outcomes(ra), _outcomes(rb)
-      both, only_a, only_b = discordant(oa, ob, keys)
-      if not both:
-        continue
-      d, lo, hi = session_difference(oa, ob, both)
-      out.append((budget_cell(ra), f"{ra['method']} {ra['layout']}", ra.get("head") or "-",
-                  f"{rb['method']} {rb['layout']}", str(len(both)),
-                  str(sum(oa[k] for k in both)), str(sum(ob[k] for k in both)),
-                  f"{only_a}-{only_b}", f"{calls_lib.mcnemar(only_a, only_b):.3f}",
-                  f"{d:+.3f} [{lo:+.2f}, {hi:+.2f}]"))
+      n, cells = paired_cells(ra, rb, keys)
+      if n:
+        out.append((budget_cell(ra), f"{ra['method']} {ra['layout']}",
+                    ra.get("head") or "-", f"{rb['method']} {rb['layout']}", *cells))
   if not out:
     return None
   return common.Table(
