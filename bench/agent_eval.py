@@ -506,9 +506,10 @@ def main(argv):
       rows = json.load(f)
   if env is None and FLAGS.full_from and not any(r["method"] == "full" for r in rows):
     with open(FLAGS.full_from) as f:
-      rows += [r for r in json.load(f) if r["method"] == "full"][:1]
-    if not rows:
+      full = [r for r in json.load(f) if r["method"] == "full"]
+    if not full:
       raise app.UsageError(f"--full_from={FLAGS.full_from} holds no full-cache row")
+    rows.append(full[0])
   if env is None and rescore(rows, sessions):
     common.write_rows(FLAGS.out, rows)
   scope = FLAGS.budget_scope
