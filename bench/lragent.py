@@ -117,26 +117,39 @@ def adapters_label(r: dict) -> str:
   return f"adapters {a['path']} (sha256 {a['sha256']})" if a else "adapters not recorded"
 
 
-def _todo(rows, trajs, label, targets, adapters):
-  """The trajectories of `trajs` with no row yet for this kind and these adapters."""
-  done = {(r["kind"], r["targets"], r["trace"], (r.get("adapters") or {}).get("sha256"))
-          for r in rows}
-  return [tr for tr in trajs
-          if (label, targets, tr.session, (adapters or {}).get("sha256")) not in done]
+def _todo(rows, trajs, label, targets, adapters, schemes=("non_shared",)):
+  """The trajectories of `trajs` that lack a row of some of `schemes` for this kind and
+  these adapters, each with the schemes it lacks: [(trajectory, [scheme])], in the
+  order of `trajs` and `schemes` (a later run of other schemes adds their rows to the
+  trajectories an earlier one measured)."""
+  done = {(r["kind"], r["targets"], r["trace"], (r.get("adapters") or {}).get("sha256"),
+           r["scheme"]) for r in rows}
+  key = (label, targets)
+  sha = (adapters or {}).get("sha256")
+  out = []
+  for tr in trajs:
+    missing = [s for s in schemes if key + (tr.session, sha, s) not in done]
+    if missing:
+      out.append((tr, missing))
+  return out
 
 
 def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True,
             adapters=None):
-  """Runs every scheme on each trajectory not yet in `rows` for these `adapters`
-  (`provenance`); appends its rows and writes `out` after each trajectory (a rerun
-  resumes). Without `timing` each scheme runs once (fidelity and call accuracy do not
-  depend on the pass) and the timing fields are null."""
+  """Runs each scheme on each trajectory that has no row of it yet for these
+  `adapters` (`provenance`); appends those rows and writes `out` after each trajectory
+  (a rerun resumes). non_shared, the fidelity reference, runs on every trajectory run
+  (its row is appended only where it lacks one). Without `timing` each scheme runs once
+  (fidelity and call accuracy do not depend on the pass) and the timing fields are
+  null."""
   targets = ",".join(w.targets)
-  todo = _todo(rows, trajs, label, targets, adapters)
-  bar = tqdm(total=len(todo) * len(schemes), desc=label)
-  for tr in todo:
+  todo = _todo(rows, trajs, label, targets, adapters, schemes)
+  runs = [(tr, ["non_shared"] * ("non_shared" not in missing) + missing)
+          for tr, missing in todo]
+  bar = tqdm(total=sum(len(ss) for _, ss in runs), desc=label)
+  for (tr, missing), (_, run) in zip(todo, runs):
     res = {}
-    for s in schemes:
+    for s in run:
       bar.set_postfix(trace=tr.session, tokens=len(tr), scheme=s)
       # Pool sizes bucketed so trajectories of similar length share compiled steps.
       r = AgentRunner(llm, w, s, max_tokens=plan.bucket(len(tr) + 16, 1024, 1024),
@@ -146,7 +159,8 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True
         res[s] = r.run(tr)                          # timed
       bar.update()
     ref = res["non_shared"]
-    for s, r in res.items():
+    for s in missing:
+      r = res[s]
       rows.append(dict(scheme=s, trace=tr.session, context_tokens=len(tr), kv_bytes=r.kv_bytes,
                        ttft_s=float(np.mean([c.ttft_s for c in r.calls])) if timing else None,
                        tokens_per_s=r.generated / r.wall_s if timing else None,
@@ -167,7 +181,9 @@ def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch, adapt
   group (a rerun resumes). Timing fields are null (TTFT inside a batch waits behind
   other rows), the fidelity and accuracy fields are the runner's."""
   targets = ",".join(w.targets)
-  todo = _todo(rows, trajs, label, targets, adapters)
+  missing = {tr.session: m
+             for tr, m in _todo(rows, trajs, label, targets, adapters, schemes)}
+  todo = [tr for tr in trajs if tr.session in missing]   # each runs every scheme
   if not todo:
     return
   max_tokens = plan.bucket(max(len(tr) for tr in trajs) + 16, 1024, 1024)
@@ -191,7 +207,7 @@ def run_engine(llm, w, trajs, schemes, chunk, label, rows, out, max_batch, adapt
       del eng, ag
     for tr in group:
       ref = res["non_shared", tr.session]
-      for s in schemes:
+      for s in missing[tr.session]:
         r = res[s, tr.session]
         rows.append(dict(scheme=s, trace=tr.session, context_tokens=len(tr), kv_bytes=r.kv_bytes,
                          ttft_s=None, tokens_per_s=None, **fidelity(r, ref),

@@ -288,3 +288,31 @@ def test_a_shared_pool_too_small_for_a_trajectory_leaks_nothing(llm):
   kv.check()
   with pytest.raises(ValueError, match="base_shared"):
     AgentRunner(llm, w, "base_shared", max_tokens=64, kv=kv)
+
+
+@pytest.mark.slow   # an engine and three runner schemes: ~40-80 s on 2 cores
+def test_bench_runner_adds_the_schemes_an_engine_run_lacks(llm, traj, distinct):
+  """bench/lragent.py: the engine serves three schemes; a later runner run of
+  droidspeak on the same rows adds only its rows (non_shared reruns as the reference,
+  its row not repeated), paired against the same non_shared, and a rerun adds none."""
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+  import lragent as bench
+
+  w, ref = distinct
+  rows = []
+  bench.run_engine(llm, w, [traj], ["non_shared", "full_shared"], 64, "real-qv", rows, None,
+                   max_batch=2)
+  assert [r["scheme"] for r in rows] == ["non_shared", "full_shared"]
+  for _ in range(2):                                   # the second run finds nothing to do
+    bench.run_all(llm, w, [traj], ["non_shared", "droidspeak"], (1, 2), 64, "real-qv", rows,
+                  None, timing=False)
+    assert [r["scheme"] for r in rows] == ["non_shared", "full_shared", "droidspeak"]
+  ds = rows[-1]
+  own = _run(llm, w, "droidspeak", traj, window=(1, 2))
+  np.testing.assert_allclose(ds["token_dlp"], _lp(ref) - _lp(own), atol=TOL)
+  assert ds["window"] == [1, 2] and ds["delta_nll"] > 0     # distinct adapters: it differs
+  paired = bench.paired_table("real-qv", rows, ["non_shared", "full_shared", "droidspeak"])
+  assert [line[:3] for line in paired.lines] == [["full_shared", "non_shared", "1"],
+                                                 ["droidspeak", "non_shared", "1"]]

@@ -74,11 +74,17 @@ def test_rows_name_their_adapters_and_resume_per_adapter_set(tmp_path):
   assert bench.provenance(str(copy))["sha256"] != shipped["sha256"]
 
   trajs = [types.SimpleNamespace(session=s) for s in ("t1", "t2")]
-  old = dict(kind="emulated-qv", targets="q,v", trace="t1")
+  old = dict(kind="emulated-qv", targets="q,v", trace="t1", scheme="non_shared")
   new = dict(old, trace="t2", adapters=shipped)
   todo = bench._todo([old, new], trajs, "emulated-qv", "q,v", shipped)
-  assert [t.session for t in todo] == ["t1"]                # t1's row names no adapters
-  assert bench._todo([old, new], trajs, "emulated-qv", "q,v", None) == trajs[1:]
+  assert [(t.session, m) for t, m in todo] == [("t1", ["non_shared"])]   # t1's names none
+  assert bench._todo([old, new], trajs, "emulated-qv", "q,v", None) == [(trajs[1],
+                                                                         ["non_shared"])]
+  # a run of other schemes adds them where they lack (an engine run served three of five)
+  later = bench._todo([old, new, dict(new, scheme="full_shared")], trajs, "emulated-qv",
+                      "q,v", shipped, ("non_shared", "full_shared", "droidspeak"))
+  assert [(t.session, m) for t, m in later] == [
+      ("t1", ["non_shared", "full_shared", "droidspeak"]), ("t2", ["droidspeak"])]
 
   def row(scheme, adapters):
     return dict(scheme=scheme, kind="real-qv", trace="t1", context_tokens=100, kv_bytes=0,
