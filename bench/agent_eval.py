@@ -43,7 +43,9 @@ next_call_args (gold argument values the generated call carries under the same k
 values read from the raw text, `calls.argument_mentions`: a call cut off by the token
 cap still shows the IDs it copied), the generated `texts` and per call (`calls`:
 session, turn, exact, name, prunable = its prunable-only gold values, kept = all of
-them survived pruning whole, `kept_values`; None where not recorded); closed loop:
+them survived pruning whole, `kept_values`; kept_share = the least-kept value's largest
+share of one occurrence's tokens kept: 1.0 whole, 0 gone, between: cut mid-value; None
+where not recorded); closed loop:
 compl, raw_acc, true_acc with intervals, n_tasks, the outcome counts and each
 episode (`episodes`); both: pruned_share and the efficiency columns of
 `bench/pruning.py` over the real decode steps: pt, eff_live_kv, raw_reads,
@@ -146,12 +148,15 @@ def plan_session(session: traces.Session, tokenizer, max_tokens: int,
                         meta={"prunable": prunable, "spans": spans})
 
 
-def kept_values(plan: replay.Session, metrics) -> dict[int, list[bool]]:
-  """Per scored turn: whether each prunable-only gold value survived pruning whole (some
-  occurrence with every token kept; `labels.values_kept`), from the turn's kept mask.
-  Turns whose metrics carry no mask (read back from a journal) are left out."""
+def kept_values(plan: replay.Session, metrics) -> dict[int, list[float]]:
+  """Per scored turn: how much of each prunable-only gold value survived pruning, the
+  largest share of one occurrence's tokens kept (`labels.values_coverage`: 1.0 whole,
+  0.0 gone, between: cut mid-value), from the turn's kept mask. Turns whose metrics
+  carry no mask (read back from a journal) are left out; journals written before the
+  shares hold booleans (whole or not)."""
   spans = plan.meta.get("spans", {})
-  return {t.i: labels.values_kept(spans[t.i], np.asarray(m.kept, bool))
+  return {t.i: [round(c, 4) for c in labels.values_coverage(spans[t.i],
+                                                            np.asarray(m.kept, bool))]
           for t, m in zip(plan.turns, metrics) if t.i in spans and m.kept is not None}
 
 
@@ -218,10 +223,20 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
               # per call, for the paired tests (agent_stats.annotate)
               calls=[dict(session=s["session"], turn=s["turn"], exact=bool(s["exact"]),
                           name=bool(s["name"]), prunable=s["prunable"],
-                          kept=all(s["values_kept"]) if s.get("values_kept") else None)
+                          kept=all(v == 1 for v in s["values_kept"])
+                          if s.get("values_kept") else None,
+                          kept_share=_least_share(s.get("values_kept")))
                      for s in flat],
               evidence_by_session=ev, future_evidence_recall_ci=[ev_lo, ev_hi],
               **{k: eff[k] for k in keep})
+
+
+def _least_share(values) -> float | None:
+  """The call's least-kept value (`kept_values`' shares; the call needs every value
+  whole): None without values or when they were recorded as booleans only."""
+  if not values or any(isinstance(v, bool) for v in values):
+    return None
+  return min(values)
 
 
 def rescore(rows: list[dict], sessions) -> int:

@@ -280,15 +280,20 @@ def values_table(rows: list[dict]) -> common.Table | None:
     lo, hi = calls_lib.wilson(len(kept), len(cs))
     rate = lambda xs: (f"{sum(c['exact'] for c in xs) / len(xs):.3f} "
                        f"({sum(c['exact'] for c in xs)}/{len(xs)})" if xs else "-")
+    shares = [c["kept_share"] for c in lost if c.get("kept_share") is not None]
+    mid = f"{sum(0 < x < 1 for x in shares)}/{len(shares)}" if shares else "-"
     out.append((r["method"], r["layout"], budget_cell(r), str(len(cs)),
-                f"{len(kept) / len(cs):.3f}", f"[{lo:.2f}, {hi:.2f}]", rate(kept), rate(lost)))
+                f"{len(kept) / len(cs):.3f}", f"[{lo:.2f}, {hi:.2f}]", rate(kept), rate(lost),
+                mid))
   if not out:
     return None
   return common.Table(
       "the scored calls' prunable-only gold values kept whole (some occurrence with every "
-      "token kept) by the pruned cache, Wilson 95%, and the exact rate when they were / "
-      "were not", ("method", "layout", "C", "n", "values kept", "95% CI",
-                   "exact if kept", "exact if cut"), out)
+      "token kept) by the pruned cache, Wilson 95%, the exact rate when they were / were "
+      "not, and of the cut calls those whose value was cut mid-value (part of an "
+      "occurrence kept; rows run before this record show -)",
+      ("method", "layout", "C", "n", "values kept", "95% CI", "exact if kept",
+       "exact if cut", "cut mid-value"), out)
 
 
 def tables(rows: list[dict]) -> list[common.Table]:

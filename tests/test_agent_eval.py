@@ -173,28 +173,45 @@ def test_value_spans_are_the_prunable_occurrences_and_kept_needs_every_token(llm
   assert labels.values_kept([occ], kept) == [True]
   kept[[o[len(o) // 2] for o in occ]] = False       # one token cut in every occurrence
   assert labels.values_kept([occ], kept) == [False]
+  cut = [1 - 1 / len(o) for o in occ]
+  assert labels.values_coverage([occ], kept) == [max(cut)]      # cut mid-value
   kept[occ[0]] = True                                # one occurrence whole again
   assert labels.values_kept([occ], kept) == [True]
+  assert labels.values_coverage([occ], kept) == [1.0]
+  kept[:] = False
+  assert labels.values_coverage([occ, []], kept) == [0.0, 0.0]  # gone; no occurrence
   assert labels.value_spans(p, ["not in the prompt"]) == [[]]
 
 
 def test_values_table_splits_exact_by_whether_the_values_survived():
   import agent_stats
 
-  def row(method, exact, kept):
-    calls = [dict(session="a", turn=t, exact=e, name=True, prunable=1, kept=k)
-             for t, e, k in zip((1, 2, 3, 4), exact, kept)]
+  def row(method, exact, kept, shares=(None,) * 4):
+    calls = [dict(session="a", turn=t, exact=e, name=True, prunable=1, kept=k, kept_share=x)
+             for t, e, k, x in zip((1, 2, 3, 4), exact, kept, shares)]
     return dict(method=method, layout="dead_slot", budget=100, calls=calls)
   full = row("full", (True,) * 4, (True,) * 4)
-  rand = row("random", (True, False, False, True), (True, False, False, None))
+  rand = row("random", (True, False, False, True), (True, False, False, None),
+             (1.0, 0.5, 0.0, None))           # turn 2 cut mid-value, turn 3 gone
   old = row("h2o", (True, False, False, False), (None,) * 4)   # run before the field
-  rows = [full, rand, old]
+  bools = row("snapkv", (True, False, False, True), (True, False, False, None))
+  rows = [full, rand, old, bools]
   agent_stats.annotate(rows, "discriminative")
   table = agent_stats.values_table(rows)
-  assert [c[:3] for c in table.lines] == [("random", "dead_slot", "100")]
+  assert [c[:3] for c in table.lines] == [("random", "dead_slot", "100"),
+                                          ("snapkv", "dead_slot", "100")]
   assert table.lines[0][3:5] == ("3", "0.333")
-  assert table.lines[0][6:] == ("1.000 (1/1)", "0.000 (0/2)")
+  assert table.lines[0][6:] == ("1.000 (1/1)", "0.000 (0/2)", "1/2")
+  assert table.lines[1][8] == "-"                  # kept recorded, shares not
   assert agent_stats.values_table([full, old]) is None
+
+
+def test_kept_share_is_the_least_kept_value_and_booleans_have_none():
+  """A call needs every value whole: its share is its least-kept value's; a journal
+  written before the shares (booleans) gives whole-or-not and no share."""
+  assert agent_eval._least_share([1.0, 0.25, 0.5]) == 0.25
+  assert agent_eval._least_share([True, False]) is None
+  assert agent_eval._least_share(None) is None and agent_eval._least_share([]) is None
 
 
 def test_paired_fields_score_discriminative_calls_only():
@@ -409,6 +426,8 @@ def test_a_killed_configuration_resumes_from_its_saved_sessions(llm, tmp_path):
                                            journal=journal, key="k")
   whole = go(common.Journal(str(path)))
   assert ran == [[sessions[0].id], [sessions[1].id]]
+  shares = [c["kept_share"] for c in whole["calls"] if c["prunable"]]
+  assert shares and all(0 <= x <= 1 for x in shares)     # journaled with the sessions
   lines = path.read_text().splitlines()
   assert len(lines) == 2
   path.write_text(lines[0] + "\n" + lines[1][:40])      # killed while writing the second
