@@ -348,16 +348,20 @@ def tables(rows) -> list[common.Table]:
         out.append(common.Table(f"{kind}: {title} by trajectory length (tokens)",
                                 ["scheme"] + [str(n) for n in lens], lines))
     lines = []
+    counts = {s: sum(r["scheme"] == s for r in sub) for s in schemes}
+    uneven = len(set(counts.values())) > 1      # a run not finished, or schemes run apart
     for s in schemes:
       rs = [r for r in sub if r["scheme"] == s]
       lines.append([s, f"{np.mean([r['delta_nll'] for r in rs]):+.4f}",
                     f"{np.mean([r['greedy_agreement'] for r in rs]):.3f}",
                     f"{np.mean([r['computed_tokens'] for r in rs]):.0f}",
-                    f"{np.mean([r['recomputed_tokens'] for r in rs]):.0f}"])
-    out.append(common.Table(f"{kind}: fidelity vs non_shared (means over "
-                            f"{len({r['trace'] for r in sub})} trajectories)",
-                            ["scheme", "dNLL", "greedy agree", "computed tok", "recomputed tok"],
-                            lines))
+                    f"{np.mean([r['recomputed_tokens'] for r in rs]):.0f}"]
+                   + [str(counts[s])] * uneven)
+    over = ("each scheme's trajectories, n" if uneven else
+            f"{len({r['trace'] for r in sub})} trajectories")
+    out.append(common.Table(f"{kind}: fidelity vs non_shared (means over {over})",
+                            ["scheme", "dNLL", "greedy agree", "computed tok", "recomputed tok"]
+                            + ["n"] * uneven, lines))
     if kind.startswith("real") and all("action_n" in r for r in sub):
       out.append(accuracy_table(kind, sub, schemes))
     if kind.startswith("real") and all("token_dlp" in r for r in sub):

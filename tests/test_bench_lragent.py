@@ -91,6 +91,12 @@ def test_rows_name_their_adapters_and_resume_per_adapter_set(tmp_path):
                 ttft_s=None, tokens_per_s=None, delta_nll=0.0, greedy_agreement=1.0,
                 computed_tokens=1, recomputed_tokens=0, **({"adapters": adapters}
                                                            if adapters else {}))
+  # schemes measured on different trajectory counts (a run not finished) say so per scheme
+  fid = [t for t in bench.tables([row("non_shared", shipped), dict(row("non_shared", shipped),
+                                                                   trace="t2"),
+                                   row("droidspeak", shipped)]) if "fidelity" in t.title]
+  assert "each scheme's trajectories" in fid[0].title
+  assert [line[-1] for line in fid[0].lines] == ["2", "1"]
   titles = [t.title for t in bench.tables([row("non_shared", shipped), row("non_shared", None)])]
   assert any("adapters not recorded" in t for t in titles)
   assert any(f"sha256 {shipped['sha256']}" in t for t in titles)
