@@ -131,7 +131,7 @@ def plan_session(session: traces.Session, tokenizer, max_tokens: int,
   scored = set(call_turns(session))
   # with the head forced, the reply is done once it completes the call
   done = lambda ids: bool(calls.completed_call("", tokenizer.decode(list(ids))))
-  turns, prunable, spans = [], {}, {}
+  turns, prunable, spans, history = [], {}, {}, {}
   for i, m in enumerate(messages):
     if m.get("role") != "assistant" or i == 0 or i > max(scored, default=-1):
       continue
@@ -140,12 +140,14 @@ def plan_session(session: traces.Session, tokenizer, max_tokens: int,
       p = labels.prepare_turn(tokenizer, messages, tools, i)
       prunable[i] = labels.prunable_only_values(p, messages, i)
       spans[i] = labels.value_spans(p, prunable[i])
+      history[i] = p["qs"] - p["sys_len"]    # what the history scope's C counts
       if given == "name":
         k = argument_prefix(tokenizer, p["gold"])
     turns.append(replay.Turn(i, generate=i in scored, max_tokens=max_tokens, forced_reply=k,
                              until=done if k else None))
   return replay.Session(session.id, messages, tools, turns,
-                        meta={"prunable": prunable, "spans": spans})
+                        meta={"prunable": prunable, "spans": spans, "history": history})
+
 
 
 def kept_values(plan: replay.Session, metrics) -> dict[int, list[float]]:
@@ -180,7 +182,7 @@ def score_session(session: traces.Session, plan: replay.Session, metrics,
       rec.update(exact=exact, name=name, arg_hits=hits, n_args=n_args, text=m.text,
                  arg_mentions=calls.argument_mentions(m.text, gold)[0],
                  prunable=len(plan.meta.get("prunable", {}).get(t.i, [])),
-                 values_kept=kept.get(t.i))
+                 values_kept=kept.get(t.i), history=plan.meta.get("history", {}).get(t.i))
     out.append(rec)
   return out
 
@@ -225,7 +227,8 @@ def summarize(samples_by_session: list[list[dict]]) -> dict:
                           name=bool(s["name"]), prunable=s["prunable"],
                           kept=all(v == 1 for v in s["values_kept"])
                           if s.get("values_kept") else None,
-                          kept_share=_least_share(s.get("values_kept")))
+                          kept_share=_least_share(s.get("values_kept")),
+                          history=s.get("history"))
                      for s in flat],
               evidence_by_session=ev, future_evidence_recall_ci=[ev_lo, ev_hi],
               **{k: eff[k] for k in keep})
@@ -525,7 +528,8 @@ def main(argv):
     if not full:
       raise app.UsageError(f"--full_from={FLAGS.full_from} holds no full-cache row")
     rows.append(full[0])
-  if env is None and rescore(rows, sessions):
+  if env is None and (rescore(rows, sessions) + agent_splits.fill_history(rows, sessions,
+                                                                             llm.tokenizer)):
     common.write_rows(FLAGS.out, rows)
   scope = FLAGS.budget_scope
   journal = common.Journal(FLAGS.out and FLAGS.out + ".partial.jsonl")   # sessions as they go

@@ -121,6 +121,24 @@ def call_spans(sessions, tokenizer, max_prompt: int) -> list[tuple[int, int, int
   return out
 
 
+def fill_history(rows: list[dict], sessions, tokenizer) -> int:
+  """Fills `history` (the prunable history, qs - sys_len, as `call_spans`) into the call
+  records of rows written before it, from `sessions` (calls of other sessions are left
+  alone); returns the records filled. A call whose history is at most C (history
+  scope) prunes nothing, nor did any earlier turn of its session."""
+  by_id, chats, done = {s.id: s for s in sessions}, {}, 0
+  for r in rows:
+    for c in r.get("calls") or ():
+      if "history" in c or c["session"] not in by_id:
+        continue
+      if c["session"] not in chats:
+        chats[c["session"]] = traces.session_chat(by_id[c["session"]], tokenizer)
+      p = labels.prepare_turn(tokenizer, *chats[c["session"]], c["turn"], reply=False)
+      c["history"] = int(p["qs"] - p["sys_len"])
+      done += 1
+  return done
+
+
 def lengths(spans, scope: str) -> list[int]:
   """What a budget of `scope` is compared with: the prompt, or its history alone."""
   return [n if scope == "prompt" else qs - sys_len for n, sys_len, qs in spans]

@@ -296,10 +296,50 @@ def values_table(rows: list[dict]) -> common.Table | None:
        "exact if cut", "cut mid-value"), out)
 
 
+def pruned_table(rows: list[dict]) -> common.Table | None:
+  """Each pruned row's exact rate on the scored calls its budget can change: those whose
+  prunable history (`history`, on the full-cache row's calls) exceeds C under the
+  history scope. The others prune nothing, nor did their session before them, so they
+  equal the full cache whatever the method (counting them puts every rate nearer the
+  full cache's). The subset depends on C alone, so rows of one C stay paired (their
+  McNemar splits are the main table's: a call that cannot change is never discordant).
+  None without a full row carrying `history`."""
+  keys = scored_calls(rows, "discriminative")
+  full = next((r for r in rows if r["method"] == "full" and r.get("calls")), None)
+  if not keys or full is None:
+    return None
+  hist = {(c["session"], c["turn"]): c.get("history") for c in full["calls"]}
+  if any(hist.get(k) is None for k in keys):
+    return None
+  full_exact = _outcomes(full)
+  out = []
+  for r in rows:
+    if r["method"] == "full" or not r.get("calls") or budget_key(r)[0] != "history":
+      continue
+    mine = _outcomes(r)
+    can = [k for k in keys if hist[k] > r["budget"] and k in mine]
+    if not can:
+      continue
+    k = sum(mine[c] for c in can)
+    lo, hi = calls_lib.wilson(k, len(can))
+    ref = sum(full_exact[c] for c in can) / len(can)
+    out.append((r["method"], r["layout"], budget_cell(r), f"{len(can)} of {len(keys)}",
+                f"{k / len(can):.3f} ({k})", f"[{lo:.2f}, {hi:.2f}]",
+                f"{100 * (ref - k / len(can)):.1f}"))
+  if not out:
+    return None
+  return common.Table(
+      "on the scored calls each budget can change (prunable history longer than C; the "
+      "others equal the full cache under every method): exact, Wilson 95%, and points "
+      "below the full cache on the same calls",
+      ("method", "layout", "C", "n (can change)", "exact", "95% CI", "below full"), out)
+
+
 def tables(rows: list[dict]) -> list[common.Table]:
-  """The scored-call table, the contrasts and the values-kept table of `rows`, those
-  that exist yet."""
-  return [t for t in (table(rows), contrasts(rows), values_table(rows)) if t is not None]
+  """The scored-call table, the contrasts, the calls each budget can change and the
+  values-kept table of `rows`, those that exist yet."""
+  return [t for t in (table(rows), contrasts(rows), pruned_table(rows), values_table(rows))
+          if t is not None]
 
 
 def session_difference(a: dict, b: dict, keys) -> tuple[float, float, float]:

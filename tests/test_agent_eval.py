@@ -206,6 +206,52 @@ def test_values_table_splits_exact_by_whether_the_values_survived():
   assert agent_stats.values_table([full, old]) is None
 
 
+def test_pruned_table_counts_only_the_calls_the_budget_can_change():
+  """A scored call whose history is at most C prunes nothing: the table rates each row
+  on the others only, against the full cache on the same calls; a row of prompt scope,
+  or a full row without `history`, gives no table."""
+  import agent_stats
+
+  def row(method, exact, budget=100, history=None):
+    calls = [dict(session="a", turn=t, exact=e, name=True, prunable=1)
+             for t, e in zip((1, 2, 3, 4), exact)]
+    if history:
+      for c, h in zip(calls, history):
+        c["history"] = h
+    return dict(method=method, layout="dead_slot", budget=budget, budget_scope="history",
+                calls=calls)
+  full = row("full", (True,) * 4, 0, history=(50, 100, 150, 400))
+  rows = [full, row("h2o", (True, True, False, True)), row("random", (True, True, False, False)),
+          row("snapkv", (True, True, True, True), budget=200)]
+  table = agent_stats.pruned_table(rows)
+  assert [line[:4] for line in table.lines] == [("h2o", "dead_slot", "+100", "2 of 4"),
+                                                ("random", "dead_slot", "+100", "2 of 4"),
+                                                ("snapkv", "dead_slot", "+200", "1 of 4")]
+  assert [line[4:] for line in table.lines] == [("0.500 (1)", "[0.09, 0.91]", "50.0"),
+                                                ("0.000 (0)", "[0.00, 0.66]", "100.0"),
+                                                ("1.000 (1)", "[0.21, 1.00]", "0.0")]
+  del full["calls"][3]["history"]                 # written before the field
+  assert agent_stats.pruned_table(rows) is None
+
+
+def test_fill_history_is_the_prunable_history_of_each_call(llm):
+  """Rows written before `history` get it from the sessions (the tokens between the
+  system prompt and the query span); calls of other sessions stay as they are."""
+  import agent_splits
+
+  s = _session()
+  messages, tools = traces.session_chat(s, llm.tokenizer)
+  rows = [dict(method="full", calls=[dict(session=s.id, turn=t) for t in (2, 6)]
+               + [dict(session="elsewhere", turn=2)])]
+  assert agent_splits.fill_history(rows, [s], llm.tokenizer) == 2
+  for c in rows[0]["calls"][:2]:
+    p = labels.prepare_turn(llm.tokenizer, messages, tools, c["turn"])
+    assert c["history"] == p["qs"] - p["sys_len"]
+  assert rows[0]["calls"][0]["history"] < rows[0]["calls"][1]["history"]
+  assert "history" not in rows[0]["calls"][2]
+  assert agent_splits.fill_history(rows, [s], llm.tokenizer) == 0
+
+
 def test_kept_share_is_the_least_kept_value_and_booleans_have_none():
   """A call needs every value whole: its share is its least-kept value's; a journal
   written before the shares (booleans) gives whole-or-not and no share."""
