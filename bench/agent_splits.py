@@ -126,15 +126,18 @@ def fill_history(rows: list[dict], sessions, tokenizer) -> int:
   records of rows written before it, from `sessions` (calls of other sessions are left
   alone); returns the records filled. A call whose history is at most C (history
   scope) prunes nothing, nor did any earlier turn of its session."""
-  by_id, chats, done = {s.id: s for s in sessions}, {}, 0
+  by_id, chats, known, done = {s.id: s for s in sessions}, {}, {}, 0
   for r in rows:
     for c in r.get("calls") or ():
+      key = c["session"], c["turn"]      # every row holds the same calls: one prompt each
       if "history" in c or c["session"] not in by_id:
         continue
-      if c["session"] not in chats:
-        chats[c["session"]] = traces.session_chat(by_id[c["session"]], tokenizer)
-      p = labels.prepare_turn(tokenizer, *chats[c["session"]], c["turn"], reply=False)
-      c["history"] = int(p["qs"] - p["sys_len"])
+      if key not in known:
+        if c["session"] not in chats:
+          chats[c["session"]] = traces.session_chat(by_id[c["session"]], tokenizer)
+        p = labels.prepare_turn(tokenizer, *chats[c["session"]], c["turn"], reply=False)
+        known[key] = int(p["qs"] - p["sys_len"])
+      c["history"] = known[key]
       done += 1
   return done
 
