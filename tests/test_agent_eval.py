@@ -170,13 +170,12 @@ def test_value_spans_are_the_prunable_occurrences_and_kept_needs_every_token(llm
     assert o == list(range(o[0], o[-1] + 1)) and p["sys_len"] <= o[0] and o[-1] < p["qs"]
     assert "mia_li_3668" in llm.tokenizer.decode([p["ids"][j] for j in o])
   kept = np.ones(len(p["ids"]), bool)
-  assert labels.values_kept([occ], kept) == [True]
+  assert labels.values_coverage([occ], kept) == [1.0]
   kept[[o[len(o) // 2] for o in occ]] = False       # one token cut in every occurrence
-  assert labels.values_kept([occ], kept) == [False]
   cut = [1 - 1 / len(o) for o in occ]
+  assert max(cut) < 1                                # so the value no longer counts as kept
   assert labels.values_coverage([occ], kept) == [max(cut)]      # cut mid-value
   kept[occ[0]] = True                                # one occurrence whole again
-  assert labels.values_kept([occ], kept) == [True]
   assert labels.values_coverage([occ], kept) == [1.0]
   kept[:] = False
   assert labels.values_coverage([occ, []], kept) == [0.0, 0.0]  # gone; no occurrence
@@ -250,6 +249,10 @@ def test_fill_history_is_the_prunable_history_of_each_call(llm):
   assert rows[0]["calls"][0]["history"] < rows[0]["calls"][1]["history"]
   assert "history" not in rows[0]["calls"][2]
   assert agent_splits.fill_history(rows, [s], llm.tokenizer) == 0
+  twins = [dict(method=m, calls=[dict(session=s.id, turn=t) for t in (2, 6)])
+           for m in ("h2o", "random")]          # rows repeat the same calls
+  assert agent_splits.fill_history(twins, [s], llm.tokenizer) == 4
+  assert all(r["calls"] == rows[0]["calls"][:2] for r in twins)
 
 
 def test_kept_share_is_the_least_kept_value_and_booleans_have_none():

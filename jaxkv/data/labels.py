@@ -127,11 +127,6 @@ def value_spans(p: dict, values: Iterable[str]) -> list[list[list[int]]]:
   return out
 
 
-def values_kept(spans: list[list[list[int]]], kept: np.ndarray) -> list[bool]:
-  """Per value of `value_spans`: some occurrence has every token in `kept` ([N] mask)."""
-  return [c == 1.0 for c in values_coverage(spans, kept)]
-
-
 def values_coverage(spans: list[list[list[int]]], kept: np.ndarray) -> list[float]:
   """Per value of `value_spans`: the largest share of an occurrence's tokens in `kept`
   ([N] mask): 1.0 when some occurrence is whole, 0.0 when every occurrence is gone (or
