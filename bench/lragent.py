@@ -144,12 +144,11 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True
   null."""
   targets = ",".join(w.targets)
   todo = _todo(rows, trajs, label, targets, adapters, schemes)
-  runs = [(tr, ["non_shared"] * ("non_shared" not in missing) + missing)
-          for tr, missing in todo]
-  bar = tqdm(total=sum(len(ss) for _, ss in runs), desc=label)
-  for (tr, missing), (_, run) in zip(todo, runs):
+  with_ref = lambda missing: ["non_shared"] * ("non_shared" not in missing) + missing
+  bar = tqdm(total=sum(len(with_ref(m)) for _, m in todo), desc=label)
+  for tr, missing in todo:
     res = {}
-    for s in run:
+    for s in with_ref(missing):
       bar.set_postfix(trace=tr.session, tokens=len(tr), scheme=s)
       # Pool sizes bucketed so trajectories of similar length share compiled steps.
       r = AgentRunner(llm, w, s, max_tokens=plan.bucket(len(tr) + 16, 1024, 1024),
