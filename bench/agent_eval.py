@@ -341,13 +341,21 @@ def system_prefixes(tokenizer, sessions) -> list:
   return [list(k) for k in out]
 
 
-def discriminative_sessions(rows: list[dict], sessions, tokenizer) -> list:
+def discriminative_sessions(rows: list[dict], sessions, tokenizer,
+                            history_over: int | None = None) -> list:
   """The sessions that can hold a discriminative call: before the full cache has run,
   those with a call whose gold value lies only in prunable history; after it, those
-  with a call it solved among them (the others cannot change a discriminative score)."""
+  with a call it solved among them (the others cannot change a discriminative score).
+  `history_over` = C (history scope): of those, the ones with such a call whose prunable
+  history (`history` on the full row) exceeds C; the others score as the full cache."""
   keys = agent_stats.scored_calls(rows, "discriminative")
   if keys is not None:
     ids = {sid for sid, _ in keys}
+    if history_over is not None:
+      full = next(r for r in rows if r["method"] == "full" and r.get("calls"))
+      hist = {(c["session"], c["turn"]): c.get("history") for c in full["calls"]}
+      if all(hist[k] is not None for k in keys):
+        ids = {sid for sid, t in keys if hist[sid, t] > history_over}
     return [s for s in sessions if s.id in ids]
   out = []
   for s in sessions:
@@ -399,7 +407,8 @@ def define_flags():
                     "the full method); all = every call")
   flags.DEFINE_bool("skip_sessions", False, "with --calls=discriminative, run only the "
                     "sessions that can hold a discriminative call (a call with a gold value "
-                    "only in prunable history; after the full cache, one it solved): the "
+                    "only in prunable history; after the full cache, one it solved; under "
+                    "--budget_scope=history, one whose prunable history exceeds C): the "
                     "efficiency and recall columns then cover those sessions alone")
   flags.DEFINE_enum("given", "none", ["none", "name"], "next-call mode: none = the model writes "
                     "the whole turn; name = the gold turn up to the arguments (thought, tool "
@@ -541,17 +550,25 @@ def main(argv):
   for name, layout, budget in configs:
     if (name, layout, budget) in have:
       continue
+    desc, prefixes = f"{name}/{layout}/C={budget}", shared
     if env is None and FLAGS.calls == "discriminative" and FLAGS.skip_sessions:
-      sessions = discriminative_sessions(rows, sessions, llm.tokenizer)
+      sessions = run_on = discriminative_sessions(rows, sessions, llm.tokenizer)
+      if name != "full" and scope == "history":    # only the sessions C can change
+        run_on = discriminative_sessions(rows, sessions, llm.tokenizer, budget)
+        prefixes = system_prefixes(llm.tokenizer, run_on)
+      if not run_on:
+        print(f"{desc}: no scored call has more prunable history than C: not run")
+        continue
+    elif env is None:
+      run_on = sessions
     cfg = (PruningConfig(method="none") if name == "full" else
            PruningConfig(layout=layout, budget=budget, budget_scope=scope, **METHODS[name]))
-    desc = f"{name}/{layout}/C={budget}"
     learnable = name in pruning.LEARNABLE
     key = json.dumps([FLAGS.model, name, layout, budget, scope, FLAGS.given, FLAGS.max_tokens]
                      + ([head_id] if learnable else []))   # another head: another key
     if env is None:
-      r = evaluate(llm, sessions, cfg, replayer, head=head, max_tokens=FLAGS.max_tokens,
-                   desc=f"{desc} ({len(sessions)} sessions)", keep_prefixes=shared,
+      r = evaluate(llm, run_on, cfg, replayer, head=head, max_tokens=FLAGS.max_tokens,
+                   desc=f"{desc} ({len(run_on)} sessions)", keep_prefixes=prefixes,
                    given=FLAGS.given, journal=journal, key=key, every=FLAGS.checkpoint_every)
       line = f"exact={r['next_call_exact']:.3f} name={r['next_call_name']:.3f} n={r['n_calls']}"
     else:

@@ -433,6 +433,12 @@ def test_discriminative_sessions_are_the_ones_that_can_score(llm):
               calls=[dict(session=s.id, turn=6, exact=True, name=True, prunable=1),
                      dict(session="short", turn=2, exact=True, name=True, prunable=0)])
   assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer) == [s]
+  # at a history budget C only a scored call with more prunable history than C can change
+  full["calls"][0]["history"], full["calls"][1]["history"] = 300, 900
+  assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer, 299) == [s]
+  assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer, 300) == []
+  del full["calls"][0]["history"]                     # rows before the field: every session
+  assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer, 300) == [s]
   full["calls"][0]["exact"] = False                   # the full cache fails it: nothing left
   assert agent_eval.discriminative_sessions([full], [s, short], llm.tokenizer) == []
 
