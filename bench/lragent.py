@@ -402,12 +402,12 @@ def paired_table(kind: str, sub: list[dict], schemes) -> common.Table:
                 f"{calls_lib.mcnemar(only_a, only_b):.3f} ({only_a}-{only_b})"]
     lines.append(cells)
   return common.Table(
-      f"{kind}: schemes against each other on the same {len(traces)} trajectories "
-      "(paired, a minus b; dNLL = mean over gold tokens of log p(b) - log p(a), positive "
-      "when a fits the gold tokens worse; agreement = share of gold positions whose greedy "
-      "token equals non_shared's; 95% bootstrap over trajectories; exact calls: a / b, "
-      "exact McNemar p (split: only a - only b); reflect verdicts are right or wrong, "
-      "chance 0.5)",
+      f"{kind}: schemes against each other on the trajectories both ran (of "
+      f"{len(traces)} with non_shared; paired, a minus b; dNLL = mean over gold tokens "
+      "of log p(b) - log p(a), positive when a fits the gold tokens worse; agreement = "
+      "share of gold positions whose greedy token equals non_shared's; 95% bootstrap "
+      "over trajectories; exact calls: a / b, exact McNemar p (split: only a - only b); "
+      "reflect verdicts are right or wrong, chance 0.5)",
       ["a", "b", "trajectories", "tokens", "dNLL [95% CI]", "d agreement [95% CI]",
        "action exact", "p (split)", "reflect exact", "p (split)"], lines)
 
@@ -423,11 +423,12 @@ def accuracy_table(kind: str, sub: list[dict], schemes) -> common.Table:
       k, n = sum(r[f"{role}_exact"] for r in rs), sum(r[f"{role}_n"] for r in rs)
       lo, hi = calls_lib.wilson(k, n)
       cells += [f"{k / n:.3f}" if n else "-", f"[{lo:.2f}, {hi:.2f}]" if n else "-", str(n)]
-    lines.append(cells)
+    lines.append(cells + [str(len({r["trace"] for r in rs}))])
   return common.Table(f"{kind}: call accuracy (greedy reproduces the gold call exactly; "
-                      f"{len({r['trace'] for r in sub})} trajectories, Wilson 95%)",
-                      ["scheme", "action exact", "95% CI", "n", "reflect exact", "95% CI", "n"],
-                      lines)
+                      f"{len({r['trace'] for r in sub})} trajectories, each scheme's own "
+                      "in the last column; Wilson 95%)",
+                      ["scheme", "action exact", "95% CI", "n", "reflect exact", "95% CI", "n",
+                       "trajectories"], lines)
 
 
 def print_tables(rows):

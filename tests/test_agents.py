@@ -177,6 +177,7 @@ def test_bench_tables_take_untimed_rows():
   assert "2 trajectories" in acc.title
   assert acc.lines[0][:2] == ["non_shared", "0.750"] and acc.lines[0][3] == "4"   # 3 of 4
   assert acc.lines[1][:2] == ["full_shared", "0.250"]
+  assert [cells[-1] for cells in acc.lines] == ["2", "2"]    # each scheme's trajectories
 
 
 def test_base_shared_keeps_one_lr_cache_per_agent(llm, traj):
