@@ -170,6 +170,11 @@ def run_all(llm, w, trajs, schemes, window, chunk, label, rows, out, timing=True
                        targets=targets, window=list(window), kind=label,
                        adapters=adapters, **per_token(r, ref, tr)))
     common.write_rows(out, rows)
+    # Every runner compiles its pool's programs, and each compiled program keeps its
+    # code mapped: over ~10 trajectories a process passed Linux's 65,530 mappings and
+    # LLVM failed ("Cannot allocate memory"). Dropping them per trajectory keeps the
+    # count flat (later ones load from the persistent compilation cache).
+    jax.clear_caches()
   bar.close()
 
 
