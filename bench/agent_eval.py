@@ -149,7 +149,6 @@ def plan_session(session: traces.Session, tokenizer, max_tokens: int,
                         meta={"prunable": prunable, "spans": spans, "history": history})
 
 
-
 def kept_values(plan: replay.Session, metrics) -> dict[int, list[float]]:
   """Per scored turn: how much of each prunable-only gold value survived pruning, the
   largest share of one occurrence's tokens kept (`labels.values_coverage`: 1.0 whole,
@@ -351,11 +350,9 @@ def discriminative_sessions(rows: list[dict], sessions, tokenizer,
   keys = agent_stats.scored_calls(rows, "discriminative")
   if keys is not None:
     ids = {sid for sid, _ in keys}
-    if history_over is not None:
-      full = next(r for r in rows if r["method"] == "full" and r.get("calls"))
-      hist = {(c["session"], c["turn"]): c.get("history") for c in full["calls"]}
-      if all(hist[k] is not None for k in keys):
-        ids = {sid for sid, t in keys if hist[sid, t] > history_over}
+    can = None if history_over is None else agent_stats.can_change(rows, history_over)
+    if can is not None:
+      ids = {sid for sid, _ in can}
     return [s for s in sessions if s.id in ids]
   out = []
   for s in sessions:

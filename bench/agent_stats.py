@@ -296,6 +296,20 @@ def values_table(rows: list[dict]) -> common.Table | None:
        "exact if cut", "cut mid-value"), out)
 
 
+def can_change(rows: list[dict], budget: int) -> list[tuple[str, int]] | None:
+  """The scored (discriminative) calls a history-scope budget C can change: those whose
+  prunable history (`history` on the full-cache row's calls) exceeds C. None without a
+  full row, or when a scored call lacks `history` (rows written before the field)."""
+  keys = scored_calls(rows, "discriminative")
+  full = next((r for r in rows if r["method"] == "full" and r.get("calls")), None)
+  if keys is None or full is None:
+    return None
+  hist = {(c["session"], c["turn"]): c.get("history") for c in full["calls"]}
+  if any(hist.get(k) is None for k in keys):
+    return None
+  return [k for k in keys if hist[k] > budget]
+
+
 def pruned_table(rows: list[dict]) -> common.Table | None:
   """Each pruned row's exact rate on the scored calls its budget can change: those whose
   prunable history (`history`, on the full-cache row's calls) exceeds C under the
@@ -305,19 +319,15 @@ def pruned_table(rows: list[dict]) -> common.Table | None:
   McNemar splits are the main table's: a call that cannot change is never discordant).
   None without a full row carrying `history`."""
   keys = scored_calls(rows, "discriminative")
-  full = next((r for r in rows if r["method"] == "full" and r.get("calls")), None)
-  if not keys or full is None:
+  if not keys or can_change(rows, 0) is None:
     return None
-  hist = {(c["session"], c["turn"]): c.get("history") for c in full["calls"]}
-  if any(hist.get(k) is None for k in keys):
-    return None
-  full_exact = _outcomes(full)
+  full_exact = _outcomes(next(r for r in rows if r["method"] == "full" and r.get("calls")))
   out = []
   for r in rows:
     if r["method"] == "full" or not r.get("calls") or budget_key(r)[0] != "history":
       continue
     mine = _outcomes(r)
-    can = [k for k in keys if hist[k] > r["budget"] and k in mine]
+    can = [k for k in can_change(rows, r["budget"]) if k in mine]
     if not can:
       continue
     k = sum(mine[c] for c in can)
