@@ -156,6 +156,14 @@ def _parse_value(text: str, hint) -> object:
       return float(text)
     except ValueError:
       raise ValueError("expects a float") from None
+  if hint is tuple or typing.get_origin(hint) is tuple:
+    # as ml_collections reads it: a Python literal ('("q","k")', "1,2"), a bare word
+    # a one-element tuple (a string handed on would split into its characters)
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
   return text
 
 

@@ -119,6 +119,19 @@ def test_good_overrides_pass():
     cli.check_overrides(["--config.engine.max_batch", "four"], ServeConfig)
 
 
+def test_tuple_overrides_parse_as_ml_collections_does():
+  """A tuple field's override is read as a literal, as the config flag itself reads
+  it (a string handed on became a tuple of its characters and was refused)."""
+  from jaxkv.training.lora_train import LoraTrainConfig
+  for text, want in [('("q","k","v","o")', ("q", "k", "v", "o")), ("1,2", (1, 2)),
+                     ("['q']", ("q",)), ("v", ("v",)), ("q,k", ("q,k",))]:
+    assert cli._parse_value(text, tuple) == want
+  cli.check_overrides(['--config.targets=("q","k","v","o")', "--config.rank=4"],
+                      LoraTrainConfig)
+  with pytest.raises(cli.ConfigError, match=r"--config\.targets=q,x"):
+    cli.check_overrides(["--config.targets=q,x"], LoraTrainConfig)
+
+
 def test_config_files_are_type_and_range_checked():
   cd = to_config_dict(ServeConfig())
   d = cd.to_dict()
