@@ -30,6 +30,7 @@ from jaxkv import shipped
 MODEL = "smollm2-135m"
 ROOT = f"artifacts/{MODEL}"
 ROLE_ADAPTERS = f"{ROOT}/role_adapters"
+ROLE_ADAPTERS_QKVO = f"{ROOT}/role_adapters_qkvo"   # LRAgent's ablation: r 4 on Q, K, V, O
 PRUNER_HEAD = f"{ROOT}/pruner_head"
 MANIFEST = "manifest.json"
 REPO = shipped.REPO

@@ -184,6 +184,7 @@ SOURCES = {
     "compaction": "bench/results_compaction.json",
     "composed-memory": "bench/results_composed_memory.json",
     "role-adapters": f"{artifacts.ROLE_ADAPTERS}/metrics.jsonl",
+    "role-adapters-qkvo": f"{artifacts.ROLE_ADAPTERS_QKVO}/metrics.jsonl",
     "pruner-epochs": f"{artifacts.PRUNER_HEAD}/metrics.jsonl",
 }
 
@@ -337,8 +338,8 @@ def blocks(root: pathlib.Path = ROOT) -> dict[str, str | None]:
   out["throughput-h100"] = rows["throughput-h100"] and _render([
       throughput.table([r for r in rows["throughput-h100"] if r["model"] == m], title=m)
       for m in dict.fromkeys(r["model"] for r in rows["throughput-h100"])])
-  out["role-adapters"] = rows["role-adapters"] and _render(
-      [role_adapter_table(rows["role-adapters"])])
+  for name in ("role-adapters", "role-adapters-qkvo"):
+    out[name] = rows[name] and _render([role_adapter_table(rows[name])])
   out["pruner-epochs"] = rows["pruner-epochs"] and _render(
       [pruner_epoch_table(rows["pruner-epochs"])])
   return out
@@ -453,6 +454,7 @@ def plots(root: pathlib.Path, folder: pathlib.Path, log=print) -> list[pathlib.P
     else:
       made.append(fn(rows, folder / file))
   for run, file in ((root / artifacts.ROLE_ADAPTERS, "training_role_adapters.png"),
+                    (root / artifacts.ROLE_ADAPTERS_QKVO, "training_role_adapters_qkvo.png"),
                     (root / artifacts.PRUNER_HEAD, "training_pruner_head.png")):
     if (run / "log.csv").is_file():
       made.append(plot_training.plot(run, folder / file))

@@ -14,6 +14,7 @@ sessions (recomputed from the copied files; tests/test_artifacts.py recomputes i
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from absl import app, flags, logging
@@ -41,7 +42,7 @@ def main(argv):
   cls = LoraTrainConfig if _KIND.value == "role_adapters" else PrunerTrainConfig
   cfg = cli.load_config(cls, _CONFIG.value)
   train_args = [a for a in sys.argv[1:] if a.startswith("--config")]
-  command = " ".join(["python", SCRIPTS[_KIND.value], *train_args])
+  command = shlex.join(["python", SCRIPTS[_KIND.value], *train_args])   # pastes into a shell
   shipping.ship(_KIND.value, cfg, command, dest=_DEST.value, commit=_COMMIT.value,
                 log=lambda m: print(m, file=sys.stderr, flush=True))
 

@@ -7,17 +7,20 @@ import pathlib
 import re
 import shutil
 
+import jax
 import pytest
 
 from jaxkv import artifacts
 from jaxkv.config import PruningConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = {"role_adapters": artifacts.ROLE_ADAPTERS, "pruner_head": artifacts.PRUNER_HEAD}
+FOLDERS = {"role_adapters": artifacts.ROLE_ADAPTERS, "pruner_head": artifacts.PRUNER_HEAD,
+           "role_adapters_qkvo": artifacts.ROLE_ADAPTERS_QKVO}
 
 
 def test_manifests_describe_their_files():
-  for kind, folder in FOLDERS.items():
+  for name, folder in FOLDERS.items():
+    kind = name.removesuffix("_qkvo")
     m = artifacts.verify(folder)                     # every file present with its sha256
     assert m["kind"] == kind and m["model"] == artifacts.MODEL
     assert m["command"].startswith("python scripts/train_") and m["commit"] != "unknown"
@@ -27,6 +30,23 @@ def test_manifests_describe_their_files():
     size = sum((ROOT / folder / f).stat().st_size for f in m["files"])
     assert size < 8 << 20, f"{folder}: {size} bytes"   # "a few MB"
   assert PruningConfig().head_path == artifacts.PRUNER_HEAD
+
+
+def test_the_qkvo_ablation_adapters_match_the_qv_ones_in_size(scan_llm):
+  """LRAgent's QKVO ablation: r 4 on Q, K, V, O, the same parameter count as the
+  shipped r 8 on Q, V, trained on the same traces and steps (only targets and rank
+  differ in the manifests)."""
+  qv, qkvo = (artifacts.verify(f) for f in (artifacts.ROLE_ADAPTERS, artifacts.ROLE_ADAPTERS_QKVO))
+  assert {k for k in qv["config"] if qv["config"][k] != qkvo["config"][k]} == \
+      {"targets", "rank", "out_dir"}
+  assert qv["data"] == qkvo["data"]
+  sizes = []
+  for folder, targets, rank in ((artifacts.ROLE_ADAPTERS, {"q", "v"}, 8),
+                                (artifacts.ROLE_ADAPTERS_QKVO, {"q", "k", "v", "o"}, 4)):
+    lcfg, w = artifacts.load_role_adapters(scan_llm.config, folder, model_name=artifacts.MODEL)
+    assert set(lcfg.targets) == targets and lcfg.rank == rank and lcfg.num_adapters == 3
+    sizes.append(sum(x.size for x in jax.tree.leaves(w)))
+  assert sizes[0] == sizes[1], sizes
 
 
 @pytest.mark.parametrize("folder", ["artifacts/qwen2.5-coder-0.5b/pruner_head",
@@ -81,8 +101,8 @@ def scan_llm():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(FOLDERS))
-def test_shipped_artifact_reproduces_its_check(kind, scan_llm):
+@pytest.mark.parametrize("name", sorted(FOLDERS))
+def test_shipped_artifact_reproduces_its_check(name, scan_llm):
   """Replays the manifest's held-out sessions from tau2 (same digest), loads the shipped
   files through the runners' loaders and recomputes the check metric."""
   if importlib.util.find_spec("tau2") is None:
@@ -90,12 +110,12 @@ def test_shipped_artifact_reproduces_its_check(kind, scan_llm):
   from jaxkv.training import PrunerTrainConfig, shipping
   from jaxkv.training.lora_train import LoraTrainConfig
 
-  m = artifacts.verify(FOLDERS[kind])
+  m = artifacts.verify(FOLDERS[name])
   sessions = _make_traces().replay_tau2_ids(m["check"]["sessions"])
   assert artifacts.sessions_digest(sessions) == m["check"]["sessions_sha256"]
-  if kind == "role_adapters":
+  if m["kind"] == "role_adapters":
     cfg = LoraTrainConfig(**m["config"])
-    lcfg, w = artifacts.load_role_adapters(scan_llm.config)
+    lcfg, w = artifacts.load_role_adapters(scan_llm.config, FOLDERS[name])
     got = shipping.lora_check(scan_llm, lcfg, w, sessions, cfg)
   else:
     cfg = PrunerTrainConfig(**m["config"])
