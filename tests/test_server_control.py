@@ -50,6 +50,23 @@ def reference(base):
   return reference_runner(base)
 
 
+# A connection cut at a 1 s timeout must close within CUT_S (a server without the
+# timeout keeps it open for the whole WAIT_S); the margin is for a loaded CI machine,
+# where the server's thread may wait seconds for a core.
+WAIT_S, CUT_S = 30.0, 12.0
+
+
+def _health_until(url, want, wait_s=WAIT_S):
+  """GET /health until it answers `want` (the server counts a connection once its
+  thread has accepted it) or wait_s passes; the last status."""
+  t0 = time.monotonic()
+  while True:
+    got = httpx.get(url + "/health", timeout=30).status_code
+    if got == want or time.monotonic() - t0 > wait_s:
+      return got
+    time.sleep(0.2)
+
+
 def test_slow_bodies_and_too_many_connections(base):
   """Headers that do not arrive within server.header_timeout_s close the connection;
   a body that does not arrive within server.body_timeout_s is 408; past
@@ -107,22 +124,6 @@ def test_slow_bodies_and_too_many_connections(base):
         c.close()
     assert _health_until(server.url, 200) == 200
 
-
-# A connection cut at a 1 s timeout must close within CUT_S (a server without the
-# timeout keeps it open for the whole WAIT_S); the margin is for a loaded CI machine,
-# where the server's thread may wait seconds for a core.
-WAIT_S, CUT_S = 30.0, 12.0
-
-
-def _health_until(url, want, wait_s=WAIT_S):
-  """GET /health until it answers `want` (the server counts a connection once its
-  thread has accepted it) or wait_s passes; the last status."""
-  t0 = time.monotonic()
-  while True:
-    got = httpx.get(url + "/health", timeout=30).status_code
-    if got == want or time.monotonic() - t0 > wait_s:
-      return got
-    time.sleep(0.2)
 
 
 @pytest.mark.slow
