@@ -73,6 +73,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from absl import logging as absl_logging
 from flax import nnx
 
 from jaxkv.policies.pruning.intentkv import rule_scores
@@ -349,7 +350,12 @@ def load_head(path):
   meta = json.loads((path / "head.json").read_text())
   graphdef, state = nnx.split(ResidualHead(meta["head_dim"], rngs=nnx.Rngs(0)))
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
-  with ocp.StandardCheckpointer() as ck:
-    pure = ck.restore(path / "state", target)
+  level = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.WARNING)   # orbax logs ~14 INFO lines a restore
+  try:
+    with ocp.StandardCheckpointer() as ck:
+      pure = ck.restore(path / "state", target)
+  finally:
+    absl_logging.set_verbosity(level)
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
