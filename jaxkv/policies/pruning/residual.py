@@ -67,6 +67,7 @@ Decisions where the paper is silent or ambiguous:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 from typing import NamedTuple
@@ -330,6 +331,18 @@ def learnable_scores(head, k: jax.Array, memory: jax.Array, candidates: jax.Arra
 # ----------------------------------------------------------------------------- files
 # The head's file format lives with the head, so serving loads it without importing
 # the trainer (jaxkv.training writes it; jaxkv.artifacts and the runners read it).
+@contextlib.contextmanager
+def _orbax_quiet():
+  """Orbax logs about 14 INFO lines per save or restore: run it at WARNING, then give
+  the caller's absl verbosity back."""
+  level = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  try:
+    yield
+  finally:
+    absl_logging.set_verbosity(level)
+
+
 def save_head(path, head_dim: int, params) -> pathlib.Path:
   """Final head: path/head.json (topology) + path/state (Orbax, pure dict of params)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
@@ -337,7 +350,7 @@ def save_head(path, head_dim: int, params) -> pathlib.Path:
   path = pathlib.Path(path).resolve()
   path.mkdir(parents=True, exist_ok=True)
   (path / "head.json").write_text(json.dumps({"head_dim": int(head_dim)}))
-  with ocp.StandardCheckpointer() as ck:
+  with _orbax_quiet(), ocp.StandardCheckpointer() as ck:
     ck.save(path / "state", params, force=True)
   return path
 
@@ -350,12 +363,7 @@ def load_head(path):
   meta = json.loads((path / "head.json").read_text())
   graphdef, state = nnx.split(ResidualHead(meta["head_dim"], rngs=nnx.Rngs(0)))
   target = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(state))
-  level = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.WARNING)   # orbax logs ~14 INFO lines a restore
-  try:
-    with ocp.StandardCheckpointer() as ck:
-      pure = ck.restore(path / "state", target)
-  finally:
-    absl_logging.set_verbosity(level)
+  with _orbax_quiet(), ocp.StandardCheckpointer() as ck:
+    pure = ck.restore(path / "state", target)
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
