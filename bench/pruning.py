@@ -62,6 +62,9 @@ LEARNABLE = {
     "learnable-xattn": dict(method="intentkv", intent_mode="learnable", ablate_xattn=True),
     "learnable-residual": dict(method="intentkv", intent_mode="learnable",
                                ablate_residual=True),
+    # The head's scores max-pooled over 7 positions (SnapKV's kernel, not tuned), so a
+    # kept token keeps its neighbours: a copied ID survives whole (docs/results/pruning-calls.md).
+    "intentkv_pooled": dict(method="intentkv", intent_mode="learnable", intent_pool=7),
 }
 
 

@@ -99,6 +99,54 @@ def test_snapkv_matches_direct_computation():
     np.testing.assert_array_equal(forced[b], live[b] & (np.arange(T) >= win_pos[b, 0]))
 
 
+@pytest.mark.parametrize("kernel", [1, 2, 3, 7])
+def test_max_pool_matches_direct_computation(kernel):
+  """Each pooled position holds the largest score of the positions `where` allows
+  within the centred window (left half kernel // 2); the others keep their own."""
+  seed, rng = _rng()
+  s = rng.standard_normal((B, T)).astype(np.float32)
+  where = rng.random((B, T)) > 0.4
+  got = np.asarray(scores.max_pool(s, kernel, where=where))
+  full = np.asarray(scores.max_pool(s, kernel))
+  lo, hi = kernel // 2, kernel - 1 - kernel // 2
+  for b in range(B):
+    for j in range(T):
+      win = slice(max(0, j - lo), j + hi + 1)
+      assert full[b, j] == s[b, win].max(), f"seed={seed} b={b} j={j}"
+      want = s[b, win][where[b, win]].max() if where[b, j] else s[b, j]
+      assert got[b, j] == want, f"seed={seed} b={b} j={j}"
+
+
+def test_intentkv_pool_keeps_the_top_k_of_the_pooled_scores():
+  """intent_pool=k: the kept set is keep_mask over IntentKV's scores max-pooled among
+  the candidates (forced and dead tokens lend nothing); intent_pool=1 leaves the
+  scores as they are."""
+  from jaxkv.config import PruningConfig
+  from jaxkv.policies.pruning import policy
+  seed, rng = _rng()
+  w = 6
+  q, k, live = _qk(rng, w)
+  q_pos = np.broadcast_to(np.arange(T - w, T, dtype=np.int32), (B, w))
+  forced = np.zeros((B, T), bool)
+  forced[:, :3] = forced[:, T - w:] = True
+  mem = np.zeros((L, B, HQ, D), np.float32)
+  cand = live & ~forced
+  for pool in (1, 5):
+    cfg = PruningConfig(method="intentkv", intent_mode="query", budget=18, intent_pool=pool)
+    s, _ = intentkv.intentkv_scores(q, q_pos >= 0, k, cand, mem, policy.intentkv_config(cfg))
+    s = np.asarray(s)
+    pooled = s.copy()
+    for b in range(B):
+      for j in np.flatnonzero(cand[b]):
+        win = slice(max(0, j - pool // 2), j + pool // 2 + 1)
+        pooled[b, j] = s[b, win][cand[b, win]].max()
+    want = np.asarray(select.keep_mask(pooled, live, forced, 18))
+    got = np.asarray(policy.select_kept(cfg, k, live, forced, q, q_pos, mem)[0])
+    np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} pool={pool}")
+  with pytest.raises(ValueError, match="intent_pool"):
+    PruningConfig(method="intentkv", intent_pool=0)
+
+
 def test_h2o_matches_direct_computation():
   seed, rng = _rng()
   n = 23

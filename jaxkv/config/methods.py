@@ -69,6 +69,9 @@ class PruningConfig:
   intent_normalize_query: bool = True  # Scale each query's encoding (Enc(q_t)) to unit
                                        # length before it enters the memory
                                        # (jaxkv/policies/pruning/intentkv.py says why).
+  intent_pool: int = 1          # IntentKV: width of a max-pooling over its scores among the
+                                # candidates, as SnapKV's kernel (1: off), so a kept token
+                                # keeps its neighbours (meant to keep a copied ID whole).
   session_prefix: int = 256     # First prompt tokens hashed into the session key of a
                                 # request that names no session (P, appendix A).
   memory_capacity: int = 1024   # Sessions whose query memory is kept; past this the least
@@ -91,8 +94,10 @@ class PruningConfig:
                        f"got {self.intent_mode!r}")
     if not 0.0 <= self.h2o_recent_ratio <= 1.0:
       raise ValueError(f"pruning.h2o_recent_ratio must be in [0, 1], got {self.h2o_recent_ratio}")
-    if self.sink < 0 or self.snap_window < 1 or self.snap_kernel < 1:
-      raise ValueError("pruning.sink >= 0, snap_window >= 1 and snap_kernel >= 1 required")
+    if self.sink < 0 or self.snap_window < 1 or self.snap_kernel < 1 or self.intent_pool < 1:
+      raise ValueError("pruning.sink >= 0, snap_window >= 1, snap_kernel >= 1 and "
+                       f"intent_pool >= 1 required, got {self.sink}, {self.snap_window}, "
+                       f"{self.snap_kernel} and {self.intent_pool}")
 
 
 REUSE_METHODS = ("none", "prefix", "naive", "epic", "cacheblend", "tiered")

@@ -148,6 +148,8 @@ def _kept(cfg, k, live, forced, q, q_pos, memory, span, budget, seed, head_graph
     f = jnp.zeros_like(live)
   else:
     raise ValueError(f"unknown pruning method {cfg.method!r}")
+  if cfg.method == "intentkv":
+    s = scores.max_pool(s, cfg.intent_pool, where=live & ~forced)
   return keep_mask(s, live, forced | f, budget), new_memory
 
 

@@ -92,6 +92,23 @@ def causal_weights(q: jax.Array, q_pos: jax.Array, k: jax.Array, live: jax.Array
   return p / jnp.where(den > 0, den, 1.0)
 
 
+def max_pool(scores: jax.Array, kernel: int, where: jax.Array | None = None) -> jax.Array:
+  """Each position's score raised to the largest within `kernel` positions around it
+  (centred; SnapKV's clustering), so a high-scoring token's neighbours are kept with it.
+
+  scores [B, T]; `where` [B, T] bool: only those positions' scores are pooled, and the
+  others keep their own (a forced or dead neighbour lends nothing). kernel 1 returns
+  `scores` unchanged.
+  """
+  if kernel == 1:
+    return scores
+  src = scores if where is None else jnp.where(where, scores, -jnp.inf)
+  pad = kernel // 2
+  pooled = lax.reduce_window(src, -jnp.inf, lax.max, (1, kernel), (1, 1),
+                             ((0, 0), (pad, kernel - 1 - pad)))
+  return pooled if where is None else jnp.where(where, pooled, scores)
+
+
 def streaming_llm(live: jax.Array, cfg: StreamingLLMConfig = StreamingLLMConfig()):
   """Sinks + most recent: score = position (recency), forced = first `sink` live tokens."""
   t = jnp.arange(live.shape[1], dtype=jnp.float32)
@@ -110,9 +127,7 @@ def snapkv(q_win: jax.Array, win_pos: jax.Array, k: jax.Array, live: jax.Array,
     return carry + jnp.sum(w, axis=(1, 2)), None              # sum over heads and window
   b, t = live.shape
   votes, _ = lax.scan(layer, jnp.zeros((b, t), jnp.float32), (q_win, k))
-  pad = cfg.kernel // 2
-  pooled = lax.reduce_window(votes, -jnp.inf, lax.max, (1, cfg.kernel), (1, 1),
-                             ((0, 0), (pad, cfg.kernel - 1 - pad)))
+  pooled = max_pool(votes, cfg.kernel)
   tpos = jnp.arange(t, dtype=jnp.int32)[None, :]
   in_window = (tpos >= jnp.min(jnp.where(win_pos >= 0, win_pos, t), axis=1, keepdims=True))
   return pooled, live & in_window
@@ -157,6 +172,7 @@ __all__ = [
   "gather_keys",
   "h2o",
   "last_live",
+  "max_pool",
   "snapkv",
   "streaming_llm",
 ]
