@@ -64,7 +64,7 @@ LEARNABLE = {
                                ablate_residual=True),
     # The head's scores max-pooled over 7 positions (SnapKV's kernel, not tuned), so a
     # kept token keeps its neighbours: a copied ID survives whole (docs/results/pruning-calls.md).
-    "intentkv_pooled": dict(method="intentkv", intent_mode="learnable", intent_pool=7),
+    "intentkv_maxpool": dict(method="intentkv", intent_mode="learnable", intent_pool=7),
 }
 
 
