@@ -63,7 +63,7 @@ LEARNABLE = {
     "learnable-residual": dict(method="intentkv", intent_mode="learnable",
                                ablate_residual=True),
     # The head's scores max-pooled over 7 positions (SnapKV's kernel, not tuned), so a
-    # kept token keeps its neighbours: a copied ID survives whole (docs/results/pruning-calls.md).
+    # kept token keeps its neighbours; on BFCL it did not beat the head (pruning-calls.md).
     "intentkv_maxpool": dict(method="intentkv", intent_mode="learnable", intent_pool=7),
 }
 
